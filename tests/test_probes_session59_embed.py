@@ -1,0 +1,230 @@
+"""Embeddings (vLLM's pooling runner): LLM(..., runner="pooling").embed, POST /v1/embeddings and `infer run` lines
+with url /v1/embeddings equal transformers' last_hidden_state (after the final norm) pooled and normalized, and
+peft's with an adapter, through chunked prefill and prefix-cache hits; bad inputs get clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from infer import LLM, PoolingParams
+from infer.errors import ConfigError, RequestError
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+from lora_helpers import THREE, hf_float, save_adapter
+
+LENGTHS = (11, 3, 17, 1, 8)
+
+
+def hf_hidden(model, prompt: list[int]) -> torch.Tensor:
+    """The last_hidden_state [T, hidden] of transformers' decoder (`model`: a CausalLM, its .model is AutoModel's),
+    float32."""
+    with torch.no_grad():
+        return model.model(torch.tensor([prompt])).last_hidden_state[0].float()
+
+
+def pooled(hidden: torch.Tensor, kind: str, normalize: bool = True) -> torch.Tensor:
+    vec = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[kind]
+    return torch.nn.functional.normalize(vec, dim=-1) if normalize else vec
+
+
+def vectors(outs) -> list[torch.Tensor]:
+    return [torch.tensor(o.outputs.embedding) for o in outs]
+
+
+def check_close(got: list[torch.Tensor], want: list[torch.Tensor], atol: float = 1e-5) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    path = ensure_builtin("tiny-qwen3")
+    return path, hf_float(path)
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_pooled_hidden_states_equal_transformers_in_chunks_and_whole(qwen3, kind, normalize):
+    """Each pooling type, normalized or not, equals transformers' last_hidden_state pooled, whether the prompts run
+    whole or in chunks of 4 tokens (max_num_batched_tokens 4: a MEAN pool sums every chunk)."""
+    path, hf = qwen3
+    cfg = {"pooling_type": kind, "normalize": normalize}
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=4)
+    want = [pooled(hf_hidden(hf, p), kind, normalize) for p in prompts]
+    for tokens in (4, 64):
+        with LLM(str(path), runner="pooling", pooler_config=cfg, block_size=4, max_num_batched_tokens=tokens,
+                 max_num_seqs=4) as llm:
+            check_close(vectors(llm.embed(prompts)), want)
+            assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_llama_last_token_default_is_normalized():
+    """Without --pooler-config or sentence-transformers files: LAST, normalized (vLLM's default for a decoder)."""
+    path = ensure_builtin("tiny-llama")
+    hf = hf_float(path)
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=5)
+    with LLM(str(path), runner="pooling", block_size=4) as llm:
+        outs = llm.embed(prompts)
+    check_close(vectors(outs), [pooled(hf_hidden(hf, p), "LAST") for p in prompts])
+    assert all(abs(torch.tensor(o.outputs.embedding).norm().item() - 1) < 1e-5 for o in outs)
+    assert [o.prompt_token_ids for o in outs] == prompts and all(o.finished for o in outs)
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_prefix_cache_hit_gives_the_same_vector(qwen3, kind):
+    """A prompt whose blocks are cached: LAST uses the hit (its last token is computed again), MEAN turns the cache
+    off (the hit's tokens would be missing from the sum); both give transformers' vector."""
+    path, hf = qwen3
+    prompt = random_prompts(hf.config.vocab_size, (14,), seed=6)[0]
+    want = pooled(hf_hidden(hf, prompt), kind)
+    with LLM(str(path), runner="pooling", pooler_config={"pooling_type": kind}, block_size=4) as llm:
+        first, second = llm.embed([prompt])[0], llm.embed([prompt])[0]
+    check_close(vectors([first, second]), [want, want])
+    assert second.num_cached_tokens == (12 if kind == "LAST" else 0)
+
+
+def test_sentence_transformers_files_choose_the_pooling(tmp_path):
+    """modules.json with a Pooling module (1_Pooling/config.json: mean tokens) and no Normalize module: MEAN, not
+    normalized; --pooler-config overrides a key of it."""
+    src = ensure_builtin("tiny-qwen3")
+    folder = tmp_path / "st"
+    shutil.copytree(src, folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_lasttoken": False}))
+    hf = hf_float(src)
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=7)
+    with LLM(str(folder), runner="pooling", block_size=4) as llm:
+        assert (llm.engine.pooler.pooling_type, llm.engine.pooler.normalize) == ("MEAN", False)
+        check_close(vectors(llm.embed(prompts)), [pooled(hf_hidden(hf, p), "MEAN", False) for p in prompts])
+    with LLM(str(folder), runner="pooling", block_size=4, pooler_config='{"normalize": true}') as llm:
+        check_close(vectors(llm.embed(prompts[:2])), [pooled(hf_hidden(hf, p), "MEAN") for p in prompts[:2]])
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ConfigError, match="pooling_mode_max_tokens"):
+        LLM(str(folder), runner="pooling")
+
+
+def test_adapter_embeddings_equal_peft(tmp_path):
+    """A request with an adapter (by lora_request or by name) equals peft's model's last_hidden_state; in one batch
+    with base-model requests, each gets its own."""
+    from peft import PeftModel
+
+    from infer import LoRARequest
+    path = ensure_builtin("tiny-llama")
+    hf = hf_float(path)
+    adapter = save_adapter(hf, tmp_path / "a", seed=3, lora_dropout=0.0, **THREE["a"])
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=8)
+    base = [pooled(hf_hidden(hf, p), "MEAN") for p in prompts]
+    peft = PeftModel.from_pretrained(hf, str(adapter)).eval()
+    with torch.no_grad():
+        tuned = [pooled(peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0], "MEAN") for p in prompts]
+    assert not torch.allclose(tuned[0], base[0], atol=1e-3)  # the adapter changes the vectors
+    with LLM(str(path), runner="pooling", pooler_config={"pooling_type": "MEAN"}, enable_lora=True,
+             max_lora_rank=8, block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        check_close(vectors(llm.embed(prompts, lora_request=LoRARequest("a", 1, str(adapter)))), tuned)
+        mixed = llm.embed(prompts, lora=["a", None, "a", None, "a"])
+    check_close(vectors(mixed), [tuned[i] if i % 2 == 0 else base[i] for i in range(len(prompts))])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_follows_float32(qwen3, dtype):
+    """float16 and bfloat16 engines give transformers' float32 vector up to their rounding (cosine > 0.999)."""
+    path, hf = qwen3
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=9)
+    with LLM(str(path), runner="pooling", dtype=dtype, block_size=4) as llm:
+        got = vectors(llm.embed(prompts))
+    for g, p in zip(got, prompts):
+        assert torch.nn.functional.cosine_similarity(g, pooled(hf_hidden(hf, p), "LAST"), dim=0) > 0.999
+
+
+def test_dimensions_need_a_matryoshka_model(tmp_path):
+    """vLLM's rule: dimensions is refused for a model that is not matryoshka; with config.json's
+    matryoshka_dimensions, a listed one cuts the vector and then normalizes it, another is refused."""
+    src = ensure_builtin("tiny-qwen3")
+    hf = hf_float(src)
+    prompt = random_prompts(hf.config.vocab_size, (9,), seed=10)[0]
+    with LLM(str(src), runner="pooling", block_size=4) as llm:
+        with pytest.raises(RequestError, match="does not support matryoshka"):
+            llm.embed([prompt], PoolingParams(dimensions=16))
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32, 64]}))
+    with LLM(str(folder), runner="pooling", block_size=4) as llm:
+        [out] = llm.embed([prompt], PoolingParams(dimensions=16))
+        with pytest.raises(RequestError, match=r"only supports \[16, 32, 64\]"):
+            llm.embed([prompt], PoolingParams(dimensions=20))
+    want = torch.nn.functional.normalize(hf_hidden(hf, prompt)[-1][:16], dim=-1)
+    check_close(vectors([out]), [want])
+
+
+def test_runner_refusals_and_bad_prompts(qwen3):
+    """generate on a pooling engine and embed on a generating one are refused (vLLM's runners); an empty prompt, a
+    prompt past the context, a bad token id, bad PoolingParams get clear errors. A prompt of the whole context is an
+    embedding (nothing is generated after it)."""
+    path, hf = qwen3
+    with LLM(str(path), block_size=4) as llm:
+        with pytest.raises(RequestError, match="runner pooling"):
+            llm.embed(["hello"])
+    with LLM(str(path), runner="pooling", block_size=4, max_model_len=16) as llm:
+        with pytest.raises(RequestError, match="only supported for generative models"):
+            llm.generate(["hello"])
+        with pytest.raises(RequestError, match="empty"):
+            llm.embed([[]])
+        with pytest.raises(RequestError, match="17 tokens"):
+            llm.embed([[5] * 17])
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            llm.embed([[5, hf.config.vocab_size]])
+        with pytest.raises(RequestError, match="normalize must be"):
+            llm.embed(["hi"], PoolingParams(normalize="yes"))
+        whole = random_prompts(hf.config.vocab_size, (16,), seed=11)[0]
+        check_close(vectors(llm.embed([whole])), [pooled(hf_hidden(hf, whole), "LAST")])
+        [cut] = llm.embed([[7] * 5 + whole[-6:]], truncate_prompt_tokens=6)
+        assert cut.prompt_token_ids == whole[-6:]
+
+
+def test_config_refusals():
+    with pytest.raises(ConfigError, match="--runner 'embed' is not one of auto, generate, pooling"):
+        LLM("tiny-qwen3", runner="embed")
+    with pytest.raises(ConfigError, match="pooling_type 'max' is not one of LAST, MEAN, CLS"):
+        LLM("tiny-qwen3", runner="pooling", pooler_config={"pooling_type": "max"})
+    with pytest.raises(ConfigError, match="--pooler-config is for --runner pooling"):
+        LLM("tiny-qwen3", pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(ConfigError, match="--pooler-config is not JSON"):
+        LLM("tiny-qwen3", runner="pooling", pooler_config="{mean}")
+
+
+def test_vllm_task_embed_keyword_is_the_pooling_runner():
+    with LLM("tiny-qwen3", task="embed", block_size=4) as llm:
+        assert llm.engine.pooler is not None and len(llm.embed("hello")[0].outputs.embedding) == 64
+
+
+def test_gptq_int4_model_equals_transformers_on_its_dequantized_weights(tmp_path):
+    """A GPTQ int4 checkpoint (infer quantize) pools transformers' last_hidden_state of its dequantized weights."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from quant_helpers import dequantized_float_model, has_gptqmodel
+    if not has_gptqmodel():
+        pytest.skip("needs the quantize extra (gptqmodel)")
+    out = tmp_path / "tiny-llama-gptq"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32", "--num-samples",
+                                   "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    hf = dequantized_float_model(ensure_builtin("tiny-llama"), out)
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=12)
+    with LLM(str(out), runner="pooling", pooler_config={"pooling_type": "MEAN"}, block_size=4,
+             max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        check_close(vectors(llm.embed(prompts)), [pooled(hf_hidden(hf, p), "MEAN") for p in prompts], atol=5e-4)
