@@ -228,3 +228,102 @@ def test_gptq_int4_model_equals_transformers_on_its_dequantized_weights(tmp_path
              max_num_batched_tokens=8, max_num_seqs=4) as llm:
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
         check_close(vectors(llm.embed(prompts)), [pooled(hf_hidden(hf, p), "MEAN") for p in prompts], atol=5e-4)
+
+
+@pytest.fixture(scope="module")
+def served_pooling(tmp_path_factory):
+    """tiny-llama as a pooling server (MEAN, normalized) with adapter "a" registered: (base URL, hf, adapter)."""
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    path = ensure_builtin("tiny-llama")
+    hf = hf_float(path)
+    adapter = save_adapter(hf, tmp_path_factory.mktemp("ad") / "a", seed=3, lora_dropout=0.0, **THREE["a"])
+    engine = LLMEngine(EngineConfig("tiny-llama", runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                                    max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8, block_size=4,
+                                    loras={"a": str(adapter)}, max_lora_rank=8))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        yield base, hf, adapter
+
+
+def _post(base: str, route: str, body) -> tuple[int, dict]:
+    import httpx
+    r = httpx.post(base + route, json=body, timeout=60)
+    return r.status_code, r.json()
+
+
+def test_embeddings_route_equals_transformers(served_pooling):
+    """The four input forms, float and base64, usage counts, and `model` naming the adapter (peft's vector)."""
+    import base64
+
+    import numpy as np
+    from peft import PeftModel
+    base, hf, adapter = served_pooling
+    tok_ids = random_prompts(hf.config.vocab_size, (5, 9), seed=13)
+    status, body = _post(base, "/v1/embeddings", {"model": "tiny-llama", "input": tok_ids})
+    assert status == 200, body
+    assert body["object"] == "list" and body["model"] == "tiny-llama"
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["usage"] == {"prompt_tokens": 14, "total_tokens": 14}
+    want = [pooled(hf_hidden(hf, p), "MEAN") for p in tok_ids]
+    check_close([torch.tensor(d["embedding"]) for d in body["data"]], want)
+    status, one = _post(base, "/v1/embeddings", {"input": tok_ids[1], "encoding_format": "base64"})
+    assert status == 200, one
+    check_close([torch.from_numpy(np.frombuffer(base64.b64decode(one["data"][0]["embedding"]), "<f4").copy())],
+                want[1:])
+    from transformers import AutoTokenizer
+    texts = ["hello world", "a b c"]
+    ids = [AutoTokenizer.from_pretrained(ensure_builtin("tiny-llama"))(t)["input_ids"] for t in texts]
+    status, body = _post(base, "/v1/embeddings", {"input": texts})
+    assert status == 200 and body["usage"]["prompt_tokens"] == sum(map(len, ids))
+    check_close([torch.tensor(d["embedding"]) for d in body["data"]], [pooled(hf_hidden(hf, i), "MEAN") for i in ids])
+    status, body = _post(base, "/v1/embeddings", {"model": "a", "input": "hello world"})
+    assert status == 200, body
+    peft = PeftModel.from_pretrained(hf, str(adapter)).eval()
+    try:
+        with torch.no_grad():
+            tuned = peft.base_model.model.model(torch.tensor([ids[0]])).last_hidden_state[0]
+    finally:
+        peft.unload()
+    check_close([torch.tensor(body["data"][0]["embedding"])], [pooled(tuned, "MEAN")])
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({}, 400, "input is required"),
+    ({"input": ""}, 400, "input[0] is an empty string"),
+    ({"input": []}, 400, "input is an empty list"),
+    ({"input": [[]]}, 400, "input[0] is an empty list of token ids"),
+    ({"input": 5}, 400, "input must be text or token ids, got int"),
+    ({"input": ["a", 5]}, 400, "input[1] is neither text nor a list of token ids"),
+    ({"input": [1.5, 2]}, 400, "input[0] is neither text nor a list of token ids"),
+    ({"input": [True]}, 400, "input[0] is neither text nor a list of token ids"),
+    ({"input": [5] * 40}, 400, "the prompt has 40 tokens"),
+    ({"input": "hi", "encoding_format": "hex"}, 400, "encoding_format 'hex' is not one of float, base64"),
+    ({"input": "hi", "dimensions": 8}, 400, "does not support matryoshka"),
+    ({"input": "hi", "dimensions": "8"}, 400, "dimensions must be an integer"),
+    ({"input": "hi", "model": "nope"}, 404, "the model 'nope' does not exist"),
+])
+def test_embeddings_route_refuses_bad_bodies(served_pooling, body, status, message):
+    got, reply = _post(served_pooling[0], "/v1/embeddings", body)
+    assert got == status and message in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("route, api", [("/v1/completions", "Completions"), ("/v1/chat/completions",
+                                                                            "Chat Completions"),
+                                        ("/v1/responses", "Responses")])
+def test_pooling_server_refuses_generation(served_pooling, route, api):
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    status, reply = _post(served_pooling[0], route, body)
+    assert status == 400 and reply["error"]["message"].startswith(f"The model does not support {api} API"), reply
+
+
+def test_generation_server_refuses_embeddings():
+    from helpers import served_tiny_llama
+    gen = served_tiny_llama()
+    base = next(gen)
+    try:
+        status, reply = _post(base, "/v1/embeddings", {"input": "hi"})
+    finally:
+        gen.close()
+    assert status == 400 and "--runner pooling" in reply["error"]["message"], reply

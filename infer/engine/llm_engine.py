@@ -414,7 +414,7 @@ class LLMEngine:
     def _pooling_params(self, params) -> tuple[PoolingParams | None, SamplingParams | None]:
         """(the request's PoolingParams, the SamplingParams it runs with: its prompt, nothing generated) on a pooling
         engine; (None, params) on a generating one. Each refuses the other's params, as vLLM's runners do."""
-        if self.pooler is None:
+        if getattr(self, "pooler", None) is None:  # (validate runs on a data-parallel replica's view too)
             if isinstance(params, PoolingParams):
                 raise RequestError(EMBED_ONLY, "start the engine with runner=\"pooling\" (--runner pooling)")
             return None, params
@@ -494,6 +494,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run (add_request would refuse it)."""
+        if isinstance(params, PoolingParams) or getattr(self, "pooler", None) is None:  # (add_request's own call
+            _, params = self._pooling_params(params)  # has the SamplingParams a pooling request runs with)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         params = params.checked()  # fields set after construction are checked too
         # the prompt add_request keeps: a prompt longer than the context with truncate_prompt_tokens runs (the
@@ -936,8 +938,7 @@ class LLMEngine:
                 outputs.append(self._output(seq, []))
             else:
                 self.scheduler.finish(seq, "stop")
-                outputs.append(EmbeddingRequestOutput(seq.request_id, EmbeddingOutput(vec), seq.prompt_token_ids,
-                                                      seq.lora_name, seq.lora_request, seq.num_cached_tokens))
+                outputs.append(EmbeddingRequestOutput(seq, EmbeddingOutput(vec)))
             self._forget(seq)
         return outputs
 

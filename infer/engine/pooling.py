@@ -177,11 +177,18 @@ class EmbeddingRequestOutput:
     error = None
     bad_request = False
     prompt: str | None = None
+    engine_index = 0  # (what the server's metrics read of an output: no token generated, no token times)
+    num_generated = 0
+    first_token_time = None
 
-    def __init__(self, request_id: str, outputs: EmbeddingOutput, prompt_token_ids: list[int], lora: str | None,
-                 lora_request=None, num_cached_tokens: int = 0):
-        self.request_id, self.outputs, self.prompt_token_ids = request_id, outputs, prompt_token_ids
-        self.lora, self.lora_request, self.num_cached_tokens = lora, lora_request, num_cached_tokens
+    def __init__(self, seq, outputs: EmbeddingOutput):
+        self.request_id, self.outputs, self.prompt_token_ids = seq.request_id, outputs, seq.prompt_token_ids
+        self.lora, self.lora_request, self.num_cached_tokens = seq.lora_name, seq.lora_request, seq.num_cached_tokens
+        self.arrival_time, self.first_scheduled_time = seq.arrival_time, seq.first_scheduled_time
+
+    @staticmethod
+    def token_times_from(start: int) -> list[float]:
+        return []
 
     def __repr__(self) -> str:
         return (f"EmbeddingRequestOutput(request_id={self.request_id!r}, hidden_size={self.outputs.hidden_size}, "

@@ -22,6 +22,7 @@ from ..engine.inputs import MAX_LOGPROBS, MAX_TOKENS_CAP, openai_sampling_defaul
 from ..engine.sleep import PAUSED, SLEPT
 from ..errors import LoRAError, RequestError, SleepModeError
 from . import protocol as p
+from . import embeddings
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
 from .beams import ServedBeamSearch
@@ -425,6 +426,7 @@ async def _generate(server: Server, request: Request, chat: bool):
     raw = await request_body(server, request)
     if raw is None:
         return Response(status_code=499)  # nobody reads it
+    embeddings.generation_refusal(server, "Chat Completions" if chat else "Completions")
     req = await server.parser.parse(raw, chat)  # JSON, checks and tokenization run off the event loop
     del raw
     if req.tokens_as_ids is None:  # the field when sent (false too), else the server's option, as vLLM reads them
@@ -529,6 +531,12 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(server, request, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request):
+        raw = await request_body(server, request)
+        body = None if raw is None else await embeddings.create(server, request, raw)
+        return Response(status_code=499) if body is None else SafeJSONResponse(body)
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):

@@ -32,6 +32,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from . import protocol as p
 from .body import SafeJSONResponse, request_body
+from .embeddings import generation_refusal
 from .reasoning import parts as reasoning_parts, split as reasoning_split
 from .tools import split as split_tools, visible
 
@@ -552,6 +553,7 @@ async def create(server, request: Request):
     raw = await request_body(server, request)
     if raw is None:
         return Response(status_code=499)  # nobody reads it
+    generation_refusal(server, "Responses")
     sent: dict = {}
 
     def convert(body):
