@@ -300,9 +300,9 @@ def streamed_chat_choices(base: str, body: dict) -> list[dict]:
         return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
 
 
-def infer_run_records(tmp_path, lines: list[dict]) -> tuple[dict, str]:
-    """`infer run tiny-llama -q` on a jsonl file of `lines` (in tmp_path): its output records by id, and what it
-    printed."""
+def infer_run_records(tmp_path, lines: list[dict], *args: str, key: str = "id") -> tuple[dict, str]:
+    """`infer run tiny-llama -q ARGS` on a jsonl file of `lines` (in tmp_path): its output records by `key` (an OpenAI
+    batch output line's: custom_id), and what it printed."""
     import json
 
     from typer.testing import CliRunner
@@ -310,8 +310,8 @@ def infer_run_records(tmp_path, lines: list[dict]) -> tuple[dict, str]:
     from infer.cli.main import app
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q"])
-    return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}, res.output
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q", *args])
+    return {r[key]: r for r in map(json.loads, out.read_text().splitlines())}, res.output
 
 
 def forced_chat_body(messages: list[dict], reply: str, max_tokens: int, **extra) -> dict:

@@ -51,6 +51,7 @@ def _distinct_values(tmp_path):
               "loras": (f"a={lora}", {"a": str(lora)}), "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3,
               "lora_target_modules": ("o_proj,qkv_proj", ["o_proj", "qkv_proj"]),
               "chat_template": "{{ messages[0]['content'] }}",
+              "runner": "pooling", "pooler_config": ('{"pooling_type": "mean"}', {"pooling_type": "MEAN"}),
               "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
                                      {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                       "prompt_lookup_min": 3})}

@@ -327,3 +327,46 @@ def test_generation_server_refuses_embeddings():
     finally:
         gen.close()
     assert status == 400 and "--runner pooling" in reply["error"]["message"], reply
+
+
+def test_speculative_decoding_is_refused_on_a_pooling_engine():
+    with pytest.raises(ConfigError, match="--runner pooling never makes"):
+        LLM("tiny-qwen3", runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                 "prompt_lookup_max": 3})
+
+
+def _line(custom_id: str, body: dict, url: str = "/v1/embeddings") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_infer_run_embedding_lines(tmp_path):
+    """`infer run --runner pooling` answers vLLM run-batch lines of url /v1/embeddings: OpenAI batch output lines
+    whose body is the server's embeddings response (float or base64), or infer's own records; a bad line gets its
+    error record and the others run."""
+    import base64
+
+    import numpy as np
+
+    from helpers import infer_run_records
+    hf = hf_float(ensure_builtin("tiny-llama"))
+    ids = random_prompts(hf.config.vocab_size, (6, 13), seed=14)
+    lines = [_line("a", {"model": "tiny-llama", "input": ids[0]}),
+             _line("b", {"input": [ids[1]], "encoding_format": "base64"}),
+             _line("c", {"input": ["x", "y"]}), _line("d", {"input": ""}),
+             _line("e", {"prompt": "hi"}, url="/v1/completions")]
+    recs, printed = infer_run_records(tmp_path, lines, "--runner", "pooling", "--block-size", "4",
+                                      "--output-format", "openai", key="custom_id")
+    want = [pooled(hf_hidden(hf, p), "LAST") for p in ids]
+    a, b = recs["a"]["response"], recs["b"]["response"]
+    assert a["status_code"] == 200 and a["body"]["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
+    assert a["body"]["model"] == "tiny-llama" and a["body"]["data"][0]["object"] == "embedding"
+    got_b = torch.from_numpy(np.frombuffer(base64.b64decode(b["body"]["data"][0]["embedding"]), "<f4").copy())
+    check_close([torch.tensor(a["body"]["data"][0]["embedding"]), got_b], want)
+    assert "body.input holds 2 inputs; a batch line answers one" in recs["c"]["error"]["message"]
+    assert "body.input[0] is an empty string" in recs["d"]["error"]["message"]
+    assert "only supported for generative models" in recs["e"]["error"]["message"]
+    own, _ = infer_run_records(tmp_path, lines[:1], "--runner", "pooling", "--block-size", "4")
+    check_close([torch.tensor(own["a"]["embedding"])], want[:1])
+    assert own["a"]["usage"] == {"prompt_tokens": 6, "completion_tokens": 0}
+    gen, _ = infer_run_records(tmp_path, lines[:1], "--block-size", "4")
+    assert "--runner pooling" in gen["a"]["error"]

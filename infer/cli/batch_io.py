@@ -464,9 +464,24 @@ class Records:
                 request.params = replace(request.params, skip_special_tokens=False)
 
     def output(self, req_id: str, out) -> dict:
+        if hasattr(out, "outputs") and hasattr(out.outputs, "embedding"):  # a /v1/embeddings line's vector
+            return self._embedding(req_id, out)
         if self.fmt == "infer":
             return output_record(req_id, out, self.tokenizer)
         return self.choices(req_id, [out])
+
+    def _embedding(self, req_id: str, out) -> dict:
+        """An embeddings line's record: infer's own ({"id", "embedding", "usage"...}), or the OpenAI batch output
+        line whose body is the server's embeddings response."""
+        tokens = len(out.prompt_token_ids)
+        if self.fmt == "infer":
+            return {"id": req_id, "embedding": out.outputs.embedding, "finish_reason": "stop", "error": None,
+                    "usage": {"prompt_tokens": tokens, "completion_tokens": 0}}
+        from ..serve.embeddings import response_body
+        info = self.requests[req_id].openai
+        body = response_body([out.outputs.data], tokens, info["model"] or self.model, info["encoding_format"])
+        return {"id": _batch_id(), "custom_id": req_id,
+                "response": {"status_code": 200, "request_id": _batch_id("req"), "body": body}, "error": None}
 
     def choices(self, req_id: str, outs: list) -> dict:
         """(openai) The record of a line answered with these choices' finished outputs (a beam search's n)."""

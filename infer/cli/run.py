@@ -366,6 +366,7 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_
     """--strict before the model loads: every line read, then checked by the engine's own checks (LLMEngine.validate,
     on a view of what the engine will be: the model's vocabulary, context, EOS ids and adapter names) all in one
     round. Only the KV cache's size, which the memory plan sets, is checked after the load (_checked_lines)."""
+    from ..engine.pooling import resolve_pooler
     from ..engine.setup import context_limit, eos_ids, load_tokenizer, model_max_len
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
@@ -380,7 +381,8 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_
         "max_model_len": model_max_len(config, engine), "model_limit": limit,
         "model_limit_reason": context_limit(config)[1], "vocab_size": config.vocab_size,
         "eos_token_ids": sorted(eos_ids(path, config, tokenizer)), "num_blocks": sys.maxsize,
-        "adapters": sorted(engine.loras), "lora_enabled": engine.enable_lora})
+        "adapters": sorted(engine.loras), "lora_enabled": engine.enable_lora,
+        "pooler": resolve_pooler(path, config.hidden_size, engine.pooler_config) if engine.pooling() else None})
     _validate_lines(view, lines)
     return lines
 

@@ -389,9 +389,6 @@ class EngineConfig:
                    "generate: text generation; pooling: embeddings (POST /v1/embeddings, LLM.embed)")
         elif self.runner != "pooling" and self.pooler_config is not None:
             yield "--pooler-config is for --runner pooling", "add --runner pooling, or leave --pooler-config out"
-        elif self.runner == "pooling" and self.speculative_config is not None:
-            yield ("--speculative-config drafts generated tokens, which --runner pooling never makes",
-                   "leave --speculative-config out")
 
     def pooling(self) -> bool:
         """Whether the engine pools (embeddings) instead of generating."""

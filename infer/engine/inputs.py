@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checks import _loops_over_content, check_text, reads_content_parts  # noqa: F401 (re-exported)
 from ..errors import RequestError, UnknownModelError
+from .pooling import EMBEDDINGS_URL, embedding_fields, embedding_inputs
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
 from .structured import from_openai
@@ -218,7 +219,7 @@ def check_add_special_tokens(value: Any, chat: bool, where: str = "add_special_t
 class ParsedRequest:
     id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # (a PoolingParams for an embeddings line)
     lora: str | None = None
     # an OpenAI batch line's: what its response is built from (chat, model, return_token_ids, request_id); None for
     # a line of infer's own format
@@ -530,9 +531,8 @@ def _in_body_words(e: RequestError, words: dict | None) -> RequestError:
     return e if (message, hint) == (e.message, e.hint) else RequestError(message, hint)
 
 
-def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
-    """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
-    not supported (n > 1, tools, ...) is refused rather than dropped."""
+def _batch_body(obj: dict) -> dict:
+    """An OpenAI batch line's body, its fields and method checked."""
     if "body" not in obj:
         raise RequestError("an OpenAI batch line (it has custom_id) needs a 'body' object with the request",
                            'e.g. {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
@@ -548,9 +548,35 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if obj.get("method") not in (None, "POST"):
         raise RequestError(f"method {obj['method']!r} is not supported: a batch line is a POST request",
                            'write "method": "POST" or leave it out')
+    return body
+
+
+def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, max_tokens: int | None):
+    """An OpenAI batch line of url /v1/embeddings (vLLM's run-batch, on a pooling runner): one input, its
+    PoolingParams; its response is built from `openai` (the model named, the encoding_format)."""
+    body = _batch_body(obj)
+    params, fmt = embedding_fields(body, "body.")
+    inputs = embedding_inputs(body.get("input"), "body.input")
+    if len(inputs) != 1:
+        raise RequestError(f"body.input holds {len(inputs)} inputs; a batch line answers one",
+                           "write one line per input, each with its own custom_id")
+    keep = params.truncate_prompt_tokens is not None
+    tokens = inputs[0] if isinstance(inputs[0], list) else encode_prompt(
+        tokenizer, prompt=inputs[0], max_tokens=None if keep else max_tokens)
+    req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
+    return ParsedRequest(req_id, [int(t) for t in tokens], params, names.lora_for(body.get("model")),
+                         openai={"embedding": True, "chat": False, "model": body.get("model"),
+                                 "encoding_format": fmt})
+
+
+def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
+    """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
+    not supported (n > 1, tools, ...) is refused rather than dropped."""
+    body = _batch_body(obj)
     url = obj.get("url")
     if url is not None and url not in BATCH_URLS:
-        raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)}",
+        raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)} (and "
+                           f"{EMBEDDINGS_URL} with --runner pooling)",
                            "remove the line, or run it with a server that has that endpoint")
     # each endpoint's request, as the server (and OpenAI) reads it: chat needs messages, a completion a prompt
     if url == "/v1/chat/completions" and "messages" not in body:
@@ -678,6 +704,8 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     says which body.model of a batch line picks which adapter, `max_tokens` is the context (when known)."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
+    if ("body" in obj or "custom_id" in obj) and obj.get("url") == EMBEDDINGS_URL:
+        return _embedding_line(obj, tokenizer, default_id, names, max_tokens)
     if "body" in obj or "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
         fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
         defaults = {**(defaults or {}), **dict(names.sampling)}  # what the fields it leaves out get, as vLLM

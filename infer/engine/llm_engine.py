@@ -197,6 +197,9 @@ class LLMEngine:
             raise ConfigError(f"LLMEngine takes an EngineConfig, got {type(config).__name__}",
                               "LLMEngine(EngineConfig(\"MODEL\", max_model_len=...)), or LLM(\"MODEL\", ...)")
         self.config = config
+        if config.pooling() and config.speculative_config is not None:
+            raise ConfigError("--speculative-config drafts generated tokens, which --runner pooling never makes",
+                              "leave --speculative-config out")
         parts = parts if parts is not None else load_engine_parts(config)
         self.model_path, self.model_config, self.tokenizer = parts.path, parts.model_config, parts.tokenizer
         self.dtype, self.device, self.max_model_len = parts.dtype, parts.device, parts.max_model_len
@@ -382,7 +385,7 @@ class LLMEngine:
         prompt_token_ids = truncated(prompt_token_ids, params, self.max_model_len)
         if isinstance(lora, LoRAHold) and not any(h is lora for h in self._lora_holds):
             lora = lora.name  # a hold released: its name, as any request's
-        self.validate(prompt_token_ids, params, lora)
+        self.validate(prompt_token_ids, params if pooling is None else pooling, lora)
         params = self.whole_vocabulary(params)
         if isinstance(lora, LoRAHold):  # a held adapter: the weights of the hold (and their K/V), under its name
             name, lora, key = lora.name, lora.lora, lora.key
@@ -494,8 +497,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run (add_request would refuse it)."""
-        if isinstance(params, PoolingParams) or getattr(self, "pooler", None) is None:  # (add_request's own call
-            _, params = self._pooling_params(params)  # has the SamplingParams a pooling request runs with)
+        _, params = self._pooling_params(params)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         params = params.checked()  # fields set after construction are checked too
         # the prompt add_request keeps: a prompt longer than the context with truncate_prompt_tokens runs (the

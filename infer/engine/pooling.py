@@ -179,6 +179,7 @@ class EmbeddingRequestOutput:
     prompt: str | None = None
     engine_index = 0  # (what the server's metrics read of an output: no token generated, no token times)
     num_generated = 0
+    new_token_ids = ()
     first_token_time = None
 
     def __init__(self, seq, outputs: EmbeddingOutput):
@@ -193,6 +194,50 @@ class EmbeddingRequestOutput:
     def __repr__(self) -> str:
         return (f"EmbeddingRequestOutput(request_id={self.request_id!r}, hidden_size={self.outputs.hidden_size}, "
                 f"prompt_tokens={len(self.prompt_token_ids)})")
+
+
+EMBEDDINGS_URL = "/v1/embeddings"
+ENCODINGS = ("float", "base64")
+_INPUT_FORMS = "give a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def embedding_inputs(value, name: str = "input") -> list:
+    """An embeddings body's `input` (OpenAI's four forms) as a list of prompts, each text or a list of token ids;
+    RequestError naming the item otherwise."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list):
+        raise RequestError(f"{name} must be text or token ids, got {type(value).__name__}", _INPUT_FORMS)
+    if not value:
+        raise RequestError(f"{name} is an empty list", _INPUT_FORMS)
+    for i, item in enumerate(value):
+        if isinstance(item, str) and not item:
+            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to embed", "remove it")
+        if isinstance(item, list) and not item:
+            raise RequestError(f"{name}[{i}] is an empty list of token ids", "remove it")
+        if not isinstance(item, str) and not (isinstance(item, list) and all(_is_id(t) for t in item)):
+            raise RequestError(f"{name}[{i}] is neither text nor a list of token ids (integers)", _INPUT_FORMS)
+    return value
+
+
+def embedding_fields(body: dict, prefix: str = "") -> tuple[PoolingParams, str]:
+    """(PoolingParams, encoding_format) of an embeddings body; RequestError naming the field otherwise."""
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ENCODINGS:
+        raise RequestError(f"{prefix}encoding_format {fmt!r} is not one of {', '.join(ENCODINGS)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"{prefix}model must be a string, got {type(model).__name__}")
+    try:
+        params = PoolingParams(dimensions=body.get("dimensions"), normalize=body.get("normalize"),
+                               truncate_prompt_tokens=body.get("truncate_prompt_tokens")).checked()
+    except RequestError as e:
+        raise RequestError(prefix + e.message, e.hint) from None
+    return params, fmt
 
 
 def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[int], pooler: Pooler) -> dict:

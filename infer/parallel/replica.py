@@ -82,7 +82,7 @@ class Replica:
                 "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else [],
                 "adapter_paths": {n: e.lora_manager.path_of(n) for n in e.lora_manager.names()}
                 if e.lora_manager is not None else {},
-                "lora_enabled": e.lora_manager is not None}
+                "lora_enabled": e.lora_manager is not None, "pooler": e.pooler}
 
     def add_lora(self, name: str, path: str, replace: bool = False) -> dict | None:
         """Register an adapter while serving (`replace`: in place of one of that name, LLMEngine.add_lora): None, or

@@ -124,6 +124,7 @@ class ReplicaView:
         # to a replica's matchers)
         self.grammars = GrammarBackend(tokenizer, info["vocab_size"], [])
         self._lora_holds: list[LoRAHold] = []  # RayAsyncEngine.hold_lora's (validate takes a request holding one)
+        self.pooler = info.get("pooler")  # --runner pooling: how the replicas pool (validate's PoolingParams checks)
 
     # LLMEngine's checks and what they call (a method validate reaches that is missing here was a 500)
     validate = LLMEngine.validate
@@ -132,6 +133,7 @@ class ReplicaView:
     bad_word_ids = LLMEngine.bad_word_ids
     _min_tokens_ban = LLMEngine._min_tokens_ban
     _longer_hint = LLMEngine._longer_hint
+    _pooling_params = LLMEngine._pooling_params
 
     def stats(self) -> dict:
         return {k: 0 for k in SUMMED} | {"kv_usage": 0.0, "prefix_cache_hit_rate": 0.0}

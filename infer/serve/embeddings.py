@@ -8,17 +8,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import numbers
+import re
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from ..engine.inputs import encode_prompt
-from ..engine.pooling import EMBED_ONLY, GENERATE_ONLY, PoolingParams
+from ..engine.pooling import EMBED_ONLY, GENERATE_ONLY, PoolingParams, embedding_fields, embedding_inputs
 from ..errors import RequestError
 from . import protocol as p
-
-ENCODINGS = ("float", "base64")
 
 
 @dataclass
@@ -36,32 +35,9 @@ class EmbeddingRequest:
         return self.params
 
 
-def _inputs(value) -> list:
-    """The body's `input` as a list of prompts, each text or a list of token ids (OpenAI's four forms)."""
-    hint = "give a string, a list of strings, a list of token ids, or a list of token-id lists"
-    if isinstance(value, str):
-        value = [value]
-    elif isinstance(value, list) and value and all(_is_id(t) for t in value):
-        value = [value]
-    if not isinstance(value, list):
-        raise p.ApiError(400, f"input must be text or token ids, got {type(value).__name__}", param="input")
-    if not value:
-        raise p.ApiError(400, f"input is an empty list: {hint}", param="input")
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            if not item:
-                raise p.ApiError(400, f"input[{i}] is an empty string: there is nothing to embed", param="input")
-        elif isinstance(item, list) and all(_is_id(t) for t in item):
-            if not item:
-                raise p.ApiError(400, f"input[{i}] is an empty list of token ids", param="input")
-        else:
-            raise p.ApiError(400, f"input[{i}] is neither text nor a list of token ids (integers): {hint}",
-                             param="input")
-    return value
-
-
-def _is_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+def _refused(e: RequestError) -> p.ApiError:
+    """A 400 whose param is the field the error starts with (input[2] -> input)."""
+    return p.bad_request(e, param=re.match(r"[a-z_]*", e.message).group(0) or None)
 
 
 def parse(raw: bytes, tokenizer, max_model_len: int) -> EmbeddingRequest:
@@ -74,28 +50,23 @@ def parse(raw: bytes, tokenizer, max_model_len: int) -> EmbeddingRequest:
         raise p.ApiError(400, "the body must be a JSON object with 'input'")
     if "input" not in body:
         raise p.ApiError(400, "input is required: the text (or token ids) to embed", param="input")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise p.ApiError(400, f"model must be a string, got {type(model).__name__}", param="model")
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ENCODINGS:
-        raise p.ApiError(400, f"encoding_format {fmt!r} is not one of {', '.join(ENCODINGS)}",
-                         param="encoding_format")
-    params = PoolingParams(dimensions=body.get("dimensions"), normalize=body.get("normalize"),
-                           truncate_prompt_tokens=body.get("truncate_prompt_tokens"))
     try:
-        params.checked()
+        params, fmt = embedding_fields(body)
+        inputs = embedding_inputs(body["input"])
+        keep = params.truncate_prompt_tokens is not None
+        prompts = [list(map(int, item)) if isinstance(item, list) else
+                   encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_model_len)
+                   for item in inputs]
     except RequestError as e:
-        raise p.bad_request(e, param=str(e).split(" ", 1)[0]) from None
-    keep = params.truncate_prompt_tokens is not None
-    prompts = []
-    for item in _inputs(body["input"]):
-        try:
-            prompts.append(list(map(int, item)) if isinstance(item, list) else
-                           encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_model_len))
-        except RequestError as e:
-            raise p.bad_request(e, param="input") from None
-    return EmbeddingRequest(model, prompts, params, fmt)
+        raise _refused(e) from None
+    return EmbeddingRequest(body.get("model"), prompts, params, fmt)
+
+
+def response_body(vectors: list, prompt_tokens: int, model: str, fmt: str) -> dict:
+    """OpenAI's embeddings response: one entry per vector (a float32 tensor), in order, and the tokens counted."""
+    data = [{"index": i, "object": "embedding", "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)]
+    return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": p.now(), "model": model, "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def _encoded(vec, fmt: str):
@@ -123,17 +94,15 @@ async def create(server, request, raw: bytes):
     vectors: dict[int, object] = {}
     tokens = 0
     try:
-        async for i, out in server.outputs(queue, ids, request, arrival):
-            if not out.finished:
-                continue
-            if out.error is not None or out.finish_reason != "stop":
-                raise _error(out)
-            vectors[i] = out.outputs.data
-            tokens += len(out.prompt_token_ids)
+        async with aclosing(server.outputs(queue, ids, request, arrival)) as outs:
+            async for i, out in outs:
+                if not out.finished:
+                    continue
+                if out.error is not None or out.finish_reason != "stop":
+                    raise _error(out)
+                vectors[i] = out.outputs.data
+                tokens += len(out.prompt_token_ids)
     except _ClientGone:
         return None
-    data = [{"index": i, "object": "embedding", "embedding": _encoded(vectors[i], req.encoding_format)}
-            for i in range(len(ids))]
-    return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": p.now(),
-            "model": req.model or server.model_id, "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return response_body([vectors[i] for i in range(len(ids))], tokens, req.model or server.model_id,
+                         req.encoding_format)
