@@ -370,3 +370,27 @@ def test_infer_run_embedding_lines(tmp_path):
     assert own["a"]["usage"] == {"prompt_tokens": 6, "completion_tokens": 0}
     gen, _ = infer_run_records(tmp_path, lines[:1], "--block-size", "4")
     assert "--runner pooling" in gen["a"]["error"]
+
+
+def test_warmup_estimate_of_a_pooling_runner_holds_no_logits():
+    """`infer warmup --estimate --runner pooling`: a pooling step computes no logits and samples nothing, so its
+    activations are the generating engine's less the logits' rows and the penalty table (activation_bytes's)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.engine.config import EngineConfig
+    from infer.memory.sizes import activation_bytes, penalty_table_bytes, step_tokens
+    from infer.models.loader import load_config
+
+    def estimate(*args: str) -> dict:
+        res = CliRunner().invoke(app, ["warmup", "tiny-qwen3", "--estimate", "--json", "--max-length", "64",
+                                       "--concurrency", "4", "--device", "cpu", *args])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    gen, pool = estimate(), estimate("--runner", "pooling")
+    cfg = load_config(ensure_builtin("tiny-qwen3"))
+    step = step_tokens(EngineConfig("tiny-qwen3").max_num_batched_tokens, 4, 64)
+    saved = activation_bytes(cfg, torch.float32, step, 4, 64) - activation_bytes(cfg, torch.float32, step, 4, 64,
+                                                                                 logits=False)
+    assert saved >= penalty_table_bytes(cfg, 4) + 4 * cfg.vocab_size * 4  # the table, and 4 rows of logits at least
+    assert gen["activation_peak_bytes"] - pool["activation_peak_bytes"] == saved

@@ -100,7 +100,8 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
     cfg = replace(engine_config, max_num_seqs=concurrency, max_model_len=max_length, max_num_batched_tokens=tokens)
     step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
     return activation_bytes(model_config, dtype, step, concurrency, max_length, rank,
-                            kv_dtype=engine_config.kv_dtype(dtype), lora_targets=engine_config.lora_target_modules) \
+                            kv_dtype=engine_config.kv_dtype(dtype), lora_targets=engine_config.lora_target_modules,
+                            logits=not engine_config.pooling()) \
         + cuda_graph_bytes(cfg, model_config, dtype) + speculative_logit_bytes(cfg, model_config) \
         + draft_activation_bytes(cfg, _draft_cfg(engine_config), dtype, max_length, concurrency) \
         + (draft_graph_bytes(cfg, _draft_cfg(engine_config), dtype) if cfg.use_cuda_graphs() else 0) \

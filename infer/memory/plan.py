@@ -23,7 +23,7 @@ from ..lora.targets import slot_scope
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, group_kv_bytes_per_token,
-                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, sampler_row_bytes, step_tokens,
+                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, pools, sampler_row_bytes, step_tokens,
                     weights_bytes, window_blocks)
 
 
@@ -461,7 +461,8 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
     seqs = engine_config.max_num_seqs
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config),
-                            kv_dtype=kv_dtype(engine_config, dtype), lora_targets=engine_config.lora_target_modules) \
+                            kv_dtype=kv_dtype(engine_config, dtype), lora_targets=engine_config.lora_target_modules,
+                            logits=not pools(engine_config)) \
         + speculative_logit_bytes(engine_config, model_config) \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_len) \
         + cuda_graph_bytes(engine_config, model_config, dtype) + draft_graph_bytes(engine_config, draft_config, dtype) \

@@ -292,13 +292,15 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
 
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
-                     lora_expand_beside: bool = False, lora_targets: list[str] | None = None) -> int:
+                     lora_expand_beside: bool = False, lora_targets: list[str] | None = None,
+                     logits: bool = True) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
     `num_seqs` sequences at context `max_length`, plus (`penalties`) the sampler's penalty table for `num_seqs`
     requests. `kv_dtype`: the KV cache's, when not `dtype` (fp8: the CPU decode gathers it, then upcasts a copy).
     `lora_expand_beside`: a step recorded into a CUDA graph with the adapters' expand beside the matmul (a token
     holds at least lora_beside_token_bytes). `lora_targets`: --lora-target-modules (lora.targets; None: every
-    layer): the adapters' temporaries only of the layers with slots."""
+    layer): the adapters' temporaries only of the layers with slots. `logits` False: a pooling engine's step (--runner
+    pooling), which computes no logits and samples nothing (no penalty table): its rows are pooled float32 vectors."""
     from ..lora.targets import check_target_modules, selects
     b = element_bytes(dtype)
     h, inter = model_config.hidden_size, model_config.intermediate_size
@@ -328,9 +330,16 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # inputs; after it, the step's hidden states and inputs, each row's hidden state and the sampler's peak
     # (SAMPLER_BYTES_PER_LOGIT)
     rows = min(num_tokens, max(num_seqs, 1))
-    forward = max(prefill, decode) + num_tokens * STEP_INPUT_BYTES + rows * model_config.vocab_size * 4
-    sampling = num_tokens * (h * b + STEP_INPUT_BYTES) + rows * (h * b + sampler_row_bytes(model_config))
-    return max(forward, sampling) + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
+    row = sampler_row_bytes(model_config) if logits else h * 4  # (a pooled row: its float32 vector)
+    forward = max(prefill, decode) + num_tokens * STEP_INPUT_BYTES + (rows * model_config.vocab_size * 4 if logits
+                                                                      else 0)
+    sampling = num_tokens * (h * b + STEP_INPUT_BYTES) + rows * (h * b + row)
+    return max(forward, sampling) + (penalty_table_bytes(model_config, num_seqs) if penalties and logits else 0)
+
+
+def pools(engine_config) -> bool:
+    """Whether the engine is a pooling one (--runner pooling): its steps compute no logits (activation_bytes)."""
+    return getattr(engine_config, "runner", None) == "pooling"
 
 
 DEQUANT_MIN_TOKENS = 256  # steps of more tokens may take the int4 matmul's dequantize + cuBLAS path
