@@ -394,3 +394,19 @@ def test_warmup_estimate_of_a_pooling_runner_holds_no_logits():
                                                                                  logits=False)
     assert saved >= penalty_table_bytes(cfg, 4) + 4 * cfg.vocab_size * 4  # the table, and 4 rows of logits at least
     assert gen["activation_peak_bytes"] - pool["activation_peak_bytes"] == saved
+
+
+def test_infer_serve_runner_pooling_starts_and_answers():
+    """`infer serve MODEL --runner pooling` warms its kernels with pooling requests (a generating warm-up request
+    was refused at start) and answers /v1/embeddings with transformers' vector; /metrics counts the prompt tokens."""
+    import httpx
+
+    from helpers import serve_process
+    hf = hf_float(ensure_builtin("tiny-llama"))
+    prompt = random_prompts(hf.config.vocab_size, (7,), seed=15)[0]
+    with serve_process("--runner", "pooling", "--block-size", "4") as (_, base, _adapters):
+        status, body = _post(base, "/v1/embeddings", {"input": prompt})
+        metrics = httpx.get(base + "/metrics", timeout=60).text
+    assert status == 200, body
+    check_close([torch.tensor(body["data"][0]["embedding"])], [pooled(hf_hidden(hf, prompt), "LAST")])
+    assert 'infer:prompt_tokens_total{engine="0",model_name="tiny-llama"} 7.0' in metrics

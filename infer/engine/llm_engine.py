@@ -1599,7 +1599,7 @@ class LLMEngine:
         prompts = [long_prompt, long_prompt[:9]]  # a long and a short query: both attention tile heights
         if self.config.enable_prefix_caching:
             prompts.append(long_prompt)  # its first blocks are cached: a short query over a cached prefix
-        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True) if self.pooler is None else PoolingParams()
         pieces, self.runner.pieces = self.runner.pieces, None  # eagerly first: the path of longer steps
         try:
             for i, prompt in enumerate(prompts):
