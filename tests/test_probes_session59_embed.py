@@ -410,3 +410,25 @@ def test_infer_serve_runner_pooling_starts_and_answers():
     assert status == 200, body
     check_close([torch.tensor(body["data"][0]["embedding"])], [pooled(hf_hidden(hf, prompt), "LAST")])
     assert 'infer:prompt_tokens_total{engine="0",model_name="tiny-llama"} 7.0' in metrics
+
+
+def test_async_llm_encode(qwen3):
+    """vLLM's AsyncLLM.encode on a pooling engine yields one finished output, transformers' vector, under the
+    request id given; PoolingParams' truncation keeps the prompt's end."""
+    import asyncio
+
+    from infer import AsyncLLM
+    path, hf = qwen3
+    prompts = random_prompts(hf.config.vocab_size, (9, 4), seed=16)
+
+    async def run(llm):
+        got = []
+        for i, p in enumerate(prompts):
+            got.append([out async for out in llm.encode(p, request_id=f"r{i}")])
+        cut = [out async for out in llm.encode(prompts[0], PoolingParams(truncate_prompt_tokens=4), "cut")]
+        return got, cut
+    with AsyncLLM(str(path), runner="pooling", block_size=4) as llm:
+        got, cut = asyncio.run(run(llm))
+    assert [len(outs) for outs in got] == [1, 1] and all(outs[0].finished for outs in got)
+    check_close(vectors([outs[0] for outs in got]), [pooled(hf_hidden(hf, p), "LAST") for p in prompts])
+    assert cut[0].prompt_token_ids == prompts[0][-4:] and cut[0].request_id == "cut"

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, RequestError
+from .sampling_params import RequestOutputKind
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
@@ -127,6 +128,7 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     n: int = field(default=1, init=False, repr=False)  # (one vector a request: LLM fans nothing out)
+    output_kind = RequestOutputKind.FINAL_ONLY  # (AsyncLLM.encode yields the finished output alone)
 
     def checked(self) -> "PoolingParams":
         if self.dimensions is not None and (isinstance(self.dimensions, bool)

@@ -24,6 +24,7 @@ from ..engine.config import EngineConfig
 from ..engine.inputs import encode_prompt
 from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, request_inputs, salted_params
 from ..engine.outputs import CompletionOutput, RequestOutput, as_delta
+from ..engine.pooling import PoolingParams
 from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
 from .async_engine import AsyncEngine, RequestIdInUseError, ShuttingDownError
@@ -139,6 +140,19 @@ class AsyncLLM:
             for rid in left:  # the caller stopped reading (break, cancel, an error): free its requests now
                 self._loop.abort(rid)
 
+    async def encode(self, prompt, pooling_params: PoolingParams | None = None, request_id: str | None = None, *,
+                     lora: str | None = None, priority: int = 0, lora_request=None):
+        """vLLM's AsyncLLM.encode on a pooling engine (AsyncLLM(model, runner="pooling")): yields the prompt's one
+        finished EmbeddingRequestOutput (its vector in `.outputs.embedding`); the prompt, request_id, adapters and
+        priority as generate takes them."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise RequestError(f"pooling_params must be a PoolingParams, got {type(params).__name__}",
+                               "e.g. PoolingParams(dimensions=256)")
+        async for out in self.generate(prompt, params, request_id, lora=lora, priority=priority,
+                                       lora_request=lora_request):
+            yield out
+
     async def beam_search(self, prompt, request_id: str, params, lora_request=None, *, lora: str | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
         """vLLM's EngineClient.beam_search (what its server runs for use_beam_search): `params` a BeamSearchParams;
@@ -196,9 +210,11 @@ class AsyncLLM:
         elif isinstance(prompt, str):
             text = prompt
         if text is not None:  # tokenized as LLM.generate tokenizes it; certainly too long: refused untokenized
-            keep = isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None
+            keep = isinstance(params, (SamplingParams, PoolingParams)) and params.truncate_prompt_tokens is not None
             prompt = encode_prompt(self.tokenizer, prompt=text, max_tokens=None if keep else
                                    self.engine.max_model_len)
+        if isinstance(params, PoolingParams):  # (encode: the engine refuses it unless it pools)
+            return request_inputs(prompt, None)[0], params.checked()
         ids, params = request_inputs(prompt, params)
         return ids, params.checked()
 
