@@ -21,14 +21,15 @@ interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs t
 
 def record_launches(monkeypatch) -> list:
     """Each fused MoE matmul launched from now on as its compiled variant's key: (its weight's [N, K], BLOCK_M, the
-    ROW_DIV and WEIGHTED constexprs, x's dtype)."""
+    ROW_DIV and WEIGHTED constexprs, x's dtype, a tuned entry's tiles, warps and stages)."""
     from infer.kernels import moe
     launched = []
     real = moe._gemm
 
-    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted):
-        launched.append((tuple(w.shape[1:]), aligned.block_m, row_div, weighted, a.dtype))
-        return real(a, w, out, weights, aligned, top_k, row_div, weighted)
+    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None):
+        launched.append((tuple(w.shape[1:]), aligned.block_m, row_div, weighted, a.dtype,
+                         tuple(sorted((k, v) for k, v in (cfg or {}).items() if k != "BLOCK_M"))))
+        return real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg)
     monkeypatch.setattr(moe, "_gemm", gemm)
     return launched
 

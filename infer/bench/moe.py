@@ -8,6 +8,12 @@ groups of 128).
     python -m infer.bench.moe --act-order      # desc_act checkpoints' experts, sorted by group as the engine loads them
     python -m infer.bench.moe --tokens 256 1024 4096 --block-m 16 32 64 128   # BLOCK_M's search (kernels.moe)
 
+    python -m infer.bench.moe --tune --tokens 1 16 256 4096   # tune the int4 experts (kernels.moe_tune), --quick
+
+With --tune each count of tokens' bucket is tuned (the full candidate set; --quick: the engine start's) over the
+int4 experts, the winners saved to this GPU's cache file as an engine start saves them, and each bucket's tuned
+time printed beside the heuristics' (`tuned_vs_heuristic`: heuristic time / tuned time, above 1 a gain).
+
 With --block-m each count of tokens is timed at every BLOCK_M listed too (the int4 kernel; `int4_us_mN` columns,
 `best_block_m` the fastest) beside the one kernels.moe.choose_block_m picks (`block_m`): what a change of its
 thresholds would gain.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 
 import torch
@@ -77,6 +84,33 @@ def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: in
     return rows
 
 
+def tune(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool, quick: bool,
+         log=None) -> list[dict]:
+    """Tune the int4 experts of these shapes at the buckets of `tokens` (kernels.moe_tune.tune_layer), save the
+    winners to this GPU's cache file (as an engine start does) and return one row a bucket: the heuristics' time,
+    the tuned one, their ratio, the winner."""
+    from ..kernels import gptq_configs, moe, moe_tune
+    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0).sorted_by_group(group)
+    w2 = random_experts(experts, inter, hidden, group, act_order, 1).sorted_by_group(group)
+    buckets = sorted({gptq_configs.bucket(t) for t in tokens})
+    res = moe_tune.tune_layer(w13, w2, top_k, buckets, torch.bfloat16, quick=quick, log=log)
+    key = moe.experts_key(w13, w2, top_k, torch.bfloat16)
+    found = {b: cfg for b, (cfg, _, _) in res.items() if cfg is not None}
+    if found:
+        path = gptq_configs.save(gptq_configs.gpu_name(torch.device("cuda")), {key: found}, moe.SECTION)
+        print(f"tuned configs saved to {path} ({key})")
+    return [tuned_row(b, *r) for b, r in res.items()]
+
+
+def tuned_row(bucket: int, cfg: dict | None, tuned_us: float, heuristic_us: float | None) -> dict:
+    """A --tune row: the bucket, both times side by side, heuristic / tuned (above 1: the tuned config is faster)."""
+    ok = cfg is not None and heuristic_us is not None
+    return {"bucket": bucket, "heuristic_us": None if heuristic_us is None else round(heuristic_us, 2),
+            "tuned_us": round(tuned_us, 2) if cfg is not None else None,
+            "tuned_vs_heuristic": round(heuristic_us / tuned_us, 3) if ok else None,
+            "config": json.dumps(cfg, sort_keys=True) if cfg is not None else None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infer.bench.moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
@@ -88,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--act-order", action="store_true", help="act-order experts (sorted by group, as loaded)")
     ap.add_argument("--block-m", type=int, nargs="+", default=[], choices=(16, 32, 64, 128),
                     help="BLOCK_M candidates to time as well")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune the int4 experts at the buckets of --tokens and print tuned vs heuristic times")
+    ap.add_argument("--quick", action="store_true", help="with --tune: the engine start's candidate set")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -106,8 +143,12 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; E={args.experts} "
           f"k={args.top_k} H={args.hidden} I={args.intermediate} g={args.group_size} act_order={args.act_order}")
-    rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
-                   args.act_order, bandwidth, args.block_m)
+    if args.tune:
+        rows = tune(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
+                    args.act_order, args.quick, log=lambda m: print(m, flush=True))
+    else:
+        rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
+                       args.act_order, bandwidth, args.block_m)
     keys = list(rows[0])
     print("  ".join(keys))
     for r in rows:

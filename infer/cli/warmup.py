@@ -102,6 +102,8 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
     ]
     if extra.get("kernel_tuning_s") is not None:
         rows.append(("int4 kernel tuning at start (s)", f"{extra['kernel_tuning_s']:.1f}"))
+    if extra.get("moe_kernel_tuning_s") is not None:
+        rows.append(("fused MoE kernel tuning at start (s)", f"{extra['moe_kernel_tuning_s']:.1f}"))
     if extra.get("kernel_compile_s") is not None:
         rows.append(("int4 kernel compiles at start (s)", f"{extra['kernel_compile_s']:.1f}"))
     if extra.get("pdl") is not None:

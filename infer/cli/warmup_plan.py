@@ -271,6 +271,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         return _slots_plan(model, model_config, engine_config, device, dtype, max_length, concurrency, limit, slots,
                            {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
                             "weights_resident_bytes": resident, "lora_adapter": None, "kernel_tuning_s": None,
+                            "moe_kernel_tuning_s": None,
                             "kernel_compile_s": None, "pdl": None, "int4_byte_fields": None,
                             "int4_loads_ahead": None, "lora_expand_gather": None, "worst_case_run": False},
                            draft_weights)
@@ -279,7 +280,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     # the budget as an engine start reads it (memory.plan.make_plan): by default on a CPU, half the free RAM plus
     # the weights it holds, not the resident growth, which holds whatever the load also allocated
     budget = budget_bytes(engine_config, device, weights)
-    tuning_s = compile_s = use_pdl = byte_fields = loads_ahead = gather = None
+    tuning_s = moe_s = compile_s = use_pdl = byte_fields = loads_ahead = gather = None
     if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a
         from ..kernels import gptq_gemm, pdl  # table, then compiling the kernels it will launch (with PDL where
         from ..kernels.gptq_tune import compile_model, tune_model  # it will use it)
@@ -290,11 +291,15 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
             from ..kernels import lora_ops
             gather = lora_ops.gather_limit()
         tuning_s = tune_model(model, engine_config.max_num_batched_tokens, device)[1]
+        from ..kernels import moe_tune  # (the fused MoE's, where the model has sparse layers)
+        if moe_tune.moe_layers(model):
+            moe_s = moe_tune.tune_model(model, engine_config.max_num_batched_tokens, device)[1]
         t0 = time.perf_counter()
         compile_model(model, engine_config.max_num_batched_tokens, dtype)
         compile_s = time.perf_counter() - t0
     extra = {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
              "weights_resident_bytes": resident, "lora_adapter": largest, "kernel_tuning_s": tuning_s,
+             "moe_kernel_tuning_s": moe_s,
              "kernel_compile_s": compile_s, "pdl": use_pdl, "int4_byte_fields": byte_fields,
              "int4_loads_ahead": loads_ahead, "lora_expand_gather": gather}
     rank = engine_config.max_lora_rank if lora_manager is not None else 0

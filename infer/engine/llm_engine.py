@@ -268,6 +268,10 @@ class LLMEngine:
             if draft_model is not None:  # (an int4 draft's shapes too)
                 tune_model(draft_model, config.max_num_batched_tokens, self.device, log=log.info)
             self.start_times["kernel_tuning_s"] = time.perf_counter() - t0
+            from ..kernels import moe_tune  # the fused MoE's buckets no table holds (before anything compiles them)
+            self.start_times["moe_tuning_s"] = sum(
+                moe_tune.tune_model(m, config.max_num_batched_tokens, self.device, log=log.info)[1]
+                for m in (parts.model, draft_model) if m is not None)
             t0 = time.perf_counter()  # every int4 and LoRA kernel the engine will launch, compiled in parallel
             self.compile_kernels()
             self.start_times["kernel_compile_s"] = time.perf_counter() - t0

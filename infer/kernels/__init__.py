@@ -172,6 +172,16 @@ def fused_moe_block_steps(x, max_tokens: int, top_k: int, experts: int) -> dict[
     return _triton("moe").block_m_steps(max_tokens, top_k, experts) if use_triton(x) else {}
 
 
+def fused_moe_config_steps(x, max_tokens: int, w13, w2, top_k: int) -> dict:
+    """Where x's fused MoE is Triton's: {launch config: the fewest tokens of a step that chooses it} up to
+    max_tokens for these experts (kernels.moe.config_steps: this GPU's tuned table, else the heuristics); else {}."""
+    if not use_triton(x):
+        return {}
+    moe = _triton("moe")
+    e = w13.qweight.shape[0] if hasattr(w13, "qweight") else w13.shape[0]
+    return moe.config_steps(max_tokens, top_k, e, moe.experts_key(w13, w2, top_k, x.dtype), x.device)
+
+
 def fused_moe_int4(x, w13, w2, weights, ids, lora=None):
     """fused_moe over int4 GPTQ experts (reference.Int4Experts): Triton's, dequantized in registers, in the float
     kernel's launches; else the reference (the experts dequantized, then the float op)."""

@@ -52,9 +52,11 @@ def gpu_name(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", torch.cuda.get_device_name(device)).strip("_")
 
 
-def cache_file(name: str) -> Path:
+def cache_file(name: str, section: str = "") -> Path:
+    """The user's cache file of GPU `name`; section: a table of other kernels in a folder of its own ("moe": the
+    fused MoE's, kernels.moe_tune), shipped the same way under SHIPPED / section."""
     root = Path(os.environ.get("INFER_CACHE") or Path.home() / ".cache" / "infer")
-    return root / "kernels" / f"{name}.json"
+    return root / "kernels" / section / f"{name}.json"
 
 
 def _read(path: Path) -> dict:
@@ -64,29 +66,30 @@ def _read(path: Path) -> dict:
         return {}
 
 
-@functools.lru_cache(maxsize=8)
-def load(name: str) -> dict:
-    """{"N,K": {bucket: config}} for the GPU called `name` (shipped, then the user's cache on top)."""
+@functools.lru_cache(maxsize=16)
+def load(name: str, section: str = "") -> dict:
+    """{"N,K": {bucket: config}} for the GPU called `name` (shipped, then the user's cache on top); a `section`'s
+    table ({key: {bucket: config}}) from its own files."""
     merged: dict = {}
-    for path in (SHIPPED / f"{name}.json", cache_file(name)):
+    for path in (SHIPPED / section / f"{name}.json", cache_file(name, section)):
         for shape, by_m in _read(path).items():
             merged.setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
     return merged
 
 
-def table(device: torch.device) -> dict:
-    return load(gpu_name(device)) if device.type == "cuda" else {}
+def table(device: torch.device, section: str = "") -> dict:
+    return load(gpu_name(device), section) if device.type == "cuda" else {}
 
 
-def save(name: str, tuned: dict) -> Path:
+def save(name: str, tuned: dict, section: str = "") -> Path:
     """Merge {"N,K": {bucket: config}} into the user's cache file for GPU `name` (atomically) and into the table
-    already loaded."""
-    path = cache_file(name)
+    already loaded (a `section`'s: its own file and table)."""
+    path = cache_file(name, section)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _read(path)
     for shape, by_m in tuned.items():
         data.setdefault(shape, {}).update({str(b): c for b, c in by_m.items()})
-        load(name).setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
+        load(name, section).setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)

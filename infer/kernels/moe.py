@@ -14,6 +14,11 @@ moe_align_block_size does the same in one CUDA kernel. BLOCK_M is the step's (`c
 matmul over the activations), and stores each row's output at its pair; the down matmul multiplies each row by its
 routing weight (in float32) before rounding. Between them silu_and_mul (fused.py); after, the k rows of a token
 summed.
+
+Launch parameters (`step_config`): a table tuned on this GPU (kernels.moe_tune, gptq_configs' files of section
+"moe", keyed by `layer_key` and the step's bucket of tokens) chooses BLOCK_M, BLOCK_N, num_warps and num_stages of
+both matmuls of a step; without an entry the heuristics (`choose_block_m`, `tiles`, `launch_options`). BLOCK_K stays
+the layer's (`tiles`, `int4_tiles`): each row's sums over K in the same order whatever the step or the entry.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ BLOCK_M = 16  # a block's rows at decode (the fewest: `choose_block_m`)
 MAX_BLOCK_M = 128
 SMS = 132  # an H100's (and an H200's) streaming multiprocessors: the GPU the tiles are sized for
 INT4_STAGES = 4  # the int4 kernel's pipeline depth: K steps of words in flight per program (`tiles`)
+SECTION = "moe"  # the tuned tables' section (gptq_configs' files under kernels/moe/)
+SM90_SMEM = 232448  # the shared memory one program may take on sm_90 (227 KiB): `smem_bytes`'s bound
 
 
 def choose_block_m(tokens: int, top_k: int, experts: int) -> int:
@@ -58,6 +65,67 @@ def block_m_steps(max_tokens: int, top_k: int, experts: int) -> dict[int, int]:
         if t <= max_tokens and choose_block_m(t, top_k, experts) == m:
             steps[m] = t
     return steps
+
+
+def layer_key(experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, w13=None, w2=None) -> str:
+    """The tuned table's key of a sparse layer: E, H, I, top-k and x's dtype; int4 experts (reference.Int4Experts)
+    add their group layout (each stack's group size, 0: act-order read per row, and whether it is sorted by group):
+    it fixes BLOCK_K and the kernel's loads."""
+    kind = str(dtype).removeprefix("torch.")
+    if w13 is not None:
+        kind = "int4-g" + "/".join(f"{w.group_size}{'p' if w.perm is not None else ''}" for w in (w13, w2)) + \
+            f"-{kind}"
+    return f"{experts},{hidden},{inter},{top_k},{kind}"
+
+
+def experts_key(w13, w2, top_k: int, dtype: torch.dtype) -> str:
+    """layer_key of the experts a fused MoE call takes (float [E, 2I, H] and [E, H, I], or reference.Int4Experts)
+    for x of `dtype`."""
+    if hasattr(w13, "qweight"):
+        return layer_key(w13.qweight.shape[0], w13.in_features, w2.in_features, top_k, dtype, w13, w2)
+    return layer_key(w13.shape[0], w13.shape[2], w2.shape[2], top_k, dtype)
+
+
+def tuned_config(key: str, tokens: int, device: torch.device) -> dict | None:
+    """The entry of this GPU's tuned table (gptq_configs.table, section "moe") for the layer `key` at a step of
+    `tokens` tokens (its bucket: the next power of two, capped at gptq_configs.MAX_BUCKET), or None."""
+    from . import gptq_configs
+    return gptq_configs.table(device, SECTION).get(key, {}).get(gptq_configs.bucket(tokens))
+
+
+def step_config(key: str | None, tokens: int, top_k: int, experts: int, device: torch.device) -> dict:
+    """{"BLOCK_M", and where tuned "BLOCK_N", "num_warps", "num_stages"} of a step of `tokens` tokens: the tuned
+    entry, else choose_block_m alone (the rest then `tiles` and `launch_options`, per matmul). A pure function of
+    the step's static shape (a CUDA graph's captured count of tokens), never of the routing."""
+    cfg = tuned_config(key, tokens, device) if key is not None else None
+    return dict(cfg) if cfg else {"BLOCK_M": choose_block_m(tokens, top_k, experts)}
+
+
+def config_steps(max_tokens: int, top_k: int, experts: int, key: str | None, device: torch.device) -> dict:
+    """{launch config (a sorted tuple of step_config's items): the fewest tokens of a step that chooses it} over
+    steps of 1 to max_tokens tokens: every variant an engine's steps can launch, tuned buckets and heuristic ones
+    (models.moe.SparseMoeBlock.warm_block_sizes runs each). The choice is constant between the buckets' first
+    counts and choose_block_m's thresholds, so those counts reach all."""
+    from . import gptq_configs
+    firsts = {1} | {b // 2 + 1 for b in (1 << i for i in range(1, 13))} | set(block_m_steps(max_tokens, top_k,
+                                                                                              experts).values())
+    firsts |= {gptq_configs.MAX_BUCKET + 1}
+    out: dict = {}
+    for t in sorted(t for t in firsts if t <= max_tokens):
+        out.setdefault(tuple(sorted(step_config(key, t, top_k, experts, device).items())), t)
+    return out
+
+
+def smem_bytes(cfg: dict, block_k: int, elem: int, int4: bool = False, one_group: bool = True) -> int:
+    """Shared memory a config's pipelined loads take at most: num_stages buffers of the A tile [BLOCK_M, BLOCK_K]
+    in x's dtype (`elem` bytes) and of the weight tile: float [BLOCK_K, BLOCK_N] in x's dtype; int4 its words
+    (half a byte a weight) and the step's zeros and scales (6 bytes a column, a row's each where one_group, else
+    BLOCK_K rows'), plus one dequantized [BLOCK_K, BLOCK_N] tile staged for the dot."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if int4:
+        w = block_k * bn // 2 + 6 * bn * (1 if one_group else block_k)
+        return cfg["num_stages"] * (bm * block_k * elem + w) + block_k * bn * elem
+    return cfg["num_stages"] * (bm * block_k + block_k * bn) * elem
 
 
 def launch_options(block_m: int, int4: bool) -> dict:
@@ -163,16 +231,25 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
-def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool):
-    """One _moe_gemm launch over `aligned` (an Aligned: its blocks of block_m rows)."""
+def _launch(aligned: Aligned, n: int, block_n: int, int4: bool, cfg: dict | None):
+    """(grid, BLOCK_N, num_warps / num_stages) of a launch: `cfg`'s (a tuned entry) where it has them, else the
+    heuristics' (`block_n` from `tiles`, `launch_options`)."""
+    cfg = cfg or {}
+    block_n = cfg.get("BLOCK_N", block_n)
+    options = launch_options(aligned.block_m, int4)
+    options.update({o: cfg[o] for o in ("num_warps", "num_stages") if o in cfg})
+    return (aligned.block_expert.shape[0], cdiv(n, block_n)), block_n, options
+
+
+def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None):
+    """One _moe_gemm launch over `aligned` (an Aligned: its blocks of block_m rows); cfg: a tuned entry."""
     n, k = w.shape[1], w.shape[2]
     block_n, block_k = tiles(n, k, top_k, aligned.block_m)
-    grid = (aligned.block_expert.shape[0], cdiv(n, block_n))
+    grid, block_n, options = _launch(aligned, n, block_n, False, cfg)
     _moe_gemm[grid](a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k,
                     top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
                     IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                    BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                    **launch_options(aligned.block_m, False))
+                    BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
 
 
 class Aligned(NamedTuple):
@@ -193,39 +270,52 @@ def aligned(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, lora=None, block_m: int | None = None) -> torch.Tensor:
-    """reference.fused_moe in three launches (`_run`); block_m: the blocks' rows (None: `choose_block_m`; a tuner's
-    candidate otherwise)."""
+              ids: torch.Tensor, lora=None, block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """reference.fused_moe in three launches (`_run`); block_m: the blocks' rows (None: `step_config`'s; a
+    candidate of the bench otherwise, the heuristics' tiles); config: the launch config to use (a tuner's
+    candidate; None: `step_config`'s)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
-                lambda a, out, fw, al, row_div, weighted: _gemm(a, w13 if row_div else w2, out, fw, al, top_k,
-                                                                row_div, weighted))
+                _config(config, block_m, w13, w2, x.dtype, ids, w13.shape[0]),
+                lambda a, out, fw, al, row_div, weighted, cfg: _gemm(a, w13 if row_div else w2, out, fw, al, top_k,
+                                                                     row_div, weighted, cfg))
 
 
-def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, gemm) -> torch.Tensor:
+def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch.Tensor, experts: int) -> dict:
+    """The launch config of a call: `config` where given, {"BLOCK_M": block_m} where forced, else step_config."""
+    if config is not None:
+        return config
+    if block_m is not None:
+        return {"BLOCK_M": block_m}
+    return step_config(experts_key(w13, w2, ids.shape[1], dtype), ids.shape[0], ids.shape[1], experts, ids.device)
+
+
+def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, cfg: dict,
+         gemm) -> torch.Tensor:
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
     aligned, row_div=True, weighted=False)`), silu_and_mul, the down one (weighted by the routing weights), the k
     rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter and its expert
     (reference.moe_lora_delta; here _LoRAPairs' grouped matmuls, no host sync) added to its gate_up row, and to its
     down row before the routing weight (rounded to x's dtype, times the weight in float32, as the kernel's WEIGHTED
-    store)."""
+    store). cfg: the launch config of both matmuls over the experts (`_config`); the adapters' pairs take the
+    heuristics' (their BLOCK_M `block_m` where forced)."""
     from . import fused
     t, top_k = ids.shape
-    pairs_aligned = aligned(ids, num_experts, block_m)
+    pairs_aligned = aligned(ids, num_experts, cfg["BLOCK_M"])
     pairs = t * top_k
     flat_w = weights.reshape(-1).contiguous()
     gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
-    gemm(x, gate_up, flat_w, pairs_aligned, True, False)
+    gemm(x, gate_up, flat_w, pairs_aligned, True, False, cfg)
     if lora is not None:
         adapters = _LoRAPairs(ids, lora, flat_w, block_m)
         gate_up += adapters.delta(x, lora.a13, lora.b13, True)
     act = fused.silu_and_mul(gate_up)
     del gate_up  # (freed before the down stage: the activation plan counts one of the two alive, sizes.moe_token_bytes)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
-    gemm(act, down, flat_w, pairs_aligned, False, lora is None)
+    gemm(act, down, flat_w, pairs_aligned, False, lora is None, cfg)
     if lora is not None:
         down += adapters.delta(act, lora.a2, lora.b2, False)
         down.mul_(flat_w[:, None])  # (in place, computed in float32 and rounded once: no [pairs, H] float32 copies)
@@ -335,10 +425,10 @@ def int4_tiles(n: int, k: int, group_size: int, top_k: int, block_m: int = BLOCK
     return block_n, block_k, group_size > 0 and (group_size >= k or group_size % block_k == 0)
 
 
-def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool):
+def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None):
     n, k, gs = w.out_features, w.in_features, w.group_size
     block_n, block_k, one_group = int4_tiles(n, k, gs, top_k, aligned.block_m)
-    grid = (aligned.block_expert.shape[0], cdiv(n, block_n))
+    grid, block_n, options = _launch(aligned, n, block_n, True, cfg)
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
     perm = w.perm if w.perm is not None else g  # (not read without PERM)
     _moe_gemm_int4[grid](a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert,
@@ -347,18 +437,19 @@ def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool
                          perm.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
                          IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
                          ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
-                         BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         **launch_options(aligned.block_m, True))
+                         BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
-                   block_m: int | None = None) -> torch.Tensor:
+                   block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
     """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
     dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    return _run(x, ids, weights, w13.qweight.shape[0], w13.out_features, w2.out_features, lora, block_m,
-                lambda a, out, fw, al, row_div, weighted: _gemm_int4(a, w13 if row_div else w2, out, fw, al, top_k,
-                                                                     row_div, weighted))
+    e = w13.qweight.shape[0]
+    return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
+                _config(config, block_m, w13, w2, x.dtype, ids, e),
+                lambda a, out, fw, al, row_div, weighted, cfg: _gemm_int4(a, w13 if row_div else w2, out, fw, al,
+                                                                          top_k, row_div, weighted, cfg))

@@ -317,9 +317,18 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float_weights else weights.to(x.dtype)), ids
 
+    def moe_experts(self):
+        """(w13, w2, top_k, x's dtype, the routing weights' dtype) as the fused MoE takes them (the float stacks, or
+        the int4 ones' reference.Int4Experts): what kernels.moe_tune tunes at an engine start."""
+        ex = self.experts
+        dtype = self.gate.weight.dtype
+        w13, w2 = (ex.w13_int4.experts(), ex.w2_int4.experts()) if self.int4 is not None else (ex.w13, ex.w2)
+        return w13, w2, self.top_k, dtype, torch.float32 if self.float_weights else dtype
+
     def warm_block_sizes(self, max_tokens: int) -> list[int]:
-        """The fused MoE run once on zeros at the fewest tokens of each BLOCK_M a step of up to max_tokens tokens
-        chooses beyond decode's (kernels.fused_moe_block_steps), every expert routed to: its variants compiled
+        """The fused MoE run once on zeros at the fewest tokens of each launch config (BLOCK_M, and the tuned
+        table's tiles, warps and stages) a step of up to max_tokens tokens chooses beyond decode's
+        (kernels.fused_moe_config_steps), every expert routed to: its variants compiled
         before a long prefill needs them (LLMEngine.warm_kernels; its short prompts reach decode's alone). With the
         experts' adapter slots (`lora`) each such step runs again with every token in slot 0, at decode too: the
         warm-up's requests have no adapter, a step with one launches the unweighted down matmul and the adapters'
@@ -327,7 +336,8 @@ class SparseMoeBlock(nn.Module):
         token counts run; none without Triton."""
         ex = self.experts
         probe = self.gate.weight
-        counts = {t for t in kernels.fused_moe_block_steps(probe, max_tokens, self.top_k, ex.num_experts).values()
+        w13, w2 = self.moe_experts()[:2]
+        counts = {t for t in kernels.fused_moe_config_steps(probe, max_tokens, w13, w2, self.top_k).values()
                   if t > 1}
         slots = self.lora
         if slots is not None:
