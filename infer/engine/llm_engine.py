@@ -1541,10 +1541,13 @@ class LLMEngine:
         """Every int4 matmul and LoRA kernel variant the engine can launch for steps of up to max_num_batched_tokens
         tokens, compiled in parallel (a GPU engine's start, after tuning and before graph capture); returns the
         compile calls queued. `warm_kernels` then reaches the rest (attention, norms, rotary) with requests."""
+        from ..kernels import moe_tune
         from ..kernels.gptq_tune import compile_model
         most = self.config.max_num_batched_tokens
         lora = [] if self.lora_manager is None else self.lora_manager.compile_calls(most)
-        queued = compile_model(self.runner.model, most, self.dtype, extra=lora)
+        # the fused MoE's launch configs (tuned or heuristic) of every step size too
+        extra = lora + [c for m in self._models() for c in moe_tune.compile_calls(m, most)]
+        queued = compile_model(self.runner.model, most, self.dtype, extra=extra)
         if self.drafter is not None:  # the draft model's
             queued += compile_model(self.drafter.model, most, self.dtype)
         return queued

@@ -231,25 +231,46 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
-def _launch(aligned: Aligned, n: int, block_n: int, int4: bool, cfg: dict | None):
-    """(grid, BLOCK_N, num_warps / num_stages) of a launch: `cfg`'s (a tuned entry) where it has them, else the
-    heuristics' (`block_n` from `tiles`, `launch_options`)."""
+def _launch(aligned: Aligned, n: int, block_n: int, int4: bool, cfg: dict | None, compile_only: bool = False):
+    """(grid, BLOCK_N, num_warps / num_stages, and the grid too where compile_only) of a launch: `cfg`'s (a tuned
+    entry) where it has them, else the heuristics' (`block_n` from `tiles`, `launch_options`)."""
     cfg = cfg or {}
     block_n = cfg.get("BLOCK_N", block_n)
     options = launch_options(aligned.block_m, int4)
     options.update({o: cfg[o] for o in ("num_warps", "num_stages") if o in cfg})
-    return (aligned.block_expert.shape[0], cdiv(n, block_n)), block_n, options
+    grid = (aligned.block_expert.shape[0], cdiv(n, block_n))
+    return grid, block_n, dict(options, grid=grid) if compile_only else options
 
 
-def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None):
-    """One _moe_gemm launch over `aligned` (an Aligned: its blocks of block_m rows); cfg: a tuned entry."""
+def compile_variants(x: torch.Tensor, w13, w2, top_k: int, weight_dtype: torch.dtype, configs) -> list:
+    """No-argument callables that each compile (Triton's `warmup`, nothing launched) both matmuls of a fused MoE
+    step of these experts (float [E, N, K] or reference.Int4Experts) at one launch config of `configs`: the
+    gate_up (ROW_DIV) and the weighted down, on stand-ins of the launches' dtypes and strides (for
+    gptq_tune.compile_parallel: a tuner's candidates compiled on a thread pool before any is timed)."""
+    int4 = hasattr(w13, "qweight")
+    hidden, inter = (w13.in_features, w2.in_features) if int4 else (w13.shape[2], w2.shape[2])
+    dev = x.device
+    ints = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(3)]
+    rows = {n: torch.empty(1, n, dtype=x.dtype, device=dev) for n in {hidden, inter, 2 * inter}}
+    fw = torch.empty(1, dtype=weight_dtype, device=dev)
+    gemm = _gemm_int4 if int4 else _gemm
+    return [lambda cfg=cfg, a=a, w=w, out=out, first=first: gemm(
+        rows[a], w, rows[out], fw, Aligned(*ints, cfg["BLOCK_M"]), top_k, first, not first, cfg, True)
+        for cfg in configs for a, w, out, first in ((hidden, w13, 2 * inter, True), (inter, w2, hidden, False))]
+
+
+def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None,
+          compile_only: bool = False):
+    """One _moe_gemm launch over `aligned` (an Aligned: its blocks of block_m rows); cfg: a tuned entry;
+    compile_only: only compile it (Triton's `warmup`, `compile_variants`)."""
     n, k = w.shape[1], w.shape[2]
     block_n, block_k = tiles(n, k, top_k, aligned.block_m)
-    grid, block_n, options = _launch(aligned, n, block_n, False, cfg)
-    _moe_gemm[grid](a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k,
-                    top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
-                    IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                    BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+    grid, block_n, options = _launch(aligned, n, block_n, False, cfg, compile_only)
+    run = _moe_gemm.warmup if compile_only else _moe_gemm[grid]
+    run(a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k, top_k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+        IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
 
 
 class Aligned(NamedTuple):
@@ -425,19 +446,20 @@ def int4_tiles(n: int, k: int, group_size: int, top_k: int, block_m: int = BLOCK
     return block_n, block_k, group_size > 0 and (group_size >= k or group_size % block_k == 0)
 
 
-def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None):
+def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None,
+               compile_only: bool = False):
     n, k, gs = w.out_features, w.in_features, w.group_size
     block_n, block_k, one_group = int4_tiles(n, k, gs, top_k, aligned.block_m)
-    grid, block_n, options = _launch(aligned, n, block_n, True, cfg)
+    grid, block_n, options = _launch(aligned, n, block_n, True, cfg, compile_only)
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
     perm = w.perm if w.perm is not None else g  # (not read without PERM)
-    _moe_gemm_int4[grid](a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert,
-                         aligned.post, out.shape[0], n, k, top_k, max(1, w.group_size), a.stride(0), qw.stride(0),
-                         qw.stride(1), qz.stride(0), qz.stride(1), s.stride(0), s.stride(1), g.stride(0),
-                         perm.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
-                         IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                         ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
-                         BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+    run = _moe_gemm_int4.warmup if compile_only else _moe_gemm_int4[grid]
+    run(a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n,
+        k, top_k, max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1), qz.stride(0), qz.stride(1),
+        s.stride(0), s.stride(1), g.stride(0), perm.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+        IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
+        BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,

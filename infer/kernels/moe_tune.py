@@ -114,6 +114,12 @@ def tune_layer(w13, w2, top_k: int, buckets, dtype: torch.dtype, weight_dtype: t
     layer_bytes = _bytes(w13) + _bytes(w2)
     copies = [(w13, w2)] + [(_clone(w13), _clone(w2)) for _ in range(min(MAX_ROUTINGS, cdiv(L2_BUST_BYTES,
                                                                                             layer_bytes)) - 1)]
+    cands = {b: candidates(min(b, max_tokens or b), layer, quick) for b in buckets}
+    if device.type == "cuda":  # every candidate's kernels compiled on a thread pool first (as gptq_tune's)
+        from .gptq_tune import compile_parallel
+        every = {tuple(sorted(c.items())): c for cs in cands.values() for c in cs}
+        compile_parallel(moe.compile_variants(torch.empty(1, f13.shape[2], dtype=dtype, device=device), w13, w2,
+                                              top_k, weight_dtype or dtype, list(every.values())))
     result = {}
     for b in buckets:
         t = min(b, max_tokens or b)
@@ -138,10 +144,9 @@ def tune_layer(w13, w2, top_k: int, buckets, dtype: torch.dtype, weight_dtype: t
                 if log:
                     log(f"  skip {cfg}: {type(err).__name__}")
                 return None
-        cands = candidates(t, layer, quick)
-        heur_us = timed(cands[0])
-        best = (cands[0], heur_us if heur_us is not None else float("inf"))
-        for cfg in cands[1:]:
+        heur_us = timed(cands[b][0])
+        best = (cands[b][0], heur_us if heur_us is not None else float("inf"))
+        for cfg in cands[b][1:]:
             us = timed(cfg)
             if us is not None and us < best[1]:
                 best = (cfg, us)
@@ -162,6 +167,20 @@ def moe_layers(model) -> dict:
             w13, w2, top_k, dtype, weight_dtype = fn()
             out.setdefault(moe.experts_key(w13, w2, top_k, dtype), (w13, w2, top_k, dtype, weight_dtype))
     return out
+
+
+def compile_calls(model, max_tokens: int) -> list:
+    """Compile-only callables (moe.compile_variants) of every launch config the model's sparse layers choose for
+    steps of 1 to max_tokens tokens (moe.config_steps: the tuned table, else the heuristics), for an engine start's
+    parallel compile (LLMEngine.compile_kernels) after tuning."""
+    calls = []
+    for key, (w13, w2, top_k, dtype, weight_dtype) in moe_layers(model).items():
+        int4 = hasattr(w13, "qweight")
+        e, device = (w13.qweight.shape[0], w13.qweight.device) if int4 else (w13.shape[0], w13.device)
+        x = torch.empty(1, w13.in_features if int4 else w13.shape[2], dtype=dtype, device=device)
+        steps = moe.config_steps(max_tokens, top_k, e, key, device)
+        calls += moe.compile_variants(x, w13, w2, top_k, weight_dtype, [dict(c) for c in steps])
+    return calls
 
 
 def tune_model(model, max_tokens: int, device, log=None, quick: bool | None = None, timer=None,
