@@ -116,15 +116,15 @@ def config_steps(max_tokens: int, top_k: int, experts: int, key: str | None, dev
     return out
 
 
-def smem_bytes(cfg: dict, block_k: int, elem: int, int4: bool = False, one_group: bool = True) -> int:
+def smem_bytes(cfg: dict, block_k: int, elem: int, int4: bool = False) -> int:
     """Shared memory a config's pipelined loads take at most: num_stages buffers of the A tile [BLOCK_M, BLOCK_K]
     in x's dtype (`elem` bytes) and of the weight tile: float [BLOCK_K, BLOCK_N] in x's dtype; int4 its words
-    (half a byte a weight) and the step's zeros and scales (6 bytes a column, a row's each where one_group, else
-    BLOCK_K rows'), plus one dequantized [BLOCK_K, BLOCK_N] tile staged for the dot."""
+    (half a byte a weight) and a row of zeros and scales (6 bytes a column), plus one dequantized [BLOCK_K,
+    BLOCK_N] tile staged for the dot. (An act-order step's per-row gathers of zeros and scales are not counted:
+    the tuner skips a config the GPU cannot launch anyway.)"""
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if int4:
-        w = block_k * bn // 2 + 6 * bn * (1 if one_group else block_k)
-        return cfg["num_stages"] * (bm * block_k * elem + w) + block_k * bn * elem
+        return cfg["num_stages"] * (bm * block_k * elem + block_k * bn // 2 + 6 * bn) + block_k * bn * elem
     return cfg["num_stages"] * (bm * block_k + block_k * bn) * elem
 
 

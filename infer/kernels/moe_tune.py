@@ -38,8 +38,7 @@ def _n_tiles(n13: int, n2: int) -> tuple[int, ...]:
 
 def fits(cfg: dict, layer: dict) -> bool:
     """Whether `cfg` fits sm_90's shared memory (moe.smem_bytes) in both matmuls of `layer` (`layer_shape`)."""
-    return all(moe.smem_bytes(cfg, bk, layer["elem"], layer["int4"], one) <= moe.SM90_SMEM
-               for bk, one in layer["steps"])
+    return all(moe.smem_bytes(cfg, bk, layer["elem"], layer["int4"]) <= moe.SM90_SMEM for bk, _ in layer["steps"])
 
 
 def layer_shape(w13, w2, top_k: int, dtype: torch.dtype) -> dict:
