@@ -287,19 +287,51 @@ def test_the_tuner_picks_the_fastest_saves_it_and_a_restart_does_not_tune_again(
 def test_a_sparse_block_gives_its_experts_to_the_tuner():
     """SparseMoeBlock.moe_experts: the float stacks, top-k, the model's dtype and the routing weights' (float32 for
     Mixtral) — what moe_tune.moe_layers keys by moe.experts_key."""
-    from types import SimpleNamespace
-
-    from infer.models.moe import SparseMoeBlock
     for model_type, weights in (("qwen3_moe", torch.bfloat16), ("mixtral", torch.float32)):
-        cfg = SimpleNamespace(model_type=model_type, num_experts=4, num_local_experts=4, hidden_size=16,
-                              moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2,
-                              norm_topk_prob=True)
-        block = SparseMoeBlock(cfg, "model.layers.0.mlp", lambda names: None, torch.bfloat16)
+        block = sparse_block(model_type)
         w13, w2, top_k, dtype, wdt = block.moe_experts()
         assert w13 is block.experts.w13 and w2 is block.experts.w2 and (top_k, dtype, wdt) == (2, torch.bfloat16,
                                                                                                  weights)
         layers = moe_tune.moe_layers(torch.nn.ModuleList([block]))
         assert list(layers) == ["4,16,8,2,bfloat16"]
+
+
+def sparse_block(model_type: str = "qwen3_moe", dtype=torch.bfloat16):
+    """A SparseMoeBlock of 4 float experts (H 16, I 8, top-2)."""
+    from types import SimpleNamespace
+
+    from infer.models.moe import SparseMoeBlock
+    cfg = SimpleNamespace(model_type=model_type, num_experts=4, num_local_experts=4, hidden_size=16,
+                          moe_intermediate_size=8, intermediate_size=8, num_experts_per_tok=2, norm_topk_prob=True)
+    return SparseMoeBlock(cfg, "model.layers.0.mlp", lambda names: None, dtype)
+
+
+@interpreted
+def test_the_warm_up_launches_every_config_the_table_chooses(moe_cache, monkeypatch):
+    """SparseMoeBlock.warm_block_sizes (an engine start's LLMEngine.warm_kernels) runs a step of each launch config
+    a step of up to max_tokens tokens can choose: the tuned buckets' entries (at each bucket's fewest tokens) beside
+    the heuristics' BLOCK_M; every config a step then launches was launched by the warm-up first."""
+    from quant_helpers import int4_kernel_path
+    block = sparse_block(dtype=torch.float32)
+    for p in (block.experts.w13, block.experts.w2, block.gate.weight):
+        p.data.normal_(0, 0.1)
+    int4_kernel_path(monkeypatch)
+    key = moe.experts_key(block.experts.w13, block.experts.w2, 2, torch.float32)
+    gptq_configs.save("GPU_X", {key: {8: FASTEST, 64: dict(FASTEST, BLOCK_M=32)}}, moe.SECTION)
+    use_table(monkeypatch, "GPU_X")
+    seen = record(monkeypatch, "_moe_gemm")
+
+    def configs() -> set:
+        out = {tuple((o, s[o]) for o in FASTEST) for s in seen}
+        seen.clear()
+        return out
+    assert block.warm_block_sizes(64) == [5, 33]  # (decode's 16 rows: the warm-up's requests reach them)
+    warmed = configs()
+    assert {(("BLOCK_M", 16), ("BLOCK_N", 32), ("num_warps", 8), ("num_stages", 4)),
+            (("BLOCK_M", 32), ("BLOCK_N", 32), ("num_warps", 8), ("num_stages", 4))} <= warmed
+    for t in (6, 8, 40, 64):
+        block(torch.randn(t, 16))
+        assert configs() <= warmed, t
 
 
 def test_warmup_prints_the_moe_tuning_time(capsys):
@@ -349,3 +381,40 @@ def test_tuning_a_qwen3_layer_on_the_gpu_beats_or_matches_the_heuristics(moe_cac
         want = reference.fused_moe(x, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), w.bfloat16(),
                                    ids)
         assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
+
+
+def test_compile_variants_compile_what_the_launches_take_within_sm90_shared_memory():
+    """Compiled for sm_90 (the compile side of a driver, no GPU): moe.compile_variants of a launch config compiles
+    both matmuls' variants (the gate_up, the weighted down), after which a step launched with that config compiles
+    no matmul of its own; for the candidates of the largest moe.smem_bytes (int4 and bf16 experts, BLOCK_K 128)
+    the compiled kernels' shared memory is at most that bound (an upper bound: the candidates' filter is safe)."""
+    import inspect
+    import textwrap
+
+    from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
+    script = COMPILE_ONLY_LAUNCHES + "from infer.kernels import packing, reference\n" + inspect.getsource(
+        int4_experts) + textwrap.dedent('''
+        from infer.kernels import moe, moe_tune
+        out = []
+        w13 = int4_experts(8, 256, 512, 128, False, False, True, 0)
+        w2 = int4_experts(8, 256, 256, 128, False, False, True, 1)
+        x = torch.randn(40, 256, dtype=torch.bfloat16)
+        w, ids = torch.topk(torch.randn(40, 8).softmax(-1), 2, -1)
+        for a13, a2 in ((w13, w2), (w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))):
+            layer = moe_tune.layer_shape(a13, a2, 2, torch.bfloat16)
+            cands = sorted(moe_tune.candidates(40, layer)[1:], key=lambda c: -moe.smem_bytes(c, 128, 2, layer["int4"]))
+            for cfg in cands[:2]:
+                before = len(compiled)
+                kernels = [c() for c in moe.compile_variants(x, a13, a2, 2, torch.bfloat16, [cfg])]
+                variants = compiled[before:]
+                before = len(compiled)
+                (moe.fused_moe_int4 if layer["int4"] else moe.fused_moe)(x, a13, a2, w.bfloat16(), ids, config=cfg)
+                out.append({"cfg": cfg, "variants": variants, "launched": compiled[before:], "int4": layer["int4"],
+                            "shared": [k.metadata.shared for k in kernels],
+                            "bound": moe.smem_bytes(cfg, 128, 2, layer["int4"])})
+        print(json.dumps(out))
+    ''')
+    for r in run_compile_only(script, 600):
+        kernel = "_moe_gemm_int4" if r["int4"] else "_moe_gemm"
+        assert r["variants"] == [kernel, kernel] and kernel not in r["launched"], r
+        assert max(r["shared"]) <= r["bound"] <= moe.SM90_SMEM, r

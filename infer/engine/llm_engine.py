@@ -1573,8 +1573,9 @@ class LLMEngine:
                         mod.compile_decode()
 
     def _warm_moe_blocks(self) -> None:
-        """Compile the fused MoE's variants of the BLOCK_M sizes a step of up to max_num_batched_tokens tokens can
-        choose (models.moe.SparseMoeBlock.warm_block_sizes), once per shape of sparse layer (with its experts'
+        """Compile the fused MoE's variants of the launch configs (BLOCK_M, and the tuned table's tiles, warps and
+        stages: kernels.moe.config_steps) a step of up to max_num_batched_tokens tokens can choose
+        (models.moe.SparseMoeBlock.warm_block_sizes), once per shape of sparse layer (with its experts'
         adapter slots or not), of the model and of a draft model (draft-model speculation: its prefills take as
         many tokens)."""
         from ..models.moe import SparseMoeBlock
