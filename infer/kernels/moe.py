@@ -267,10 +267,10 @@ def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg
     block_n, block_k = tiles(n, k, top_k, aligned.block_m)
     grid, block_n, options = _launch(aligned, n, block_n, False, cfg, compile_only)
     run = _moe_gemm.warmup if compile_only else _moe_gemm[grid]
-    return run(a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k, top_k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
-        IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+    return run(a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k,
+               top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+               IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
 
 
 class Aligned(NamedTuple):
@@ -454,12 +454,13 @@ def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
     perm = w.perm if w.perm is not None else g  # (not read without PERM)
     run = _moe_gemm_int4.warmup if compile_only else _moe_gemm_int4[grid]
-    return run(a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n,
-        k, top_k, max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1), qz.stride(0), qz.stride(1),
-        s.stride(0), s.stride(1), g.stride(0), perm.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
-        IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
-        BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+    return run(a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post,
+               out.shape[0], n, k, top_k, max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1),
+               qz.stride(0), qz.stride(1), s.stride(0), s.stride(1), g.stride(0), perm.stride(0), out.stride(0),
+               ROW_DIV=row_div, WEIGHTED=weighted,
+               IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+               ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
+               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
