@@ -58,16 +58,18 @@ def layer_shape(w13, w2, top_k: int, dtype: torch.dtype) -> dict:
 def candidates(tokens: int, layer: dict, quick: bool = False) -> list[dict]:
     """The configs worth timing at a step of `tokens` tokens: BLOCK_M from 16 to the step's pairs (T * k rows: a
     taller block is padding only; quick: the heuristic's and its neighbours), BLOCK_N up to the narrower matmul's
-    width, 4 or 8 warps, 2-5 stages (quick: 3 or 4), each fitting sm_90's shared memory (`fits`); the heuristics'
+    width (quick: from 32 where the layer allows), 4 or 8 warps, 2-5 stages (quick: 3 or 4), each fitting sm_90's shared memory (`fits`); the heuristics'
     own ({"BLOCK_M": choose_block_m}) first, so a tuned table never chooses worse than it measured."""
     top_k, e = layer["top_k"], layer["experts"]
     heur = moe.choose_block_m(tokens, top_k, e)
     most = max(moe.BLOCK_M, triton.next_power_of_2(tokens * top_k))
     bms = [m for m in BLOCK_MS if m <= most and (not quick or heur // 2 <= m <= 2 * heur)]
     stages = (3, 4) if quick else (2, 3, 4, 5)
+    ns = _n_tiles(layer["n13"], layer["n2"])
+    ns = [n for n in ns if n >= 32] or ns if quick else ns
     out = [{"BLOCK_M": heur}]
-    out += [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m in bms
-            for n in _n_tiles(layer["n13"], layer["n2"]) for w in (4, 8) for s in stages]
+    out += [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s} for m in bms for n in ns for w in (4, 8)
+            for s in stages]
     return [c for c in out if len(c) == 1 or fits(c, layer)]
 
 
