@@ -308,6 +308,7 @@ class LLMEngine:
         # the replays of graphs dropped since (sleep, reload_weights): stats()' counters carry on past them, as
         # vLLM's (monotonic, never reset by sleep or wake_up)
         self._dropped_replays = dict.fromkeys(_REPLAY_KEYS, 0)
+        self._moe_warmed: set = set()  # the sparse layers' shapes whose fused MoE variants are compiled
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -1395,6 +1396,8 @@ class LLMEngine:
         _adopt_weights(self.runner.model, fresh)
         del fresh
         self._sleep.discarded = False
+        if self._moe_warmed:  # (an engine that warmed its kernels at start: a GPU's) the fused
+            self._warm_moe_blocks(decode=True)  # MoE's variants of a new experts' layout now, not on a user's request
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)  # K/V of the old weights
         self._free_device_cache()
         if not self._sleep.asleep:
@@ -1572,14 +1575,15 @@ class LLMEngine:
                         windows.add(getattr(mod, "window", 0))
                         mod.compile_decode()
 
-    def _warm_moe_blocks(self) -> None:
+    def _warm_moe_blocks(self, decode: bool = False) -> None:
         """Compile the fused MoE's variants of the launch configs (BLOCK_M, and the tuned table's tiles, warps and
         stages: kernels.moe.config_steps) a step of up to max_num_batched_tokens tokens can choose
         (models.moe.SparseMoeBlock.warm_block_sizes), once per shape of sparse layer (with its experts'
         adapter slots or not), of the model and of a draft model (draft-model speculation: its prefills take as
-        many tokens)."""
+        many tokens). The shapes warmed are kept (`_moe_warmed`): reload_weights warms those its new experts'
+        layout (group size, act-order, zero points' format) adds (`decode`: with decode's BLOCK_M, which the start's
+        warm-up requests reached), and skips those warmed before."""
         from ..models.moe import SparseMoeBlock
-        seen = set()
         for mod in (m for model in self._models() for m in model.modules()):
             if isinstance(mod, SparseMoeBlock):
                 ex = mod.experts
@@ -1587,9 +1591,9 @@ class LLMEngine:
                 key = (ex.num_experts, ex.hidden, ex.inter, mod.top_k, mod.float_weights, mod.gate.weight.dtype,
                        tuple((s.group_size, s.perm is None, s.config.zeros_v1) for s in stacks),
                        None if mod.lora is None else tuple(mod.lora.a13.shape))
-                if key not in seen:
-                    seen.add(key)
-                    mod.warm_block_sizes(self.config.max_num_batched_tokens)
+                if key not in self._moe_warmed:
+                    self._moe_warmed.add(key)
+                    mod.warm_block_sizes(self.config.max_num_batched_tokens, decode)
 
     @torch.inference_mode()
     def warm_kernels(self) -> None:

@@ -325,20 +325,21 @@ class SparseMoeBlock(nn.Module):
         w13, w2 = (ex.w13_int4.experts(), ex.w2_int4.experts()) if self.int4 is not None else (ex.w13, ex.w2)
         return w13, w2, self.top_k, dtype, torch.float32 if self.float_weights else dtype
 
-    def warm_block_sizes(self, max_tokens: int) -> list[int]:
+    def warm_block_sizes(self, max_tokens: int, decode: bool = False) -> list[int]:
         """The fused MoE run once on zeros at the fewest tokens of each launch config (BLOCK_M, and the tuned
         table's tiles, warps and stages) a step of up to max_tokens tokens chooses beyond decode's
         (kernels.fused_moe_config_steps), every expert routed to: its variants compiled
         before a long prefill needs them (LLMEngine.warm_kernels; its short prompts reach decode's alone). With the
         experts' adapter slots (`lora`) each such step runs again with every token in slot 0, at decode too: the
         warm-up's requests have no adapter, a step with one launches the unweighted down matmul and the adapters'
-        pairs, which choose their BLOCK_M over the slots' virtual experts (kernels.moe._LoRAPairs). Returns the
-        token counts run; none without Triton."""
+        pairs, which choose their BLOCK_M over the slots' virtual experts (kernels.moe._LoRAPairs). `decode`:
+        decode's BLOCK_M too (reload_weights: new experts' layout, no requests to reach it). Returns the token
+        counts run; none without Triton."""
         ex = self.experts
         probe = self.gate.weight
         w13, w2 = self.moe_experts()[:2]
         counts = {t for t in kernels.fused_moe_config_steps(probe, max_tokens, w13, w2, self.top_k).values()
-                  if t > 1}
+                  if t > 1 or decode}
         slots = self.lora
         if slots is not None:
             virtual = slots.a13.shape[0] * ex.num_experts
