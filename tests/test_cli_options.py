@@ -139,3 +139,15 @@ def test_replica_options_reach_the_data_parallel_drivers(command, tmp_path, monk
     assert isinstance(result.exception, Stopped), result.output
     for _, _, keyword, want in REPLICA_OPTIONS:
         assert seen[keyword] == want, (command, keyword)
+
+
+@pytest.mark.parametrize("parallel", [[], ["--data-parallel", "2", "--ray-address", "127.0.0.1:1"]])
+def test_run_passes_retry_failed_to_either_driver(parallel, tmp_path, monkeypatch):
+    """`infer run`'s own --retry-failed (with --resume) reaches the in-process run and run_data_parallel."""
+    seen = stub_calls(monkeypatch, "infer.cli.run_parallel.run_data_parallel", "infer.cli.run._run_in_process")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), "-o", str(tmp_path / "o.jsonl"),
+                                      "--resume", "--retry-failed", *parallel])
+    assert isinstance(result.exception, Stopped), result.output
+    assert seen["retry_failed"] is True

@@ -39,36 +39,44 @@ def done_ids(path: Path, lines_of: dict[str, int] | None = None) -> set[str]:
     note on stderr saying how many. `lines_of` (the input's id -> line number): an error record that names
     another line than the one that has its id now is cut too (a failed line without an id of its own took its
     line number as id, and a line appended since names that id: the failed line's id is N~2 now, and the
-    appended line would have been skipped as done, its request never run)."""
+    appended line would have been skipped as done, its request never run). An id's later record replaces its
+    error record (--retry-failed appends a retried line's record and removes the error only then: a run killed
+    in between left both); any other repeated record is cut, the first kept."""
     if not path.is_file():
         return set()
     data = path.read_bytes()
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with "\n", else a torn last record
-    ids, keep, dropped, moved = set(), [], 1 if tail else 0, 0
+    keep: list[bytes | None] = []
+    at: dict[str, tuple[int, bool]] = {}  # id -> (its record's index in keep, whether that record is an error)
+    dropped, moved, replaced = 1 if tail else 0, 0, 0
     for raw in lines:
-        rec_id, line_no = _record_id(raw, with_line=True)
+        rec_id, line_no, error = _record_id(raw, with_line=True)
         if rec_id is not None and line_no is not None and (lines_of or {}).get(rec_id, line_no) != line_no:
             moved += 1
             continue
-        if rec_id is None or rec_id in ids:
+        if rec_id is not None and rec_id in at and at[rec_id][1]:  # a retried line's record after its error
+            keep[at[rec_id][0]] = None
+            replaced += 1
+        elif rec_id is None or rec_id in at:
             dropped += 1
             continue
-        ids.add(rec_id)
+        at[rec_id] = (len(keep), error)
         keep.append(raw + b"\n")
-    if dropped or moved:
+    if dropped or moved or replaced:
         # the file itself, not a link to it: replacing the link left the records in a new file beside it, and the
         # file it pointed to (on another disk, say) ended torn and without the resumed run's records
         real = path.resolve()
         tmp = real.with_name(real.name + ".tmp")
         try:
-            tmp.write_bytes(b"".join(keep))
+            tmp.write_bytes(b"".join(k for k in keep if k is not None))
             os.chmod(tmp, stat.S_IMODE(real.stat().st_mode))  # an output made private (0600) stays so
             os.replace(tmp, real)
         except OSError as e:  # a full disk: a traceback, and a .tmp copy of the records left beside
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise OutputError(f"cannot remove {dropped + moved} unreadable or repeated line(s) from {path}: "
+            raise OutputError(f"cannot remove {dropped + moved + replaced} unreadable, repeated or retried "
+                              f"line(s) from {path}: "
                               f"{e.strerror or e}; the file is as it was",
                               "make room (the records are copied once), then run the same command again") from None
         if dropped:
@@ -77,7 +85,10 @@ def done_ids(path: Path, lines_of: dict[str, int] | None = None) -> set[str]:
         if moved:
             typer.echo(f"note: removed {moved} error record(s) from {path} whose id another line of the input has "
                        "now; both lines run again", err=True)
-    return ids
+        if replaced:
+            typer.echo(f"note: replaced {replaced} error record(s) in {path} with their retried lines' records "
+                       "(--retry-failed)", err=True)
+    return set(at)
 
 
 def error_ids(path: Path) -> set[str]:
@@ -159,18 +170,19 @@ _ERROR_LINE = re.compile(r"line ([0-9]+): ")  # how an input line's error record
 
 
 def _record_id(raw: bytes, with_line: bool = False):
-    """A record's id (None: not a record); `with_line`: (id, the input line its error names, or None)."""
+    """A record's id (None: not a record); `with_line`: (id, the input line its error names or None, whether it is
+    an error record)."""
     try:
         rec = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
         rec = None
     rec_id, error = record_of(rec)  # either --output-format's record: an OpenAI batch output line's is custom_id
     if rec_id is None:
-        return (None, None) if with_line else None
+        return (None, None, False) if with_line else None
     if not with_line:
         return rec_id
     m = _ERROR_LINE.match(error) if error is not None else None
-    return rec_id, int(m.group(1)) if m else None
+    return rec_id, int(m.group(1)) if m else None, error is not None
 
 
 def fingerprint_path(output: Path) -> Path:
@@ -275,9 +287,11 @@ def check_not_unfinished(output: Path) -> None:
                                      "to start over")
 
 
-def check_resume(output: Path, input: Path, options: dict) -> None:
+def check_resume(output: Path, input: Path, options: dict, retry_failed: bool = False) -> None:
     """Refuse to resume OUTPUT from another input or with options that change outputs. An input that only grew
-    (lines appended to the same file) is the same input."""
+    (lines appended to the same file) is the same input. `retry_failed` (--retry-failed): adapters added to the
+    old ones (--lora NAME=PATH, those already given at the same paths) are taken: they change no record but the
+    error of a line that named an unknown adapter, which the run retries."""
     path = fingerprint_path(output)
     if not output.is_file():
         return
@@ -296,7 +310,8 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
         return
     hint = "resume with the same input and options, write to a new -o OUTPUT, or pass --force-resume"
     old_opts, options = {**OPTION_DEFAULTS, **old_opts}, {**OPTION_DEFAULTS, **options}
-    changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
+    changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k)
+                     and not (k == "loras" and retry_failed and _only_added(old_opts.get(k), options.get(k))))
     what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)
     if input.stat().st_size < size or input_digest(input, size) != digest:  # every difference at once
         also = f"; it was also written with other options: {what}" if changed else ""
@@ -310,3 +325,8 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
                           "write to a new -o OUTPUT")
     if changed:
         raise ConfigError(f"{output} was written with other options: {what}", hint)
+
+
+def _only_added(old, new) -> bool:
+    """Whether the adapters `new` (name -> folder) keep every one of `old` at its folder and add others."""
+    return isinstance(old, dict) and isinstance(new, dict) and all(new.get(k) == v for k, v in old.items())

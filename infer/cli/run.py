@@ -44,6 +44,10 @@ def run(
                                               "from the same input and options).")] = False,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume even if OUTPUT was written from another input or with "
                                                     "other options.")] = False,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="With --resume: run again the lines whose "
+                                               "records in OUTPUT are errors (after fixing their cause, e.g. with "
+                                               "--lora for an unknown body.model), each new record replacing its "
+                                               "error; --lora may add adapters.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Check every line first; exit 2 before generating if one is bad.")]
     = False,
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens (generated tokens, "
@@ -85,6 +89,9 @@ def run(
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
     resume = resume or force_resume
+    if retry_failed and not resume:
+        raise ConfigError("--retry-failed runs again the lines whose records in -o OUTPUT are errors: it needs "
+                          "--resume", "add --resume (without it the run starts OUTPUT over and runs every line)")
     if output is not None and not output.strip():  # `-o "$UNSET"`: Path('') is the current folder
         raise ConfigError("-o is empty", "give a file path, e.g. -o out.jsonl, or -o - (or no -o) for stdout")
     if output is not None and output.endswith(("/", os.sep)):  # (a Path would drop the slash: a file of that name)
@@ -107,17 +114,17 @@ def run(
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
                     ray_address, options, resumable, output_format,
                     replica_options={"max_restarts": max_replica_restarts,
-                                     "placement_timeout": replica_placement_timeout})
+                                     "placement_timeout": replica_placement_timeout}, retry_failed=retry_failed)
 
 
 def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: bool, force_resume: bool,
                 strict: bool, max_new_tokens: int, quiet: bool, data_parallel: int, ray_address: str | None,
                 options: dict, resumable: bool, output_format: str = "infer",
-                replica_options: dict | None = None) -> None:
+                replica_options: dict | None = None, retry_failed: bool = False) -> None:
     """`run` once its paths are checked, with the output locked (`replica_options`: run_data_parallel's
-    max_restarts and placement_timeout, for --data-parallel)."""
+    max_restarts and placement_timeout, for --data-parallel; `retry_failed`: --retry-failed)."""
     if resume and resumable and not force_resume:
-        check_resume(output, input, options)
+        check_resume(output, input, options, retry_failed)
     if not resume and resumable:
         check_not_unfinished(output)
     if _holds_no_request(input):  # nothing to generate: say so, without loading a model for it
@@ -133,12 +140,14 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
         failed, earlier = run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address,
                                             defaults=defaults, strict=strict, resume=resume, resumable=resumable,
                                             options=options, quiet=quiet, output_format=output_format,
-                                            **(replica_options or {}))
+                                            retry_failed=retry_failed, **(replica_options or {}))
     else:
         failed, earlier = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
                                           resumable=resumable, options=options, quiet=quiet,
-                                          output_format=output_format)
+                                          output_format=output_format, retry_failed=retry_failed)
     if resumable:
+        if retry_failed:
+            done_ids(output)  # the retried lines' error records out (each new record replaces its error)
         mark_complete(output)  # every line has its record: a later run may start this output over
     if not failed and earlier:  # error records an earlier session wrote for this input fail the run as well
         typer.echo(f"note: {output} holds {earlier} error record(s) from before this resume", err=True)
@@ -149,7 +158,7 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
 
 def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defaults: dict, *, strict: bool,
                     resume: bool, resumable: bool, options: dict, quiet: bool,
-                    output_format: str = "infer") -> tuple[int, int]:
+                    output_format: str = "infer", retry_failed: bool = False) -> tuple[int, int]:
     """Load the engine, check every line against it, and generate what is still to do: (this run's failed lines,
     error records of this input's lines that the resumed output already held)."""
     if strict:  # every line is read and checked before the model loads: a bad file costs no load time
@@ -163,7 +172,7 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     note = unused_adapters_note(engine.loras, lines)
     if note and not quiet:
         typer.echo(note, err=True)
-    todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
+    todo, writer, earlier = open_output(lines, output, input, options, resume, resumable, retry_failed)
     if resume and not todo and lines:  # (not "0 ok, 0 failed, 0 tokens": nothing was left to generate)
         writer.close()
         if not quiet:
@@ -420,11 +429,13 @@ def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names, output
     return lines
 
 
-def open_output(lines, output, input, options: dict, resume: bool, resumable: bool):
+def open_output(lines, output, input, options: dict, resume: bool, resumable: bool, retry_failed: bool = False):
     """(the lines still to run, the record writer, how many of the input's ids the output holds error records
     of): with --resume, the ids already in the output are skipped, and records of ids the input does not have
     (an output resumed from another input with --force-resume) are kept, said so, and fail nothing; the output's
-    resume fingerprint is (re)written when the output is a regular file."""
+    resume fingerprint is (re)written when the output is a regular file. `retry_failed` (--retry-failed): the
+    input's ids whose records are errors run again, their new records appended (resume.done_ids then removes the
+    errors they replace)."""
     skip = done_ids(output, {item.id: item.line_no for item in lines}) if resume and resumable else set()
     ids = {item.id for item in lines}
     others = len(skip - ids)
@@ -432,6 +443,11 @@ def open_output(lines, output, input, options: dict, resume: bool, resumable: bo
         typer.echo(f"note: {output} holds {others} record(s) whose ids are not in {input} (written from another "
                    "input?); they are kept as they are", err=True)
     earlier = len(error_ids(output) & ids) if skip else 0
+    if earlier and retry_failed:
+        skip -= error_ids(output)
+        typer.echo(f"note: running again the {earlier} line(s) whose records in {output} are errors "
+                   "(--retry-failed)", err=True)
+        earlier = 0
     todo = [item for item in lines if item.id not in skip]
     writer = RecordWriter(output, append=resume)
     if resumable:

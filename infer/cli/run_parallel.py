@@ -25,7 +25,7 @@ VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int, address: str | None,
                       defaults: dict, strict: bool, resume: bool, resumable: bool, options: dict,
                       quiet: bool, output_format: str = "infer", max_restarts: int = MAX_RESTARTS,
-                      placement_timeout: float = PLACEMENT_TIMEOUT_S) -> tuple[int, int]:
+                      placement_timeout: float = PLACEMENT_TIMEOUT_S, retry_failed: bool = False) -> tuple[int, int]:
     """Run every line of `input` on `replicas` engine replicas: (this run's failed lines, earlier error records of
     this input's lines in the resumed output), as run._run_in_process. A replica that stops is replaced by a fresh
     one `max_restarts` times at most (--max-replica-restarts; 0: never); one Ray has not placed after
@@ -59,7 +59,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             note = unused_adapters_note(engine.loras, lines)
             if note and not quiet:
                 typer.echo(note, err=True)
-            todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
+            todo, writer, earlier = open_output(lines, output, input, options, resume, resumable, retry_failed)
             try:
                 records = Records(output_format, tokenizer, lines, model_id(engine, options),
                                   options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
