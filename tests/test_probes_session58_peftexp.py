@@ -4,7 +4,7 @@ experts) adapt every sparse layer whatever layers_to_transform says, while the m
 rank_pattern / alpha_pattern keys match the end of the stacked parameter's path (model.layers.N.mlp.experts.
 gate_up_proj) as regexes. transformers 4's per-expert adapters get the rank and scaling peft gives them when it
 converts them (gate_up_proj at 2r and 2 x lora_alpha after the adapter's own keys: an alpha_pattern keyed by
-gate_proj is not used; use_rslora stays served as trained, session 57), adapt every layer they have weights for, and
+gate_proj alone is not used, and refused since session 59), adapt every layer they have weights for, and
 are refused, as peft refuses them, where their ranks are not the ones peft gives the stacked parameters. infer's
 greedy tokens (served alone and mixed, lora-validate, a merge) are peft's on the same weights."""
 
@@ -105,7 +105,9 @@ def _v4_specs(names) -> dict:
     gate, up, down = names
     return {
         "gate-up-rank": dict(ranks={gate: 2, up: 2}, rank_pattern={"gate_up_proj": 4}),  # the stacked name's key
-        "alpha": dict(alpha_pattern={gate: 3, up: 3, down: 5}),  # gate's and up's keys match no stacked name
+        # gate's and up's keys match no stacked name: keyed by the stacked names too (at twice the gate's alpha for
+        # the fused gate_up_proj), as infer's refusal of the per-expert keys alone says (session 59)
+        "alpha": dict(alpha_pattern={gate: 3, up: 3, "gate_up_proj": 6, down: 5, "down_proj": 5}),
         "layers": dict(layers=[1], ranks={down: 8}, rank_pattern={"down_proj": 8}),
         "all-layers": dict(layers=[1], expert_layers=[0, 1]),  # peft adapts layer 0's experts too
         "regex-targets": dict(target_modules=rf".*\.(q_proj|{gate}|{up}|{down})"),  # peft resolves it, then fuses
@@ -125,7 +127,7 @@ def v4(request, tmp_path_factory):
 
 def test_per_expert_adapters_of_transformers_4_with_patterns_and_layers_equal_peft(v4):
     """transformers 4's per-expert adapters with a rank_pattern keyed by the stacked gate_up_proj, an alpha_pattern
-    keyed by their own names, a rank_pattern on down_proj, layers_to_transform (weights in the listed layer only,
+    keyed by their own names and the stacked ones, a rank_pattern on down_proj, layers_to_transform (weights in the listed layer only,
     or in every layer) and target_modules a regex: peft's tokens, mixed and alone."""
     base, hf, paths = v4
     prompts = random_prompts(512, (7, 5, 9, 6, 8), seed=13)
@@ -138,7 +140,7 @@ def test_per_expert_adapters_of_transformers_4_with_patterns_and_layers_equal_pe
 
 def test_merging_a_per_expert_adapter_with_alpha_pattern_gives_what_serving_it_gives(v4, tmp_path):
     """`infer convert --merge-lora` (peft's merge) of the per-expert adapter with an alpha_pattern keyed by its own
-    names (which peft does not use for the fused gate_up_proj): the merged model's tokens are the adapter's served,
+    names and the stacked ones (peft uses the latter): the merged model's tokens are the adapter's served,
     which are peft's; lora-validate passes it."""
     base, hf, paths = v4
     path = paths["alpha"]

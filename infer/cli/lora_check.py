@@ -157,7 +157,6 @@ def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str
         raise LoRAError(f"peft cannot load it: {lines[0] if lines else type(e).__name__}",
                         "peft and the tools built on it refuse the adapter as saved; fix its adapter_config.json "
                         "or save it again with peft") from e
-    _trained_scaling(model, path, name)
     diff = effect = 0.0
     agree, scale, bad = True, 1.0, set()
     try:
@@ -178,19 +177,6 @@ def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str
         model.unload()  # the oracle gets its plain layers back for the next adapter
     whose = " and ".join(w for w in ("infer's", "peft's") if w in bad) or None
     return NumericCheck(diff, tol_scale * scale, agree, effect, label, whose)
-
-
-def _trained_scaling(model, path: Path, name: str) -> None:
-    """An adapter of transformers 4's per-expert gate and up with use_rslora (quant.convert.peft_fused_rslora): the
-    fused parameter's scaling in peft as the adapter was trained (peft's fusion multiplies it by sqrt(k)), so that
-    the check compares what infer serves with what the adapter computed."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    from ..quant.convert import peft_fused_rslora
-    fused = peft_fused_rslora(model, path, name)
-    for module in model.modules():
-        if isinstance(module, ParamWrapper) and module.parameter_name in fused and name in module.scaling:
-            module.scaling[name] /= math.sqrt(fused[module.parameter_name])
 
 
 def _strip_peft(model) -> None:

@@ -819,6 +819,7 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     per_module: list[tuple[str, Problem]] = []  # (module, its problem): alike ones are one problem
     stacked: dict[int, dict[int, dict]] = {}  # a sparse layer -> its experts' pairs by nesting depth
     per_expert: dict[int, dict[int, dict]] = {}  # a sparse layer -> part (0 gate, 1 up, 2 down) -> expert -> pair
+    v4_names: dict[int, str] = {}  # part -> the adapter's name of it (gate_proj or w1, ...)
     for path, pair in pairs.items():
         nested = _EXPERTS.match(path)
         if nested is not None:
@@ -827,13 +828,18 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         own = _EXPERT_MODULE.match(path)
         if own is not None:
             module = f"model.layers.{int(own['layer'])}.mlp.experts.{int(own['expert'])}.{own['proj']}"
-            # peft turns them into target_parameters, which adapt every layer's experts: no layers_to_transform
-            why = _unselected({**config, "layers_to_transform": None}, module, int(own["layer"]))
+            # peft turns them into target_parameters, which adapt every layer's experts: no layers_to_transform,
+            # and no exclude_modules where target_modules is a list (peft maps its names; a regex it resolves
+            # against the model, exclude_modules too)
+            listed = not isinstance(config.get("target_modules"), str)
+            why = _unselected({**config, "layers_to_transform": None,
+                               **({"exclude_modules": None} if listed else {})}, module, int(own["layer"]))
             if why:
                 unselected.setdefault(why, []).append(module)
                 continue
             part = _V4_EXPERT_PARTS[own["proj"]]
             per_expert.setdefault(int(own["layer"]), {}).setdefault(part, {})[int(own["expert"])] = pair
+            v4_names[part] = own["proj"]
             continue
         where = _module_of(path)
         if where is None:
@@ -858,7 +864,7 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         for module in _expert_modules(config, layer, levels, per_module):
             modules[module.name] = module
     for layer, parts in per_expert.items():
-        for module in _stacked_from_v4(config, layer, parts, per_module):
+        for module in _stacked_from_v4(config, layer, parts, per_module, v4_names):
             modules[module.name] = module
     problems += _one_per_kind(per_module)
     for why, names in unselected.items():
@@ -920,13 +926,14 @@ def v4_converted(config: dict, fused: bool) -> dict:
             "alpha_pattern": {**(config.get("alpha_pattern") or {}), V4_FUSED_KEY: 2 * config["lora_alpha"]}}
 
 
-def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_module: list) -> list[LoRAModule]:
+def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_module: list,
+                     names: dict[int, str]) -> list[LoRAModule]:
     """A sparse layer's experts adapted one by one (transformers 4's experts.N.gate_proj / up_proj / down_proj,
-    Mixtral's w1 / w3 / w2) as peft converts them for transformers 5's stacked parameters: gate_up_proj's A of each
-    expert its gate's A over its up's, its B the two B's block-diagonal, down_proj's as they are; the rank and
-    scaling of each stacked parameter the ones peft gives it (v4_converted: gate_up_proj at 2r and 2 x lora_alpha;
-    an alpha_pattern keyed by the per-expert names is not used), but with use_rslora the fused gate and up as trained
-    (peft scales them sqrt(2) times as much). Every expert must have its pairs."""
+    Mixtral's w1 / w3 / w2: `names`, by part) as peft converts them for transformers 5's stacked parameters:
+    gate_up_proj's A of each expert its gate's A over its up's, its B the two B's block-diagonal, down_proj's as
+    they are; the rank and scaling of each stacked parameter the ones peft gives it (v4_converted: gate_up_proj at 2r
+    and 2 x lora_alpha). Every expert must have its pairs, and peft's scaling must be the one each expert's modules
+    were trained with (_v4_scaling_problem: use_rslora, or alpha_pattern keys of the per-expert names)."""
     out = []
     path = f"model.layers.{layer}.mlp.experts"
     converted = v4_converted(config, 0 in parts and 1 in parts)  # (its weights: what a target regex selected)
@@ -944,9 +951,6 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
                                              "again with peft")))
             continue
         r_cfg, scaling = module_scaling(converted, name)
-        if config.get("use_rslora") and pattern_key(converted.get("rank_pattern"), name) == V4_FUSED_KEY:
-            scaling /= math.sqrt(2)  # as trained: peft's alpha / sqrt(r) at 2r scales sqrt(2) times as much (its
-            # merge is refused, lora-validate puts its scaling back: quant.convert.peft_fused_rslora)
         a_rows, b_rows = [], []
         for e in range(count):
             pairs = [parts[p][e] for p in members]
@@ -962,8 +966,50 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
             a_rows.append(torch.cat([q["lora_A"] for q in pairs]))
             b_rows.append(torch.block_diag(*[q["lora_B"] for q in pairs]))
         else:
+            bad = _v4_scaling_problem(config, converted, name, [f"{path}.{e}.{names[p]}" for p in members
+                                                                for e in range(count)], r_cfg, scaling)
+            if bad is not None:
+                per_module.append((name, bad))
+                continue
             out.append(LoRAModule(name, layer, f"experts.{param}", torch.stack(a_rows), torch.stack(b_rows), scaling))
     return out
+
+
+def _v4_scaling_problem(config: dict, converted: dict, name: str, trained: list[str], r_cfg: int,
+                        scaling: float) -> Problem | None:
+    """A Problem when peft's scaling of the stacked parameter `name` (`scaling`, at rank r_cfg) is not the one
+    the per-expert modules `trained` (model.layers.N.mlp.experts.E.gate_proj, ...) were trained with: peft
+    serves another model than the adapter. Its conversion means to keep the scaling (twice r and twice
+    lora_alpha for the fused gate and up), but rslora's alpha / sqrt(r) at twice both scales sqrt(2) times as
+    much, and alpha_pattern keys it matches against the stacked name, not the experts' (peft's TODO)."""
+    own = {module: module_scaling(config, module)[1] for module in trained}
+    module, was = next(((m, v) for m, v in own.items() if not math.isclose(v, scaling, rel_tol=1e-6)), (None, 0))
+    if module is None:
+        return None
+    fused = pattern_key(converted.get("rank_pattern"), name) == V4_FUSED_KEY
+    if config.get("use_rslora") and fused:
+        alpha = config["lora_alpha"] * math.sqrt(config["r"])
+        why = ("use_rslora: peft fuses the gate and up at twice their rank and lora_alpha, which alpha / sqrt(r) "
+               "scales sqrt(2) times as much")
+        hint = (f"set use_rslora to false and lora_alpha to {alpha:g} (lora_alpha x sqrt(r): the same scaling "
+                "without rslora, which peft's conversion keeps; an alpha_pattern value likewise x sqrt(its rank)), "
+                "or train the adapter with peft on transformers 5 (target_parameters)")
+    else:
+        key = pattern_key(converted.get("alpha_pattern"), name)
+        given = pattern_key(config.get("alpha_pattern"), module)
+        why = (f"alpha_pattern key {json.dumps(given)} gives {module} its alpha, " if given is not None else "") + \
+            (f"peft's key {json.dumps(key)} gives the stacked parameter its alpha" if key is not None else
+             "no alpha_pattern key matches the stacked parameter's name")
+        same = len({round(v, 9) for v in own.values()}) == 1
+        short = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
+        hint = ((f"key the alpha by the stacked parameter's name, as peft matches it: alpha_pattern "
+                 f"{{\"{short}\": {was * (math.sqrt(r_cfg) if config.get('use_rslora') else r_cfg):g}}}, first of the "
+                 "keys that match it (peft takes the first, the adapter's own before its own), or ") if same else
+                "the experts' modules were trained at different scalings, which one stacked parameter cannot "
+                "hold: ") + "train the adapter with peft on transformers 5 (target_parameters)"
+    return Problem(f"{name}: peft (on transformers 5) converts transformers 4's per-expert modules into it at "
+                   f"scaling {scaling:g}, but {module} was trained at {was:g} ({why}): peft would serve another "
+                   "model than the adapter's", hint)
 
 
 def _rows(a: torch.Tensor | None) -> int:

@@ -573,7 +573,6 @@ def _merge(model, adapter: Path):
                         "merge into the one tensor they share does not give what peft computes with it",
                         "serve the adapter with peft, or train it with ensure_weight_tying false")
     _check_read(peft_model, adapter)
-    _check_fused_rslora(peft_model, adapter)
     merged = peft_model.merge_and_unload()
     return merged, tied and not _retie(merged)
 
@@ -608,31 +607,6 @@ def _adapter_config(adapter: Path) -> dict:
 def _keeps_tying(adapter: Path) -> bool:
     """Whether adapter_config.json sets peft's ensure_weight_tying (the adapter is saved for a tied model)."""
     return _adapter_config(adapter).get("ensure_weight_tying") is True
-
-
-def peft_fused_rslora(peft_model, adapter: Path, name: str = "default") -> dict[str, int]:
-    """{stacked parameter: how many modules peft fused into it} for an adapter of transformers 4's per-expert gate
-    and up modules with use_rslora, as peft loaded it (`name`): peft fuses them into the stacked gate_up_proj at k
-    times their rank and alpha (rank_pattern / alpha_pattern entries of its own), which rslora's alpha / sqrt(r)
-    scales sqrt(k) times as much as the adapter was trained with (`--lora` serves each expert's gate and up at their
-    own scaling). {} for any other adapter."""
-    config = peft_model.peft_config[name]
-    given = _adapter_config(adapter).get("rank_pattern") or {}
-    if not config.use_rslora:
-        return {}
-    return {key.rsplit(".", 1)[-1]: r // config.r for key, r in (config.rank_pattern or {}).items()
-            if key not in given and r > config.r}
-
-
-def _check_fused_rslora(peft_model, adapter: Path) -> None:
-    """LoRAError for an adapter peft_fused_rslora names: peft's merge would scale its fused gate and up too much."""
-    fused = peft_fused_rslora(peft_model, adapter)
-    if fused:
-        param, k = next(iter(fused.items()))
-        raise LoRAError(f"the adapter {adapter} adapts transformers 4's per-expert modules with use_rslora: peft "
-                        f"fuses them into {param} at {k} times their rank and alpha, which rslora scales sqrt({k}) "
-                        "times as much as they were trained with: the merged model would not compute what the "
-                        "adapter does", "serve the adapter with --lora instead of merging it")
 
 
 def _embeddings(model):
