@@ -966,8 +966,8 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
             a_rows.append(torch.cat([q["lora_A"] for q in pairs]))
             b_rows.append(torch.block_diag(*[q["lora_B"] for q in pairs]))
         else:
-            bad = _v4_scaling_problem(config, converted, name, [f"{path}.{e}.{names[p]}" for p in members
-                                                                for e in range(count)], r_cfg, scaling)
+            bad = _v4_scaling_problem(config, converted, name, {f"{path}.{e}.{names[p]}": _rows(parts[p][e]["lora_A"])
+                                                                for p in members for e in range(count)}, r_cfg, scaling)
             if bad is not None:
                 per_module.append((name, bad))
                 continue
@@ -975,14 +975,17 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
     return out
 
 
-def _v4_scaling_problem(config: dict, converted: dict, name: str, trained: list[str], r_cfg: int,
+def _v4_scaling_problem(config: dict, converted: dict, name: str, trained: dict[str, int], r_cfg: int,
                         scaling: float) -> Problem | None:
     """A Problem when peft's scaling of the stacked parameter `name` (`scaling`, at rank r_cfg) is not the one
-    the per-expert modules `trained` (model.layers.N.mlp.experts.E.gate_proj, ...) were trained with: peft
+    the per-expert modules `trained` (model.layers.N.mlp.experts.E.gate_proj, ...: their weights' rank) were
+    trained with (their alpha_pattern alpha or lora_alpha, over their rank or its root with use_rslora): peft
     serves another model than the adapter. Its conversion means to keep the scaling (twice r and twice
     lora_alpha for the fused gate and up), but rslora's alpha / sqrt(r) at twice both scales sqrt(2) times as
     much, and alpha_pattern keys it matches against the stacked name, not the experts' (peft's TODO)."""
-    own = {module: module_scaling(config, module)[1] for module in trained}
+    root = math.sqrt if config.get("use_rslora") else float
+    own = {module: pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"]) / root(rank)
+           for module, rank in trained.items()}
     module, was = next(((m, v) for m, v in own.items() if not math.isclose(v, scaling, rel_tol=1e-6)), (None, 0))
     if module is None:
         return None
