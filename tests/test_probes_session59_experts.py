@@ -135,6 +135,7 @@ def test_retry_failed_reruns_the_error_records_lines_once_their_adapter_is_given
     assert res.exit_code == 1 and "2 error record(s) from before this resume" in res.output, res.output
     res = _run_retry(inp, out, "--resume", "--lora", f"support={adapter}")
     assert res.exit_code == 2 and "written with other options: loras" in res.output, res.output
+    assert "add --retry-failed" in " ".join(res.output.split())
     assert out.read_bytes() == first
     res = _run_retry(inp, out, "--resume", "--retry-failed", "--lora", f"support={adapter}")
     assert res.exit_code == 0, res.output
@@ -182,6 +183,7 @@ def test_retry_failed_needs_resume_and_keeps_other_option_checks(retry_setup, tm
     assert _run_retry(inp, out, "--lora", f"support={adapter}").exit_code == 0
     res = _run_retry(inp, out, "--resume", "--retry-failed", "--lora", f"support={tmp_path}")
     assert res.exit_code == 2 and "written with other options: loras" in res.output, res.output
+    assert "add --retry-failed" not in " ".join(res.output.split())
     res = _run_retry(inp, out, "--resume", "--retry-failed", "--lora", f"support={adapter}", "--seed", "7")
     assert res.exit_code == 2 and "seed" in res.output, res.output
 

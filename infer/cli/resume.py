@@ -323,6 +323,9 @@ def check_resume(output: Path, input: Path, options: dict, retry_failed: bool = 
                           f"newline, so the text appended to it changed that line (byte {size:,} on)",
                           "end the old last line with a newline and put the new requests on lines of their own, or "
                           "write to a new -o OUTPUT")
+    if changed == ["loras"] and _only_added(old_opts.get("loras"), options.get("loras")):
+        hint = ("to run again, with the adapters added, the lines whose records are errors (an unknown adapter's), "
+                "add --retry-failed; else " + hint)
     if changed:
         raise ConfigError(f"{output} was written with other options: {what}", hint)
 
