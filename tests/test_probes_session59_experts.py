@@ -17,15 +17,17 @@ interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs t
 
 def record_int4_launches(monkeypatch) -> list:
     """Each int4 fused MoE matmul launched from now on as its compiled variant's key: its weight's shape, group size,
-    act-order (a permutation) and zero points' format, BLOCK_M, ROW_DIV, WEIGHTED, x's dtype."""
+    act-order (a permutation) and zero points' format, BLOCK_M, ROW_DIV, WEIGHTED, x's dtype, a tuned entry's tiles,
+    warps and stages."""
     from infer.kernels import moe
     launched = []
     real = moe._gemm_int4
 
-    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted):
+    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None):
         launched.append((w.out_features, w.in_features, w.group_size, w.perm is None, bool(w.zeros_v1),
-                         aligned.block_m, row_div, weighted, a.dtype))
-        return real(a, w, out, weights, aligned, top_k, row_div, weighted)
+                         aligned.block_m, row_div, weighted, a.dtype,
+                         tuple(sorted((k, v) for k, v in (cfg or {}).items() if k != "BLOCK_M"))))
+        return real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg)
     monkeypatch.setattr(moe, "_gemm_int4", gemm)
     return launched
 
@@ -68,7 +70,7 @@ def test_reload_weights_compiles_the_new_experts_layouts_variants_before_a_long_
         llm.engine.reload_weights()
         again = list(launched)
     assert got == want
-    assert {bm for *_, bm, _, _, _ in steps} == {16, 32}, steps  # (the prefill's blocks and the decode's)
+    assert {bm for *_, bm, _, _, _, _ in steps} == {16, 32}, steps  # (the prefill's blocks and the decode's)
     assert reloaded - warmed and steps <= warmed | reloaded, sorted(steps - warmed - reloaded)
     assert again == []
 
