@@ -1,5 +1,6 @@
-"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3, and
-Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below).
+"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3,
+Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below), Granite and
+OLMo 2 (GraniteForCausalLM, Olmo2ForCausalLM below).
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
 (Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
@@ -21,7 +22,7 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import GEMMA, GEMMA_FOUR_NORMS, activation
+from .registry import GEMMA, GEMMA_FOUR_NORMS, POST_NORMS, activation
 from .rope import build_cos_sin_cache, rope_layer_types
 from .shapes import ModelShapes
 
@@ -69,14 +70,17 @@ class Attention(nn.Module):
         self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        if cfg.model_type == "granite":  # Granite's attention_multiplier is the scale itself
+            self.scale = float(cfg.attention_multiplier)
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         self.kv_group = 0  # its KV layer group (the model runner sets it: engine.hybrid_blocks; 0: ctx's own tables)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
-        # follow attention_bias (q, k, v and o), Mistral has none whatever its config says
+        # follow attention_bias (q, k, v and o), and so do Granite and OLMo 2; Mistral has none whatever its config says
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
-        declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA)
+        declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
+                                                                             "olmo2")
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
             or declared
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
@@ -85,17 +89,20 @@ class Attention(nn.Module):
         o_bias = declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = kind in ("qwen3", "gemma3_text")  # Gemma 3's by 1 + w
+        self.qk_norm = kind in ("qwen3", "gemma3_text", "olmo2")  # Gemma 3's by 1 + w
+        # OLMo 2 norms q and k each over its whole projection (every head at once), the others per head
+        self.qk_norm_whole = kind == "olmo2"
         if self.qk_norm:
-            self.q_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps, dtype)
+            widths = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+            self.q_norm = norm_for(cfg)(widths[0], cfg.rms_norm_eps, dtype)
+            self.k_norm = norm_for(cfg)(widths[1], cfg.rms_norm_eps, dtype)
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
         if not self.qk_norm:  # a decode step's qkv LoRA expand may be left to decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
-        # o's, to the post-attention rms_norm (forward; Gemma 2's and 3's has no residual)
-        self.o_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA,
-                                                  cfg.model_type not in GEMMA_FOUR_NORMS)
+        # o's, to the post-attention rms_norm (forward; Gemma 2's and 3's and OLMo 2's has no residual); none for
+        # Granite, whose o output is scaled by residual_multiplier before that norm (GraniteForCausalLM)
+        self.o_proj.lora_consumer = _norm_consumer(cfg, dtype)
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
         """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
@@ -122,7 +129,9 @@ class Attention(nn.Module):
         qkv, delta = self.qkv_proj.forward_deferred(x, ctx) if deferred else (self.qkv_proj(x, ctx), None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        if self.qk_norm:
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         return (q, k, v, delta) if deferred else (q, k, v)
@@ -167,7 +176,8 @@ class MLP(nn.Module):
         """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
-        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
+        # only Llama's and Granite's MLPs have biases (mlp_bias)
+        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite")
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
@@ -175,8 +185,7 @@ class MLP(nn.Module):
                                       method_for([f"{prefix}.down_proj"]), dtype)
         # the expands may be left to silu_and_mul (gate_up's) and to the rms_norm after the MLP (down's: forward)
         self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype, self.act == "gelu_tanh")
-        self.down_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA,
-                                                     cfg.model_type not in GEMMA_FOUR_NORMS)
+        self.down_proj.lora_consumer = _norm_consumer(cfg, dtype)
         # set by an engine (EngineConfig.silu_in_gate_up) where gate_up is an int4 kernel layer (`fuses_act`): in a
         # step without adapters (or where the layer has no LoRA hook) its kernel applies silu_and_mul in its epilogue
         self.act_in_gate_up = False
@@ -212,10 +221,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
         norm = norm_for(cfg)
-        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.model_type != "olmo2":  # (OLMo 2's layers norm the attention's and the MLP's outputs only)
+            self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # four norms: the attention's output and the MLP's in and out as well
             self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.model_type in POST_NORMS:  # (OLMo 2: the MLP's output normed, no norm before it)
             self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
         # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
@@ -231,6 +242,15 @@ def _compile_silu_and_mul(dtype: torch.dtype, gelu: bool, delta) -> None:
         fused.gelu_tanh_and_mul(x, delta, compile_only=True)
     else:
         fused.silu_and_mul(x, delta, compile_only=True)
+
+
+def _norm_consumer(cfg, dtype: torch.dtype):
+    """The lora_consumer of o_proj and down_proj: the rms_norm after them (by 1 + w for Gemma; without the residual
+    where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
+    outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
+    if cfg.model_type == "granite":
+        return None
+    return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS)
 
 
 class _NormConsumer:
@@ -312,20 +332,28 @@ class LlamaForCausalLM(nn.Module):
     # EAGLE-3 speculation (engine.eagle): the layers whose input (the residual stream) each forward keeps in
     # aux_hidden, in this order; empty: none kept (no cost)
     aux_layers: tuple[int, ...] = ()
+    # Granite's residual_multiplier: the attention's and the MLP's outputs scaled by it before the residual adds them
+    # (1.0: not scaled; their o and down projections then leave no LoRA delta to the norms: _norm_consumer)
+    residual_multiplier = 1.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_and_norm(input_ids)
         delta = None  # the LoRA delta the last o/down projection left to the norm after it
         aux = self.aux_layers
         kept = {} if aux else None
+        m = self.residual_multiplier
         for i, layer in enumerate(self.layers):  # each name rebound as soon as its next value exists (old one freed)
             if i:
                 x, residual = layer.input_layernorm(x, residual, delta)
             if aux and i in aux:
                 kept[i] = residual.clone()
             x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
+            if m != 1.0:
+                x = x * m
             x, residual = layer.post_attention_layernorm(x, residual, delta)
             x, delta = layer.mlp(x, ctx)
+            if m != 1.0:
+                x = x * m
         x, _ = self.norm(x, residual, delta)
         if aux:
             self.aux_hidden = [kept[i] for i in aux]
@@ -337,6 +365,11 @@ class LlamaForCausalLM(nn.Module):
         norm = self.layers[0].input_layernorm
         return kernels.embed_rms_norm(input_ids, self.embed_tokens.weight, norm.weight, norm.eps)
 
+    def _scaled_embed_and_norm(self, input_ids: torch.Tensor, factor: float):
+        """embed_and_norm of the embeddings scaled by `factor` (Gemma's normalizer, Granite's embedding_multiplier)."""
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight) * factor
+        return self.layers[0].input_layernorm(h), h
+
     def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
         """Piece i of the forward as a piecewise CUDA graph records it (engine.cuda_graphs.PiecewiseGraphs): the
         work between two attentions. Piece 0 embeds input_ids and runs layer 0 up to its query; piece i in
@@ -346,10 +379,14 @@ class LlamaForCausalLM(nn.Module):
         if i == 0:
             x, residual = self.embed_and_norm(input_ids)
         else:
-            done = self.layers[i - 1]
+            done, m = self.layers[i - 1], self.residual_multiplier
             x, delta = done.self_attn.o_proj.forward_deferred(o, ctx)
+            if m != 1.0:
+                x = x * m
             x, residual = done.post_attention_layernorm(x, residual, delta)
             x, delta = done.mlp(x, ctx)
+            if m != 1.0:
+                x = x * m
             if i == len(self.layers):
                 x, _ = self.norm(x, residual, delta)
                 return x, None
@@ -405,8 +442,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.normalizer = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32, device="cpu").to(dtype))
 
     def embed_and_norm(self, input_ids: torch.Tensor):
-        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight) * self.normalizer
-        return self.layers[0].input_layernorm(h), h
+        return self._scaled_embed_and_norm(input_ids, self.normalizer)
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
@@ -485,3 +521,53 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def _rope(self, i: int) -> torch.Tensor:
         return self.local_cos_sin if self.local[i] else self.cos_sin
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x (transformers' GraniteForCausalLM): Llama's layers and checkpoint names, with four scalars of
+    the config: the embeddings scaled by embedding_multiplier, the attention's and the MLP's outputs by
+    residual_multiplier before the residual adds them, the attention's scale attention_multiplier (instead of
+    head_dim ** -0.5: Attention.scale), and the logits divided by logits_scaling."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.embedding_multiplier = float(cfg.embedding_multiplier)
+        self.residual_multiplier = float(cfg.residual_multiplier)
+        self.logits_scaling = float(cfg.logits_scaling)
+
+    def embed_and_norm(self, input_ids: torch.Tensor):
+        return self._scaled_embed_and_norm(input_ids, self.embedding_multiplier)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) / self.logits_scaling
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """AllenAI's OLMo 2 (transformers' Olmo2ForCausalLM): Llama's projections, with no norm before the attention and
+    the MLP but one after each (post_attention_layernorm of the attention's output, post_feedforward_layernorm of
+    the MLP's, each before the residual adds it), and q and k each normed over its whole projection (every head at
+    once: Attention.qk_norm_whole), before the rotary."""
+
+    def _layer_rest(self, layer, h, x, delta, ctx):
+        """The layer's output from the residual stream h and its attention's output x (with o's LoRA delta, which the
+        post-attention norm adds)."""
+        h = h + layer.post_attention_layernorm(x, None, delta)
+        x, delta = layer.mlp(h, ctx)
+        return h + layer.post_feedforward_layernorm(x, None, delta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        for layer in self.layers:
+            h = self._layer_rest(layer, h, *layer.self_attn(positions, h, ctx, self.cos_sin), ctx)
+        return self.norm(h)
+
+    def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
+        """LlamaForCausalLM.piece of OLMo 2's layers (the residual: the stream, which is the next attention's input)."""
+        if i == 0:
+            h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        else:
+            done = self.layers[i - 1]
+            h = self._layer_rest(done, residual, *done.self_attn.o_proj.forward_deferred(o, ctx), ctx)
+            if i == len(self.layers):
+                return self.norm(h), None
+        return self.layers[i].self_attn.query(positions, h, ctx, self.cos_sin), h

@@ -16,11 +16,16 @@ SUPPORTED = {
     "Qwen3MoeForCausalLM": "qwen3_moe",  # mixtures of experts (models.moe)
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
 # adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
 GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
+# the families whose attention's and MLP's outputs are normed before the residual adds them (the norms after o_proj
+# and down_proj add no residual): Gemma 2's and 3's, and OLMo 2's (which has those two norms only: no input norms)
+POST_NORMS = (*GEMMA_FOUR_NORMS, "olmo2")
 
 
 def check_supported(cfg) -> str:
@@ -88,6 +93,8 @@ def model_class(cfg):
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class()
-    from .llama import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, Phi3ForCausalLM
+    from .llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
+                        Olmo2ForCausalLM, Phi3ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
-            "gemma3_text": Gemma3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
+            "olmo2": Olmo2ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
