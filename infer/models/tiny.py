@@ -71,6 +71,12 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                                                             num_experts_per_tok=2, norm_topk_prob=True)),
     "tiny-mixtral": TinySpec("mixtral", 12, config=dict(_TINY, intermediate_size=32, num_local_experts=8,
                                                         num_experts_per_tok=2)),
+    # Granite 3.x: Llama's layers with its four scalars (Granite-3's embedding and residual multipliers; the attention
+    # scale 1 / head_dim, as Granite-3's 1/128 of its heads of 128; the logits divided by 4)
+    "tiny-granite": TinySpec("granite", 13, config=dict(_TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                        attention_multiplier=0.0625, logits_scaling=4.0)),
+    # OLMo 2: norms after the attention and the MLP (none before), q and k normed over their whole projections
+    "tiny-olmo2": TinySpec("olmo2", 14, config=dict(_TINY)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -161,7 +167,8 @@ def _build(spec: TinySpec, out: Path) -> None:
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                           "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[spec.arch]]
+                          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
