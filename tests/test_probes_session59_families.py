@@ -1,0 +1,267 @@
+"""Session 59: Granite (GraniteForCausalLM: Llama with embedding_multiplier, residual_multiplier, attention_multiplier
+as the attention's scale, logits_scaling) and OLMo 2 (Olmo2ForCausalLM: norms after the attention and the MLP, none
+before, q and k normed over their whole projections), end to end on tiny random models built from their configs
+(float32), each against the real thing: greedy tokens and logprobs equal transformers' (GQA and MHA, biases, tied
+heads), the GPU code path (Triton interpreted, emulated CUDA graphs and piecewise graphs), chunked prefill and prefix
+caching; GPTQ checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to
+peft (alone and mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, the built-in
+tiny-granite and tiny-olmo2; what their configs ask that infer cannot do refused up front."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+from transformers import AutoConfig
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+from infer.errors import UnsupportedModelError
+from infer.models.tiny import ensure_builtin
+
+from helpers import greedy_each, norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text
+from lora_helpers import (ALL, PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          hf_float)
+from quant_helpers import check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
+             tie_word_embeddings=False)
+# Granite-3's shape of scalars (its embeddings by 12, residual adds by 0.22), an attention scale other than
+# head_dim ** -0.5 (0.25 here), the logits divided by 4
+GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.07, logits_scaling=4.0)
+FAMILIES = {"granite": ("granite", "GraniteForCausalLM", GRANITE), "olmo2": ("olmo2", "Olmo2ForCausalLM", {})}
+
+
+def build(folder, family: str, seed: int = 0, **config):
+    """A random model folder of `family` (float32; norm weights and biases moved off their constant init) with the
+    tiny-llama tokenizer; returns transformers' model (eager attention)."""
+    model_type, arch, extra = FAMILIES[family]
+    return save_random_model(folder, model_type, arch, {**SMALL, **extra, **config}, seed, norms_and_biases_shifted)
+
+
+def generate(llm, prompts, n: int, **kw) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True), **kw)]
+
+
+CONFIGS = {
+    "granite-gqa-bias": ("granite", dict(attention_bias=True, mlp_bias=True)),
+    "granite-mha-tied": ("granite", dict(num_key_value_heads=4, tie_word_embeddings=True, logits_scaling=0.5)),
+    "olmo2-gqa": ("olmo2", dict()),
+    "olmo2-mha-tied-bias": ("olmo2", dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True,
+                                          num_hidden_layers=3)),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
+    family, config = CONFIGS[name]
+    hf = build(tmp_path, family, **config)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        attn = llm.engine.runner.model.layers[0].self_attn
+        if family == "granite":
+            assert attn.scale == 0.07
+        else:  # OLMo 2's q and k norms: over the whole projection
+            assert attn.q_norm.weight.shape == (attn.q_size,) and attn.k_norm.weight.shape == (attn.kv_size,)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 10), name
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for i, rec in enumerate(out.logprobs):
+            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+
+
+def test_each_granite_scalar_changes_its_tokens(tmp_path):
+    """The checks above mean something: the same weights with any one of Granite's four scalars at 1 give other
+    tokens (or logprobs, for logits_scaling, which keeps the greedy argmax) in transformers."""
+    prompts = random_prompts(512, (30,), seed=3)
+    hf = build(tmp_path / "a", "granite")
+    want = greedy_each(hf, prompts, 8)
+    for i, field in enumerate(("embedding_multiplier", "residual_multiplier", "attention_multiplier")):
+        assert greedy_each(build(tmp_path / str(i), "granite", **{field: 1.0}), prompts, 8) != want, field
+    with torch.no_grad():
+        ids = torch.tensor(prompts)
+        assert not torch.allclose(hf(ids).logits, build(tmp_path / "s", "granite", logits_scaling=1.0)(ids).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family):
+    """Steps of 12 tokens (prompts cut into chunks) and a prompt whose first blocks another prompt cached:
+    transformers' tokens."""
+    hf = build(tmp_path, family, seed=1)
+    prompts = random_prompts(512, (30, 41), seed=5)
+    prompts.append(prompts[1][:32] + [7, 8, 9])
+    want = greedy_each(hf, prompts, 6)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+             enable_prefix_caching=False) as llm:
+        assert generate(llm, prompts, 6) == want
+    with LLM(str(tmp_path), block_size=4, enable_prefix_caching=True) as llm:
+        assert generate(llm, prompts[:2], 6) == want[:2]
+        assert generate(llm, prompts[2:], 6) == want[2:]
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, family):
+    """Every op through its Triton kernel (interpreted on CPU): Granite's scale in the prefill and decode attention
+    kernels, OLMo 2's whole-projection q/k norms and residual-free post-norms; decodes through emulated CUDA graphs,
+    the others through emulated piecewise graphs (whose start checks the family's piece() against its forward):
+    transformers' tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    hf = build(tmp_path, family, attention_bias=True)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
+             cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(32, emulate=True)
+        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
+        assert generate(llm, prompts, 6) == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        assert llm.engine.stats()["piecewise_graph_steps"] > 0
+
+
+def test_what_infer_cannot_run_of_these_families_is_refused(tmp_path):
+    """Another activation than silu, or a rope type infer has no table for, is refused when the config is read
+    (`infer warmup --estimate` too), naming the field."""
+    build(tmp_path / "a", "olmo2", num_hidden_layers=1, hidden_act="gelu")
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu' is not supported"):
+        LLM(str(tmp_path / "a"))
+    build(tmp_path / "b", "granite", num_hidden_layers=1)
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 10000.0}
+    (tmp_path / "b" / "config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path / "b"), "--estimate"])
+    assert res.exit_code != 0 and "rope type 'mrope' is not supported" in res.output
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@needs_gptqmodel
+@pytest.mark.parametrize("family", FAMILIES)
+def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path, family):
+    build(tmp_path / "f", family)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.gate_proj.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        got = generate(llm, prompts, 8)
+    assert got == gptqmodel_greedy(out, prompts, 8)
+    res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    with LLM(str(tmp_path / "c"), block_size=4) as llm:
+        assert generate(llm, prompts, 8) == got
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_lora(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    build(root / "base", request.param, attention_bias=True)
+    return (request.param, *base_and_adapters(root, ADAPTERS))
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
+    _, base, hf, paths = family_lora
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
+    """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs: Granite's
+    o and down deltas added in their layers (before residual_multiplier scales the outputs: never left to the norm
+    after them), OLMo 2's qkv delta added before its q/k norms and its o and down deltas left to its residual-free
+    post-norms: peft's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    family, base, hf, paths = family_lora
+    oracle = PeftOracle(hf, paths)
+    try:
+        prompts = random_prompts(512, (5, 3, 7), seed=9)
+        names = ["all8", None, "qv4"]
+        want = [oracle.greedy(n, p, 4) for p, n in zip(prompts, names)]
+    finally:
+        oracle.close()
+    int4_kernel_path(monkeypatch)
+    with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
+             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4) as llm:
+        for layer in llm.engine.runner.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                if family == "granite":
+                    assert proj.lora_consumer is None
+                else:
+                    assert not proj.lora_consumer.residual and not proj.lora_consumer.unit
+            assert (layer.self_attn.qkv_proj.lora_consumer is None) == (family == "olmo2")
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        got = generate(llm, prompts, 4, lora=names)
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert got == want
+
+
+@needs_gptqmodel
+def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_path, monkeypatch):
+    """A GPTQ checkpoint of the base with the adapters mixed: the int4 kernels (interpreted), their silu in gate_up's
+    epilogue, give the CPU path's tokens."""
+    _, base, _, paths = family_lora
+    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
+
+
+def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_olmo2s_norms(family_lora, tmp_path):
+    """lora-validate accepts a q/k/v/o/gate/up/down adapter; on OLMo 2 a target_modules regex that selects its q_norm
+    or its post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
+    from infer.lora.adapter import adapter_problems
+    family, base, _, paths = family_lora
+    check_lora_validate_ok(base, paths["all8"])
+    if family != "olmo2":
+        return
+    adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
+    for regex, module in ((r".*\.(q_proj|q_norm)", "self_attn.q_norm"),
+                          (r".*(v_proj|post_feedforward_layernorm)", "post_feedforward_layernorm")):
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        cfg["target_modules"] = regex
+        (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+        problems = [p.message for p in adapter_problems("a", adapter, AutoConfig.from_pretrained(base))]
+        assert any(f"selects model.layers.0.{module}, which is not a Linear layer" in m for m in problems), problems
+
+
+# ---------------------------------------------------------------------------------------- serve, warmup, tiny
+def test_serve_completions(family_lora):
+    from transformers import AutoTokenizer
+
+    family, base, hf, _ = family_lora
+    prompt = random_prompts(512, (20,), seed=8)[0]
+    assert served_completion_text(base, family, prompt, 5) == \
+        AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
+
+
+@pytest.mark.parametrize("name, arch", [("tiny-granite", "GraniteForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM")])
+def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
+    """The built-in model equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights
+    as the loaded engine holds them."""
+    path = ensure_builtin(name)
+    assert json.loads((path / "config.json").read_text())["architectures"] == [arch]
+    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(name, max_model_len=256) as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        prompts = random_prompts(512, (6, 40), seed=1)
+        got = generate(llm, prompts, 6)
+    assert got == greedy_each(hf_float(path), prompts, 6)
+    assert all(len(set(tokens)) > 2 for tokens in got)
