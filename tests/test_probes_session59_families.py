@@ -265,3 +265,20 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
         got = generate(llm, prompts, 6)
     assert got == greedy_each(hf_float(path), prompts, 6)
     assert all(len(set(tokens)) > 2 for tokens in got)
+
+
+@pytest.mark.parametrize("name", ["tiny-granite", "tiny-olmo2"])
+def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
+    """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
+    prompt = random_prompts(512, (9,), seed=2)[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
+                                                   "ignore_eos": True}) + "\n")
+    res = CliRunner().invoke(app, ["run", name, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-q"])
+    assert res.exit_code == 0, res.output
+    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["token_ids"] == greedy_each(hf_float(ensure_builtin(name)), [prompt], 6)[0]
+    res = CliRunner().invoke(app, ["bench", name, "--out", str(tmp_path / "b"), "-c", "2", "--num-prompts", "2",
+                                   "--input-len", "8", "--output-len", "6", "-q"])
+    assert res.exit_code == 0, res.output
+    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert report["completed"] == 2
