@@ -1,11 +1,12 @@
 """Session 59: Granite (GraniteForCausalLM: Llama with embedding_multiplier, residual_multiplier, attention_multiplier
-as the attention's scale, logits_scaling) and OLMo 2 (Olmo2ForCausalLM: norms after the attention and the MLP, none
-before, q and k normed over their whole projections), end to end on tiny random models built from their configs
+as the attention's scale, logits_scaling), OLMo 2 (Olmo2ForCausalLM: norms after the attention and the MLP, none
+before, q and k normed over their whole projections) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers, sliding windows
+on the layers layer_types names, a rope per layer type), end to end on tiny random models built from their configs
 (float32), each against the real thing: greedy tokens and logprobs equal transformers' (GQA and MHA, biases, tied
 heads), the GPU code path (Triton interpreted, emulated CUDA graphs and piecewise graphs), chunked prefill and prefix
 caching; GPTQ checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to
-peft (alone and mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, the built-in
-tiny-granite and tiny-olmo2; what their configs ask that infer cannot do refused up front."""
+peft (alone and mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, run, bench, the
+built-in tiny-granite, tiny-olmo2 and tiny-olmo3; what their configs ask that infer cannot do refused up front."""
 
 from __future__ import annotations
 
@@ -34,7 +35,14 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 # Granite-3's shape of scalars (its embeddings by 12, residual adds by 0.22), an attention scale other than
 # head_dim ** -0.5 (0.25 here), the logits divided by 4
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.07, logits_scaling=4.0)
-FAMILIES = {"granite": ("granite", "GraniteForCausalLM", GRANITE), "olmo2": ("olmo2", "Olmo2ForCausalLM", {})}
+FAMILIES = {"granite": ("granite", "GraniteForCausalLM", GRANITE), "olmo2": ("olmo2", "Olmo2ForCausalLM", {}),
+            # 3 sliding layers (a window of 8: prompts pass it) and a full one, transformers' default pattern
+            "olmo3": ("olmo3", "Olmo3ForCausalLM", dict(num_hidden_layers=4, sliding_window=8))}
+SL, FULL = "sliding_attention", "full_attention"
+# OLMo-3's long-context rope: yarn on the full layers only
+YARN = {FULL: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 5e5,
+               "attention_factor": 1.2, "beta_fast": 32, "beta_slow": 1},
+        SL: {"rope_type": "default", "rope_theta": 5e5}}
 
 
 def build(folder, family: str, seed: int = 0, **config):
@@ -54,6 +62,9 @@ CONFIGS = {
     "olmo2-gqa": ("olmo2", dict()),
     "olmo2-mha-tied-bias": ("olmo2", dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True,
                                           num_hidden_layers=3)),
+    "olmo3-gqa-window8": ("olmo3", dict()),
+    "olmo3-mha-yarn-alternating": ("olmo3", dict(num_key_value_heads=4, rope_parameters=YARN, attention_bias=True,
+                                                 layer_types=[SL, FULL, SL, FULL])),
 }
 
 
@@ -67,8 +78,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
         attn = llm.engine.runner.model.layers[0].self_attn
         if family == "granite":
             assert attn.scale == 0.07
-        else:  # OLMo 2's q and k norms: over the whole projection
+        else:  # OLMo's q and k norms: over the whole projection
             assert attn.q_norm.weight.shape == (attn.q_size,) and attn.k_norm.weight.shape == (attn.kv_size,)
+        if family == "olmo3":  # each layer's window and rope table as its layer type says
+            model, types = llm.engine.runner.model, hf.config.layer_types
+            assert [layer.self_attn.window for layer in model.layers] == [8 if t == SL else 0 for t in types]
+            assert [model._rope(i) is model.local_cos_sin for i in range(len(types))] == [t == SL for t in types]
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
     assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 10), name
     for p, out in zip(prompts, outs):
@@ -111,9 +126,9 @@ def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, family):
     """Every op through its Triton kernel (interpreted on CPU): Granite's scale in the prefill and decode attention
-    kernels, OLMo 2's whole-projection q/k norms and residual-free post-norms; decodes through emulated CUDA graphs,
-    the others through emulated piecewise graphs (whose start checks the family's piece() against its forward):
-    transformers' tokens."""
+    kernels, OLMo's whole-projection q/k norms and residual-free post-norms, OLMo 3's sliding layers and their own
+    rope table; decodes through emulated CUDA graphs, the others through emulated piecewise graphs (whose start checks
+    the family's piece() against its forward): transformers' tokens."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     hf = build(tmp_path, family, attention_bias=True)
@@ -185,7 +200,7 @@ def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
     """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs: Granite's
     o and down deltas added in their layers (before residual_multiplier scales the outputs: never left to the norm
-    after them), OLMo 2's qkv delta added before its q/k norms and its o and down deltas left to its residual-free
+    after them), OLMo's qkv delta added before its q/k norms and its o and down deltas left to its residual-free
     post-norms: peft's tokens."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
@@ -206,7 +221,7 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
                     assert proj.lora_consumer is None
                 else:
                     assert not proj.lora_consumer.residual and not proj.lora_consumer.unit
-            assert (layer.self_attn.qkv_proj.lora_consumer is None) == (family == "olmo2")
+            assert (layer.self_attn.qkv_proj.lora_consumer is None) == (family != "granite")
         llm.engine.runner.capture_graphs(8, emulate=True)
         got = generate(llm, prompts, 4, lora=names)
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
@@ -221,13 +236,13 @@ def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_pa
     check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
 
 
-def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_olmo2s_norms(family_lora, tmp_path):
-    """lora-validate accepts a q/k/v/o/gate/up/down adapter; on OLMo 2 a target_modules regex that selects its q_norm
-    or its post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
+def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_olmos_norms(family_lora, tmp_path):
+    """lora-validate accepts a q/k/v/o/gate/up/down adapter; on OLMo 2 and 3 a target_modules regex that selects
+    their q_norm or their post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
     from infer.lora.adapter import adapter_problems
     family, base, _, paths = family_lora
     check_lora_validate_ok(base, paths["all8"])
-    if family != "olmo2":
+    if family == "granite":
         return
     adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
     for regex, module in ((r".*\.(q_proj|q_norm)", "self_attn.q_norm"),
@@ -249,7 +264,8 @@ def test_serve_completions(family_lora):
         AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
 
 
-@pytest.mark.parametrize("name, arch", [("tiny-granite", "GraniteForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM")])
+@pytest.mark.parametrize("name, arch", [("tiny-granite", "GraniteForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM"),
+                                        ("tiny-olmo3", "Olmo3ForCausalLM")])
 def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
     """The built-in model equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights
     as the loaded engine holds them."""
@@ -267,7 +283,7 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
     assert all(len(set(tokens)) > 2 for tokens in got)
 
 
-@pytest.mark.parametrize("name", ["tiny-granite", "tiny-olmo2"])
+@pytest.mark.parametrize("name", ["tiny-granite", "tiny-olmo2", "tiny-olmo3"])
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
     """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
     prompt = random_prompts(512, (9,), seed=2)[0]

@@ -52,11 +52,16 @@ def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps:
     only take memory, and on a large base fail the start naming --max-loras, an option lora-validate has not.
     `target_modules`: --lora-target-modules, as it will be served."""
     from ..engine.llm import LLM
+    from ..models.limits import layer_groups
+    from ..models.loader import load_config
     need = context_for(base_path, steps)
+    # a model of mixed layers (Gemma 2 and 3, OLMo 3) holds a sequence's blocks in each of its KV layer groups
+    groups = layer_groups(load_config(base_path))
+    blocks = (2 * math.ceil(need / 16) + 2) * (1 if groups is None else len(groups[1]))
     return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=1,
                lora_target_modules=target_modules,
                max_lora_rank=max_rank, dtype="float32", device=device, max_model_len=need,
-               num_kv_blocks=2 * math.ceil(need / 16) + 2, max_num_seqs=2, enable_prefix_caching=False)
+               num_kv_blocks=blocks, max_num_seqs=2, enable_prefix_caching=False)
 
 
 def context_for(base_path: Path, steps: int) -> int:

@@ -319,16 +319,16 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     names = ["model", "model.layers", "model.norm", "model.rotary_emb"]
     model_type = getattr(base_config, "model_type", "")
     phi3 = model_type == "phi3"  # transformers' Phi3MLP names its activation activation_fn; its layers have dropouts
-    olmo2 = model_type == "olmo2"  # (no input_layernorm: its norms come after the attention and the MLP)
+    olmo = model_type in ("olmo2", "olmo3")  # (no input_layernorm: its norms come after the attention and the MLP)
     per_layer = ["", ".self_attn", ".mlp", ".mlp.activation_fn" if phi3 else ".mlp.act_fn",
-                 *([] if olmo2 else [".input_layernorm"]), ".post_attention_layernorm"]
+                 *([] if olmo else [".input_layernorm"]), ".post_attention_layernorm"]
     if phi3:
         per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
-    if model_type in ("qwen3", "gemma3_text", "olmo2"):
+    if model_type in ("qwen3", "gemma3_text", "olmo2", "olmo3"):
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     if model_type in ("gemma2", "gemma3_text"):  # their four norms a layer
         per_layer += [".pre_feedforward_layernorm", ".post_feedforward_layernorm"]
-    if olmo2:
+    if olmo:
         per_layer += [".post_feedforward_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     exclude = config.get("exclude_modules")

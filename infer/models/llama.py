@@ -1,6 +1,6 @@
 """The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3,
-Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below), Granite and
-OLMo 2 (GraniteForCausalLM, Olmo2ForCausalLM below).
+Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below), Granite,
+OLMo 2 and OLMo 3 (GraniteForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM below).
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
 (Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
@@ -22,7 +22,7 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import GEMMA, GEMMA_FOUR_NORMS, POST_NORMS, activation
+from .registry import GEMMA, GEMMA_FOUR_NORMS, OLMO, POST_NORMS, activation
 from .rope import build_cos_sin_cache, rope_layer_types
 from .shapes import ModelShapes
 
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         # follow attention_bias (q, k, v and o), and so do Granite and OLMo 2; Mistral has none whatever its config says
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
-                                                                             "olmo2")
+                                                                             *OLMO)
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
             or declared
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
@@ -89,9 +89,9 @@ class Attention(nn.Module):
         o_bias = declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", "olmo2")  # Gemma 3's by 1 + w
-        # OLMo 2 norms q and k each over its whole projection (every head at once), the others per head
-        self.qk_norm_whole = kind == "olmo2"
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO)  # Gemma 3's by 1 + w
+        # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
+        self.qk_norm_whole = kind in OLMO
         if self.qk_norm:
             widths = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
             self.q_norm = norm_for(cfg)(widths[0], cfg.rms_norm_eps, dtype)
@@ -221,7 +221,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
         norm = norm_for(cfg)
-        if cfg.model_type != "olmo2":  # (OLMo 2's layers norm the attention's and the MLP's outputs only)
+        if cfg.model_type not in OLMO:  # (OLMo's layers norm the attention's and the MLP's outputs only)
             self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # four norms: the attention's output and the MLP's in and out as well
@@ -499,15 +499,10 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         return logits
 
 
-class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Gemma 3's text model (transformers' Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M):
-    Gemma 2's layers (four norms, the scale query_pre_attn_scalar ** -0.5, sliding windows on the layers
-    layer_types names, 5 of every 6), with q and k normed per head by 1 + w (Attention.qk_norm, before the rotary),
-    no attention soft-capping (transformers' Gemma 3 attention ignores attn_logit_softcapping: the kernels' plain
-    variants), the logits soft-capped only where final_logit_softcapping is set (the checkpoints' None), and a
-    rope per layer type: the sliding layers rotate by rope_parameters["sliding_attention"] (local base 10000,
-    `local_cos_sin`), the full layers by rope_parameters["full_attention"] (base 1e6, linear scaling in the larger
-    models: `cos_sin`)."""
+class _RopePerLayerType:
+    """A model whose sliding layers rotate by a table of their own (rope_parameters per layer type: Gemma 3, OLMo 3):
+    the sliding layers' `local_cos_sin` (rope_parameters["sliding_attention"]), the full layers' `cos_sin`
+    (rope_parameters["full_attention"]); `_rope(i)`: layer i's. Put before the model class it extends."""
 
     def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
         super().__init__(cfg, dtype, method_for, max_positions)
@@ -521,6 +516,17 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def _rope(self, i: int) -> torch.Tensor:
         return self.local_cos_sin if self.local[i] else self.cos_sin
+
+
+class Gemma3ForCausalLM(_RopePerLayerType, Gemma2ForCausalLM):
+    """Gemma 3's text model (transformers' Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M):
+    Gemma 2's layers (four norms, the scale query_pre_attn_scalar ** -0.5, sliding windows on the layers
+    layer_types names, 5 of every 6), with q and k normed per head by 1 + w (Attention.qk_norm, before the rotary),
+    no attention soft-capping (transformers' Gemma 3 attention ignores attn_logit_softcapping: the kernels' plain
+    variants), the logits soft-capped only where final_logit_softcapping is set (the checkpoints' None), and a
+    rope per layer type: the sliding layers rotate by rope_parameters["sliding_attention"] (local base 10000,
+    `local_cos_sin`), the full layers by rope_parameters["full_attention"] (base 1e6, linear scaling in the larger
+    models: `cos_sin`: _RopePerLayerType)."""
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -555,10 +561,14 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         x, delta = layer.mlp(h, ctx)
         return h + layer.post_feedforward_layernorm(x, None, delta)
 
+    def _rope(self, i: int) -> torch.Tensor:
+        """Layer i's rotary table (OLMo 3's differ by layer type)."""
+        return self.cos_sin
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
-        for layer in self.layers:
-            h = self._layer_rest(layer, h, *layer.self_attn(positions, h, ctx, self.cos_sin), ctx)
+        for i, layer in enumerate(self.layers):
+            h = self._layer_rest(layer, h, *layer.self_attn(positions, h, ctx, self._rope(i)), ctx)
         return self.norm(h)
 
     def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
@@ -570,4 +580,10 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
             h = self._layer_rest(done, residual, *done.self_attn.o_proj.forward_deferred(o, ctx), ctx)
             if i == len(self.layers):
                 return self.norm(h), None
-        return self.layers[i].self_attn.query(positions, h, ctx, self.cos_sin), h
+        return self.layers[i].self_attn.query(positions, h, ctx, self._rope(i)), h
+
+
+class Olmo3ForCausalLM(_RopePerLayerType, Olmo2ForCausalLM):
+    """AllenAI's OLMo 3 (transformers' Olmo3ForCausalLM): OLMo 2's layers, with a sliding window on the layers
+    layer_types names "sliding_attention" (3 of every 4: Attention.window, KV layer groups as Gemma 2's and 3's) and
+    a rope per layer type (the full layers' yarn scaling of the long-context checkpoints: _RopePerLayerType)."""

@@ -18,14 +18,16 @@ SUPPORTED = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
 # adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
 GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
 # the families whose attention's and MLP's outputs are normed before the residual adds them (the norms after o_proj
-# and down_proj add no residual): Gemma 2's and 3's, and OLMo 2's (which has those two norms only: no input norms)
-POST_NORMS = (*GEMMA_FOUR_NORMS, "olmo2")
+# and down_proj add no residual): Gemma 2's and 3's, and OLMo 2's and 3's (those two norms only: no input norms)
+OLMO = ("olmo2", "olmo3")  # OLMo 3: OLMo 2's layers, sliding windows on the layers layer_types names
+POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO)
 
 
 def check_supported(cfg) -> str:
@@ -94,7 +96,7 @@ def model_class(cfg):
     if is_moe(cfg):
         return moe_model_class()
     from .llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
-                        Olmo2ForCausalLM, Phi3ForCausalLM)
+                        Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
-            "olmo2": Olmo2ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

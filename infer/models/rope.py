@@ -11,11 +11,11 @@ from .shapes import ModelShapes
 
 
 def rope_layer_types(cfg) -> list[str | None]:
-    """The layer types that have a rope table of their own: Gemma 3's sliding and full layers (its rope_parameters
-    given per layer type: the sliding layers' local base, the full layers' global base and scaling), [None] for a
-    model whose every layer shares one rope."""
+    """The layer types that have a rope table of their own: Gemma 3's and OLMo 3's sliding and full layers (their
+    rope_parameters given per layer type: Gemma 3's sliding layers' local base, its full layers' global base and
+    scaling; OLMo 3's full layers' yarn), [None] for a model whose every layer shares one rope."""
     params = getattr(cfg, "rope_parameters", None)
-    if getattr(cfg, "model_type", None) == "gemma3_text" and isinstance(params, dict):
+    if getattr(cfg, "model_type", None) in ("gemma3_text", "olmo3") and isinstance(params, dict):
         types = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if isinstance(params.get(t), dict)})
         return types or [None]
     return [None]
