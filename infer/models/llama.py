@@ -33,8 +33,9 @@ HEAD_ROWS = 256
 
 def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> list[str]:
     """The checkpoint module of each shard of a merged layer (MergedLinear.names): Llama's own projections, or for
-    Phi-3 the one fused module that stores them all, stacked along the output (its name once per shard)."""
-    if cfg.model_type == "phi3":
+    Phi-3 (and GLM-4's gate_up_proj) the one fused module that stores them all, stacked along the output (its name
+    once per shard)."""
+    if cfg.model_type == "phi3" or (cfg.model_type == "glm4" and fused == "gate_up_proj"):
         return [f"{prefix}.{fused}"] * len(projections)
     return [f"{prefix}.{p}" for p in projections]
 
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
                                                                              *OLMO)
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
-            or declared
+            or declared or (kind == "glm4" and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
@@ -98,7 +99,12 @@ class Attention(nn.Module):
             self.k_norm = norm_for(cfg)(widths[1], cfg.rms_norm_eps, dtype)
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
-        if not self.qk_norm:  # a decode step's qkv LoRA expand may be left to decode_attention (forward)
+        # GLM-4 rotates interleaved pairs (dims 2i, 2i + 1: transformers' glm4 apply_rotary_pos_emb): each head's
+        # rotary dims are gathered evens first, odds after, and every rotary kernel rotates those halves as its NeoX
+        # pairs (q and k alike: their products, the attention, unchanged); set by the model (rope_interleave)
+        self.rope_perm = None
+        if not self.qk_norm and cfg.model_type != "glm4":  # a decode step's qkv LoRA expand may be left to
+            # decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
         # o's, to the post-attention rms_norm (forward; Gemma 2's and 3's and OLMo 2's has no residual); none for
         # Granite, whose o output is scaled by residual_multiplier before that norm (GraniteForCausalLM)
@@ -129,6 +135,9 @@ class Attention(nn.Module):
         qkv, delta = self.qkv_proj.forward_deferred(x, ctx) if deferred else (self.qkv_proj(x, ctx), None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
+        if self.rope_perm is not None:
+            q = q.reshape(t, self.num_heads, self.head_dim).index_select(2, self.rope_perm).reshape(t, self.q_size)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim).index_select(2, self.rope_perm).reshape(t, self.kv_size)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm:
@@ -226,8 +235,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # four norms: the attention's output and the MLP's in and out as well
             self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.model_type in POST_NORMS:  # (OLMo 2: the MLP's output normed, no norm before it)
+        if cfg.model_type in POST_NORMS and cfg.model_type != "glm4":  # (OLMo: the MLP's output normed, none before)
             self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.model_type == "glm4":  # GLM-4's names: post_attention_layernorm is the MLP's input norm
+            self.post_self_attn_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_mlp_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
         # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
 
@@ -587,3 +599,29 @@ class Olmo3ForCausalLM(_RopePerLayerType, Olmo2ForCausalLM):
     """AllenAI's OLMo 3 (transformers' Olmo3ForCausalLM): OLMo 2's layers, with a sliding window on the layers
     layer_types names "sliding_attention" (3 of every 4: Attention.window, KV layer groups as Gemma 2's and 3's) and
     a rope per layer type (the full layers' yarn scaling of the long-context checkpoints: _RopePerLayerType)."""
+
+
+class Glm4ForCausalLM(Gemma2ForCausalLM):
+    """GLM-4 (transformers' Glm4ForCausalLM: GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): Gemma 2's layer of four norms
+    (the loop of Gemma2ForCausalLM, without its scaled embeddings, norms by 1 + w or soft-capping), under GLM-4's names:
+    input_layernorm, post_self_attn_layernorm (the attention's output, before the residual adds it),
+    post_attention_layernorm (the MLP's input), post_mlp_layernorm (the MLP's output, before the residual adds it);
+    q, k and v biases (attention_bias) and none on o; gate|up stored as one mlp.gate_up_proj (`fused_names`); a
+    partial rotary (partial_rotary_factor 0.5) of interleaved pairs (Attention.rope_perm)."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        rot, dim = self.cos_sin.shape[-1], self.layers[0].self_attn.head_dim
+        perm = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, dim)])
+        self.register_buffer("rope_perm", perm.to(self.cos_sin.device), persistent=False)
+        for layer in self.layers:
+            layer.self_attn.rope_perm = self.rope_perm
+
+    def embed_and_norm(self, input_ids: torch.Tensor):
+        return LlamaForCausalLM.embed_and_norm(self, input_ids)
+
+    def _mlp_block(self, layer, x, residual, delta, ctx):
+        x = layer.post_self_attn_layernorm(x, None, delta)
+        x, residual = layer.post_attention_layernorm(x, residual)
+        x, delta = layer.mlp(x, ctx)
+        return layer.post_mlp_layernorm(x, None, delta), residual

@@ -19,6 +19,7 @@ SUPPORTED = {
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Glm4ForCausalLM": "glm4",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -27,7 +28,8 @@ GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
 # the families whose attention's and MLP's outputs are normed before the residual adds them (the norms after o_proj
 # and down_proj add no residual): Gemma 2's and 3's, and OLMo 2's and 3's (those two norms only: no input norms)
 OLMO = ("olmo2", "olmo3")  # OLMo 3: OLMo 2's layers, sliding windows on the layers layer_types names
-POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO)
+# GLM-4's (GLM-4-0414, GLM-Z1) too: its post_self_attn_layernorm and post_mlp_layernorm
+POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4")
 
 
 def check_supported(cfg) -> str:
@@ -95,8 +97,8 @@ def model_class(cfg):
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class()
-    from .llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
-                        Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM)
+    from .llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM,
+                        LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
-            "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM, "glm4": Glm4ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

@@ -62,14 +62,15 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
 
 def partial_rotary(cfg) -> bool:
     """Whether the family's attention rotates only the first rotary dims of each head (the rope table's width) and
-    passes the rest: transformers' Phi-3 (apply_rotary_pos_emb slices q and k at the width of cos), whose
-    partial_rotary_factor (Phi-4-mini: 0.75) sets that width. Llama, Mistral, Qwen and Gemma rotate whole heads."""
-    return getattr(cfg, "model_type", None) == "phi3"
+    passes the rest: transformers' Phi-3 and GLM-4 (apply_rotary_pos_emb slices q and k at the width of cos), whose
+    partial_rotary_factor (Phi-4-mini: 0.75, GLM-4: 0.5) sets that width. Llama, Mistral, Qwen and Gemma rotate
+    whole heads."""
+    return getattr(cfg, "model_type", None) in ("phi3", "glm4")
 
 
 def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
-    """The dims the default rope's frequencies span: Phi-3's int(head_dim * partial_rotary_factor) (its own
-    compute_default_rope_parameters); the whole head elsewhere (Llama's ignores the field)."""
+    """The dims the default rope's frequencies span: Phi-3's and GLM-4's int(head_dim * partial_rotary_factor) (their
+    own compute_default_rope_parameters); the whole head elsewhere (Llama's ignores the field)."""
     if not partial_rotary(cfg):
         return head_dim
     factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
@@ -128,7 +129,8 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
     if width != head_dim and not (partial_rotary(cfg) and width < head_dim):
         # transformers' Llama-family attention rotates whole heads (it fails here); Phi-3's rotates the first
         # `width` dims and passes the rest (every rotary kernel does: the table's width), never more than the head
-        hint = ("partial_rotary_factor must be at most 1: Phi-3 rotates part of each head, never more than all of it"
+        hint = ("partial_rotary_factor must be at most 1: Phi-3 and GLM-4 rotate part of each head, never more than "
+                "all of it"
                 if partial_rotary(cfg) else "remove partial_rotary_factor from the rope parameters: Llama, Mistral, "
                 "Qwen and Gemma rotate the whole head")
         raise UnsupportedModelError(f"a {rope_type} rope over {width} of {head_dim} head dimensions "
