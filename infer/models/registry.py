@@ -101,4 +101,5 @@ def model_class(cfg):
                         LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
-            "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM, "glm4": Glm4ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
+            "glm4": Glm4ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
