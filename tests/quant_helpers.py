@@ -177,3 +177,25 @@ def check_kernel_path_equals_cpu(folder, monkeypatch) -> None:
     int4_kernel_path(monkeypatch)
     with LLM(str(folder), block_size=4, max_model_len=32) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
+
+
+def split_gate_up(src, dst):
+    """A copy of GPTQ checkpoint `src` (sharded or not) in one file, with each mlp.gate_up_proj stored as GPTQModel
+    writes and reads a Phi-3's (or GLM-4's) MLP: gate_proj and up_proj apart (the halves along the output; g_idx
+    each)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for f in dst.glob("model*.safetensors*"):  # (the shards' index too)
+        f.unlink()
+    for key in [k for k in tensors if ".mlp.gate_up_proj." in k]:
+        t = tensors.pop(key)
+        gate, up = (t, t.clone()) if key.endswith("g_idx") else t.chunk(2, dim=-1)
+        tensors[key.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+        tensors[key.replace("gate_up_proj", "up_proj")] = up.contiguous()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

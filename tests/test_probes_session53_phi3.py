@@ -26,7 +26,7 @@ from helpers import greedy_each, random_prompts, save_random_model, served_compl
 from lora_helpers import (base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
 from quant_helpers import (check_int4_kernels_with_mixed_adapters, check_kernel_path_equals_cpu, gptqmodel_greedy,
-                           make_gptqmodel_checkpoint, needs_gptqmodel)
+                           make_gptqmodel_checkpoint, needs_gptqmodel, split_gate_up)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0)
@@ -120,24 +120,6 @@ def _fuse_gate_up(src, dst):
     return dst
 
 
-def _split_gate_up(src, dst):
-    """A copy of GPTQ checkpoint `src` (sharded or not) in one file, with each mlp.gate_up_proj stored as GPTQModel
-    writes and reads a Phi-3's MLP: gate_proj and up_proj apart (the halves along the output; g_idx each)."""
-    shutil.copytree(src, dst)
-    tensors = {}
-    for f in sorted(dst.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    for f in dst.glob("model*.safetensors*"):  # (the shards' index too)
-        f.unlink()
-    for key in [k for k in tensors if ".mlp.gate_up_proj." in k]:
-        t = tensors.pop(key)
-        gate, up = (t, t.clone()) if key.endswith("g_idx") else t.chunk(2, dim=-1)
-        tensors[key.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-        tensors[key.replace("gate_up_proj", "up_proj")] = up.contiguous()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 @needs_gptqmodel
 def test_infer_quantize_writes_a_phi3_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path):
     build(tmp_path / "f")
@@ -148,7 +130,7 @@ def test_infer_quantize_writes_a_phi3_gptq_checkpoint_equal_to_gptqmodels_load_a
     names = load_file(out / "model.safetensors").keys()
     assert "model.layers.0.self_attn.qkv_proj.qweight" in names  # quantized as one
     assert "model.layers.0.mlp.gate_up_proj.qweight" in names  # GPTQModel unfuses the MLP; infer writes it fused
-    split = _split_gate_up(out, tmp_path / "split")  # the layout GPTQModel saves and reads
+    split = split_gate_up(out, tmp_path / "split")  # the layout GPTQModel saves and reads
     _check_gptq(out, split)
     prompts = random_prompts(512, (9,), seed=5)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)

@@ -16,9 +16,9 @@ from infer.cli.main import app
 from infer.quant.quantize import FUSED_MLP_NOTE, QuantizeOptions, fuse_gate_up
 
 from helpers import random_prompts
-from quant_helpers import gptqmodel_greedy, needs_gptqmodel
+from quant_helpers import gptqmodel_greedy, needs_gptqmodel, split_gate_up
 from test_gptq_engine import hf_gptq_greedy
-from test_probes_session53_phi3 import _split_gate_up, build
+from test_probes_session53_phi3 import build
 
 ARGS = ["--group-size", "32", "--num-samples", "8", "--seq-len", "32"]
 
@@ -46,7 +46,7 @@ def test_quantized_phi3_has_gate_up_proj_and_loads_in_transformers_as_in_infer_a
     with LLM(str(out), block_size=4) as llm:
         mine = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
     assert hf_gptq_greedy(out, prompts, 6) == mine
-    assert gptqmodel_greedy(_split_gate_up(out, tmp_path / "split"), prompts, 6) == mine
+    assert gptqmodel_greedy(split_gate_up(out, tmp_path / "split"), prompts, 6) == mine
 
 
 @needs_gptqmodel

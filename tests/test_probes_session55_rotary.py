@@ -23,8 +23,8 @@ from infer.models.rope import build_cos_sin_cache, rope_table_bytes
 
 from helpers import random_prompts
 from lora_helpers import PeftOracle, hf_float, save_adapter
-from quant_helpers import int4_kernel_path, needs_gptqmodel
-from test_probes_session53_phi3 import _check_gptq, _split_gate_up, build, hf_greedy
+from quant_helpers import int4_kernel_path, needs_gptqmodel, split_gate_up
+from test_probes_session53_phi3 import _check_gptq, build, hf_greedy
 from test_triton_kernels import check_decode_attention, ops  # noqa: F401
 from test_triton_kernels import \
     test_rotary_store_kv_writes_the_rotated_k_and_v_into_their_slots as rotary_store_kv_check
@@ -161,7 +161,7 @@ def test_infer_quantize_of_a_partial_rotary_model_equals_gptqmodels_load(tmp_pat
     res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
                                    "--num-samples", "8", "--seq-len", "32"])
     assert res.exit_code == 0, res.output
-    _check_gptq(out, _split_gate_up(out, tmp_path / "split"))
+    _check_gptq(out, split_gate_up(out, tmp_path / "split"))
 
 
 def test_builtin_tiny_phi4_rotates_three_quarters_of_each_head_as_transformers():

@@ -1,12 +1,14 @@
 """Session 59: Granite (GraniteForCausalLM: Llama with embedding_multiplier, residual_multiplier, attention_multiplier
 as the attention's scale, logits_scaling), OLMo 2 (Olmo2ForCausalLM: norms after the attention and the MLP, none
 before, q and k normed over their whole projections) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers, sliding windows
-on the layers layer_types names, a rope per layer type), end to end on tiny random models built from their configs
+on the layers layer_types names, a rope per layer type) and GLM-4 (Glm4ForCausalLM: four norms a layer, gate|up
+stored fused, a partial rotary of interleaved pairs), end to end on tiny random models built from their configs
 (float32), each against the real thing: greedy tokens and logprobs equal transformers' (GQA and MHA, biases, tied
 heads), the GPU code path (Triton interpreted, emulated CUDA graphs and piecewise graphs), chunked prefill and prefix
 caching; GPTQ checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to
 peft (alone and mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, run, bench, the
-built-in tiny-granite, tiny-olmo2 and tiny-olmo3; what their configs ask that infer cannot do refused up front."""
+built-in tiny-granite, tiny-olmo2, tiny-olmo3 and tiny-glm4; what their configs ask that infer cannot do refused
+up front."""
 
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ from transformers import AutoConfig
 from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
+from infer.lora.adapter import base_targets
 from infer.models.tiny import ensure_builtin
 
 from helpers import greedy_each, norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text
 from lora_helpers import (ALL, PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
-from quant_helpers import check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
+from quant_helpers import (check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel,
+                           split_gate_up)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -37,7 +41,9 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 GRANITE = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.07, logits_scaling=4.0)
 FAMILIES = {"granite": ("granite", "GraniteForCausalLM", GRANITE), "olmo2": ("olmo2", "Olmo2ForCausalLM", {}),
             # 3 sliding layers (a window of 8: prompts pass it) and a full one, transformers' default pattern
-            "olmo3": ("olmo3", "Olmo3ForCausalLM", dict(num_hidden_layers=4, sliding_window=8))}
+            "olmo3": ("olmo3", "Olmo3ForCausalLM", dict(num_hidden_layers=4, sliding_window=8)),
+            # head_dim set (GLM-4's config defaults to 128); half of each head rotated (partial_rotary_factor 0.5)
+            "glm4": ("glm4", "Glm4ForCausalLM", dict(head_dim=16))}
 SL, FULL = "sliding_attention", "full_attention"
 # OLMo-3's long-context rope: yarn on the full layers only
 YARN = {FULL: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 5e5,
@@ -65,6 +71,9 @@ CONFIGS = {
     "olmo3-gqa-window8": ("olmo3", dict()),
     "olmo3-mha-yarn-alternating": ("olmo3", dict(num_key_value_heads=4, rope_parameters=YARN, attention_bias=True,
                                                  layer_types=[SL, FULL, SL, FULL])),
+    "glm4-gqa-qkv-bias": ("glm4", dict()),
+    "glm4-mha-tied-no-bias-wide-heads": ("glm4", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                      attention_bias=False, head_dim=32)),
 }
 
 
@@ -78,6 +87,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
         attn = llm.engine.runner.model.layers[0].self_attn
         if family == "granite":
             assert attn.scale == 0.07
+        elif family == "glm4":  # half of each head rotated, the pairs interleaved
+            assert attn.rot_dim == attn.head_dim // 2 and attn.rope_interleaved
         else:  # OLMo's q and k norms: over the whole projection
             assert attn.q_norm.weight.shape == (attn.q_size,) and attn.k_norm.weight.shape == (attn.kv_size,)
         if family == "olmo3":  # each layer's window and rope table as its layer type says
@@ -162,18 +173,24 @@ def test_what_infer_cannot_run_of_these_families_is_refused(tmp_path):
 @needs_gptqmodel
 @pytest.mark.parametrize("family", FAMILIES)
 def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path, family):
+    """GLM-4's checkpoint stores gate|up as the one mlp.gate_up_proj that transformers and vLLM load (GPTQModel
+    quantizes them apart): infer's tokens equal transformers' load of it and GPTQModel's of its split layout."""
     build(tmp_path / "f", family)
     out = tmp_path / "q"
     res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
                                    "--num-samples", "8", "--seq-len", "32"])
     assert res.exit_code == 0, res.output
     tensors = load_file(out / "model.safetensors")
-    assert "model.layers.0.mlp.gate_proj.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
+    mlp = "gate_up_proj" if family == "glm4" else "gate_proj"
+    assert f"model.layers.0.mlp.{mlp}.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(out), block_size=4) as llm:
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
         got = generate(llm, prompts, 8)
-    assert got == gptqmodel_greedy(out, prompts, 8)
+    if family == "glm4":
+        from test_gptq_engine import hf_gptq_greedy
+        assert got == hf_gptq_greedy(out, prompts, 8)
+    assert got == gptqmodel_greedy(split_gate_up(out, tmp_path / "split") if family == "glm4" else out, prompts, 8)
     res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     with LLM(str(tmp_path / "c"), block_size=4) as llm:
@@ -182,14 +199,18 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
 
 # ------------------------------------------------------------------------------------------------------- LoRA
 ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
-            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])}
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"])}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_lora(request, tmp_path_factory):
+    """(family, base folder, transformers' model, {name: adapter}) of ADAPTERS on a base of the family (GLM-4's:
+    gate_up_proj where they name gate_proj or up_proj, the module peft adapts there)."""
     root = tmp_path_factory.mktemp(request.param)
     build(root / "base", request.param, attention_bias=True)
-    return (request.param, *base_and_adapters(root, ADAPTERS))
+    adapters = {name: {**kw, "target_modules": base_targets(request.param, kw["target_modules"])}
+                for name, kw in ADAPTERS.items()}
+    return (request.param, *base_and_adapters(root, adapters))
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
@@ -236,17 +257,22 @@ def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_pa
     check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
 
 
-def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_olmos_norms(family_lora, tmp_path):
-    """lora-validate accepts a q/k/v/o/gate/up/down adapter; on OLMo 2 and 3 a target_modules regex that selects
-    their q_norm or their post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
+NOT_LINEAR = {"olmo2": [(r".*\.(q_proj|q_norm)", "self_attn.q_norm"),
+                         (r".*(v_proj|post_feedforward_layernorm)", "post_feedforward_layernorm")],
+              "glm4": [(r".*(v_proj|post_mlp_layernorm)", "post_mlp_layernorm"),
+                       (r".*(v_proj|post_self_attn_layernorm)", "post_self_attn_layernorm")]}
+NOT_LINEAR["olmo3"] = NOT_LINEAR["olmo2"]
+
+
+def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_norms(family_lora, tmp_path):
+    """lora-validate accepts an adapter of every projection; a target_modules regex that selects OLMo's q_norm or
+    post_feedforward_layernorm, GLM-4's post_mlp_layernorm or post_self_attn_layernorm (not Linear layers: peft
+    refuses such an adapter) is refused."""
     from infer.lora.adapter import adapter_problems
     family, base, _, paths = family_lora
     check_lora_validate_ok(base, paths["all8"])
-    if family == "granite":
-        return
     adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
-    for regex, module in ((r".*\.(q_proj|q_norm)", "self_attn.q_norm"),
-                          (r".*(v_proj|post_feedforward_layernorm)", "post_feedforward_layernorm")):
+    for regex, module in NOT_LINEAR.get(family, ()):
         cfg = json.loads((adapter / "adapter_config.json").read_text())
         cfg["target_modules"] = regex
         (adapter / "adapter_config.json").write_text(json.dumps(cfg))
@@ -265,7 +291,7 @@ def test_serve_completions(family_lora):
 
 
 @pytest.mark.parametrize("name, arch", [("tiny-granite", "GraniteForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM"),
-                                        ("tiny-olmo3", "Olmo3ForCausalLM")])
+                                        ("tiny-olmo3", "Olmo3ForCausalLM"), ("tiny-glm4", "Glm4ForCausalLM")])
 def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
     """The built-in model equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights
     as the loaded engine holds them."""
@@ -283,7 +309,7 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
     assert all(len(set(tokens)) > 2 for tokens in got)
 
 
-@pytest.mark.parametrize("name", ["tiny-granite", "tiny-olmo2", "tiny-olmo3"])
+@pytest.mark.parametrize("name", ["tiny-granite", "tiny-olmo2", "tiny-olmo3", "tiny-glm4"])
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
     """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
     prompt = random_prompts(512, (9,), seed=2)[0]

@@ -100,10 +100,10 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
         # GLM-4 rotates interleaved pairs (dims 2i, 2i + 1: transformers' glm4 apply_rotary_pos_emb): each head's
-        # rotary dims are gathered evens first, odds after, and every rotary kernel rotates those halves as its NeoX
-        # pairs (q and k alike: their products, the attention, unchanged); set by the model (rope_interleave)
-        self.rope_perm = None
-        if not self.qk_norm and cfg.model_type != "glm4":  # a decode step's qkv LoRA expand may be left to
+        # rotary dims are reordered evens first, odds after (`_deinterleaved`), and every rotary kernel rotates those
+        # halves as its NeoX pairs (q and k alike: their products, the attention, unchanged)
+        self.rope_interleaved = cfg.model_type == "glm4"
+        if not self.qk_norm and not self.rope_interleaved:  # a decode step's qkv LoRA expand may be left to
             # decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
         # o's, to the post-attention rms_norm (forward; Gemma 2's and 3's and OLMo 2's has no residual); none for
@@ -135,15 +135,22 @@ class Attention(nn.Module):
         qkv, delta = self.qkv_proj.forward_deferred(x, ctx) if deferred else (self.qkv_proj(x, ctx), None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        if self.rope_perm is not None:
-            q = q.reshape(t, self.num_heads, self.head_dim).index_select(2, self.rope_perm).reshape(t, self.q_size)
-            k = k.reshape(t, self.num_kv_heads, self.head_dim).index_select(2, self.rope_perm).reshape(t, self.kv_size)
+        if self.rope_interleaved:
+            q, k = self._deinterleaved(q, self.num_heads), self._deinterleaved(k, self.num_kv_heads)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         return (q, k, v, delta) if deferred else (q, k, v)
+
+    def _deinterleaved(self, x, heads: int):
+        """x [t, heads * head_dim] with each head's rotary dims (the first rot_dim) reordered from interleaved pairs
+        (0, 1), (2, 3), ... to halves (0, 2, 4, ... | 1, 3, 5, ...): the pairs every rotary kernel rotates."""
+        t, rot = x.shape[0], self.rot_dim
+        x = x.reshape(t, heads, self.head_dim)
+        halves = x[..., :rot].reshape(t, heads, rot // 2, 2).transpose(2, 3).reshape(t, heads, rot)
+        return torch.cat([halves, x[..., rot:]], dim=-1).reshape(t, heads * self.head_dim)
 
     def compile_decode(self, delta=None) -> None:
         """Compile (launch nothing) the decode_attention variants that add `delta` (the qkv layer's LoRADelta of a
@@ -607,15 +614,7 @@ class Glm4ForCausalLM(Gemma2ForCausalLM):
     input_layernorm, post_self_attn_layernorm (the attention's output, before the residual adds it),
     post_attention_layernorm (the MLP's input), post_mlp_layernorm (the MLP's output, before the residual adds it);
     q, k and v biases (attention_bias) and none on o; gate|up stored as one mlp.gate_up_proj (`fused_names`); a
-    partial rotary (partial_rotary_factor 0.5) of interleaved pairs (Attention.rope_perm)."""
-
-    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
-        super().__init__(cfg, dtype, method_for, max_positions)
-        rot, dim = self.cos_sin.shape[-1], self.layers[0].self_attn.head_dim
-        perm = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, dim)])
-        self.register_buffer("rope_perm", perm.to(self.cos_sin.device), persistent=False)
-        for layer in self.layers:
-            layer.self_attn.rope_perm = self.rope_perm
+    partial rotary (partial_rotary_factor 0.5) of interleaved pairs (Attention.rope_interleaved)."""
 
     def embed_and_norm(self, input_ids: torch.Tensor):
         return LlamaForCausalLM.embed_and_norm(self, input_ids)

@@ -588,9 +588,10 @@ def _restore_source_files(src: Path, out: Path) -> None:
         (out / "generation_config.json").unlink(missing_ok=True)
 
 
-# Phi-3's MLP is one gate_up_proj (transformers' Phi3MLP, vLLM's Phi-3): GPTQModel unfuses it to quantize and saves
-# gate_proj and up_proj apart, a layout only GPTQModel and infer read
-FUSED_MLP = {"phi3": ("gate_proj", "up_proj", "gate_up_proj")}
+# Phi-3's MLP is one gate_up_proj (transformers' Phi3MLP, vLLM's Phi-3), and so is GLM-4's (Glm4MLP): GPTQModel
+# unfuses it to quantize and saves gate_proj and up_proj apart, a layout only GPTQModel and infer read
+FUSED_MLP = {"phi3": ("gate_proj", "up_proj", "gate_up_proj"), "glm4": ("gate_proj", "up_proj", "gate_up_proj")}
+FUSED_MLP_ARCH = {"phi3": "Phi-3", "glm4": "GLM-4"}
 SPLIT_MLP_NOTE = ("--desc-act gives this {arch} checkpoint's mlp.gate_proj and mlp.up_proj different g_idx "
                   "permutations, which cannot share the one gate_up_proj module of transformers' and vLLM's {arch}: "
                   "it keeps GPTQModel's split layout, which infer and GPTQModel run but transformers (`infer bench "
@@ -603,7 +604,7 @@ FUSED_MLP_NOTE = ("this {arch} checkpoint's MLP is one mlp.gate_up_proj, as tran
 
 
 def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
-    """Rewrite GPTQModel's saved Phi-3 checkpoint in `out` with each layer's mlp.gate_proj and mlp.up_proj as the one
+    """Rewrite GPTQModel's saved Phi-3 (or GLM-4) checkpoint in `out` with each layer's mlp.gate_proj and mlp.up_proj as the one
     mlp.gate_up_proj that transformers and vLLM load: qweight, scales and qzeros (and biases) concatenated along the
     output, gate first (exact: each half's width packs into whole int32 words), g_idx kept once. Only where every
     pair shares its g_idx (no act-order); otherwise the split layout stays. The notes returned say which readers
@@ -612,7 +613,7 @@ def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     if names is None:
         return []
     gate, up, fused = names
-    arch = "Phi-3"
+    arch = FUSED_MLP_ARCH[str(config.get("model_type"))]
     if opts.desc_act:
         return [SPLIT_MLP_NOTE.format(arch=arch)]
     if opts.bits * int(config.get("intermediate_size") or 0) % 32:
