@@ -280,6 +280,27 @@ def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_norms(fa
         assert any(f"selects model.layers.0.{module}, which is not a Linear layer" in m for m in problems), problems
 
 
+def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_lora, tmp_path):
+    """peft has no default target_modules for these bases (its mapping names none of granite, olmo2, olmo3, glm4):
+    PeftModel.from_pretrained refuses a config without them ("Please specify `target_modules`"), and so do infer's
+    engine and lora-validate, naming the base's modules (GLM-4's gate_up_proj)."""
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    family, base, _, paths = family_lora
+    path = shutil.copytree(paths["all8"], tmp_path / "a")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["target_modules"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    from peft import PeftModel
+    with pytest.raises(ValueError, match="Please specify `target_modules`"):
+        PeftModel.from_pretrained(hf_float(base), str(path))
+    [problem] = adapter_problems("a", path, AutoConfig.from_pretrained(base))
+    assert f"peft has no default for a {family} base" in str(problem)
+    assert ("gate_up_proj" in str(problem)) == (family == "glm4")
+    with pytest.raises(LoRAError, match=f"peft has no default for a {family} base"):
+        LLM(str(base), loras={"a": str(path)})
+
+
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
 def test_serve_completions(family_lora):
     from transformers import AutoTokenizer
