@@ -14,8 +14,8 @@ from ..engine.config import RANGES, EngineConfig
 from ..engine.setup import (check_lora_targets, checkpoint_dtype, context_limit, load_tokenizer, model_max_len,
                             warn_unused_memory_option)
 from ..errors import ConfigError, OutOfMemoryError
-from ..memory.plan import (MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, draft_activation_bytes,
-                           draft_graph_bytes, make_plan, speculative_logit_bytes)
+from ..memory.plan import (MemoryPlan, bound_room, budget_bytes, check_rope_table, cuda_graph_bytes,
+                           draft_activation_bytes, draft_graph_bytes, make_plan, speculative_logit_bytes)
 from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
                             step_tokens, weights_bytes)
 
@@ -260,6 +260,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     _warm_libraries(dtype, device)
     before = resident_bytes(device)
     # the rope table an engine of this config holds (engine.setup.load_engine_parts)
+    check_rope_table(engine_config, model_config, device, model_max_len(model_config, engine_config))
     model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
     from ..engine.draft import load_draft  # (draft-model speculation: loaded as an engine start loads it)
     draft = load_draft(engine_config, model_config, dtype, device, model_max_len(model_config, engine_config), model)

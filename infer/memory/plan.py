@@ -94,6 +94,27 @@ def budget_bytes(engine_config: PlanOptions, device: torch.device, weights: int,
     return int(available_cpu_memory() * 0.5) + (weights if loaded else 0)
 
 
+def check_rope_table(engine_config: PlanOptions, model_config, device: torch.device, max_len: int) -> None:
+    """Before the model is built: its rope table (max_len rows, float32) fits the budget while it is computed
+    (about twice the table: the angles and the table). A config.json whose max_position_embeddings is in the
+    billions (no --max-model-len) otherwise took minutes and all the RAM, or failed inside torch's allocator."""
+    from ..models.rope import rope_table_bytes
+    table = rope_table_bytes(model_config, max_len)
+    budget = budget_bytes(engine_config, device, 0, loaded=False)
+    if 2 * table <= budget:
+        return
+    per_row = max(1, rope_table_bytes(model_config, 1))
+    fit = budget // (2 * per_row)
+    given = (f"--max-model-len {max_len:,}" if engine_config.max_model_len else
+             f"config.json's max_position_embeddings, {max_len:,}, as no --max-model-len is given")
+    more = "--gpu-memory-utilization" if device.type == "cuda" else "--memory-limit"
+    raise OutOfMemoryError(
+        f"the model's context ({given}) needs a rotary (rope) table of {gib(table)}, about twice that while it is "
+        f"built, more than the memory budget of {gib(budget)}",
+        f"pass --max-model-len with the context you need (at most {fit:,}; the KV cache needs room too), or raise "
+        f"{more}")
+
+
 def lora_rank(engine_config: PlanOptions) -> int:
     """The rank a step's LoRA path is sized for: --max-lora-rank when the engine has adapter slots (--lora, or
     --enable-lora for adapters added while it runs), else 0."""

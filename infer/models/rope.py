@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import OutOfMemoryError, UnsupportedModelError
 from .shapes import ModelShapes
 
 
@@ -151,5 +151,21 @@ def build_cos_sin_cache(cfg, max_positions: int | None = None, layer_type: str |
     `layer_type`: the table of those layers (Gemma 3's "sliding_attention" or "full_attention": rope_layer_types)."""
     inv_freq, scale = _inv_freq(cfg, layer_type)
     n = max_positions or cfg.max_position_embeddings
-    freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float().to(torch.get_default_device()))
-    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+    try:
+        freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float().to(torch.get_default_device()))
+        return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError; a CPU's allocator raises
+        # RuntimeError ("can't allocate memory") for a config.json max_position_embeddings of 10**12
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
+            raise
+        raise OutOfMemoryError(
+            f"the rotary (rope) table for {n:,} positions (the model's context: --max-model-len, or config.json's "
+            f"max_position_embeddings) takes {n * 2 * inv_freq.numel() * 4 / 2**30:,.1f} GiB, which this device "
+            "cannot allocate", "pass --max-model-len with the context you need (max_model_len=N in the Python API)"
+        ) from e
+
+
+def rope_table_bytes(cfg, positions: int) -> int:
+    """The bytes of the float32 rope tables build_cos_sin_cache builds for `positions` rows: one per
+    rope_layer_types entry (Gemma 3's two), each row the table's width."""
+    return sum(positions * 2 * _inv_freq(cfg, t)[0].numel() * 4 for t in rope_layer_types(cfg))

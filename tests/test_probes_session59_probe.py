@@ -1,0 +1,61 @@
+"""Hostile-newcomer probes (session 59): each test fails without its fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.errors import OutOfMemoryError
+
+
+@pytest.fixture(scope="module")
+def long_context_llama(tmp_path_factory):
+    """tiny-llama whose config.json claims a context of 4,000,000 tokens (a float32 rope table of 244 MiB)."""
+    from infer.models.tiny import ensure_builtin
+    path = tmp_path_factory.mktemp("long") / "tiny"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4_000_000}))
+    return path
+
+
+def test_a_rope_table_past_the_budget_is_refused_before_the_model_is_built(long_context_llama):
+    """A config.json whose max_position_embeddings is in the billions (no --max-model-len) built its rope table in
+    full before any memory check: 10**12 positions ended in torch's allocator traceback ("can't allocate 4 TB"),
+    10**8 took 108 s and 16 GB of RAM before the plan refused it. Now the table's size is checked against the
+    budget first, naming the field and the --max-model-len that fits; an explicit max_model_len still runs."""
+    with pytest.raises(OutOfMemoryError) as err:
+        LLM(str(long_context_llama), memory_limit="128MB")
+    msg = str(err.value)
+    assert "rotary (rope) table" in msg and "max_position_embeddings, 4,000,000" in msg, msg
+    assert "--max-model-len" in err.value.hint
+    fit = int(err.value.hint.split("at most ")[1].split(";")[0].replace(",", ""))
+    assert 0 < fit < 4_000_000
+    with pytest.raises(OutOfMemoryError, match=r"--max-model-len 4,000,000\)"):
+        LLM(str(long_context_llama), memory_limit="128MB", max_model_len=4_000_000)
+    # the same weights with a context that fits: the tokens of the unmodified model
+    from infer.models.tiny import ensure_builtin
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    got = LLM(str(long_context_llama), memory_limit="128MB", max_model_len=256).generate([[5, 6, 7]], params)
+    want = LLM(str(ensure_builtin("tiny-llama")), max_model_len=256).generate([[5, 6, 7]], params)
+    assert got[0].token_ids == want[0].token_ids
+
+
+def test_a_rope_table_the_allocator_refuses_is_named(monkeypatch):
+    """Where the table passes the budget check but the device cannot allocate it (a draft model's, a reload's),
+    torch's bare RuntimeError ("DefaultCPUAllocator: can't allocate memory") became a clear OutOfMemoryError."""
+    from infer.models import rope
+    from infer.models.loader import load_config
+    from infer.models.tiny import ensure_builtin
+    cfg = load_config(ensure_builtin("tiny-llama"))
+
+    def refuse(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(torch, "outer", refuse)
+    with pytest.raises(OutOfMemoryError, match="rotary .rope. table for 1,000,000 positions") as err:
+        rope.build_cos_sin_cache(cfg, 1_000_000)
+    assert "--max-model-len" in err.value.hint
