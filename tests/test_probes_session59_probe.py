@@ -59,3 +59,24 @@ def test_a_rope_table_the_allocator_refuses_is_named(monkeypatch):
     with pytest.raises(OutOfMemoryError, match="rotary .rope. table for 1,000,000 positions") as err:
         rope.build_cos_sin_cache(cfg, 1_000_000)
     assert "--max-model-len" in err.value.hint
+
+
+def test_convert_refuses_merge_lora_given_twice(tmp_path, monkeypatch):
+    """`infer convert tiny-llama -o out --merge-lora a --merge-lora b` merged only b (click's last value wins) and
+    said "merged b": a's weights were silently missing. Now the repeat is refused before anything is loaded,
+    naming both adapters and the two commands that merge them one after the other."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.quant import convert as qconvert
+
+    def never(*a, **k):
+        raise AssertionError("convert_model ran")
+    monkeypatch.setattr(qconvert, "convert_model", never)
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "out"), "--merge-lora",
+                                   str(tmp_path / "legal"), "--merge-lora", str(tmp_path / "support")])
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert "--merge-lora is given 2 times" in out and "legal" in out and "support" in out, out
+    assert "-o merged2 --merge-lora" in out, out
+    assert not (tmp_path / "out").exists()
