@@ -80,3 +80,23 @@ def test_convert_refuses_merge_lora_given_twice(tmp_path, monkeypatch):
     assert "--merge-lora is given 2 times" in out and "legal" in out and "support" in out, out
     assert "-o merged2 --merge-lora" in out, out
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "float99"), ("torch_dtype", "torch.float16"), ("dtype", 5)])
+def test_a_config_dtype_that_names_no_torch_dtype_is_named(tmp_path, field, value):
+    """config.json's "dtype": "float99" (or "torch.float16") was refused as transformers' AttributeError "cannot
+    read config.json: module 'torch' has no attribute 'float99'", and a number was taken; now the field and its
+    value are named, with the form transformers saves."""
+    from infer.errors import ModelLoadError
+    from infer.models.loader import load_config
+    from infer.models.tiny import ensure_builtin
+    shutil.copytree(ensure_builtin("tiny-llama"), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ModelLoadError, match=f"config.json has {field} {json.dumps(value)}, which is not a torch "
+                                             "dtype") as err:
+        load_config(tmp_path / "m")
+    assert f'"{field}": "bfloat16"' in err.value.hint
+    cfg = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}  # (transformers 5 prefers dtype)
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, field: "bfloat16"}))
+    assert load_config(tmp_path / "m").dtype == torch.bfloat16

@@ -10,6 +10,8 @@ import json
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.convert import CONFIG_HINT
 
@@ -77,6 +79,13 @@ def check_config_values(raw: dict) -> None:
                                       and value >= least):  # (a 4096.0: left to transformers, which may take it)
             raise ModelLoadError(f"config.json has {field} {value!r}: it must be a whole number of at least {least}",
                                  CONFIG_HINT)
+    for field in ("dtype", "torch_dtype"):  # transformers reads a name with getattr(torch, name): "float99",
+        # "torch.float16" or "auto" were its AttributeError "module 'torch' has no attribute ..."
+        value = raw.get(field)
+        if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
+            raise ModelLoadError(f"config.json has {field} {json.dumps(value)}, which is not a torch dtype",
+                                 f"{CONFIG_HINT} (write the weights' dtype as transformers saves it, e.g. "
+                                 f"\"{field}\": \"bfloat16\", or leave it out)")
     eps = raw.get("rms_norm_eps")
     if eps is not None and type(eps) in (int, float) and not eps >= 0:
         raise ModelLoadError(f"config.json has rms_norm_eps {eps!r}: it must be a number of at least 0", CONFIG_HINT)
