@@ -100,3 +100,19 @@ def test_a_config_dtype_that_names_no_torch_dtype_is_named(tmp_path, field, valu
     cfg = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}  # (transformers 5 prefers dtype)
     (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, field: "bfloat16"}))
     assert load_config(tmp_path / "m").dtype == torch.bfloat16
+
+
+def test_a_line_whose_lora_is_a_folder_or_empty_is_told_what_to_write(tmp_path):
+    """A newcomer's line `"lora": "./adapters/legal"` (the folder, as vLLM's LoRARequest takes a path) was told to
+    start infer run with `--lora ./adapters/legal=PATH`, and `"lora": ""` with `--lora =PATH` (neither is a
+    NAME=PATH infer run takes). Now the folder's line gets `--lora legal=./adapters/legal` and `"lora": "legal"`,
+    the empty one to leave lora out for the base model; the other lines still run."""
+    from helpers import infer_run_records
+    folder = tmp_path / "adapters" / "legal"
+    folder.mkdir(parents=True)
+    records, _ = infer_run_records(tmp_path, [{"id": "dir", "prompt": "hi", "lora": str(folder)},
+                                              {"id": "empty", "prompt": "hi", "lora": ""},
+                                              {"id": "ok", "prompt": "hi", "max_new_tokens": 2}])
+    assert f'--lora legal={folder} and write "lora": "legal"' in records["dir"]["error"], records["dir"]
+    assert "=PATH" not in records["empty"]["error"] and "leave the line's lora out" in records["empty"]["error"]
+    assert records["ok"]["error"] is None and len(records["ok"]["token_ids"]) == 2

@@ -414,8 +414,15 @@ def line_reason(e: RequestError | str) -> str:
 
 def adapter_remedy(e: UnknownAdapterError) -> str:
     """An input line's unknown adapter in infer run's terms: the adapters --lora gave, and how to give it."""
-    return (f"{e.message} (registered adapters: {', '.join(e.known) or 'none'}; give it to infer run with "
-            f"--lora {e.name}=PATH, PATH its PEFT folder)")
+    known = f"registered adapters: {', '.join(e.known) or 'none'}"
+    if not (e.name or "").strip():  # ("--lora =PATH" was the remedy)
+        return (f"{e.message} ({known}; leave the line's lora out, or null, for the base model, or name one of "
+                "them)")
+    if Path(e.name).expanduser().is_dir():  # a line that gives the adapter's folder, not its --lora name
+        name = Path(e.name).expanduser().resolve().name
+        return (f"{e.message}: {e.name} is a folder, and a line's lora names an adapter given to infer run ({known}; "
+                f"give it with --lora {name}={e.name} and write \"lora\": \"{name}\")")
+    return f"{e.message} ({known}; give it to infer run with --lora {e.name}=PATH, PATH its PEFT folder)"
 
 
 def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names, output_format: str = "infer") -> list:
