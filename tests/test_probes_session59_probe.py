@@ -61,24 +61,29 @@ def test_a_rope_table_the_allocator_refuses_is_named(monkeypatch):
     assert "--max-model-len" in err.value.hint
 
 
-def test_convert_refuses_merge_lora_given_twice(tmp_path, monkeypatch):
+@pytest.mark.parametrize("command, flag", [("convert", "--merge-lora"), ("quantize", "--calibration")])
+def test_a_file_option_given_twice_is_refused(tmp_path, monkeypatch, command, flag):
     """`infer convert tiny-llama -o out --merge-lora a --merge-lora b` merged only b (click's last value wins) and
-    said "merged b": a's weights were silently missing. Now the repeat is refused before anything is loaded,
-    naming both adapters and the two commands that merge them one after the other."""
+    said "merged b": a's weights were silently missing; `infer quantize --calibration a.jsonl --calibration
+    b.jsonl` calibrated on b alone. Now the repeat is refused before anything is loaded, naming both files and
+    how to give them (two merges one after the other; one calibration file)."""
     from typer.testing import CliRunner
 
+    from infer.cli import quantize as cquantize
     from infer.cli.main import app
     from infer.quant import convert as qconvert
 
     def never(*a, **k):
-        raise AssertionError("convert_model ran")
+        raise AssertionError("the command ran")
     monkeypatch.setattr(qconvert, "convert_model", never)
-    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "out"), "--merge-lora",
-                                   str(tmp_path / "legal"), "--merge-lora", str(tmp_path / "support")])
+    monkeypatch.setattr(cquantize, "run_quantization", never)
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    res = CliRunner().invoke(app, [command, "tiny-llama", "-o", str(tmp_path / "out"), flag, str(first), flag,
+                                   str(second)])
     assert res.exit_code == 2, res.output
     out = " ".join(res.output.split())
-    assert "--merge-lora is given 2 times" in out and "legal" in out and "support" in out, out
-    assert "-o merged2 --merge-lora" in out, out
+    assert f"{flag} is given 2 times ({first}, {second}); it takes one" in out, out
+    assert (f"-o merged2 --merge-lora {second}" if command == "convert" else f"cat {first} {second} >") in out, out
     assert not (tmp_path / "out").exists()
 
 

@@ -56,7 +56,9 @@ def convert(
     from ..quant.convert import TARGETS
     if to not in TARGETS:
         raise ConfigError(f"--to {to!r} is not supported", f"use one of {', '.join(TARGETS)}")
-    merge_lora = _one_adapter(merge_lora)
+    merge_lora = o.one_path("--merge-lora", merge_lora, lambda given: (
+        f"merge one, then the next into its output: infer convert MODEL -o merged1 --merge-lora {given[0]}; "
+        f"infer convert merged1 -o merged2 --merge-lora {given[1]}"))
     src = resolve_model(model)
     if merge_lora is not None:
         _check_adapter(merge_lora, src)  # first: "its sizes may fit" would be wrong beside an error that they don't
@@ -70,18 +72,6 @@ def convert(
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}", to == "gptq" and "GPTQ") if x) \
         or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}", soft_wrap=True)  # the path on one line, as written
-
-
-def _one_adapter(given: list[Path] | None) -> Path | None:
-    """The one --merge-lora adapter. Given twice, the last one was merged and the others silently dropped."""
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ConfigError(f"--merge-lora is given {len(given)} times ({', '.join(map(str, given))}); infer convert "
-                          "merges one adapter",
-                          f"merge one, then the next into its output: infer convert MODEL -o merged1 --merge-lora "
-                          f"{given[0]}; infer convert merged1 -o merged2 --merge-lora {given[1]}")
-    return given[0]
 
 
 def _check_adapter(adapter: Path, src: Path) -> None:

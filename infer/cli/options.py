@@ -212,6 +212,18 @@ def _check_device(value: str) -> str:
     return value
 
 
+def one_path(flag: str, given: list[Path] | None, remedy) -> Path | None:
+    """The one value of a file option that click would take the last of when given twice (the others silently
+    dropped: a second --merge-lora adapter not merged, a second --calibration file not read): refused instead,
+    with remedy(given) as the hint."""
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConfigError(f"{flag} is given {len(given)} times ({', '.join(map(str, given))}); it takes one",
+                          remedy(given))
+    return given[0]
+
+
 def folder_path(value) -> Path:
     """An output folder option's value as a Path, `~` expanded (the shell leaves `--output=~/x` as it is, which made a
     folder named `~` in the current one); an empty one (`-o "$UNSET"`) is refused: Path('') is the current folder,

@@ -98,7 +98,7 @@ def quantize(
     lm_head: Annotated[bool, typer.Option("--lm-head/--no-lm-head", help="Quantize the output head too (GPTQModel's "
                                           "lm_head=True, which writes it at 8 bits); not for a head tied to the "
                                           "embeddings.", rich_help_panel=GPTQ)] = False,
-    calibration: Annotated[Optional[Path], typer.Option(
+    calibration: Annotated[Optional[list[Path]], typer.Option(
         help="Calibration text: .txt (one sample per paragraph, or per line) or .jsonl (objects with \"text\", "
              "\"prompt\" or \"messages\"). Default: a small built-in English/code text set.",
         rich_help_panel=CALIB, show_default=False)] = None,
@@ -124,6 +124,9 @@ def quantize(
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """
     from ..models.resolve import resolve_model, source_name
+    calibration = o.one_path("--calibration", calibration, lambda given: (
+        f"put the texts in one file of one kind (.txt or .jsonl) and give that, e.g. cat {' '.join(map(str, given))} "
+        f"> calibration{given[0].suffix}"))
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size, lm_head=lm_head)
     options.validate()
