@@ -208,7 +208,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **_slots_within_cpu(engine_options)))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
-        self._lock = threading.RLock()  # one engine step (or add/abort) at a time
+        # one engine step (or add/abort) at a time: the engine's own lock, which its pause_generation(),
+        # resume_generation(), sleep() and wake_up() hold, so another thread's llm.llm_engine.pause_generation()
+        # waits for the step running and no step starts while it runs
+        self._lock = self.engine.lock
         self._mail: dict[str, list[RequestOutput]] = {}  # request id -> outputs its call has not taken yet
         self._failed: set[str] = set()  # requests ended by a failed step (their later abort output is dropped)
         self._stepping = False  # inside an engine step (this thread holds the lock): _forget waits for its end
@@ -305,14 +308,12 @@ class LLM:
         request still running (another thread's generate) ends with finish_reason "abort" (`mode` "abort", vLLM's
         default), runs to its end before the memory is freed ("wait"), or is paused and goes on after wake_up()
         ("keep"; LLMEngine.sleep); generate refuses new ones (SleepModeError) until wake_up()."""
-        with self._lock:
-            self._engine().sleep(level, mode)
+        self._engine().sleep(level, mode)  # (under the engine's lock: a control)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's LLM.wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again; generate
         runs once both are awake (after level 2, once the weights were loaded again)."""
-        with self._lock:
-            self._engine().wake_up(tags)
+        self._engine().wake_up(tags)  # (under the engine's lock: a control)
 
     def is_sleeping(self) -> bool:
         """vLLM's: whether sleep() freed memory that wake_up() has not given back yet."""
@@ -323,13 +324,11 @@ class LLM:
         """vLLM's LLM.collective_rpc: `method` (a worker method's name, e.g. "reload_weights", or a function called
         with the worker: `worker.model_runner.model` is the model) on every worker, their results in a list; infer
         runs the model in this process, one worker, so the list holds one result (between two engine steps)."""
-        with self._lock:
-            return self._engine().collective_rpc(method, timeout, args, kwargs)
+        return self._engine().collective_rpc(method, timeout, args, kwargs)  # (under the engine's lock: a control)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget every cached prefix (LLMEngine.reset_prefix_cache)."""
-        with self._lock:
-            return self._engine().reset_prefix_cache()
+        return self._engine().reset_prefix_cache()  # (under the engine's lock: a control)
 
     def list_loras(self) -> list[str]:
         """The adapters requests may name, in the order they were added."""
@@ -452,6 +451,7 @@ class LLM:
     def _pump(self, ids) -> list[RequestOutput]:
         """The next outputs of these requests: those another call's steps left in their mailboxes, else one step."""
         while True:
+            self._engine().yield_to_controls()  # (another thread's pause, sleep... first: it waits for this step)
             with self._lock:
                 got = [out for rid in ids for out in self._mail.get(rid, [])]
                 if got:

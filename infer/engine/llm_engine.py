@@ -63,6 +63,34 @@ def interrupts_held():
         previous(signal.SIGINT, held[0])
 
 
+def serialized(method):
+    """`method` (step) run holding the engine's lock (LLMEngine.lock, which LLM's calls hold too)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+def control(method):
+    """`method` (pause_generation, resume_generation, sleep, wake_up...) run holding the engine's lock, whichever
+    thread calls it: it waits for the step running to end, and no step starts while it runs (it changed the
+    scheduler's queues under a step's feet). It runs before the next step of a loop that calls
+    yield_to_controls() (LLM's: another thread's pause is not held up until its generate ends)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._turn:
+            self._controls_waiting += 1
+        try:
+            with self.lock:
+                return method(self, *args, **kwargs)
+        finally:
+            with self._turn:
+                self._controls_waiting -= 1
+                self._turn.notify_all()
+    return locked
+
+
 def checked_arrival(arrival_time) -> float | None:
     """add_request's arrival_time: None, or a time.monotonic() reading not after now. RequestError otherwise:
     vLLM's engine reads time.time(), whose epoch seconds here would make every queue time negative."""
@@ -200,6 +228,11 @@ class LLMEngine:
         if config.pooling() and config.speculative_config is not None:
             raise ConfigError("--speculative-config drafts generated tokens, which --runner pooling never makes",
                               "leave --speculative-config out")
+        # one step, or one control (pause/resume, sleep/wake_up, collective_rpc), at a time whichever thread calls
+        # it (`serialized`, `control`); LLM's calls hold it too (LLM._lock is this lock)
+        self.lock = threading.RLock()
+        self._turn = threading.Condition(threading.Lock())  # guards _controls_waiting (yield_to_controls)
+        self._controls_waiting = 0  # controls that wait for the lock or hold it (`control`)
         parts = parts if parts is not None else load_engine_parts(config)
         self.model_path, self.model_config, self.tokenizer = parts.path, parts.model_config, parts.tokenizer
         self.dtype, self.device, self.max_model_len = parts.dtype, parts.device, parts.max_model_len
@@ -616,6 +649,7 @@ class LLMEngine:
         return len({s.request_id for s in self.scheduler.waiting} | {s.request_id for s in self.scheduler.running}
                    | {s.request_id for s in self._aborted} | {o.request_id for o in self._carried if o.finished})
 
+    @control
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached prefix, also those of running requests (they keep their blocks, unshared);
         the hit counters go on counting. True (vLLM returns False while requests run; infer resets anyway)."""
@@ -757,6 +791,7 @@ class LLMEngine:
         return {name: users.get(name, 0) for name in manager.retired()}
 
     # ------------------------------------------------------------------ the step
+    @serialized
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, sample, hand out outputs. With overlap (config.use_overlap()) the batch is only
         launched: the outputs returned are the previous batch's, handled on the host while this one runs on the
@@ -1165,6 +1200,7 @@ class LLMEngine:
                 "lora_running": sorted({s.lora_name for s in self.scheduler.running if s.lora_name is not None})}
 
     # ------------------------------------------------------------------ sleep mode (vLLM's)
+    @control
     def sleep(self, level: int = 1, mode: str = "abort") -> int:
         """vLLM's sleep mode (the engine started with enable_sleep_mode=True): give the device memory back without
         closing the engine. Level 1 copies the weights to host memory and frees them and the KV cache on the device;
@@ -1206,6 +1242,7 @@ class LLMEngine:
         log.info("the engine is asleep (level %d): %.1f MiB freed on %s", level, freed / 2**20, self.device)
         return freed
 
+    @control
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again: the weights
         as they were (level 1) or as garbage until reload_weights() (level 2), the KV cache empty. Requests run once
@@ -1271,6 +1308,7 @@ class LLMEngine:
                 self.scheduler.preempt(seq, counted=False)  # (a pause, not a preemption: stats and /metrics)
 
     # ------------------------------------------------------------------ pause / resume (vLLM's, for RL trainers)
+    @control
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """vLLM's pause_generation: no step runs a request until resume_generation(); requests added meanwhile wait
         (queued, not refused) and run after it. `mode` says what becomes of the requests the engine holds: "abort"
@@ -1288,11 +1326,22 @@ class LLMEngine:
         if clear_cache:
             self.block_manager.reset_prefix_cache(counters=False, in_use=True)
 
+    @control
     def resume_generation(self) -> None:
         """vLLM's resume_generation: the requests paused or added since pause_generation() run from the next step
         (while asleep: once awake). Not paused: nothing to do."""
         self._check_open()
         self._paused = False
+
+    def yield_to_controls(self) -> None:
+        """Wait (outside the lock) while another thread's control (pause_generation, sleep...) waits for the lock or
+        runs: a loop that steps calls it before each step, or it would take the lock again at once, and the pause
+        would wait for its whole generate (a lock is not first come, first served). Not while this thread holds the
+        lock (a generate inside collective_rpc's or apply_model's function): the control waits for it."""
+        if self.lock._is_owned():
+            return
+        with self._turn:
+            self._turn.wait_for(lambda: not self._controls_waiting)
 
     def is_paused(self) -> bool:
         """vLLM's is_paused: whether pause_generation() holds the engine (until resume_generation()), or a step would
@@ -1444,6 +1493,7 @@ class LLMEngine:
                     "the engine serves on with the loaded weights; free GPU memory (other processes), or write a "
                     "smaller checkpoint (fewer bits, a smaller dtype)")
 
+    @control
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
         """vLLM's collective_rpc: `method` (a name, or a function of the worker) on every worker, their results in
