@@ -103,8 +103,12 @@ class Server:
                                 vocab_size=self.engine.model_config.vocab_size)
 
     def stats(self) -> dict:
-        return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
-                "num_step_errors": self.aengine.num_step_errors}
+        stats = {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
+                 "num_step_errors": self.aengine.num_step_errors}
+        held = self.aengine.num_held()  # (accepted while paused: they wait for POST /resume, the engine has none)
+        if held:
+            stats["num_waiting"] = stats.get("num_waiting", 0) + held
+        return stats
 
     def adapters(self) -> list[str]:
         lm = self.engine.lora_manager

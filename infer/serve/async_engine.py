@@ -84,6 +84,10 @@ class AsyncEngine:
         # are admitted, in order, after resume() once the engine is awake (_release_held)
         self._holding = False
         self._held: deque[_Pending] = deque()
+        self._pauses = 0  # pause() and resume() calls so far: a "wait" pause's control runs only if none came since
+        # what pause(mode="abort") calls at once (a served beam search's: its later steps are new requests, which
+        # would wait for resume(), where the search must end as the requests the pause aborts)
+        self._abort_pause_hooks: set = set()
         self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
         self._num_waiting = 0  # engine's waiting queue after the last step
         self._num_running = 0  # and its running sequences
@@ -273,11 +277,19 @@ class AsyncEngine:
         _check_timeout(timeout, mode)
         with self._cond:
             self._holding = True
+            self._pauses += 1
+            mine = self._pauses
+            hooks = list(self._abort_pause_hooks) if mode == "abort" else []
+        for hook in hooks:
+            hook()
 
         def pause(engine):
-            with self._cond:  # (a resume() while a "wait" drained the requests: it stands)
-                holding = self._holding
-            if holding:
+            # a resume() while a "wait" drained the requests stands; and a "wait" whose timeout ran out, still queued
+            # when a later pause() or resume() came, is over: that call said what holds now (its clear_cache, not
+            # this one's, which would forget the prefix cache of a later clear_cache=False pause)
+            with self._cond:
+                current = self._holding and (mode != "wait" or self._pauses == mine)
+            if current:
                 engine.pause_generation(mode, clear_cache)
 
         await self._within(self._call(pause, idle=mode == "wait"), timeout, "pause")
@@ -287,6 +299,7 @@ class AsyncEngine:
         request runs again (LLMEngine.resume_generation). Not paused: nothing changes."""
         with self._cond:
             self._holding = False
+            self._pauses += 1
             self._cond.notify()
         await self._call(lambda engine: getattr(engine, "resume_generation", lambda: None)())  # (then _release_held)
 
@@ -307,6 +320,19 @@ class AsyncEngine:
                 self._adds.extend(self._held)
                 self._held.clear()
                 self._cond.notify()
+
+    def on_abort_pause(self, hook, remove: bool = False) -> None:
+        """Have pause(mode="abort") call `hook()` (on the caller's thread) until it is removed (`remove`)."""
+        if hook is None:
+            return
+        with self._cond:
+            (self._abort_pause_hooks.discard if remove else self._abort_pause_hooks.add)(hook)
+
+    def num_held(self) -> int:
+        """The requests accepted since pause() that wait for resume() (or, resumed while asleep, for wake_up()): not
+        in the engine yet, they wait all the same (/metrics' num_requests_waiting counts them)."""
+        with self._cond:
+            return len(self._held)
 
     def is_paused(self) -> bool:
         """vLLM's is_paused: from pause() until resume()."""

@@ -4,6 +4,11 @@ the other clients' requests, which keep getting their tokens), and ends in one f
 i's beam r (best first) is choice i x n + r, which the routes answer as any other choice (usage, logprobs, echo,
 a chat stream's chunks). Aborting it (its client gone) aborts the steps in flight.
 
+POST /pause (AsyncEngine.pause): with mode "keep" or "wait" a search goes on after /resume (its steps in flight are
+frozen, or run to their end; the steps it sends while paused wait for /resume, as any request that arrives then);
+with mode "abort" it ends at once as vLLM's aborted requests: each choice finish_reason "abort" (a 200), with the
+best beams it had (choices it had no beam for: no text).
+
 As vLLM's: a choice's token_ids are the beam's tokens (a final EOS only with include_stop_str_in_output), its text
 theirs decoded with the special tokens kept and without the EOS, its stop_reason the EOS id when it ended on one.
 """
@@ -17,7 +22,7 @@ from dataclasses import replace
 
 from ..engine.beam import BeamSearch, BeamSearchParams
 from ..engine.outputs import RequestOutput
-from ..engine.sleep import SLEPT
+from ..engine.sleep import PAUSED, SLEPT
 from ..errors import SleepModeError
 from .async_engine import NO_ENGINE, NoEngineError, QueueFullError, ShuttingDownError
 
@@ -59,6 +64,7 @@ class ServedBeamSearch:
         self._count = 0
         self._task: asyncio.Task | None = None
         self._lora = lora  # what the steps name: the engine's hold on the adapter once started (AsyncEngine.hold_lora)
+        self._on_pause = None  # what AsyncEngine.pause(mode="abort") calls while the search runs (start: _paused)
 
     # ------------------------------------------------------------------ the search
     def _beams(self) -> list[tuple[int, int, object]]:
@@ -94,7 +100,19 @@ class ServedBeamSearch:
         except Exception:
             self._release()
             raise
-        self._task = asyncio.get_running_loop().create_task(self._run(beams, rids))
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(beams, rids))
+        self._on_pause = lambda: loop.call_soon_threadsafe(self._paused)  # (pause() may run on another loop)
+        self.aengine.on_abort_pause(self._on_pause)
+
+    def _paused(self) -> None:
+        """POST /pause?mode=abort came while the search runs: it ends now, each choice with the best beam it had
+        and finish_reason "abort" (vLLM's answer of a request a pause aborted), its steps in flight aborted."""
+        if self._task is None or self._task.done():
+            return
+        self._task.cancel()
+        self._abort_steps()
+        self._finish(aborted=True)
 
     def _release(self) -> None:
         lora, self._lora = self._lora, self.lora
@@ -105,6 +123,8 @@ class ServedBeamSearch:
             while beams:
                 outs = await self._collect(rids)
                 failed = next((o for o in outs if o.finish_reason in ("error", "abort")), None)
+                if failed is not None and failed.finish_reason == "abort" and failed.error == PAUSED:
+                    return self._finish(aborted=True)  # (a pause aborted a step: the beams it had, as _paused)
                 if failed is not None:  # the engine failed a step, or the server is shutting down
                     return self._fail(failed.finish_reason, failed.error, failed.bad_request)
                 for s, search in enumerate(self.searches):
@@ -128,6 +148,7 @@ class ServedBeamSearch:
         finally:
             self._abort_steps()  # cancelled (client gone) or failed: free the steps' KV blocks now
             self._release()
+            self.aengine.on_abort_pause(self._on_pause, remove=True)
 
     async def _send_later(self, beams) -> list[str]:
         while True:
@@ -171,16 +192,25 @@ class ServedBeamSearch:
             out = RequestOutput(cid, [], finished=True, finish_reason=reason, error=message, bad_request=bad_request)
             self.queue.put_nowait(out)
 
-    def _finish(self) -> None:
+    def _finish(self, aborted: bool = False) -> None:
+        """Each choice's finished output: the best beams, best first. `aborted` (a pause's): the beams so far, each
+        with finish_reason "abort" and error PAUSED (a choice with no beam yet: its prompt alone, no text)."""
         for s, search in enumerate(self.searches):
             best = search.finish(self.tokenizer)[0].sequences
             for r in range(self.n):
                 cid = self.ids[s * self.n + r]
-                if r >= len(best):  # (each step keeps 2 x n candidates a beam: never fewer beams than n)
+                if r >= len(best) and aborted:  # (before the first step ended there is one beam, the prompt)
+                    prompt = best[0].tokens[:best[0].num_prompt_tokens] if best else []
+                    self.queue.put_nowait(RequestOutput(cid, prompt, [], finished=True, finish_reason="abort",
+                                                        error=PAUSED))
+                elif r >= len(best):  # (each step keeps 2 x n candidates a beam: never fewer beams than n)
                     self.queue.put_nowait(RequestOutput(cid, [], finished=True, finish_reason="error",
                                                         error=f"the beam search found {len(best)} beams, not {self.n}"))
-                    continue
-                self.queue.put_nowait(self._output(cid, best[r], search))
+                else:
+                    out = self._output(cid, best[r], search)
+                    if aborted:
+                        out.finish_reason, out.error, out.stop_reason = "abort", PAUSED, None
+                    self.queue.put_nowait(out)
 
     def _output(self, cid: str, beam, search) -> RequestOutput:
         return beam_output(cid, beam, self.tokenizer, self.beam.include_stop_str_in_output, self.logprobs, self.lora)
@@ -191,6 +221,7 @@ class ServedBeamSearch:
             self._task.cancel()
         self._abort_steps()
         self._release()  # (also when the task was cancelled before it ran)
+        self.aengine.on_abort_pause(self._on_pause, remove=True)
 
 
 def beam_output(cid: str, beam, tokenizer, include_stop_str_in_output: bool, logprobs: int | None,

@@ -1,0 +1,154 @@
+"""Probes of the fifty-ninth session (pause): the gaps pause/resume left. Another thread's
+llm.llm_engine.pause_generation() while an LLM.generate steps (one lock: the pause waits for the step running);
+the requests held while paused counted in /metrics' num_requests_waiting; a "wait" pause left queued (its timeout ran
+out) that must not clear the prefix cache of a later clear_cache=False pause; a served beam search (use_beam_search)
+under POST /pause's modes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from helpers import hf_greedy, metric_families, wait_until
+from infer import LLM, SamplingParams
+from infer.engine.sleep import PAUSED
+from infer.errors import PauseError, PauseTimeoutError
+from test_probes_session58_pause import LONG, PROMPTS, _in_thread, _run, served  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def path():
+    from infer.models.tiny import ensure_builtin
+    return str(ensure_builtin("tiny-llama"))
+
+
+class _Watched:
+    """An engine's lock that tells (`waiting`, an Event) when a thread had to wait for it."""
+
+    def __init__(self, lock):
+        self.lock, self.waiting = lock, threading.Event()
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waiting.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def _is_owned(self) -> bool:
+        return self.lock._is_owned()
+
+
+def _pausing_mid_step(engine, mode: str, at_step: int = 3) -> dict:
+    """engine's `at_step`-th step (its body, under the lock) starts another thread's pause_generation(mode) and
+    goes on once that thread waits for the lock: {"paused_mid_step": whether the pause had run meanwhile,
+    "waited": whether it waited, "thread": the pausing thread}."""
+    engine.lock = _Watched(engine.lock)
+    advance, calls, seen = engine._advance, [0], {}
+
+    def step_body(outputs):
+        calls[0] += 1
+        if calls[0] == at_step:
+            seen["thread"] = threading.Thread(target=engine.pause_generation, kwargs={"mode": mode})
+            seen["thread"].start()
+            seen["waited"] = engine.lock.waiting.wait(10)
+            seen["paused_mid_step"] = engine._paused
+        return advance(outputs)
+    engine._advance = step_body
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
+def test_a_pause_from_another_thread_waits_for_the_step_and_the_generate_follows_its_mode(path, mode):
+    """llm.llm_engine.pause_generation() from a second thread while LLM.generate steps in a first: it waits for
+    the step running (it never changes the queues under it) and then: "keep" freezes the generate, which waits
+    (a generate started meanwhile is refused: PauseError) and finishes after resume_generation() with Hugging
+    Face's greedy tokens; "abort" ends it (finish_reason "abort", PAUSED); "wait" lets it finish first."""
+    want = [hf_greedy(path, prompt, 20) for prompt in PROMPTS]
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        engine = llm.llm_engine
+        seen = _pausing_mid_step(engine, mode)
+        gen, got = _in_thread(lambda: llm.generate(PROMPTS, LONG))
+        assert wait_until(lambda: "thread" in seen)
+        seen["thread"].join(60)
+        assert seen["waited"] and not seen["paused_mid_step"] and engine.is_paused()
+        if mode == "keep":
+            assert gen.is_alive()  # (frozen: it waits for the resume)
+            with pytest.raises(PauseError, match="generation is paused"):
+                llm.generate(PROMPTS[0], LONG)
+            engine.resume_generation()
+        gen.join(60)
+        assert not gen.is_alive()
+        outs = got[0]
+        if mode == "abort":
+            assert [(o.finish_reason, o.error) for o in outs] == [("abort", PAUSED)] * 2
+            assert all(1 <= len(o.token_ids) < 20 and o.token_ids == w[:len(o.token_ids)] for o, w in zip(outs, want))
+            engine.resume_generation()
+        else:
+            assert [(o.finish_reason, list(o.token_ids)) for o in outs] == [("length", w) for w in want]
+        if mode == "wait":
+            engine.resume_generation()
+        assert not engine.is_paused()
+        assert [list(o.token_ids) for o in llm.generate(PROMPTS, LONG)] == want
+
+
+def test_requests_held_while_paused_count_as_waiting_in_metrics(served):
+    """The requests that arrive while paused wait for POST /resume outside the engine: /metrics'
+    infer:num_requests_waiting counts them (and /health's num_waiting), and 0 once they ran."""
+    httpx = pytest.importorskip("httpx")
+    url, aengine, body = served
+
+    def waiting() -> float:
+        samples = metric_families(httpx.get(f"{url}/metrics", timeout=60).text)
+        return samples[("infer:num_requests_waiting", (("engine", "0"), ("model_name", "tiny")))]
+
+    assert httpx.post(f"{url}/pause?mode=keep", timeout=60).status_code == 200
+    body = {**body, "max_tokens": 4}
+    calls = [_in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120)) for _ in range(3)]
+    assert wait_until(lambda: aengine.num_held() == 3)
+    assert waiting() == 3
+    assert httpx.get(f"{url}/health", timeout=60).json()["engine"]["num_waiting"] == 3
+    assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+    for t, got in calls:
+        t.join(60)
+        assert got[0].status_code == 200 and got[0].json()["choices"][0]["finish_reason"] == "length"
+    assert waiting() == 0
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_timed_out_wait_pause_leaves_a_later_pause_its_own_clear_cache(path, resumed):
+    """pause_generation(mode="wait", timeout=) whose timeout runs out stays queued until the requests end; a later
+    pause (after a resume, or not) with clear_cache=False supersedes it: the prefix cache a prompt left is still
+    there afterwards (it was forgotten by the leftover wait, clear_cache=True)."""
+    from helpers import StepGate
+    from infer import AsyncLLM
+    prompt = list(range(3, 20))
+
+    async def main(llm):
+        engine = llm.engine
+        await _run(llm, "warm", prompt)
+        with StepGate(engine, closed=True) as gate:
+            running = asyncio.ensure_future(_run(llm, "r"))
+            assert await asyncio.to_thread(wait_until, lambda: engine.scheduler.has_unfinished())
+            with pytest.raises(PauseTimeoutError):
+                await llm.pause_generation(mode="wait", timeout=0.2)
+            if resumed:
+                await llm.resume_generation()
+            pausing = asyncio.ensure_future(llm.pause_generation(mode="abort", clear_cache=False))
+            gate.open.set()
+            await asyncio.wait_for(pausing, 60)
+        assert (await running).finish_reason == "abort"
+        await llm.pause_generation(mode="wait", clear_cache=False)  # (queued after the leftover: it ran)
+        await llm.resume_generation()
+        outs = [out async for out in llm.generate(prompt, SamplingParams(max_tokens=2), "again")]
+        assert outs[-1].num_cached_tokens > 0
+
+    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_prefix_caching=True)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
