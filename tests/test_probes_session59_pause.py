@@ -152,3 +152,72 @@ def test_a_timed_out_wait_pause_leaves_a_later_pause_its_own_clear_cache(path, r
         asyncio.run(main(llm))
     finally:
         llm.shutdown()
+
+
+class _Steps:
+    """engine.step held before each step until `allow(k)` lets k more run; `started` counts the steps begun."""
+
+    def __init__(self, engine):
+        self.engine, self.gate, self.started = engine, threading.Semaphore(0), 0
+        self.inner = engine.step
+
+    def __enter__(self):
+        def step():
+            self.started += 1
+            self.gate.acquire(timeout=30)
+            return self.inner()
+        self.engine.step = step
+        return self
+
+    def allow(self, k: int) -> None:
+        for _ in range(k):
+            self.gate.release()
+
+    def __exit__(self, *exc):
+        self.allow(1000)
+        del self.engine.step
+
+
+def test_server_beam_search_under_pause_keep_goes_on_and_abort_answers_its_beams_so_far(served):
+    """use_beam_search: POST /pause?mode=keep three steps into a search freezes it (its next steps wait for
+    /resume) and it answers, after POST /resume, the beams of an uninterrupted search; POST /pause (mode abort)
+    three steps in answers at once, 200, each choice finish_reason "abort" with the beams the search had: those of a
+    search of 3 tokens. A plain request runs after."""
+    httpx = pytest.importorskip("httpx")
+    url, aengine, body = served
+    engine = aengine.engine
+    beam = {**body, "max_tokens": 8, "use_beam_search": True, "n": 2}
+
+    def texts(r, reason):
+        assert r.status_code == 200, r.text
+        assert [c["finish_reason"] for c in r.json()["choices"]] == [reason, reason]
+        return [c["text"] for c in r.json()["choices"]]
+
+    want = texts(httpx.post(f"{url}/v1/completions", json=beam, timeout=60), "length")
+    three = texts(httpx.post(f"{url}/v1/completions", json={**beam, "max_tokens": 3}, timeout=60), "length")
+    for mode in ("keep", "abort"):
+        with _Steps(engine) as steps:
+            started = steps.started
+            t, got = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=beam, timeout=120))
+            steps.allow(3)
+            assert wait_until(lambda: steps.started == started + 4)  # (the 4th step's requests are in the engine)
+            pausing, answer = _in_thread(lambda: httpx.post(f"{url}/pause?mode={mode}", timeout=60))
+            if mode == "keep":
+                assert wait_until(aengine.is_paused)  # (from now on the search's next steps wait for /resume)
+            else:  # (answered at once, while the engine still runs its 4th step)
+                t.join(60)
+                assert texts(got[0], "abort") == three
+                assert got[0].json()["usage"]["prompt_tokens"] == len(PROMPTS[1])
+            steps.allow(1000)
+            pausing.join(60)
+            assert answer[0].status_code == 200
+            if mode == "keep":
+                assert wait_until(lambda: aengine.num_held() == 2) and t.is_alive()
+                assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+                t.join(60)
+                assert texts(got[0], "length") == want
+        if mode == "abort":
+            assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+            assert wait_until(lambda: not engine.has_unfinished_requests())
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
