@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from helpers import hf_greedy, metric_families, wait_until
+from helpers import StepGate, hf_greedy, metric_families, wait_until
 from infer import LLM, SamplingParams
 from infer.engine.sleep import PAUSED
 from infer.errors import PauseError, PauseTimeoutError
@@ -124,7 +124,6 @@ def test_a_timed_out_wait_pause_leaves_a_later_pause_its_own_clear_cache(path, r
     """pause_generation(mode="wait", timeout=) whose timeout runs out stays queued until the requests end; a later
     pause (after a resume, or not) with clear_cache=False supersedes it: the prefix cache a prompt left is still
     there afterwards (it was forgotten by the leftover wait, clear_cache=True)."""
-    from helpers import StepGate
     from infer import AsyncLLM
     prompt = list(range(3, 20))
 

@@ -754,7 +754,10 @@ def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
 
 def _check_unpaused(engine) -> None:
     """LLM calls refuse new requests while generation is paused (llm.llm_engine.pause_generation()): they would wait
-    for a resume_generation() that a single-threaded program never makes (it hung). Asleep: the engine's refusal."""
+    for a resume_generation() that a single-threaded program never makes (it hung). Asleep: the engine's refusal.
+    A call already running when another thread pauses (under the engine's lock, between two steps) follows the
+    pause's mode: "abort" ends its requests (finish_reason "abort"), "wait" lets them finish, "keep" freezes them
+    and the call waits for that thread's resume_generation()."""
     engine.check_awake()
     if engine.is_paused():
         raise PauseError("generation is paused (llm.llm_engine.pause_generation()): a new request would wait for "

@@ -1318,7 +1318,8 @@ class LLMEngine:
         meanwhile, reload_weights(), are the ones they go on with). `clear_cache` (vLLM's) forgets the prefix cache
         (for every mode: infer's "keep" recomputes the frozen requests). Paused already: their frozen requests take
         this call's mode ("abort" ends them, "keep" leaves them, "wait" is refused: PauseError). Pause and sleep are
-        independent: either may come first, and requests run once the engine is awake and not paused."""
+        independent: either may come first, and requests run once the engine is awake and not paused. Another
+        thread may call it while an LLM steps (`control`: it runs between two steps)."""
         self.check_pause(mode, clear_cache)
         if not (self._paused and mode == "keep"):
             self._hold_requests(mode, PAUSED)

@@ -16,6 +16,7 @@ theirs decoded with the special tokens kept and without the EOS, its stop_reason
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -102,8 +103,12 @@ class ServedBeamSearch:
             raise
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run(beams, rids))
-        self._on_pause = lambda: loop.call_soon_threadsafe(self._paused)  # (pause() may run on another loop)
-        self.aengine.on_abort_pause(self._on_pause)
+
+        def on_pause():  # (pause() may run on another loop, or after this one closed: nobody waits for it then)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._paused)
+        self._on_pause = on_pause
+        self.aengine.on_abort_pause(on_pause)
 
     def _paused(self) -> None:
         """POST /pause?mode=abort came while the search runs: it ends now, each choice with the best beam it had
@@ -112,6 +117,8 @@ class ServedBeamSearch:
             return
         self._task.cancel()
         self._abort_steps()
+        self._release()  # (also when the task was cancelled before it ran)
+        self.aengine.on_abort_pause(self._on_pause, remove=True)
         self._finish(aborted=True)
 
     def _release(self) -> None:

@@ -16,6 +16,12 @@ requests (503 engine_sleeping) whether paused or not, and runs requests once awa
 waited for a /resume that came while asleep wait on for /wake_up). A server stopped while paused ends at once the
 requests that wait for /resume (a 503 each: no /resume can come), not after --shutdown-timeout. With
 --data-parallel the routes answer 400 (pause runs one engine); --api-key guards them as every route.
+
+The requests that wait for /resume count in /metrics' infer:num_requests_waiting (and /health's num_waiting). A
+beam search (use_beam_search) goes on after /resume with mode keep or wait (its later steps wait, as any request
+that arrives while paused); mode abort ends it at once: a 200 whose choices say finish_reason "abort" with the best
+beams it had (serve/beams.py). A mode=wait whose timeout ran out (504) is over once another /pause or a /resume
+comes: that call's mode and clear_cache hold, the earlier one's no longer.
 """
 
 from __future__ import annotations
