@@ -220,3 +220,43 @@ def test_server_beam_search_under_pause_keep_goes_on_and_abort_answers_its_beams
             assert wait_until(lambda: not engine.has_unfinished_requests())
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_async_llm_beam_search_under_pause_abort_and_keep(path):
+    """AsyncLLM.beam_search (vLLM's EngineClient.beam_search): pause_generation() (mode abort) two steps in ends
+    it at once with every beam it had (those of a search of 2 tokens), finish_reason "abort"; mode "keep" two
+    steps in: it goes on after resume_generation() with the beams of an uninterrupted search."""
+    from infer import AsyncLLM
+    from infer.engine.beam import BeamSearchParams
+
+    async def search(llm, rid, tokens):
+        outs = [o async for o in llm.beam_search(PROMPTS[0], rid, BeamSearchParams(beam_width=2, max_tokens=tokens))]
+        return outs[-1].finish_reason, [o.text for o in outs[-1].outputs]
+
+    async def main(llm):
+        want, two = await search(llm, "w", 6), await search(llm, "t", 2)
+        for mode in ("abort", "keep"):
+            with _Steps(llm.engine) as steps:
+                started = steps.started
+                task = asyncio.ensure_future(search(llm, mode, 6))
+                steps.allow(2)
+                assert await asyncio.to_thread(wait_until, lambda: steps.started == started + 3)
+                pausing = asyncio.ensure_future(llm.pause_generation(mode=mode))
+                if mode == "abort":
+                    assert await asyncio.wait_for(task, 60) == ("abort", two[1])
+                else:
+                    assert await asyncio.to_thread(wait_until, llm._loop.is_paused)
+                steps.allow(1000)
+                await asyncio.wait_for(pausing, 60)
+                if mode == "keep":
+                    assert await asyncio.to_thread(wait_until, lambda: llm._loop.num_held() == 2)
+                    assert not task.done()
+                await llm.resume_generation()
+                if mode == "keep":
+                    assert await asyncio.wait_for(task, 60) == want
+
+    llm = AsyncLLM(path, block_size=4, max_model_len=64)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()

@@ -26,6 +26,7 @@ from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, reque
 from ..engine.outputs import CompletionOutput, RequestOutput, as_delta
 from ..engine.pooling import PoolingParams
 from ..engine.sampling_params import RequestOutputKind, SamplingParams
+from ..engine.sleep import PAUSED
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
 from .async_engine import AsyncEngine, RequestIdInUseError, ShuttingDownError
 
@@ -160,7 +161,8 @@ class AsyncLLM:
         RequestOutput whose `outputs` are the beam_width best beams, best first (each its own text and token_ids, a
         final EOS only with include_stop_str_in_output, and per token the logprobs of the candidates it was chosen
         from); finish_reason "error" or "abort" (with `error`) if the engine failed it or shut down. Leaving it
-        early aborts the steps in flight."""
+        early aborts the steps in flight. pause_generation(mode="abort") ends it at once: the beams it had,
+        finish_reason "abort"; "keep" and "wait": it goes on after resume_generation()."""
         from ..engine.beam import BeamSearchParams
         from .beams import ServedBeamSearch
         self._check_open()
@@ -195,7 +197,9 @@ class AsyncLLM:
             if len(outs) < width:  # the caller stopped waiting: the search's steps are aborted
                 search.abort()
         beams = [outs[cid] for cid in search.ids]
-        out = next((o for o in beams if o.finish_reason in ("error", "abort")), None) or RequestOutput.merged(beams)
+        # (a pause_generation(mode="abort") ended it: every beam it had, finish_reason "abort", as the server's)
+        failed = (o for o in beams if o.finish_reason == "error" or (o.finish_reason == "abort" and o.error != PAUSED))
+        out = next(failed, None) or RequestOutput.merged(beams)
         out.request_id = request_id
         yield out
 
