@@ -53,8 +53,9 @@ def _pausing_mid_step(engine, mode: str, at_step: int = 3) -> dict:
     def step_body(outputs):
         calls[0] += 1
         if calls[0] == at_step:
-            seen["thread"] = threading.Thread(target=engine.pause_generation, kwargs={"mode": mode})
-            seen["thread"].start()
+            pausing = threading.Thread(target=engine.pause_generation, kwargs={"mode": mode})
+            pausing.start()
+            seen["thread"] = pausing  # (started: the test joins it)
             seen["waited"] = engine.lock.waiting.wait(10)
             seen["paused_mid_step"] = engine._paused
         return advance(outputs)
