@@ -261,3 +261,42 @@ def test_async_llm_beam_search_under_pause_abort_and_keep(path):
         asyncio.run(main(llm))
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_offline_beam_search_under_another_threads_pause(path, mode):
+    """LLM.beam_search in one thread, llm.llm_engine.pause_generation() in another (mid-step): "keep" holds its
+    next steps (not refused as a new call would be) and it answers, after resume_generation(), the beams of an
+    uninterrupted search; "abort" ends it with PauseError naming the abort. A search begun while paused is
+    refused (PauseError) as a generate is."""
+    from infer.engine.beam import BeamSearchParams
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+
+    def texts(outs):
+        return [[s.text for s in o.sequences] for o in outs]
+
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        engine = llm.llm_engine
+        want = texts(llm.beam_search([PROMPTS[0]], params))
+        seen = _pausing_mid_step(engine, mode)
+        errors: list = []
+
+        def search():
+            try:
+                return llm.beam_search([PROMPTS[0]], params)
+            except PauseError as e:
+                errors.append(e)
+        t, got = _in_thread(search)
+        assert wait_until(lambda: "thread" in seen)
+        seen["thread"].join(60)
+        assert engine.is_paused()
+        with pytest.raises(PauseError, match="generation is paused"):
+            llm.beam_search([PROMPTS[0]], params)
+        if mode == "keep":
+            assert wait_until(lambda: engine.has_unfinished_requests()) and t.is_alive()
+        engine.resume_generation()
+        t.join(60)
+        if mode == "keep":
+            assert texts(got[0]) == want and not errors
+        else:
+            assert got == [None] and "ended the beam search" in str(errors[0])

@@ -21,6 +21,7 @@ from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, tex
 from .outputs import CompletionOutput, RequestOutput, as_delta
 from .pooling import EMBED_ONLY, PoolingParams
 from .sampling_params import RequestOutputKind, SamplingParams
+from .sleep import PAUSED
 
 Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
 
@@ -359,11 +360,13 @@ class LLM:
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
-    def _submit(self, prompts, params, lora, template: dict | None = None, priority=None) -> list[str]:
+    def _submit(self, prompts, params, lora, template: dict | None = None, priority=None,
+                running: bool = False) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine.
         `template`: apply_chat_template's options for the chat prompts (LLM.chat). A prompt whose params have n > 1
         becomes n requests, one after another in the ids returned (SamplingParams.sample(j)). `priority`: an int
-        for every prompt, or a list of one per prompt (each of a prompt's n samples has its priority)."""
+        for every prompt, or a list of one per prompt (each of a prompt's n samples has its priority). `running`: the
+        next step of a call already running (LLM.beam_search's): not refused while paused, it waits for the resume."""
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
@@ -417,7 +420,7 @@ class LLM:
                     for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)) for j in range(sp.n)]
         ids: list[str] = []
         with self._lock:
-            _check_unpaused(self._engine())
+            _check_unpaused(self._engine(), running)
             try:
                 for i, p, sp, lo in requests:
                     self._counter += 1
@@ -609,7 +612,7 @@ class LLM:
         held = [holds.get(lo, lo) for lo in loras]
         try:
             for at in range(0, len(encoded), chunk):
-                outputs += beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
+                outputs += beam_search(self._beam_steps(engine), self.tokenizer,
                                        set(engine.eos_token_ids), encoded[at:at + chunk], params, held[at:at + chunk],
                                        engine.max_model_len, salts[at:at + chunk])
         finally:
@@ -617,6 +620,22 @@ class LLM:
                 for hold in holds.values():
                     engine.release_lora(hold)
         return outputs
+
+    def _beam_steps(self, engine):
+        """beam_search's generate: its first step refused while paused (PauseError, as a generate), the later ones
+        not: another thread's pause_generation() with mode "keep" or "wait" holds them until its
+        resume_generation(), and the search goes on; one with mode "abort" ends it (PauseError)."""
+        began = [engine.abort_pauses, False]
+
+        def step(ids, params, loras):
+            if engine.abort_pauses != began[0]:  # (between two steps: their requests are not in the engine)
+                raise _aborted_search()
+            outs = self._samples(self._run(self._submit(ids, params, loras, running=began[1])), params)
+            began[1] = True
+            if any(o.finish_reason == "abort" and o.error == PAUSED for o in outs):
+                raise _aborted_search()
+            return outs
+        return step
 
     @_vllm_keywords
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
@@ -752,16 +771,23 @@ def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
     return value, key == "prompt_token_ids"
 
 
-def _check_unpaused(engine) -> None:
+def _check_unpaused(engine, running: bool = False) -> None:
     """LLM calls refuse new requests while generation is paused (llm.llm_engine.pause_generation()): they would wait
     for a resume_generation() that a single-threaded program never makes (it hung). Asleep: the engine's refusal.
     A call already running when another thread pauses (under the engine's lock, between two steps) follows the
     pause's mode: "abort" ends its requests (finish_reason "abort"), "wait" lets them finish, "keep" freezes them
-    and the call waits for that thread's resume_generation()."""
+    and the call waits for that thread's resume_generation() (`running`: a beam search's next step, which waits
+    likewise; a pause with mode "abort" ended the search: LLM._beam_step)."""
     engine.check_awake()
-    if engine.is_paused():
+    if engine.is_paused() and not running:
         raise PauseError("generation is paused (llm.llm_engine.pause_generation()): a new request would wait for "
                          "resume_generation()", "resume it first: llm.llm_engine.resume_generation()")
+
+
+def _aborted_search() -> PauseError:
+    return PauseError("pause_generation(mode=\"abort\") ended the beam search", "run it again after "
+                      "resume_generation() (mode \"keep\" or \"wait\" pauses a running beam search: it goes on "
+                      "after the resume)")
 
 
 def _prompt_text(prompt) -> str | None:

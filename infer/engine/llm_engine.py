@@ -336,6 +336,7 @@ class LLMEngine:
         self._lora_requests: dict[str, tuple[str, object]] = {}
         self._lora_int_ids: dict[str, int] = {}
         self._paused = False  # pause_generation() until resume_generation(): no step runs a request
+        self.abort_pauses = 0  # pause_generation(mode="abort") calls so far (LLM.beam_search: one ended it)
         self._sleep = SleepState()  # sleep mode (config.enable_sleep_mode): what sleep() freed, until wake_up()
         self._graph_plan = None  # (max_len, emulate) of the CUDA graphs sleep() dropped, captured again on waking
         # the replays of graphs dropped since (sleep, reload_weights): stats()' counters carry on past them, as
@@ -1321,6 +1322,7 @@ class LLMEngine:
         independent: either may come first, and requests run once the engine is awake and not paused. Another
         thread may call it while an LLM steps (`control`: it runs between two steps)."""
         self.check_pause(mode, clear_cache)
+        self.abort_pauses += mode == "abort"
         if not (self._paused and mode == "keep"):
             self._hold_requests(mode, PAUSED)
         self._paused = True
