@@ -218,6 +218,7 @@ class LLM:
         self._stepping = False  # inside an engine step (this thread holds the lock): _forget waits for its end
         self._deferred: list[str] = []  # requests to forget once the step is over
         self._texts: dict[str, str] = {}  # request id -> its prompt's text, when given as text (RequestOutput.prompt)
+        self._searching = threading.local()  # .running: this thread's generate is a beam search's later step
 
     def close(self) -> None:
         """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
@@ -360,13 +361,12 @@ class LLM:
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
-    def _submit(self, prompts, params, lora, template: dict | None = None, priority=None,
-                running: bool = False) -> list[str]:
+    def _submit(self, prompts, params, lora, template: dict | None = None, priority=None) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine.
         `template`: apply_chat_template's options for the chat prompts (LLM.chat). A prompt whose params have n > 1
         becomes n requests, one after another in the ids returned (SamplingParams.sample(j)). `priority`: an int
-        for every prompt, or a list of one per prompt (each of a prompt's n samples has its priority). `running`: the
-        next step of a call already running (LLM.beam_search's): not refused while paused, it waits for the resume."""
+        for every prompt, or a list of one per prompt (each of a prompt's n samples has its priority). The next step
+        of a beam search already running (this thread's, _beam_steps) is not refused while paused: it waits."""
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
@@ -420,7 +420,7 @@ class LLM:
                     for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)) for j in range(sp.n)]
         ids: list[str] = []
         with self._lock:
-            _check_unpaused(self._engine(), running)
+            _check_unpaused(self._engine(), getattr(self._searching, "running", False))
             try:
                 for i, p, sp, lo in requests:
                     self._counter += 1
@@ -630,7 +630,11 @@ class LLM:
         def step(ids, params, loras):
             if engine.abort_pauses != began[0]:  # (between two steps: their requests are not in the engine)
                 raise _aborted_search()
-            outs = self._samples(self._run(self._submit(ids, params, loras, running=began[1])), params)
+            self._searching.running = began[1]
+            try:
+                outs = self.generate(ids, params, loras)
+            finally:
+                self._searching.running = False
             began[1] = True
             if any(o.finish_reason == "abort" and o.error == PAUSED for o in outs):
                 raise _aborted_search()
