@@ -345,6 +345,8 @@ def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: st
                if engine.kv_cache_dtype != "auto" else {}),
             **({"reasoning_parser": reasoning_parser} if reasoning_parser is not None else {}),
             **({"prompt_tokens_details": True} if prompt_tokens_details else {}),
+            # --runner pooling's pooling type and normalization change every embedding
+            **({"pooler_config": engine.pooler_config} if engine.pooler_config is not None else {}),
             # speculation draws a seeded sampled request's random numbers otherwise (rejection sampling)
             **({"speculative_config": _speculation(engine.speculative_config)} if engine.speculative_config else {})}
 
@@ -418,11 +420,22 @@ def adapter_remedy(e: UnknownAdapterError) -> str:
     if not (e.name or "").strip():  # ("--lora =PATH" was the remedy)
         return (f"{e.message} ({known}; leave the line's lora out, or null, for the base model, or name one of "
                 "them)")
-    if Path(e.name).expanduser().is_dir():  # a line that gives the adapter's folder, not its --lora name
-        name = Path(e.name).expanduser().resolve().name
+    folder = _folder_named(e.name)
+    if folder is not None:  # a line that gives the adapter's folder, not its --lora name
+        name = folder.name
         return (f"{e.message}: {e.name} is a folder, and a line's lora names an adapter given to infer run ({known}; "
                 f"give it with --lora {name}={e.name} and write \"lora\": \"{name}\")")
     return f"{e.message} ({known}; give it to infer run with --lora {e.name}=PATH, PATH its PEFT folder)"
+
+
+def _folder_named(name: str) -> Path | None:
+    """The folder a line's lora names, resolved, or None: also for a name no path can be (a name longer than the
+    file system takes, "~user" of no user, a NUL byte), which was a traceback that ended the whole run."""
+    try:
+        path = Path(name).expanduser()
+        return path.resolve() if path.is_dir() else None
+    except (OSError, RuntimeError, ValueError):
+        return None
 
 
 def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names, output_format: str = "infer") -> list:
