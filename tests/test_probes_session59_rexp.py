@@ -10,7 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from infer.cli.main import app
+from helpers import random_prompts
 from test_probes_parallel_bench_s35 import local_ray  # noqa: F401  (--data-parallel 2 in this process)
+from test_probes_session59_experts import v4_base  # noqa: F401  (a tiny Qwen3 MoE and Mixtral)
 
 
 def test_a_line_lora_that_no_path_can_be_gets_its_error_record(tmp_path):
@@ -109,3 +111,30 @@ def test_retry_failed_with_data_parallel_replaces_each_error_once(tmp_path, loca
     res = run(out, "--resume", "--retry-failed", *lora)
     assert res.exit_code == 1 and "replaced 1 error record(s)" in res.output, res.output
     assert _by_id(out) == ref and ref["beam"][0] == 400 and ref["s1"][0] == ref["s2"][0] == 200
+
+
+@pytest.mark.parametrize("v4_base", ["qwen3_moe"], indirect=True)  # (Mixtral's w2 key: a stacked name never has it)
+def test_the_rslora_hint_keeps_a_rank_pattern_modules_scaling(v4_base, tmp_path):  # noqa: F811
+    """transformers 4's per-expert adapter with use_rslora and a rank_pattern (the experts' down at rank 2): refused
+    (peft fuses the gate and up sqrt(2) times too strong), but its hint said only "use_rslora false, lora_alpha x
+    sqrt(r)", which leaves the down at lora_alpha x sqrt(r) / 2, not lora_alpha / sqrt(2) as trained: an adapter
+    infer and peft then served as another model without a word. The hint now gives the alpha_pattern too; the
+    config it gives scales every stacked parameter as trained, in peft, and infer serves peft's tokens."""
+    import math
+
+    from test_probes_session57_moelora import _engine_tokens, _v4_adapter, peft_tokens
+    from test_probes_session59_experts import _check_refused, _peft_scalings
+    base, hf, (gate, up, down) = v4_base
+    path = _v4_adapter(hf, tmp_path / "rs", (gate, up, down), seed=3, ranks={down: 2}, use_rslora=True,
+                       rank_pattern={down: 2})  # r 4, lora_alpha 8
+    trained = {"gate_up_proj": 8 / math.sqrt(4), "down_proj": 8 / math.sqrt(2)}
+    _check_refused(base, path, "(use_rslora", f'set use_rslora to false and lora_alpha to 16, alpha_pattern to '
+                   f'{{"{down}": {round(8 * math.sqrt(2), 6)}}} (each alpha x sqrt(its rank)', tmp_path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config.update(use_rslora=False, lora_alpha=16, alpha_pattern={down: round(8 * math.sqrt(2), 6)})
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    got = _peft_scalings(hf, path)
+    assert got.keys() == trained.keys() and all(math.isclose(got[k], v, rel_tol=1e-6) for k, v in trained.items())
+    prompts = random_prompts(512, (7, 5), seed=21)
+    mixed, alone = _engine_tokens(base, {"a": path}, prompts, ["a", None])
+    assert mixed == alone == peft_tokens(hf, {"a": path}, prompts, ["a", None])

@@ -1004,11 +1004,12 @@ def _v4_scaling_problem(config: dict, converted: dict, name: str, trained: dict[
         return None
     fused = pattern_key(converted.get("rank_pattern"), name) == V4_FUSED_KEY
     if config.get("use_rslora") and fused:
-        alpha = config["lora_alpha"] * math.sqrt(config["r"])
+        alpha, pattern = config["lora_alpha"] * math.sqrt(config["r"]), _alphas_without_rslora(config)
         why = ("use_rslora: peft fuses the gate and up at twice their rank and lora_alpha, which alpha / sqrt(r) "
                "scales sqrt(2) times as much")
-        hint = (f"set use_rslora to false and lora_alpha to {alpha:g} (lora_alpha x sqrt(r): the same scaling "
-                "without rslora, which peft's conversion keeps; an alpha_pattern value likewise x sqrt(its rank)), "
+        hint = (f"set use_rslora to false and lora_alpha to {alpha:g}"
+                + (f", alpha_pattern to {json.dumps(pattern)}" if pattern else "")
+                + " (each alpha x sqrt(its rank): the same scalings without rslora, which peft's conversion keeps), "
                 "or train the adapter with peft on transformers 5 (target_parameters)")
     else:
         key = pattern_key(converted.get("alpha_pattern"), name)
@@ -1020,12 +1021,21 @@ def _v4_scaling_problem(config: dict, converted: dict, name: str, trained: dict[
         short = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
         hint = ((f"key the alpha by the stacked parameter's name, as peft matches it: alpha_pattern "
                  f"{{\"{short}\": {was * (math.sqrt(r_cfg) if config.get('use_rslora') else r_cfg):g}}}, first of the "
-                 "keys that match it (peft takes the first, the adapter's own before its own), or ") if same else
+                 "keys that match it (peft takes the first; the adapter's own come before the one peft adds), or ")
+                if same else
                 "the experts' modules were trained at different scalings, which one stacked parameter cannot "
                 "hold: ") + "train the adapter with peft on transformers 5 (target_parameters)"
     return Problem(f"{name}: peft (on transformers 5) converts transformers 4's per-expert modules into it at "
                    f"scaling {scaling:g}, but {module} was trained at {was:g} ({why}): peft would serve another "
                    "model than the adapter's", hint)
+
+
+def _alphas_without_rslora(config: dict) -> dict:
+    """The alpha_pattern that keeps every module's use_rslora scaling without it: each key's alpha x sqrt(its rank),
+    a rank_pattern key's alpha lora_alpha's unless alpha_pattern gives it (lora_alpha x sqrt(r) alone left a module
+    of another rank at alpha x sqrt(r) / r', not alpha / sqrt(r'): a model the adapter never computed)."""
+    r, ranks, alphas = config["r"], config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    return {k: round(alphas.get(k, config["lora_alpha"]) * math.sqrt(ranks.get(k, r)), 6) for k in {**alphas, **ranks}}
 
 
 def _rows(a: torch.Tensor | None) -> int:
