@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from infer.cli.main import app
+from infer.errors import OutOfMemoryError
 from helpers import random_prompts
 from test_probes_parallel_bench_s35 import local_ray  # noqa: F401  (--data-parallel 2 in this process)
 from test_probes_session59_experts import v4_base  # noqa: F401  (a tiny Qwen3 MoE and Mixtral)
@@ -138,3 +139,57 @@ def test_the_rslora_hint_keeps_a_rank_pattern_modules_scaling(v4_base, tmp_path)
     prompts = random_prompts(512, (7, 5), seed=21)
     mixed, alone = _engine_tokens(base, {"a": path}, prompts, ["a", None])
     assert mixed == alone == peft_tokens(hf, {"a": path}, prompts, ["a", None])
+
+
+_LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+           "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+REAL_CONTEXTS = {  # config.json as published (the fields the rope reads), and the float32 rope tables' bytes
+    "Llama-3-8B": (_LLAMA3, 8192 * 128 * 4),
+    "Llama-3.1-8B": ({**_LLAMA3, "max_position_embeddings": 131072, "rope_scaling": {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"}}, 131072 * 128 * 4),
+    "Qwen2.5-7B": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                    "num_hidden_layers": 28, "intermediate_size": 18944, "num_attention_heads": 28,
+                    "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+                    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "sliding_window": 131072,
+                    "use_sliding_window": False, "max_window_layers": 28, "torch_dtype": "bfloat16"},
+                   32768 * 128 * 4),
+    # two tables (the sliding layers' local base, the full layers' scaled global one), head_dim 256
+    "Gemma-3-4B": ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 2560,
+                    "num_hidden_layers": 34, "intermediate_size": 10240, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208,
+                    "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+                    "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
+                    "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "bfloat16"}, 2 * 131072 * 256 * 4),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_CONTEXTS))
+def test_the_rope_budget_check_takes_real_models_at_their_default_context(tmp_path, monkeypatch, name):
+    """The rope-table check (engine start and infer warmup, before the model is built) on an 80 GiB GPU at the
+    default --gpu-memory-utilization: published models at their full default context (no --max-model-len) pass,
+    their tables the size build_cos_sin_cache builds (4 MiB to Gemma 3's 256 MiB); a budget below twice the table
+    (computing it holds the angles too) is refused, naming the --max-model-len that fits."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.setup import model_max_len
+    from infer.memory.plan import check_rope_table
+    from infer.models.loader import load_config
+    from infer.models.rope import build_cos_sin_cache, rope_layer_types, rope_table_bytes
+    raw, table = REAL_CONTEXTS[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg, engine = load_config(tmp_path), EngineConfig(str(tmp_path))
+    n = model_max_len(cfg, engine)
+    assert n == raw["max_position_embeddings"] and rope_table_bytes(cfg, n) == table
+    built = sum(build_cos_sin_cache(cfg, 1000, t).nbytes for t in rope_layer_types(cfg))  # (1,000 rows of each)
+    assert built == rope_table_bytes(cfg, 1000) and built * n == 1000 * table
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79 << 30, 80 << 30))
+    check_rope_table(engine, cfg, gpu, n)
+    def budget(nbytes: int) -> EngineConfig:  # (the GPU's other 1 GiB in use is not the engine's)
+        return EngineConfig(str(tmp_path), gpu_memory_utilization=(nbytes + (1 << 30)) / (80 << 30))
+    check_rope_table(budget(2 * table + 16), cfg, gpu, n)
+    with pytest.raises(OutOfMemoryError, match="rotary .rope. table") as err:
+        check_rope_table(budget(2 * table - 16), cfg, gpu, n)
+    assert "--max-model-len" in err.value.hint and "--gpu-memory-utilization" in err.value.hint
