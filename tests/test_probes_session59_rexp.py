@@ -193,3 +193,35 @@ def test_the_rope_budget_check_takes_real_models_at_their_default_context(tmp_pa
     with pytest.raises(OutOfMemoryError, match="rotary .rope. table") as err:
         check_rope_table(budget(2 * table - 16), cfg, gpu, n)
     assert "--max-model-len" in err.value.hint and "--gpu-memory-utilization" in err.value.hint
+
+
+def test_a_retry_interrupted_before_its_first_record_says_to_resume(tmp_path, monkeypatch):
+    """`--resume --retry-failed` on an output whose every record is an error, stopped (Ctrl-C) before its first new
+    record: it said "run the same command again (with or without --resume: nothing was written to keep)", but the
+    output holds every line's error record, and the run without --resume it offered is refused. Now it says to run
+    it with --resume, which completes the output (one record per id)."""
+    from infer.cli import batch_io
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import hf_float, save_adapter
+    from test_probes_session59_experts import _batch, _by_id, _run_retry
+    adapter = save_adapter(hf_float(ensure_builtin("tiny-llama")), tmp_path / "support", seed=1, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(_batch(c, model="support")) + "\n" for c in ("s1", "s2")))
+    assert _run_retry(inp, out).exit_code == 1
+    first = out.read_bytes()
+
+    def stop(self, record):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(batch_io.RecordWriter, "write", stop)
+    lora = ("--lora", f"support={adapter}")
+    res = _run_retry(inp, out, "--resume", "--retry-failed", *lora)
+    monkeypatch.undo()
+    said = " ".join(res.output.split())
+    assert res.exit_code == 130 and out.read_bytes() == first, res.output
+    assert "interrupted: 0 of 2 records written" in said and "with or without --resume" not in said, said
+    assert "run the same command with --resume to complete the rest" in said
+    assert _run_retry(inp, out, *lora).exit_code == 2  # (no --resume: refused, the records are kept)
+    res = _run_retry(inp, out, "--resume", "--retry-failed", *lora)
+    assert res.exit_code == 0, res.output
+    assert {k: v[0] for k, v in _by_id(out).items()} == {"s1": 200, "s2": 200}

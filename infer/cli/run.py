@@ -197,7 +197,9 @@ def exit_interrupted(e: KeyboardInterrupt, output: Path | None, resumable: bool,
     where = f"to {output}" if output is not None else "to stdout"
     more = "; run the same command with --resume to complete the rest" if resumable else ""
     before = lines - todo  # written by the runs this one resumes
-    if resumable and not before + written:  # an empty OUTPUT: a plain run starts it as --resume does
+    # an empty OUTPUT: a plain run starts it as --resume does (not one that holds error records a --retry-failed run
+    # was to replace, or another input's records: a plain run is refused, and would start it over)
+    if resumable and not before + written and (not output.exists() or output.stat().st_size == 0):
         more = "; run the same command again (with or without --resume: nothing was written to keep)"
     count = f"{written} of {todo} records" if not before else \
         f"{written} of the {todo} records still to do ({before + written} of {lines} in all)"
