@@ -199,7 +199,8 @@ def test_a_retry_interrupted_before_its_first_record_says_to_resume(tmp_path, mo
     """`--resume --retry-failed` on an output whose every record is an error, stopped (Ctrl-C) before its first new
     record: it said "run the same command again (with or without --resume: nothing was written to keep)", but the
     output holds every line's error record, and the run without --resume it offered is refused. Now it says to run
-    it with --resume, which completes the output (one record per id)."""
+    it with --resume, which completes the output (one record per id); a --resume without --retry-failed keeps the
+    error records, and its note says how to run their lines again."""
     from infer.cli import batch_io
     from infer.models.tiny import ensure_builtin
     from lora_helpers import hf_float, save_adapter
@@ -222,6 +223,9 @@ def test_a_retry_interrupted_before_its_first_record_says_to_resume(tmp_path, mo
     assert "interrupted: 0 of 2 records written" in said and "with or without --resume" not in said, said
     assert "run the same command with --resume to complete the rest" in said
     assert _run_retry(inp, out, *lora).exit_code == 2  # (no --resume: refused, the records are kept)
+    res = _run_retry(inp, out, "--resume", *lora)  # (the error records kept: the note names --retry-failed)
+    assert res.exit_code == 1 and "2 error record(s) from before this resume (a resume keeps them; to run their " \
+        "lines again once their cause is fixed, add --retry-failed)" in " ".join(res.output.split()), res.output
     res = _run_retry(inp, out, "--resume", "--retry-failed", *lora)
     assert res.exit_code == 0, res.output
     assert {k: v[0] for k, v in _by_id(out).items()} == {"s1": 200, "s2": 200}

@@ -150,7 +150,8 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
             done_ids(output)  # the retried lines' error records out (each new record replaces its error)
         mark_complete(output)  # every line has its record: a later run may start this output over
     if not failed and earlier:  # error records an earlier session wrote for this input fail the run as well
-        typer.echo(f"note: {output} holds {earlier} error record(s) from before this resume", err=True)
+        typer.echo(f"note: {output} holds {earlier} error record(s) from before this resume (a resume keeps them; "
+                   "to run their lines again once their cause is fixed, add --retry-failed)", err=True)
         failed = earlier
     if failed:
         raise typer.Exit(1)
