@@ -219,7 +219,8 @@ def tune(models, out: str | None, buckets=BUCKETS, quick: bool = False) -> dict:
                 with open(out, "w") as f:
                     json.dump({s: {str(b): c for b, c in by.items()} for s, by in found.items()}, f, indent=1,
                               sort_keys=True)
-    print(f"tuned configs saved to {path}")
+    print(f"tuned configs saved to {path}" if path else "tuned configs not saved (the cache file is not writable: "
+          "set INFER_CACHE to a writable folder; --out writes them too)")
     return found
 
 

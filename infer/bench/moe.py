@@ -98,7 +98,8 @@ def tune(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, 
     found = {b: cfg for b, (cfg, _, _) in res.items() if cfg is not None}
     if found:
         path = gptq_configs.save(gptq_configs.gpu_name(torch.device("cuda")), {key: found}, moe.SECTION)
-        print(f"tuned configs saved to {path} ({key})")
+        print(f"tuned configs saved to {path} ({key})" if path else f"tuned configs of {key} not saved (the "
+              "cache file is not writable: set INFER_CACHE to a writable folder)")
     return [tuned_row(b, *r) for b, r in res.items()]
 
 

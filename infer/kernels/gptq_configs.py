@@ -12,16 +12,20 @@ gptq_gemm; absent keys take its defaults).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import torch
 
 MAX_BUCKET = 4096
 SHIPPED = Path(__file__).parent / "configs"
+log = logging.getLogger("infer")
 
 
 def bucket(m: int) -> int:
@@ -59,11 +63,49 @@ def cache_file(name: str, section: str = "") -> Path:
     return root / "kernels" / section / f"{name}.json"
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path, section: str = "") -> dict:
+    """{shape: {bucket (a string): config}} of the table file `path`, {} where there is none. What is no such table
+    (a corrupt, truncated or hand-edited file: not JSON, not objects of objects, a bucket that is no integer) and
+    an entry of a section whose check refuses it (`_check`: the fused MoE's launch configs) are skipped with a
+    warning naming the file, never raised at an engine start or launched: the tuner measures those buckets again
+    and its `save` writes over them."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as err:
+        log.warning("ignoring the kernel config table %s: %s (delete it: the tuner writes it again)", path, err)
+        return {}
+    if not isinstance(data, dict):
+        log.warning("ignoring the kernel config table %s: not a JSON object of shapes (delete it: the tuner "
+                    "writes it again)", path)
+        return {}
+    out: dict = {}
+    for shape, by_m in data.items():
+        if not isinstance(by_m, dict):
+            log.warning("ignoring %s's entry %s: not a JSON object of buckets (it is tuned again)", path, shape)
+            continue
+        for b, cfg in by_m.items():
+            why = _check(b, cfg, section)
+            if why:
+                log.warning("ignoring %s's entry %s / %s: %s (it is tuned again)", path, shape, b, why)
+            else:
+                out.setdefault(shape, {})[b] = cfg
+    return out
+
+
+def _check(b: str, cfg, section: str) -> str | None:
+    """Why a table entry (bucket `b`, `cfg`) cannot be used, or None."""
+    if not isinstance(cfg, dict):
+        return f"{json.dumps(cfg)} is no JSON object of launch parameters"
+    try:
+        int(b)
+    except ValueError:
+        return f"the bucket {b!r} is no count of tokens"
+    if section == "moe":
+        from .moe import config_error
+        return config_error(cfg)
+    return None
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,7 +114,7 @@ def load(name: str, section: str = "") -> dict:
     table ({key: {bucket: config}}) from its own files."""
     merged: dict = {}
     for path in (SHIPPED / section / f"{name}.json", cache_file(name, section)):
-        for shape, by_m in _read(path).items():
+        for shape, by_m in _read(path, section).items():
             merged.setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
     return merged
 
@@ -81,19 +123,47 @@ def table(device: torch.device, section: str = "") -> dict:
     return load(gpu_name(device), section) if device.type == "cuda" else {}
 
 
-def save(name: str, tuned: dict, section: str = "") -> Path:
-    """Merge {"N,K": {bucket: config}} into the user's cache file for GPU `name` (atomically) and into the table
-    already loaded (a `section`'s: its own file and table)."""
-    path = cache_file(name, section)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _read(path)
+def save(name: str, tuned: dict, section: str = "") -> Path | None:
+    """Merge {"N,K": {bucket: config}} into the table already loaded (a `section`'s: its own table) and into the
+    user's cache file for GPU `name` (its own file), under an flock of the file's `.lock` beside it (engines starting
+    at once, each tuning: none loses the other's entries) and replaced atomically (from a temporary file of its
+    own). Returns the file, or None where it cannot be written (a read-only $INFER_CACHE, a full disk): a warning
+    then, the configs used by this process alone (set INFER_CACHE to a writable folder to keep them)."""
     for shape, by_m in tuned.items():
-        data.setdefault(shape, {}).update({str(b): c for b, c in by_m.items()})
         load(name, section).setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    path = cache_file(name, section)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path.with_name(path.name + ".lock")):
+            data = _read(path, section)
+            for shape, by_m in tuned.items():
+                data.setdefault(shape, {}).update({str(b): c for b, c in by_m.items()})
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(data, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+    except OSError as err:
+        log.warning("could not save the tuned kernel configs to %s (%s): this process uses them, a restart tunes "
+                    "again; set INFER_CACHE to a writable folder to keep them", path, err)
+        return None
     return path
+
+
+@contextlib.contextmanager
+def _locked(lock: Path):
+    """An exclusive flock of `lock` (created) while the block runs: one writer of a table file at a time."""
+    import fcntl
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def tuned(m: int, n: int, k: int, device: torch.device) -> dict | None:

@@ -23,6 +23,7 @@ the layer's (`tiles`, `int4_tiles`): each row's sums over K in the same order wh
 
 from __future__ import annotations
 
+import json
 import os
 from typing import NamedTuple
 
@@ -114,6 +115,28 @@ def config_steps(max_tokens: int, top_k: int, experts: int, key: str | None, dev
     for t in sorted(t for t in firsts if t <= max_tokens):
         out.setdefault(tuple(sorted(step_config(key, t, top_k, experts, device).items())), t)
     return out
+
+
+TUNED_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")  # a tuned entry's (BLOCK_M required)
+
+
+def config_error(cfg: dict) -> str | None:
+    """Why `cfg` cannot be a tuned entry (a launch config of both matmuls: BLOCK_M 16 to MAX_BLOCK_M, BLOCK_N 16 to
+    256, num_warps 1 to 16, each a power of two, num_stages 1 to 8; BLOCK_K is the layer's, never an entry's), or
+    None: gptq_configs skips such an entry of a table file (hand-edited, another version's) rather than launch it
+    on every step."""
+    bounds = {"BLOCK_M": (BLOCK_M, MAX_BLOCK_M), "BLOCK_N": (16, 256), "num_warps": (1, 16), "num_stages": (1, 8)}
+    extra = sorted(set(cfg) - set(TUNED_KEYS))
+    if extra:
+        return f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not tuned (only {', '.join(TUNED_KEYS)})"
+    if "BLOCK_M" not in cfg:
+        return "it has no BLOCK_M"
+    for name, v in cfg.items():
+        lo, hi = bounds[name]
+        pow2 = name != "num_stages"
+        if type(v) is not int or not lo <= v <= hi or (pow2 and v & (v - 1)):
+            return f"{name} {json.dumps(v)} is no {'power of two' if pow2 else 'integer'} from {lo} to {hi}"
+    return None
 
 
 def smem_bytes(cfg: dict, block_k: int, elem: int, int4: bool = False) -> int:
