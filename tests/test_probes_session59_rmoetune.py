@@ -164,3 +164,37 @@ def test_a_step_with_expert_adapters_takes_the_tuned_entry_and_computes_the_refe
     got = moe.fused_moe_int4(x, w13, w2, w, ids, lora)
     want = reference.fused_moe(x, w13.dequantize(torch.float32), w2.dequantize(torch.float32), w, ids, lora)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tuned_config_folder_is_read_over_the_shipped_tables_and_the_cache(moe_cache, monkeypatch):
+    """$INFER_TUNED_CONFIG_FOLDER (vLLM's VLLM_TUNED_CONFIG_FOLDER): tables laid out as the shipped folder (the
+    dense `<GPU>.json`, the fused MoE's `moe/<GPU>.json`), its entries winning over the cache's and the shipped
+    ones per bucket, never written; a value that is no folder refused naming the variable."""
+    from infer.errors import ConfigError
+    folder = moe_cache / "tuned"
+    (folder / "moe").mkdir(parents=True)
+    (folder / "moe" / "GPU_X.json").write_text(json.dumps({KEY: {"1": FASTEST}}))
+    (folder / "GPU_X.json").write_text(json.dumps({"64,64": {"1": {"kernel": "dequant"}}}))
+    write_cache("GPU_X", {KEY: {"1": {"BLOCK_M": 16}, "2": {"BLOCK_M": 32}}})
+    monkeypatch.setenv("INFER_TUNED_CONFIG_FOLDER", str(folder))
+    assert gptq_configs.load("GPU_X", moe.SECTION) == {KEY: {1: FASTEST, 2: {"BLOCK_M": 32}}}
+    assert gptq_configs.load("GPU_X", "") == {"64,64": {1: {"kernel": "dequant"}}}
+    gptq_configs.save("GPU_X", {KEY: {4: FASTEST}}, moe.SECTION)
+    assert json.loads((folder / "moe" / "GPU_X.json").read_text()) == {KEY: {"1": FASTEST}}
+    gptq_configs.load.cache_clear()
+    monkeypatch.setenv("INFER_TUNED_CONFIG_FOLDER", str(folder / "missing"))
+    with pytest.raises(ConfigError, match="INFER_TUNED_CONFIG_FOLDER=.*missing.* is no folder"):
+        gptq_configs.load("GPU_X", moe.SECTION)
+
+
+@pytest.mark.parametrize("argv, flag, named", [(["--quick"], "--quick", "add --tune"),
+                                               (["--tune", "--block-m", "32"], "--block-m", "drop one")])
+def test_the_moe_bench_refuses_options_its_mode_ignores(capsys, argv, flag, named):
+    """`python -m infer.bench.moe`: --quick without --tune, and --block-m with --tune (options the run would
+    ignore), refused naming them before anything runs, on a CPU as on a GPU (was: ignored silently)."""
+    from infer.bench.moe import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and flag in err

@@ -128,6 +128,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="with --tune: the engine start's candidate set")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
+    if args.quick and not args.tune:
+        ap.error("--quick is the candidate set of --tune (the engine start's): add --tune, or drop --quick")
+    if args.tune and args.block_m:
+        ap.error("--block-m lists BLOCK_M candidates of the timing table; --tune searches BLOCK_M itself: drop one")
     if not torch.cuda.is_available():
         print("infer.bench.moe: no CUDA GPU here: it times the GPU kernels (on a CPU the experts run torch's "
               "reference; `pytest tests/test_probes_session56_moeq.py` checks the kernels under TRITON_INTERPRET=1)",

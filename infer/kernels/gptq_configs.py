@@ -3,7 +3,8 @@
 Tables map "N,K" -> {M bucket: config}, M bucket being the next power of two (capped at 4096). They live in
 two places, merged with the user's cache winning: tables shipped with infer for GPUs it was tuned on
 (`kernels/configs/<GPU name>.json`), and `$INFER_CACHE/kernels/<GPU name>.json` (default ~/.cache/infer) written
-by `gptq_tune` when an engine starts on a GPU or shape nobody tuned before, so a restart does not tune again.
+by `gptq_tune` when an engine starts on a GPU or shape nobody tuned before, so a restart does not tune again;
+and a folder the user names ($INFER_TUNED_CONFIG_FOLDER, laid out as the shipped one, read-only) over both.
 A config is {"kernel": "gemv" | "mma" | "mmat" | "dequant", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M",
 "num_warps", "num_stages", "FIELD", "SCALE_W", "PAIRS", "INPLACE", "BYTES", "BYTE_DOTS", "SYNC_MMA", "AHEAD",
 "CHUNK_N"} (see
@@ -63,6 +64,26 @@ def cache_file(name: str, section: str = "") -> Path:
     return root / "kernels" / section / f"{name}.json"
 
 
+FOLDER_VAR = "INFER_TUNED_CONFIG_FOLDER"
+
+
+def tuned_folder() -> Path | None:
+    """$INFER_TUNED_CONFIG_FOLDER (vLLM's VLLM_TUNED_CONFIG_FOLDER): a folder of tables laid out as SHIPPED is
+    (`<GPU name>.json`, `moe/<GPU name>.json`: tuned on another machine of the same GPU, `python -m
+    infer.bench.moe --tune` and `python -m infer.bench.kernels --tune` write them), read over the shipped tables
+    and the user's cache (`load`), never written; None when unset. A ConfigError where it names no folder."""
+    value = os.environ.get(FOLDER_VAR, "").strip()
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        from ..errors import ConfigError
+        raise ConfigError(f"{FOLDER_VAR}={value!r} is no folder",
+                          "point it at a folder of tuned tables (<GPU name>.json, moe/<GPU name>.json, as "
+                          "infer/kernels/configs holds them), or unset it")
+    return path
+
+
 def _read(path: Path, section: str = "") -> dict:
     """{shape: {bucket (a string): config}} of the table file `path`, {} where there is none. What is no such table
     (a corrupt, truncated or hand-edited file: not JSON, not objects of objects, a bucket that is no integer) and
@@ -110,10 +131,13 @@ def _check(b: str, cfg, section: str) -> str | None:
 
 @functools.lru_cache(maxsize=16)
 def load(name: str, section: str = "") -> dict:
-    """{"N,K": {bucket: config}} for the GPU called `name` (shipped, then the user's cache on top); a `section`'s
-    table ({key: {bucket: config}}) from its own files."""
+    """{"N,K": {bucket: config}} for the GPU called `name` (shipped, the user's cache on top, and on top of both
+    $INFER_TUNED_CONFIG_FOLDER's: `tuned_folder`); a `section`'s table ({key: {bucket: config}}) from its own
+    files."""
     merged: dict = {}
-    for path in (SHIPPED / section / f"{name}.json", cache_file(name, section)):
+    folder = tuned_folder()
+    for path in (SHIPPED / section / f"{name}.json", cache_file(name, section)) + \
+            ((folder / section / f"{name}.json",) if folder is not None else ()):
         for shape, by_m in _read(path, section).items():
             merged.setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
     return merged
