@@ -198,3 +198,49 @@ def test_the_moe_bench_refuses_options_its_mode_ignores(capsys, argv, flag, name
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert named in err and flag in err
+
+
+@interpreted
+def test_reload_weights_tunes_a_new_experts_layout_and_warms_its_tuned_configs(tmp_path, moe_cache, monkeypatch):
+    """An engine that tuned and warmed its fused MoE at start (a GPU's; the GPU code path, interpreted, on a fake
+    tuner), reloaded with experts of another layout (act-order -> plain groups: another table key): the reload tunes
+    the new key's buckets (saved to the cache) and warms the configs they chose, so that no step of the new
+    weights launches a config nobody tuned or compiled (was: the new key ran the heuristics untuned); a second
+    reload of that layout tunes nothing."""
+    import shutil
+
+    from quant_helpers import int4_kernel_path
+    from test_probes_session55_moe import build
+    from test_probes_session56_review_moeq import rtn_gptq
+    from test_probes_session59_experts import record_int4_launches
+
+    from infer import LLM
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True)
+    rtn_gptq(tmp_path / "base", tmp_path / "plain")
+    rtn_gptq(tmp_path / "base", tmp_path / "m", act_order=True)
+    int4_kernel_path(monkeypatch)
+    monkeypatch.setattr(gptq_configs, "gpu_name", lambda device: "GPU_X")
+    use_table(monkeypatch, "GPU_X")
+    tuned_keys = []
+
+    def tune_layer(w13, w2, top_k, buckets, dtype, *args, **kwargs):
+        tuned_keys.append(moe.experts_key(w13, w2, top_k, dtype))
+        return {b: (FASTEST, 1.0, 2.0) for b in buckets}
+    monkeypatch.setattr(moe_tune, "tune_layer", tune_layer)
+    launched = record_int4_launches(monkeypatch)
+    with LLM(str(tmp_path / "m"), block_size=8, max_num_batched_tokens=32, max_num_seqs=2, max_model_len=64) as llm:
+        engine = llm.engine
+        engine.start_times["moe_tuning_s"] = moe_tune.tune_model(engine.runner.model, 32, engine.device)[1]
+        engine._warm_moe_blocks()  # (the start of an engine on a GPU)
+        assert tuned_keys == list(moe_tune.moe_layers(engine.runner.model))
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy(tmp_path / "plain" / f, tmp_path / "m" / f)
+        launched.clear()
+        engine.reload_weights()
+        new = list(moe_tune.moe_layers(engine.runner.model))
+        assert len(tuned_keys) == 2 and tuned_keys[1:] == new and new[0] != tuned_keys[0]
+        table = json.loads(gptq_configs.cache_file("GPU_X", moe.SECTION).read_text())
+        assert sorted(table) == sorted(tuned_keys)
+        assert {cfg for *_, cfg in launched} == {tuple(sorted((k, v) for k, v in FASTEST.items() if k != "BLOCK_M"))}
+        engine.reload_weights()
+        assert len(tuned_keys) == 2

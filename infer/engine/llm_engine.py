@@ -1423,7 +1423,9 @@ class LLMEngine:
         """vLLM's reload_weights (collective_rpc("reload_weights")): the model's weights read again from its
         folder (the checkpoint there now: new weights written over it are taken), after sleep(level=2) and
         wake_up(["weights"]), or at any time while no request runs. The KV cache may still be asleep (vLLM's RLHF
-        order: wake the weights, reload them, then wake the KV cache)."""
+        order: wake the weights, reload them, then wake the KV cache). On a GPU a new experts' layout (group size,
+        act-order) has its fused MoE tuned (the buckets no table holds: kernels.moe_tune) and its variants compiled
+        before requests run again, as the start does."""
         self._check_open()
         if WEIGHTS in self._sleep.tags:
             raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])",
@@ -1448,6 +1450,9 @@ class LLMEngine:
         _adopt_weights(self.runner.model, fresh)
         del fresh
         self._sleep.discarded = False
+        if "moe_tuning_s" in self.start_times:  # (an engine that tuned the fused MoE at start: a GPU's) a new
+            from ..kernels import moe_tune  # experts' layout's buckets no table holds, before its variants compile
+            moe_tune.tune_model(self.runner.model, self.config.max_num_batched_tokens, self.device, log=log.info)
         if self._moe_warmed:  # (an engine that warmed its kernels at start: a GPU's) the fused
             self._warm_moe_blocks(decode=True)  # MoE's variants of a new experts' layout now, not on a user's request
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)  # K/V of the old weights
