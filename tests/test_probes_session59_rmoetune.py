@@ -117,8 +117,9 @@ def test_engines_saving_the_same_cache_file_at_once_keep_each_others_entries(moe
             first_read.set()
             second_done.wait(2)
         return out
+    path = write_cache("GPU_X", {})
+    gptq_configs.load("GPU_X", moe.SECTION)  # (loaded: the savers' reads are their merges')
     monkeypatch.setattr(gptq_configs, "_read", slow_read)
-    write_cache("GPU_X", {})
     one = threading.Thread(target=gptq_configs.save, args=("GPU_X", {KEY: {1: FASTEST}}, moe.SECTION))
     one.start()
     assert first_read.wait(10)
@@ -127,7 +128,7 @@ def test_engines_saving_the_same_cache_file_at_once_keep_each_others_entries(moe
     two.start()
     one.join(10)
     two.join(10)
-    path = gptq_configs.cache_file("GPU_X", moe.SECTION)
+    assert calls == [path, path]
     assert json.loads(path.read_text()) == {KEY: {"1": FASTEST, "2": FASTEST}}
     assert [p.name for p in path.parent.iterdir() if p.suffix == ".tmp"] == []  # (no temporary file left)
 
