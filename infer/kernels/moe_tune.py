@@ -1,6 +1,8 @@
 """Tune the fused MoE kernels (kernels.moe) per sparse layer shape and bucket of tokens on this GPU, and remember
 the winners in gptq_configs' files of section "moe" (shipped: `kernels/configs/moe/<GPU name>.json`; the user's:
-`$INFER_CACHE/kernels/moe/<GPU name>.json`), so a restart does not tune again.
+`$INFER_CACHE/kernels/moe/<GPU name>.json`; over both, a folder named by $INFER_TUNED_CONFIG_FOLDER), so a restart
+does not tune again (a cache that cannot be written: a warning, the winners kept for the process; an entry no
+launch can take, `moe.config_error`: skipped with a warning and tuned again).
 
 An entry is {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} for both matmuls of a step (gate_up and down share
 the alignment, so BLOCK_M is the step's; vLLM's fused_moe configs, `E=..,N=..,device_name=...json` keyed by M, also
