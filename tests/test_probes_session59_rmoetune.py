@@ -245,3 +245,16 @@ def test_reload_weights_tunes_a_new_experts_layout_and_warms_its_tuned_configs(t
         assert {cfg for *_, cfg in launched} == {tuple(sorted((k, v) for k, v in FASTEST.items() if k != "BLOCK_M"))}
         engine.reload_weights()
         assert len(tuned_keys) == 2
+
+
+def test_a_cache_on_a_file_system_without_flock_is_still_written(moe_cache, monkeypatch):
+    """flock refused (some network file systems: ENOLCK): the save goes on unlocked, as before the lock, rather
+    than warn that the cache cannot be written."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "no locks available")
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    path = gptq_configs.save("GPU_X", {KEY: {1: FASTEST}}, moe.SECTION)
+    assert path is not None and json.loads(path.read_text()) == {KEY: {"1": FASTEST}}

@@ -180,11 +180,13 @@ def save(name: str, tuned: dict, section: str = "") -> Path | None:
 
 @contextlib.contextmanager
 def _locked(lock: Path):
-    """An exclusive flock of `lock` (created) while the block runs: one writer of a table file at a time."""
+    """An exclusive flock of `lock` (created) while the block runs: one writer of a table file at a time (a file
+    system without flock, some network ones: unlocked, as before; the replace stays atomic)."""
     import fcntl
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
