@@ -60,8 +60,9 @@ def layer_shape(w13, w2, top_k: int, dtype: torch.dtype) -> dict:
 def candidates(tokens: int, layer: dict, quick: bool = False) -> list[dict]:
     """The configs worth timing at a step of `tokens` tokens: BLOCK_M from 16 to the step's pairs (T * k rows: a
     taller block is padding only; quick: the heuristic's and its neighbours), BLOCK_N up to the narrower matmul's
-    width (quick: from 32 where the layer allows), 4 or 8 warps, 2-5 stages (quick: 3 or 4), each fitting sm_90's shared memory (`fits`); the heuristics'
-    own ({"BLOCK_M": choose_block_m}) first, so a tuned table never chooses worse than it measured."""
+    width (quick: from 32 where the layer allows), 4 or 8 warps, 2-5 stages (quick: 3 or 4), each fitting sm_90's
+    shared memory (`fits`); the heuristics' own ({"BLOCK_M": choose_block_m}) first, so a tuned table never chooses
+    worse than it measured."""
     top_k, e = layer["top_k"], layer["experts"]
     heur = moe.choose_block_m(tokens, top_k, e)
     most = max(moe.BLOCK_M, triton.next_power_of_2(tokens * top_k))
