@@ -139,6 +139,11 @@ class PoolingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or (t < 1 and t != -1)):
             raise RequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {t!r}")
+        if self.priority is None:  # (the server's field sent as null: its default)
+            self.priority = 0
+        if isinstance(self.priority, bool) or not isinstance(self.priority, numbers.Integral):
+            raise RequestError(f"priority must be an integer, got {self.priority!r}"[:200],
+                               "lower values run first under --scheduling-policy priority")
         return self
 
     def check_dimensions(self, pooler: Pooler, model: str) -> None:
@@ -234,9 +239,12 @@ def embedding_fields(body: dict, prefix: str = "") -> tuple[PoolingParams, str]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"{prefix}model must be a string, got {type(model).__name__}")
-    try:
+    from .inputs import check_add_special_tokens  # (inputs imports this module)
+    try:  # (vLLM's add_special_tokens: a text's special tokens, which infer always adds; false is refused)
+        check_add_special_tokens(body.get("add_special_tokens"), chat=False)
         params = PoolingParams(dimensions=body.get("dimensions"), normalize=body.get("normalize"),
-                               truncate_prompt_tokens=body.get("truncate_prompt_tokens")).checked()
+                               truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+                               priority=body.get("priority", 0)).checked()
     except RequestError as e:
         raise RequestError(prefix + e.message, e.hint) from None
     return params, fmt

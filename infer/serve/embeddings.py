@@ -35,9 +35,16 @@ class EmbeddingRequest:
         return self.params
 
 
+# the fields of an embeddings body an error may start with (input[2] -> input); an error about the prompt itself
+# (too long for the context...) names input
+_FIELDS = ("input", "model", "encoding_format", "dimensions", "normalize", "truncate_prompt_tokens", "priority",
+           "add_special_tokens")
+
+
 def _refused(e: RequestError) -> p.ApiError:
-    """A 400 whose param is the field the error starts with (input[2] -> input)."""
-    return p.bad_request(e, param=re.match(r"[a-z_]*", e.message).group(0) or None)
+    """A 400 whose param is the body's field the error names (input when it names none of them)."""
+    word = re.match(r"[a-z_]*", e.message).group(0)
+    return p.bad_request(e, param=word if word in _FIELDS else "input")
 
 
 def parse(raw: bytes, tokenizer, max_model_len: int) -> EmbeddingRequest:
@@ -89,6 +96,10 @@ async def create(server, request, raw: bytes):
     if getattr(server.engine, "pooler", None) is None:
         raise p.ApiError(400, f"The model does not support Embeddings API: {EMBED_ONLY}", code="model_not_supported")
     req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len)
+    try:  # (the engine refuses it too, as a request's error: named here as the body's field)
+        req.params.check_dimensions(server.engine.pooler, str(server.engine.config.model))
+    except RequestError as e:
+        raise p.bad_request(e, param="dimensions") from None
     lora = server.lora_for(req.model)
     queue, ids = server.submit(req, lora, "embd-" + uuid.uuid4().hex)
     vectors: dict[int, object] = {}
