@@ -201,6 +201,15 @@ def check_no_spec(baseline: str | None, engine: EngineConfig) -> None:
                           "\"num_speculative_tokens\": 3}', or use --baseline hf")
 
 
+def check_runner(engine: EngineConfig) -> None:
+    """infer bench measures generation (TTFT, TPOT, ITL): a pooling engine generates nothing, and every request
+    failed after the whole run, its report written."""
+    if engine.pooling():
+        raise ConfigError("infer bench measures text generation; --runner pooling serves embeddings, which it cannot "
+                          "bench", "drop --runner pooling (and --pooler-config), or time `infer run MODEL "
+                          "LINES.jsonl --runner pooling` with lines of url /v1/embeddings")
+
+
 def check_range_ratio(ratio: float, dataset: str) -> None:
     """--random-range-ratio: in [0, 1), and only for the random dataset (the others carry their own lengths)."""
     if math.isnan(ratio) or not 0 <= ratio < 1:
@@ -435,6 +444,7 @@ def bench(
     check_lengths(dataset, input_len, output_len)
     check_url_engine_options(url)
     check_no_spec(baseline, engine)
+    check_runner(engine)
     input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
         DEFAULT_OUTPUT_LEN if output_len is None else output_len
     made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
