@@ -4,6 +4,8 @@ pooling runner before it runs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from test_probes_session59_embed import _post, served_pooling  # noqa: F401 (a fixture)
@@ -44,3 +46,35 @@ def test_bench_refuses_a_pooling_runner_before_it_runs(tmp_path, monkeypatch):
     assert res.exit_code == 2, res.output
     assert "infer bench measures text generation" in res.output and "--runner pooling" in res.output
     assert not (tmp_path / "bench-results").exists()
+
+
+def test_infer_run_counts_the_prompt_tokens_it_embeds(tmp_path, capsys):
+    """`infer run --runner pooling` said "0 tokens in ... (0.0 tok/s)", on one engine and with --data-parallel
+    (the replicas counted generated tokens only): the prompt tokens embedded, on both."""
+    import re
+
+    from fakeray import FakeRay, Handle
+
+    from infer.cli import run as one, run_parallel
+    from infer.cli.batch_io import RecordWriter, read_inputs
+    from infer.engine.config import EngineConfig
+    from infer.parallel.pool import ReplicaPool
+    from infer.parallel.replica import Replica
+    from test_probes_session59_embed import _line
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(_line(f"e{i}", {"input": p})) + "\n" for i, p in enumerate(prompts)))
+    replicas = [Replica(EngineConfig("tiny-llama", runner="pooling", max_model_len=64, max_num_seqs=2,
+                                     memory_limit=2 ** 29)) for _ in range(2)]
+    tokenizer = replicas[0].engine.tokenizer
+    for run in ("one", "dp"):
+        lines = read_inputs(inp, tokenizer, {})
+        writer = RecordWriter(tmp_path / f"{run}.jsonl", append=False)
+        if run == "one":
+            assert one._generate(replicas[0].engine, lines, writer, False) == 0
+        else:
+            pool = ReplicaPool(FakeRay(), [Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
+            assert run_parallel._generate(pool, lines, writer, tokenizer, False, pooling=True) == 0
+        writer.close()
+        said = capsys.readouterr().err
+        assert re.search(r"3 ok, 0 failed, 9 prompt tokens embedded in [\d.]+ s \([\d,.]+ tok/s", said), said

@@ -16,6 +16,7 @@ import typer
 
 from ..checks import missing_file_hint
 from ..engine.config import EngineConfig
+from ..engine.pooling import output_tokens, throughput_words
 from ..errors import ConfigError, RequestError, UnknownAdapterError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
@@ -511,7 +512,7 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
             failed += lost
             progress.advance(task, lost)
             for out in outs:
-                tokens += len(out.new_token_ids)
+                tokens += output_tokens(out)
                 search = beams.pop(out.request_id, None) if out.finished else None
                 if search is not None:  # a beam search's step request: its next step, or the line's record
                     if not search.take(out):
@@ -533,7 +534,8 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
             progress.update(task, tokens=f"{rate:,.0f} tok/s")
     if not quiet:
         elapsed = time.monotonic() - start
-        typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
+        words = throughput_words(getattr(engine, "pooler", None) is not None)
+        typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} {words} in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s)", err=True)
         if writer.error_note():
             typer.echo(writer.error_note(), err=True)

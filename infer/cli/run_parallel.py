@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from ..engine.pooling import throughput_words
 from ..parallel.pool import MAX_RESTARTS, ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
@@ -63,7 +64,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             try:
                 records = Records(output_format, tokenizer, lines, model_id(engine, options),
                                   options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
-                return _generate(pool, todo, writer, tokenizer, quiet, records), earlier
+                return _generate(pool, todo, writer, tokenizer, quiet, records, engine.pooling()), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
                 exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
             finally:
@@ -102,7 +103,7 @@ def _check_lines(ray, replicas: list, lines: list, strict: bool) -> None:
 
 
 def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, quiet: bool,
-              records: Records | None = None) -> int:
+              records: Records | None = None, pooling: bool = False) -> int:
     records = records or Records("infer", tokenizer)
     failed, work = 0, []
     for item in todo:
@@ -144,7 +145,8 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         tokens = sum(r.tokens for r in pool.replicas)
         each = ", ".join(f"replica {r.index} {r.done} requests {r.rate():,.1f} tok/s" for r in pool.replicas)
         restarted = f"; {pool.restarted} replica(s) restarted" if pool.restarted else ""
-        typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
+        words = throughput_words(pooling)
+        typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} {words} in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s; {each}){restarted}", err=True)
         if writer.error_note():
             typer.echo(writer.error_note(), err=True)

@@ -203,6 +203,17 @@ class EmbeddingRequestOutput:
                 f"prompt_tokens={len(self.prompt_token_ids)})")
 
 
+def output_tokens(out) -> int:
+    """The tokens a finished or partial output counts for a run's throughput: a generation's new tokens, an
+    embedding's prompt (it generates none: `infer run --runner pooling` said 0 tokens, 0.0 tok/s)."""
+    return len(out.prompt_token_ids) if isinstance(out, EmbeddingRequestOutput) else len(out.new_token_ids)
+
+
+def throughput_words(pooling: bool) -> str:
+    """What a run's summary calls the tokens output_tokens counts."""
+    return "prompt tokens embedded" if pooling else "tokens"
+
+
 EMBEDDINGS_URL = "/v1/embeddings"
 ENCODINGS = ("float", "base64")
 _INPUT_FORMS = "give a string, a list of strings, a list of token ids, or a list of token-id lists"

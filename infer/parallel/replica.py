@@ -121,6 +121,7 @@ class Replica:
     def step(self, new: list[Wire], budget_s: float = 0.5) -> StepResult:
         """Add `new` requests, then run engine steps until at least one request finishes, nothing is left, or
         `budget_s` seconds pass."""
+        from ..engine.pooling import output_tokens
         result = StepResult(rejected=self._add(new))
         deadline = time.monotonic() + budget_s
         while self.engine.has_unfinished_requests():
@@ -132,7 +133,7 @@ class Replica:
             for out in outputs:
                 if self._was_failed(out):
                     continue
-                result.tokens += len(out.new_token_ids)
+                result.tokens += output_tokens(out)
                 if out.finished:
                     result.finished.append(out)
             if result.finished or time.monotonic() > deadline:
