@@ -78,3 +78,16 @@ def test_infer_run_counts_the_prompt_tokens_it_embeds(tmp_path, capsys):
         writer.close()
         said = capsys.readouterr().err
         assert re.search(r"3 ok, 0 failed, 9 prompt tokens embedded in [\d.]+ s \([\d,.]+ tok/s", said), said
+
+
+def test_a_too_long_prompt_is_told_the_room_a_pooling_request_has(served_pooling):  # noqa: F811
+    """A pooling request may fill the context (it generates nothing): the refusal of a longer one said "leaves no
+    room" and told truncate_prompt_tokens to go one lower than it needs."""
+    base, _, _ = served_pooling  # (max_model_len 32)
+    ids = list(range(3, 40))
+    status, got = _post(base, "/v1/embeddings", {"input": ids, "truncate_prompt_tokens": 100})
+    assert status == 400, got
+    assert got["error"]["message"] == ("the prompt has 37 tokens, which is more than the model's context "
+                                       "(--max-model-len) of 32 (lower truncate_prompt_tokens (100) to 32 or less)")
+    status, got = _post(base, "/v1/embeddings", {"input": ids, "truncate_prompt_tokens": 32})
+    assert status == 200 and got["usage"]["prompt_tokens"] == 32, got

@@ -580,11 +580,12 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiles it (a server validates on its own thread)
             self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
-        if n >= cap + (getattr(self, "pooler", None) is not None):  # (a pooling request generates nothing)
+        pools = getattr(self, "pooler", None) is not None  # a pooling request generates nothing: the cap is its room
+        if n >= cap + pools:
             by_request = bool(params.max_length and params.max_length < self.max_model_len)
             which = "max_length" if by_request else "the model's context (--max-model-len)"
             hint = self._longer_hint(by_request)
-            room = cap - 1 - len(params.prefix_token_ids)
+            room = cap - 1 + pools - len(params.prefix_token_ids)
             if params.truncate_prompt_tokens is not None and room > 0:  # the request's own cut left the prompt long
                 hint = (f"lower truncate_prompt_tokens to {room} or less (-1 keeps the context's worth, which leaves "
                         "no room)" if params.truncate_prompt_tokens == -1 else
@@ -592,7 +593,8 @@ class LLMEngine:
             what = f"the prompt has {n} tokens" if not params.prefix_token_ids else \
                 f"the prompt ({n - len(params.prefix_token_ids)} tokens) and prefix_token_ids " \
                 f"({len(params.prefix_token_ids)}) make {n} tokens"  # the prompt alone was said to have them all
-            raise RequestError(f"{what}, which leaves no room under {which} of {cap}", hint)
+            fits = "is more than" if pools else "leaves no room under"
+            raise RequestError(f"{what}, which {fits} {which} of {cap}", hint)
         need = self.block_manager.window_cap(cap)  # (a window: the blocks it holds at once)
         if need > self.block_manager.num_blocks:
             raise RequestError(
