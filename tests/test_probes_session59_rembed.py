@@ -91,3 +91,18 @@ def test_a_too_long_prompt_is_told_the_room_a_pooling_request_has(served_pooling
                                        "(--max-model-len) of 32 (lower truncate_prompt_tokens (100) to 32 or less)")
     status, got = _post(base, "/v1/embeddings", {"input": ids, "truncate_prompt_tokens": 32})
     assert status == 200 and got["usage"]["prompt_tokens"] == 32, got
+
+
+def test_infer_run_lines_for_the_other_runner_are_told_what_to_do(tmp_path):
+    """An embeddings line on a generating `infer run` was told of "the server started with --runner pooling"; a
+    completions line on a pooling one to "use LLM.embed": each is told the runner, and the line to write."""
+    from helpers import infer_run_records
+    from test_probes_session59_embed import _line
+    lines = [_line("e", {"input": "hi"}), _line("g", {"prompt": "hi", "max_tokens": 2}, "/v1/completions")]
+    recs, _ = infer_run_records(tmp_path, lines)
+    said = recs["e"]["error"]
+    assert "needs the pooling runner" in said and "--runner pooling" in said and "server" not in said, said
+    recs, _ = infer_run_records(tmp_path, lines, "--runner", "pooling")
+    said = recs["g"]["error"]
+    assert "only supported for generative models" in said and "infer run lines of url /v1/embeddings" in said, said
+    assert recs["e"]["error"] is None

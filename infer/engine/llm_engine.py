@@ -26,8 +26,8 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .pooling import (EMBED_ONLY, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, finish_vector,
-                      resolve_pooler)
+from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
+                      PoolingParams, finish_vector, resolve_pooler)
 from .sampler import NOT_FINITE
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -458,12 +458,10 @@ class LLMEngine:
         engine; (None, params) on a generating one. Each refuses the other's params, as vLLM's runners do."""
         if getattr(self, "pooler", None) is None:  # (validate runs on a data-parallel replica's view too)
             if isinstance(params, PoolingParams):
-                raise RequestError(EMBED_ONLY, "start the engine with runner=\"pooling\" (--runner pooling)")
+                raise RequestError(NOT_POOLING, 'start the engine with --runner pooling (LLM(MODEL, runner="pooling"))')
             return None, params
         if params is not None and not isinstance(params, PoolingParams):
-            raise RequestError("LLM.generate() is only supported for generative models: this engine runs the model "
-                               "as a pooling model (--runner pooling)",
-                               "use LLM.embed, or start the engine with --runner generate")
+            raise RequestError(NOT_GENERATING, EMBED_INSTEAD)
         pooling = (params or PoolingParams()).checked()
         pooling.check_dimensions(self.pooler, str(self.config.model))
         return pooling, SamplingParams(max_new_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens,

@@ -32,6 +32,13 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 GENERATE_ONLY = ("this server runs the model as a pooling model (--runner pooling): it answers /v1/embeddings, "
                  "not text generation")
 EMBED_ONLY = "this model is served for text generation: /v1/embeddings needs the server started with --runner pooling"
+# an engine's (LLM, AsyncLLM, infer run, a server's engine) refusals of the other runner's requests
+NOT_POOLING = ("this engine runs the model for text generation: an embedding request (LLM.embed, AsyncLLM.encode, "
+               "POST /v1/embeddings, an infer run line of url /v1/embeddings) needs the pooling runner")
+NOT_GENERATING = ("LLM.generate() is only supported for generative models: this engine runs the model as a pooling "
+                  "model (--runner pooling), which makes embeddings, not text")
+EMBED_INSTEAD = ("embed instead (LLM.embed, AsyncLLM.encode, POST /v1/embeddings, infer run lines of url "
+                 "/v1/embeddings), or start the engine with --runner generate")
 
 
 def parse_pooler_config(value) -> dict | None:
