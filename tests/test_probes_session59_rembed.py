@@ -13,6 +13,8 @@ from test_probes_session59_embed import _post, served_pooling  # noqa: F401 (a f
 
 @pytest.mark.parametrize("body, param, says", [
     ({"input": "x" * 2000}, "input", "context"),  # a text certainly past the context (was param "the")
+    ({"input": [list(range(3, 40))]}, "input", "37 tokens"),  # refused by the engine (was param "prompt")
+    ({"input": [[3, 100000]]}, "input", "outside the vocabulary"),
     ({"input": "hi", "dimensions": 8}, "dimensions", "matryoshka"),  # (was param "prompt")
     ({"input": "hi", "add_special_tokens": False}, "add_special_tokens", "add_special_tokens=false"),  # (was dropped)
     ({"input": "hi", "priority": "high"}, "priority", "priority must be an integer"),

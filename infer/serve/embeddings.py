@@ -101,7 +101,12 @@ async def create(server, request, raw: bytes):
     except RequestError as e:
         raise p.bad_request(e, param="dimensions") from None
     lora = server.lora_for(req.model)
-    queue, ids = server.submit(req, lora, "embd-" + uuid.uuid4().hex)
+    try:
+        queue, ids = server.submit(req, lora, "embd-" + uuid.uuid4().hex)
+    except p.ApiError as e:  # what the engine refuses of an input (too long, a token outside the vocabulary...):
+        if e.param == "prompt":  # the body's field is input
+            e.param = "input"
+        raise
     vectors: dict[int, object] = {}
     tokens = 0
     try:
