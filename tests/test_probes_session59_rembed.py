@@ -108,3 +108,25 @@ def test_infer_run_lines_for_the_other_runner_are_told_what_to_do(tmp_path):
     said = recs["g"]["error"]
     assert "only supported for generative models" in said and "infer run lines of url /v1/embeddings" in said, said
     assert recs["e"]["error"] is None
+
+
+@pytest.mark.parametrize("kind", ["CLS", "LAST"])
+def test_vectors_through_cuda_graphs_are_their_own(kind):
+    """A float32 model's CLS row (kept from a prompt's first chunk to its last) and a LAST vector that is not
+    normalized were views of the graphs' static hidden states, overwritten by the next step's replay: other rows'
+    values (emulated graphs: piecewise ones for these chunks, as on a GPU)."""
+    from helpers import random_prompts
+    from infer import LLM
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import hf_float
+    from test_probes_session59_embed import check_close, hf_hidden, pooled, vectors
+    path = ensure_builtin("tiny-llama")
+    hf = hf_float(path)
+    prompts = random_prompts(hf.config.vocab_size, (5, 9, 1, 20, 3, 13), seed=1)
+    with LLM(str(path), runner="pooling", pooler_config={"pooling_type": kind, "normalize": False}, max_num_seqs=4,
+             block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16,
+             max_num_batched_tokens=8) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        got = vectors(llm.embed(prompts))
+        assert llm.engine.stats()["piecewise_graph_steps"] > 1
+    check_close(got, [pooled(hf_hidden(hf, p), kind, normalize=False) for p in prompts])

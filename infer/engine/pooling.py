@@ -281,17 +281,24 @@ def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[
             part = rows.float().sum(0)
             seq.pool_sum = part if start == 0 or getattr(seq, "pool_sum", None) is None else seq.pool_sum + part
         elif pooler.pooling_type == "CLS" and start == 0:
-            seq.pool_sum = rows[0].float()
+            seq.pool_sum = _copied(rows[0])
         if start + n < len(seq.prompt_token_ids):
             continue
         if pooler.pooling_type == "LAST":
-            out[i] = rows[-1].float()
+            out[i] = _copied(rows[-1])
         elif pooler.pooling_type == "MEAN":
             out[i] = seq.pool_sum / len(seq.prompt_token_ids)
         else:
             out[i] = seq.pool_sum
         seq.pool_sum = None
     return out
+
+
+def _copied(row: torch.Tensor) -> torch.Tensor:
+    """A row of the step's hidden states as a float32 tensor of its own: a CUDA graph's hidden states are its static
+    output buffer, which the next step's replay overwrites (`.float()` of float32 rows is the row itself: a float32
+    model's CLS row, kept across the prompt's chunks, and a LAST vector not normalized, were the next step's)."""
+    return row.to(torch.float32, copy=True)
 
 
 def finish_vector(vec: torch.Tensor, pooler: Pooler, params: PoolingParams) -> torch.Tensor:
