@@ -130,3 +130,17 @@ def test_vectors_through_cuda_graphs_are_their_own(kind):
         got = vectors(llm.embed(prompts))
         assert llm.engine.stats()["piecewise_graph_steps"] > 1
     check_close(got, [pooled(hf_hidden(hf, p), kind, normalize=False) for p in prompts])
+
+
+def test_start_banners_say_how_a_pooling_engine_pools():
+    """`infer serve` / `infer run --runner pooling` (one engine or replicas) said nothing of the vectors served."""
+    from infer.cli.banner import replica_traits, start_traits
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    cfg = EngineConfig("tiny-llama", runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False},
+                       max_model_len=32, max_num_seqs=2, block_size=4)
+    engine = LLMEngine(cfg)
+    assert start_traits(engine).endswith(", max length 32, embeddings of MEAN pooling, not normalized")
+    infos = [{"dtype": "float32", "num_blocks": 8, "max_model_len": 32, "pooler": engine.pooler}]
+    assert replica_traits(infos, cfg).endswith(" each, max length 32, embeddings of MEAN pooling, not normalized")
+    assert "pooling" not in start_traits(LLMEngine(EngineConfig("tiny-llama", max_model_len=32, max_num_seqs=2)))

@@ -1,16 +1,17 @@
 """The engine's traits as the start banners of `infer run` and `infer serve` (one engine or replicas) name them:
 device, dtype, KV cache (blocks, block size, and its type when --kv-cache-dtype sets one), max length, and speculative
-decoding when --speculative-config turns it on."""
+decoding when --speculative-config turns it on, the pooling when --runner pooling serves embeddings."""
 
 from __future__ import annotations
 
 
 def engine_traits(dtype, num_blocks: int, block_size: int, kv_cache_dtype: str | None, max_len: int,
-                  speculative: dict | None, each: bool = False) -> str:
+                  speculative: dict | None, each: bool = False, pooler=None) -> str:
     """e.g. "torch.float16, KV cache 812 blocks x 16 tokens of float8_e4m3fn, max length 4096, n-gram speculative
     decoding (4 draft tokens)" (or "draft-model speculative decoding (./small, 3 draft tokens)"). `kv_cache_dtype`:
     the cache's element type, None when --kv-cache-dtype is auto (the model's dtype); `each`: the blocks are every
-    replica's."""
+    replica's; `pooler`: a pooling engine's (engine.pooling.Pooler), e.g. ", embeddings of MEAN pooling,
+    normalized"."""
     kv = f" of {kv_cache_dtype}" if kv_cache_dtype else ""
     text = f"{dtype}, KV cache {num_blocks} blocks x {block_size} tokens{kv}{' each' if each else ''}, " \
            f"max length {max_len}"
@@ -24,6 +25,8 @@ def engine_traits(dtype, num_blocks: int, block_size: int, kv_cache_dtype: str |
             text += f", {name} speculative decoding ({speculative['model']}, {tokens})"
         else:
             text += f", n-gram speculative decoding ({tokens})"
+    if pooler is not None:  # (what a vector is: a pooling server said nothing of it)
+        text += f", embeddings of {pooler.pooling_type} pooling, {'' if pooler.normalize else 'not '}normalized"
     return text
 
 
@@ -32,7 +35,7 @@ def start_traits(engine) -> str:
     cfg, plan = engine.config, engine.memory_plan
     kv = plan.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else None
     return engine_traits(engine.dtype, plan.num_blocks, cfg.block_size, kv, engine.max_model_len,
-                         cfg.speculative_config)
+                         cfg.speculative_config, pooler=getattr(engine, "pooler", None))
 
 
 def replica_traits(infos: list[dict], config) -> str:
@@ -40,4 +43,4 @@ def replica_traits(infos: list[dict], config) -> str:
     first = infos[0]
     kv = first.get("kv_cache_dtype") if config.kv_cache_dtype != "auto" else None
     return engine_traits(first["dtype"], first["num_blocks"], config.block_size, kv, first["max_model_len"],
-                         config.speculative_config, each=True)
+                         config.speculative_config, each=True, pooler=first.get("pooler"))
