@@ -35,15 +35,15 @@ def _triton(module: str):
     return importlib.import_module(f".{module}", __name__)
 
 
-def rms_norm(x, weight, eps, residual=None, lora=None, unit_offset=False):
+def rms_norm(x, weight, eps, residual=None, lora=None, unit_offset=False, float_weight=False):
     if use_triton(x):
-        return _triton("fused").rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset))
-    return reference.rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset))
+        return _triton("fused").rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset, float_weight))
+    return reference.rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset, float_weight))
 
 
-def _unit(unit_offset: bool) -> dict:
-    """rms_norm's Gemma switch, passed only where set (the other families' calls as they were)."""
-    return {"unit_offset": True} if unit_offset else {}
+def _unit(unit_offset: bool, float_weight: bool = False) -> dict:
+    """rms_norm's Gemma and OLMo switches, passed only where set (the other families' calls as they were)."""
+    return {**({"unit_offset": True} if unit_offset else {}), **({"float_weight": True} if float_weight else {})}
 
 
 def _cap(softcap: float) -> dict:

@@ -30,9 +30,10 @@ LORA_ROW_TILE = 65536  # rms_norm with a LoRA delta: B^T elements per tile [rank
 
 @triton.jit
 def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES: tl.constexpr,
-              UNIT: tl.constexpr = False):
+              UNIT: tl.constexpr = False, F32W: tl.constexpr = False):
     """The row x (+ the residual, stored as the next residual) normalized and weighted into y (UNIT: Gemma's
-    weighting by 1 + w, in float32 with the normalized row, rounded once)."""
+    weighting by 1 + w, in float32 with the normalized row, rounded once; F32W: OLMo's weighting by w, likewise in
+    float32 with the normalized row, rounded once)."""
     if HAS_RES:
         # in h's dtype (x's and the residual's promoted), as the reference: added in float32 and rounded once (the
         # same bits; also right under TRITON_INTERPRET, whose bf16 arithmetic adds the raw bits)
@@ -45,6 +46,8 @@ def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y
     yt = y_ptr.dtype.element_ty
     if UNIT:
         y = (xf * inv * (1.0 + w.to(tl.float32))).to(yt)
+    elif F32W:
+        y = (xf * inv * w.to(tl.float32)).to(yt)
     else:
         y = (xf * inv).to(x.dtype)
         y = (w.to(yt).to(tl.float32) * y.to(yt).to(tl.float32)).to(yt)  # (in float32, rounded once: as above)
@@ -54,13 +57,13 @@ def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                     UNIT: tl.constexpr = False):
+                     UNIT: tl.constexpr = False, F32W: tl.constexpr = False):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES, UNIT)
+    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES, UNIT, F32W)
 
 
 @triton.jit
@@ -81,7 +84,8 @@ def _embed_rms_norm_kernel(ids_ptr, t_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_t, s_y
 def _rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
                           hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t, sr_s, sc_s,
                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, CHUNK_R: tl.constexpr,
-                          S_P2: tl.constexpr, PDL: tl.constexpr = False, UNIT: tl.constexpr = False):
+                          S_P2: tl.constexpr, PDL: tl.constexpr = False, UNIT: tl.constexpr = False,
+                          F32W: tl.constexpr = False):
     """_rms_norm_kernel after adding the one-shard layer's adapter delta (a LoRADelta by token of the layer whose
     output x is: hp [SPLIT, T, R], B^T [S, R, n]) to the row, rounded to x's dtype as the layer's expand leaves it,
     so that the expand needs no launch of its own. B^T's rows of the row's slot are read CHUNK_R at a time, as many
@@ -110,11 +114,11 @@ def _rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r,
             bb = tl.load(b + r[:, None] * n + offs[None, :], mask=(r[:, None] < rank) & mask[None, :], other=0.0)
             d += tl.sum(h[:, None] * bb.to(tl.float32), 0)
         x = (x.to(tl.float32) + d * tl.sum(tl.where(pick, scals, 0.0), 0)).to(x.dtype)
-    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES, UNIT)
+    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES, UNIT, F32W)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None,
-             compile_only: bool = False, unit_offset: bool = False):
+             compile_only: bool = False, unit_offset: bool = False, float_weight: bool = False):
     """Triton version of reference.rms_norm: y, or (y, x + residual) when residual is given; with `lora` (the
     `lora_reference.LoRADelta` by token of the one-shard layer whose output x is: o_proj, down_proj) added to x
     first. compile_only: compile the kernel this call would launch, launch nothing (y and h are then unwritten)."""
@@ -137,6 +141,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     consts = dict(HAS_RES=residual is not None, BLOCK=block, PDL=pdl.on(x.device), **pdl.launch(x.device))
     if unit_offset:  # (Gemma's norm: a variant of its own; the others' compiled as before)
         consts["UNIT"] = True
+    if float_weight:  # (OLMo's norm: likewise)
+        consts["F32W"] = True
     if lora is None:
         _rms_norm_kernel[(rows,)](*args, num_warps=max(1, min(16, block // 512)), **consts)
         return out

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------- small ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None,
-             unit_offset: bool = False):
+             unit_offset: bool = False, float_weight: bool = False):
     """Semantics: if residual is given, h = x + residual, else h = x; y = weight * (h / sqrt(mean(h^2) + eps)),
     the normalisation computed in float32 and cast back to x's dtype before the weight multiply (as HF does).
     `unit_offset` (Gemma's RMSNorm): y = (h / sqrt(mean(h^2) + eps)) * (1 + weight), all in float32, rounded to
-    x's dtype once.
+    x's dtype once. `float_weight` (OLMo 2's and 3's RMSNorm): y = weight * (h / sqrt(mean(h^2) + eps)), all in
+    float32, rounded to x's dtype once.
     Returns y, or (y, h) when residual is given (h becomes the next residual). With `lora` (the LoRADelta by token
     of the one-shard layer whose output x is: o_proj, down_proj), x is first a copy with the delta added
     (`add_delta`): the layer's output as its `apply` would have left it."""
@@ -32,7 +33,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         residual = x
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (y * (1.0 + weight.float())).to(x.dtype) if unit_offset else weight * y.to(x.dtype)
+    if unit_offset:
+        y = (y * (1.0 + weight.float())).to(x.dtype)
+    elif float_weight:
+        y = (y * weight.float()).to(x.dtype)
+    else:
+        y = weight * y.to(x.dtype)
     return y if residual is None else (y, residual)
 
 

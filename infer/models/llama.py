@@ -41,23 +41,28 @@ def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> l
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, unit_offset: bool = False):
-        """unit_offset: Gemma's RMSNorm, which weights by 1 + weight (in float32, rounded once)."""
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, unit_offset: bool = False,
+                 float_weight: bool = False):
+        """unit_offset: Gemma's RMSNorm, which weights by 1 + weight (in float32, rounded once); float_weight: OLMo
+        2's and 3's, which weights by weight in float32 (rounded once; the others round the normed row first)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
+        self.float_weight = float_weight
 
     def forward(self, x, residual=None, lora=None):
         """lora: the LoRADelta that the layer whose output x is left to this norm (MergedLinear.forward_deferred)."""
-        if self.unit_offset:
-            return kernels.rms_norm(x, self.weight, self.eps, residual, lora, unit_offset=True)
+        if self.unit_offset or self.float_weight:
+            return kernels.rms_norm(x, self.weight, self.eps, residual, lora, unit_offset=self.unit_offset,
+                                    float_weight=self.float_weight)
         return kernels.rms_norm(x, self.weight, self.eps, residual, lora)
 
 
 def norm_for(cfg):
-    """The RMSNorm class of the family: Gemma's weights by 1 + weight."""
-    return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA)
+    """The RMSNorm class of the family: Gemma's weights by 1 + weight, OLMo's by weight in float32 (transformers'
+    Olmo2RMSNorm and Olmo3RMSNorm: (weight * normed).to(dtype), where Llama's rounds the normed row first)."""
+    return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA, float_weight=cfg.model_type in OLMO)
 
 
 class Attention(nn.Module):
@@ -269,7 +274,7 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     if cfg.model_type == "granite":
         return None
-    return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS)
+    return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS, cfg.model_type in OLMO)
 
 
 class _NormConsumer:
@@ -278,11 +283,13 @@ class _NormConsumer:
 
     into_norm = True  # (LoRALayer.fused_norm can keep these expands apart: EngineConfig.lora_expand_in_norm)
 
-    def __init__(self, dtype: torch.dtype, unit_offset: bool = False, residual: bool = True):
+    def __init__(self, dtype: torch.dtype, unit_offset: bool = False, residual: bool = True,
+                 float_weight: bool = False):
         """unit_offset: Gemma's norm; residual: whether the norm adds the residual (Gemma 2's post-attention and
-        post-feedforward norms do not)."""
+        post-feedforward norms do not); float_weight: OLMo's norm."""
         self.dtype = dtype
-        self.unit = {"unit_offset": True} if unit_offset else {}
+        self.unit = {**({"unit_offset": True} if unit_offset else {}),
+                     **({"float_weight": True} if float_weight else {})}
         self.residual = residual
 
     def __call__(self, delta) -> None:
