@@ -40,3 +40,31 @@ def test_olmo_norms_in_16_bits_equal_transformers_bits(tmp_path, monkeypatch, fa
                 want = b(x)
             got = a(x)
             assert got.dtype == want.dtype and torch.equal(got, want), (i, (got.float() - want.float()).abs().max())
+
+
+NEAR = {"granitemoe": ("GraniteMoeForCausalLM", "Granite's mixture of experts", "GraniteForCausalLM"),
+        "granitemoeshared": ("GraniteMoeSharedForCausalLM", "with a shared expert", "GraniteForCausalLM"),
+        "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "Mamba-2", "GraniteForCausalLM"),
+        "olmo": ("OlmoForCausalLM", "LayerNorms have no weights", "Olmo2ForCausalLM, Olmo3ForCausalLM"),
+        "olmoe": ("OlmoeForCausalLM", "OLMoE", "Olmo2ForCausalLM, Olmo3ForCausalLM"),
+        "glm": ("GlmForCausalLM", "the first GLM-4", "Glm4ForCausalLM"),
+        "glm4_moe": ("Glm4MoeForCausalLM", "GLM-4.5", "Glm4ForCausalLM")}
+
+
+@pytest.mark.parametrize("model_type", NEAR)
+def test_the_families_neighbours_are_refused_naming_what_they_are_and_what_infer_runs(tmp_path, model_type):
+    """GraniteMoe, GraniteMoeShared, GraniteMoeHybrid, the first OLMo, OLMoE, the first GLM-4 (glm-4-9b-chat-hf) and
+    GLM-4.5: `infer warmup --estimate` refuses each saying what the model is and which of its family infer runs."""
+    from transformers import AutoConfig
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    arch, what, runs = NEAR[model_type]
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    cfg.architectures = [arch]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    text = " ".join(res.output.split())
+    assert f"(model_type '{model_type}') is" in text and what in text and "which infer does not run" in text, text
+    assert "infer runs" in text and runs in text, text

@@ -32,6 +32,28 @@ OLMO = ("olmo2", "olmo3")  # OLMo 3: OLMo 2's layers, sliding windows on the lay
 POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4")
 
 
+_GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
+            "granite-3.x-instruct): use one of those")
+_OLMO = "infer runs OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): use one of those"
+_GLM = "infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4): use one of those"
+# the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
+NEAR_FAMILIES = {
+    "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
+    "granitemoeshared": ("Granite's mixture of experts with a shared expert (GraniteMoeSharedForCausalLM)", _GRANITE),
+    "granitemoe_swa": ("Granite's mixture of experts with sliding-window layers (GraniteMoeSwa)", _GRANITE),
+    "granitemoehybrid": ("Granite 4's hybrid of Mamba-2 and attention layers with experts "
+                         "(GraniteMoeHybridForCausalLM)", _GRANITE),
+    "olmo": ("the first OLMo (OlmoForCausalLM: OLMo-1B/7B, OLMo-7B-0424), whose LayerNorms have no weights "
+             "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
+    "olmoe": ("OLMoE, OLMo's mixture of experts (OlmoeForCausalLM)", _OLMO),
+    "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
+    "glm": ("the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf), whose layers have two norms, not GLM-4-0414's four",
+            _GLM),
+    "glm4_moe": ("GLM-4.5 and GLM-4.6, mixtures of experts (Glm4MoeForCausalLM)", _GLM),
+    "glm4_moe_lite": ("GLM-4.7-Flash, a mixture of experts (Glm4MoeLiteForCausalLM)", _GLM),
+}
+
+
 def check_supported(cfg) -> str:
     archs = list(getattr(cfg, "architectures", None) or [])
     model_type = getattr(cfg, "model_type", None)
@@ -49,6 +71,10 @@ def check_supported(cfg) -> str:
             "config.json of a MistralForCausalLM has layer_types, which makes transformers run it as Ministral "
             "(sliding attention on some layers only), an architecture infer does not run",
             "if every layer slides over sliding_window (Mistral), remove layer_types from config.json")
+    if model_type in NEAR_FAMILIES:  # (their architectures share a name with a supported family's)
+        what, hint = NEAR_FAMILIES[model_type]
+        raise UnsupportedModelError(f"{archs or model_type!r} (model_type {model_type!r}) is {what}, which infer "
+                                    "does not run", hint)
     if arch is None or model_type not in SUPPORTED.values():
         raise UnsupportedModelError(
             f"unsupported architecture {archs or model_type!r} (model_type {model_type!r})",
