@@ -36,7 +36,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if unit_offset:
         y = (y * (1.0 + weight.float())).to(x.dtype)
     elif float_weight:
-        y = (y * weight.float()).to(x.dtype)
+        y = y.mul_(weight.float()).to(x.dtype)  # (in place: no third float32 copy of the row)
     else:
         y = weight * y.to(x.dtype)
     return y if residual is None else (y, residual)
