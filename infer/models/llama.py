@@ -316,6 +316,16 @@ class _DecodeConsumer:
         return self.attention().window
 
 
+def _moved(held: list) -> tuple:
+    """The tensors of `held`, which is emptied: a model's loop passes a layer's stream and attention output so, having
+    dropped its own names for them, and the callee frees each as soon as it rebinds the name (a Python caller's
+    locals live until the call returns: two more hidden-sized tensors a token while the MLP runs, past the memory
+    estimate's count)."""
+    items = tuple(held)
+    held.clear()
+    return items
+
+
 def _uninitialized(cls, *args, **kw) -> nn.Module:
     """A torch module on the current default device with its weights left unset (the checkpoint fills them): no
     time spent drawing random initial values, and the caller's random state left as it was."""
@@ -482,9 +492,10 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         super().__init__(cfg, dtype, method_for, max_positions)
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
 
-    def _mlp_block(self, layer, x, residual, delta, ctx):
+    def _mlp_block(self, layer, held: list, delta, ctx):
         """From the attention's output x (and the o projection's LoRA delta) to the MLP's output, normed: the
-        residual stream then adds it (the next norm's residual)."""
+        residual stream then adds it (the next norm's residual). held: [x, the residual], emptied (`_moved`)."""
+        x, residual = _moved(held)
         x = layer.post_attention_layernorm(x, None, delta)
         x, residual = layer.pre_feedforward_layernorm(x, residual)
         x, delta = layer.mlp(x, ctx)
@@ -500,7 +511,8 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
             if i:
                 x, residual = layer.input_layernorm(x, residual)
             x, delta = layer.self_attn(positions, x, ctx, self._rope(i))
-            x, residual = self._mlp_block(layer, x, residual, delta, ctx)
+            held, x, residual = [x, residual], None, None  # (_moved: freed inside as their next values come)
+            x, residual = self._mlp_block(layer, held, delta, ctx)
         x, _ = self.norm(x, residual)
         return x
 
@@ -511,7 +523,8 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         else:
             done = self.layers[i - 1]
             x, delta = done.self_attn.o_proj.forward_deferred(o, ctx)
-            x, residual = self._mlp_block(done, x, residual, delta, ctx)
+            held, x, residual = [x, residual], None, None
+            x, residual = self._mlp_block(done, held, delta, ctx)
             if i == len(self.layers):
                 x, _ = self.norm(x, residual)
                 return x, None
@@ -580,10 +593,12 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     the MLP's, each before the residual adds it), and q and k each normed over its whole projection (every head at
     once: Attention.qk_norm_whole), before the rotary."""
 
-    def _layer_rest(self, layer, h, x, delta, ctx):
+    def _layer_rest(self, layer, held: list, delta, ctx):
         """The layer's output from the residual stream h and its attention's output x (with o's LoRA delta, which the
-        post-attention norm adds)."""
+        post-attention norm adds). held: [h, x], emptied (`_moved`): the MLP runs beside the new stream only."""
+        h, x = _moved(held)
         h = h + layer.post_attention_layernorm(x, None, delta)
+        del x
         x, delta = layer.mlp(h, ctx)
         return h + layer.post_feedforward_layernorm(x, None, delta)
 
@@ -594,7 +609,9 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
-            h = self._layer_rest(layer, h, *layer.self_attn(positions, h, ctx, self._rope(i)), ctx)
+            x, delta = layer.self_attn(positions, h, ctx, self._rope(i))
+            held, h, x = [h, x], None, None
+            h = self._layer_rest(layer, held, delta, ctx)
         return self.norm(h)
 
     def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
@@ -603,7 +620,9 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
             h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
         else:
             done = self.layers[i - 1]
-            h = self._layer_rest(done, residual, *done.self_attn.o_proj.forward_deferred(o, ctx), ctx)
+            x, delta = done.self_attn.o_proj.forward_deferred(o, ctx)
+            held, residual, x = [residual, x], None, None
+            h = self._layer_rest(done, held, delta, ctx)
             if i == len(self.layers):
                 return self.norm(h), None
         return self.layers[i].self_attn.query(positions, h, ctx, self._rope(i)), h
@@ -626,7 +645,8 @@ class Glm4ForCausalLM(Gemma2ForCausalLM):
     def embed_and_norm(self, input_ids: torch.Tensor):
         return LlamaForCausalLM.embed_and_norm(self, input_ids)
 
-    def _mlp_block(self, layer, x, residual, delta, ctx):
+    def _mlp_block(self, layer, held: list, delta, ctx):
+        x, residual = _moved(held)
         x = layer.post_self_attn_layernorm(x, None, delta)
         x, residual = layer.post_attention_layernorm(x, residual)
         x, delta = layer.mlp(x, ctx)
