@@ -1,16 +1,25 @@
 """Session 59 review of the new families (Granite, OLMo 2, OLMo 3, GLM-4): what the tiny float32 tests of
 test_probes_session59_families.py do not reach. OLMo 2's and 3's RMSNorm weights the normed row in float32 and rounds
 once (transformers' Olmo2RMSNorm, Olmo3RMSNorm), where Llama's rounds the normed row first: in bfloat16 and float16
-infer's norms give transformers' bits, on the CPU path and through the Triton kernel."""
+infer's norms give transformers' bits, on the CPU path and through the Triton kernel. The first GLM-4
+(GlmForCausalLM, model_type glm: glm-4-9b-chat-hf), GLM-4-0414's attention and MLP in Llama's layer of two norms,
+runs (transformers' tokens and logprobs, the GPU code path, peft adapters); GraniteMoe, GraniteMoeHybrid, the first
+OLMo, OLMoE and GLM-4.5 are refused naming what they are. The loops of GLM-4 (and Gemma 2's, which it shares) and
+OLMo no longer keep the old residual and the attention's output alive while the MLP runs (warmup --estimate's
+activations were under the measured peak)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infer import LLM
+from infer import LLM, SamplingParams
+from infer.lora.adapter import base_targets
 
-from test_probes_session59_families import build
+from helpers import greedy_each, norms_and_biases_shifted, random_prompts, save_random_model
+from lora_helpers import base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft
+from quant_helpers import int4_kernel_path
+from test_probes_session59_families import ADAPTERS, SMALL, build
 
 
 @pytest.mark.parametrize("family", ["olmo2", "olmo3"])
@@ -47,14 +56,12 @@ NEAR = {"granitemoe": ("GraniteMoeForCausalLM", "Granite's mixture of experts", 
         "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "Mamba-2", "GraniteForCausalLM"),
         "olmo": ("OlmoForCausalLM", "LayerNorms have no weights", "Olmo2ForCausalLM, Olmo3ForCausalLM"),
         "olmoe": ("OlmoeForCausalLM", "OLMoE", "Olmo2ForCausalLM, Olmo3ForCausalLM"),
-        "glm": ("GlmForCausalLM", "the first GLM-4", "Glm4ForCausalLM"),
-        "glm4_moe": ("Glm4MoeForCausalLM", "GLM-4.5", "Glm4ForCausalLM")}
+        "glm4_moe": ("Glm4MoeForCausalLM", "GLM-4.5", "Glm4ForCausalLM, model_type glm4) and glm-4-9b-chat-hf (GlmForCausalLM")}
 
 
 @pytest.mark.parametrize("model_type", NEAR)
 def test_the_families_neighbours_are_refused_naming_what_they_are_and_what_infer_runs(tmp_path, model_type):
-    """GraniteMoe, GraniteMoeShared, GraniteMoeHybrid, the first OLMo, OLMoE, the first GLM-4 (glm-4-9b-chat-hf) and
-    GLM-4.5: `infer warmup --estimate` refuses each saying what the model is and which of its family infer runs."""
+    """GraniteMoe, GraniteMoeShared, GraniteMoeHybrid, the first OLMo, OLMoE and GLM-4.5: `infer warmup --estimate` refuses each saying what the model is and which of its family infer runs."""
     from transformers import AutoConfig
     from typer.testing import CliRunner
     from infer.cli.main import app
@@ -83,3 +90,67 @@ def test_the_measured_cpu_peak_of_glm4_and_olmo2_is_under_the_estimate(tmp_path,
     measured = measured_warmup(args)
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert peak <= formula <= 1.3 * peak, (formula, peak)
+
+
+# ----------------------------------------------------------------------------- the first GLM-4 (GlmForCausalLM)
+GLM_CONFIGS = {"glm-gqa-qkv-bias": dict(),
+               "glm-mha-tied-no-bias-wide-heads-prf0.75": dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                               attention_bias=False, head_dim=32,
+                                                               partial_rotary_factor=0.75)}
+
+
+def build_glm(folder, seed: int = 0, **config):
+    """A random GlmForCausalLM folder (float32, head_dim 16: half of each head rotated, GLM's default factor 0.5);
+    returns transformers' model."""
+    return save_random_model(folder, "glm", "GlmForCausalLM", {**SMALL, "head_dim": 16, **config}, seed,
+                             norms_and_biases_shifted)
+
+
+@pytest.mark.parametrize("name", GLM_CONFIGS)
+def test_glm_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """glm-4-9b-chat-hf's architecture (q/k/v biases, none on o, interleaved partial rotary, gate|up fused, Llama's
+    two norms a layer): prompts of 5, 13 and 30 tokens, 10 generated, batched: transformers' tokens, logprobs within
+    1e-4."""
+    hf = build_glm(tmp_path, **GLM_CONFIGS[name])
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        attn = llm.engine.runner.model.layers[0].self_attn
+        assert attn.rope_interleaved and attn.rot_dim == int(attn.head_dim * hf.config.rope_parameters.get(
+            "partial_rotary_factor", 0.5))
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 10), name
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for i, rec in enumerate(out.logprobs):
+            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+
+
+def test_glm_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    """Every op through its Triton kernel (interpreted), decodes through emulated CUDA graphs, the others through
+    emulated piecewise graphs: transformers' tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    hf = build_glm(tmp_path)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
+             cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(32, emulate=True)
+        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert got == want
+
+
+def test_glm_peft_adapters_equal_peft_alone_and_mixed_and_lora_validate_accepts_them(tmp_path):
+    """Adapters of every projection (gate_up_proj where they name gate_proj or up_proj: the module peft adapts on
+    GLM) and of some, mixed with a base-only row: peft's tokens; lora-validate accepts them."""
+    build_glm(tmp_path / "base")
+    adapters = {name: {**kw, "target_modules": base_targets("glm", kw["target_modules"])}
+                for name, kw in ADAPTERS.items()}
+    assert "gate_up_proj" in adapters["all8"]["target_modules"]
+    base, hf, paths = base_and_adapters(tmp_path, adapters)
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+    check_lora_validate_ok(base, paths["all8"])

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import LoRAError
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts
+from ..models.registry import GLM
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
@@ -36,7 +37,7 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
     gate/up), each once."""
-    if model_type == "glm4":
+    if model_type in GLM:
         return list(dict.fromkeys("gate_up_proj" if t in ("gate_proj", "up_proj") else t for t in targets))
     if model_type != "phi3":
         return list(targets)
@@ -77,10 +78,10 @@ _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
-# phi3, granite, olmo2, olmo3 or glm4 entry, and peft refuses such an adapter on those bases ("Please specify
+# phi3, granite, olmo2, olmo3, glm or glm4 entry, and peft refuses such an adapter on those bases ("Please specify
 # `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
-PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", "glm4")
+PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -325,7 +326,7 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     phi3 = model_type == "phi3"  # transformers' Phi3MLP names its activation activation_fn; its layers have dropouts
     # (and so does Glm4MLP)
     olmo = model_type in ("olmo2", "olmo3")  # (no input_layernorm: its norms come after the attention and the MLP)
-    per_layer = ["", ".self_attn", ".mlp", ".mlp.activation_fn" if phi3 or model_type == "glm4" else ".mlp.act_fn",
+    per_layer = ["", ".self_attn", ".mlp", ".mlp.activation_fn" if phi3 or model_type in GLM else ".mlp.act_fn",
                  *([] if olmo else [".input_layernorm"]), ".post_attention_layernorm"]
     if phi3:
         per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
@@ -368,7 +369,7 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
-    if getattr(base_config, "model_type", None) == "glm4":  # q, k and v apart, gate|up one module
+    if getattr(base_config, "model_type", None) in GLM:  # q, k and v apart, gate|up one module
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),

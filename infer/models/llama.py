@@ -22,7 +22,7 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import GEMMA, GEMMA_FOUR_NORMS, OLMO, POST_NORMS, activation
+from .registry import GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, activation
 from .rope import build_cos_sin_cache, rope_layer_types
 from .shapes import ModelShapes
 
@@ -35,7 +35,7 @@ def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> l
     """The checkpoint module of each shard of a merged layer (MergedLinear.names): Llama's own projections, or for
     Phi-3 (and GLM-4's gate_up_proj) the one fused module that stores them all, stacked along the output (its name
     once per shard)."""
-    if cfg.model_type == "phi3" or (cfg.model_type == "glm4" and fused == "gate_up_proj"):
+    if cfg.model_type == "phi3" or (cfg.model_type in GLM and fused == "gate_up_proj"):
         return [f"{prefix}.{fused}"] * len(projections)
     return [f"{prefix}.{p}" for p in projections]
 
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
                                                                              *OLMO)
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
-            or declared or (kind == "glm4" and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
+            or declared or (kind in GLM and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         # GLM-4 rotates interleaved pairs (dims 2i, 2i + 1: transformers' glm4 apply_rotary_pos_emb): each head's
         # rotary dims are reordered evens first, odds after (`_deinterleaved`), and every rotary kernel rotates those
         # halves as its NeoX pairs (q and k alike: their products, the attention, unchanged)
-        self.rope_interleaved = cfg.model_type == "glm4"
+        self.rope_interleaved = cfg.model_type in GLM
         if not self.qk_norm and not self.rope_interleaved:  # a decode step's qkv LoRA expand may be left to
             # decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)

@@ -20,6 +20,7 @@ SUPPORTED = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Glm4ForCausalLM": "glm4",
+    "GlmForCausalLM": "glm",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -30,12 +31,17 @@ GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
 OLMO = ("olmo2", "olmo3")  # OLMo 3: OLMo 2's layers, sliding windows on the layers layer_types names
 # GLM-4's (GLM-4-0414, GLM-Z1) too: its post_self_attn_layernorm and post_mlp_layernorm
 POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4")
+# GLM-4's attention and MLP: q, k and v biases (attention_bias) and none on o, a partial rotary of interleaved pairs,
+# gate|up stored as one mlp.gate_up_proj; the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf, model_type glm) has
+# them in Llama's layer of two norms, GLM-4-0414 (Glm4ForCausalLM) in a layer of four
+GLM = ("glm", "glm4")
 
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
             "granite-3.x-instruct): use one of those")
 _OLMO = "infer runs OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): use one of those"
-_GLM = "infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4): use one of those"
+_GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4) and glm-4-9b-chat-hf (GlmForCausalLM, "
+        "model_type glm): use one of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
     "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
@@ -47,8 +53,6 @@ NEAR_FAMILIES = {
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
     "olmoe": ("OLMoE, OLMo's mixture of experts (OlmoeForCausalLM)", _OLMO),
     "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
-    "glm": ("the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf), whose layers have two norms, not GLM-4-0414's four",
-            _GLM),
     "glm4_moe": ("GLM-4.5 and GLM-4.6, mixtures of experts (Glm4MoeForCausalLM)", _GLM),
     "glm4_moe_lite": ("GLM-4.7-Flash, a mixture of experts (Glm4MoeLiteForCausalLM)", _GLM),
 }

@@ -65,7 +65,7 @@ def partial_rotary(cfg) -> bool:
     passes the rest: transformers' Phi-3 and GLM-4 (apply_rotary_pos_emb slices q and k at the width of cos), whose
     partial_rotary_factor (Phi-4-mini: 0.75, GLM-4: 0.5) sets that width. Llama, Mistral, Qwen and Gemma rotate
     whole heads."""
-    return getattr(cfg, "model_type", None) in ("phi3", "glm4")
+    return getattr(cfg, "model_type", None) in ("phi3", "glm", "glm4")
 
 
 def _rotary_dims(cfg, params: dict, head_dim: int) -> int:

@@ -590,8 +590,9 @@ def _restore_source_files(src: Path, out: Path) -> None:
 
 # Phi-3's MLP is one gate_up_proj (transformers' Phi3MLP, vLLM's Phi-3), and so is GLM-4's (Glm4MLP): GPTQModel
 # unfuses it to quantize and saves gate_proj and up_proj apart, a layout only GPTQModel and infer read
-FUSED_MLP = {"phi3": ("gate_proj", "up_proj", "gate_up_proj"), "glm4": ("gate_proj", "up_proj", "gate_up_proj")}
-FUSED_MLP_ARCH = {"phi3": "Phi-3", "glm4": "GLM-4"}
+FUSED_MLP = {"phi3": ("gate_proj", "up_proj", "gate_up_proj"), "glm4": ("gate_proj", "up_proj", "gate_up_proj"),
+             "glm": ("gate_proj", "up_proj", "gate_up_proj")}
+FUSED_MLP_ARCH = {"phi3": "Phi-3", "glm4": "GLM-4", "glm": "GLM-4 (glm-4-9b-chat-hf)"}
 SPLIT_MLP_NOTE = ("--desc-act gives this {arch} checkpoint's mlp.gate_proj and mlp.up_proj different g_idx "
                   "permutations, which cannot share the one gate_up_proj module of transformers' and vLLM's {arch}: "
                   "it keeps GPTQModel's split layout, which infer and GPTQModel run but transformers (`infer bench "
