@@ -607,8 +607,8 @@ FUSED_MLP_NOTE = ("this {arch} checkpoint's MLP is one mlp.gate_up_proj, as tran
 def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     """Rewrite GPTQModel's saved Phi-3 (or GLM-4) checkpoint in `out` with each layer's mlp.gate_proj and mlp.up_proj
     as the one mlp.gate_up_proj that transformers and vLLM load: qweight, scales and qzeros (and biases) concatenated
-    along the output, gate first (exact: each half's width packs into whole int32 words), g_idx kept once. Only where every
-    pair shares its g_idx (no act-order); otherwise the split layout stays. The notes returned say which readers
+    along the output, gate first (exact: each half's width packs into whole int32 words), g_idx kept once. Only where
+    every pair shares its g_idx (no act-order); otherwise the split layout stays. The notes returned say which readers
     load the layout written (GPTQModel.load none but its split one)."""
     names = FUSED_MLP.get(str(config.get("model_type")))
     if names is None:
