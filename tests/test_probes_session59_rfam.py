@@ -18,7 +18,7 @@ from infer.lora.adapter import base_targets
 
 from helpers import greedy_each, norms_and_biases_shifted, random_prompts, save_random_model
 from lora_helpers import base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft
-from quant_helpers import int4_kernel_path
+from quant_helpers import gptqmodel_greedy, int4_kernel_path, needs_gptqmodel, split_gate_up
 from test_probes_session59_families import ADAPTERS, SMALL, build
 
 
@@ -156,3 +156,26 @@ def test_glm_peft_adapters_equal_peft_alone_and_mixed_and_lora_validate_accepts_
     base, hf, paths = base_and_adapters(tmp_path, adapters)
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
     check_lora_validate_ok(base, paths["all8"])
+
+
+@needs_gptqmodel
+def test_glm_infer_quantize_writes_gate_up_fused_and_transformers_loads_it_alike(tmp_path):
+    """`infer quantize` of a GLM base stores gate|up as the one mlp.gate_up_proj that transformers loads: infer's
+    tokens equal transformers' load of the checkpoint, and GPTQModel's of its split layout."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    from test_gptq_engine import hf_gptq_greedy
+    build_glm(tmp_path / "f")
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.gate_up_proj.qweight" in tensors
+    assert "model.layers.0.mlp.gate_proj.qweight" not in tensors
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == hf_gptq_greedy(out, prompts, 8)
+    assert got == gptqmodel_greedy(split_gate_up(out, tmp_path / "split"), prompts, 8)
