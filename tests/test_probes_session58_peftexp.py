@@ -127,8 +127,8 @@ def v4(request, tmp_path_factory):
 
 def test_per_expert_adapters_of_transformers_4_with_patterns_and_layers_equal_peft(v4):
     """transformers 4's per-expert adapters with a rank_pattern keyed by the stacked gate_up_proj, an alpha_pattern
-    keyed by their own names and the stacked ones, a rank_pattern on down_proj, layers_to_transform (weights in the listed layer only,
-    or in every layer) and target_modules a regex: peft's tokens, mixed and alone."""
+    keyed by their own names and the stacked ones, a rank_pattern on down_proj, layers_to_transform (weights in the
+    listed layer only, or in every layer) and target_modules a regex: peft's tokens, mixed and alone."""
     base, hf, paths = v4
     prompts = random_prompts(512, (7, 5, 9, 6, 8), seed=13)
     names = list(paths)

@@ -163,9 +163,3 @@ def build_cos_sin_cache(cfg, max_positions: int | None = None, layer_type: str |
             f"max_position_embeddings) takes {n * 2 * inv_freq.numel() * 4 / 2**30:,.1f} GiB, which this device "
             "cannot allocate", "pass --max-model-len with the context you need (max_model_len=N in the Python API)"
         ) from e
-
-
-def rope_table_bytes(cfg, positions: int) -> int:
-    """The bytes of the float32 rope tables build_cos_sin_cache builds for `positions` rows: one per
-    rope_layer_types entry (Gemma 3's two), each row the table's width."""
-    return sum(positions * 2 * _inv_freq(cfg, t)[0].numel() * 4 for t in rope_layer_types(cfg))
