@@ -142,14 +142,18 @@ class AsyncLLM:
                 self._loop.abort(rid)
 
     async def encode(self, prompt, pooling_params: PoolingParams | None = None, request_id: str | None = None, *,
-                     lora: str | None = None, priority: int = 0, lora_request=None):
+                     lora: str | None = None, priority: int = 0, lora_request=None,
+                     truncate_prompt_tokens: int | None = None):
         """vLLM's AsyncLLM.encode on a pooling engine (AsyncLLM(model, runner="pooling")): yields the prompt's one
         finished EmbeddingRequestOutput (its vector in `.outputs.embedding`); the prompt, request_id, adapters and
-        priority as generate takes them."""
+        priority as generate takes them; `truncate_prompt_tokens` (vLLM's argument: the prompt's last tokens
+        kept, -1 the context's worth) overrides the params' own."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise RequestError(f"pooling_params must be a PoolingParams, got {type(params).__name__}",
                                "e.g. PoolingParams(dimensions=256)")
+        if truncate_prompt_tokens is not None:  # (a copy: the caller's params are left as they were)
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens).checked()
         async for out in self.generate(prompt, params, request_id, lora=lora, priority=priority,
                                        lora_request=lora_request):
             yield out
