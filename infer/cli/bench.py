@@ -167,7 +167,31 @@ def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None)
             fix.append("give --lora only for adapters the server serves (start it with infer serve --lora NAME=PATH)")
         raise ConfigError(f"{base} does not serve {', '.join(map(repr, missing))}; it serves "
                           f"{', '.join(sorted(served)) or 'nothing'}", "; ".join(fix))
+    check_generates(base, model_id, headers)
     return base
+
+
+def check_generates(base: str, model_id: str, headers: dict) -> None:
+    """Refuse a server that runs its model as a pooling model (embeddings): every request would fail after the
+    whole run. Asked with a body without a prompt, which nothing generates from: a generation server answers 400
+    for the prompt, a pooling one (infer's --runner pooling, vLLM's) that the model does not do completions."""
+    import httpx
+    try:
+        resp = httpx.post(f"{base}/v1/completions", json={"model": model_id}, headers=headers, timeout=10.0,
+                          trust_env=False)
+    except httpx.HTTPError:
+        return  # (the run says what fails)
+    try:
+        error = resp.json().get("error") or {}
+    except (ValueError, AttributeError):
+        return
+    if not isinstance(error, dict):
+        return
+    if error.get("code") == "model_not_supported" or "does not support Completions API" in str(error.get("message")):
+        raise ConfigError(f"{base} serves {model_id!r} as a pooling model (embeddings): infer bench measures text "
+                          "generation (TTFT, TPOT, ITL) and every request would fail",
+                          "bench a server started without --runner pooling, or time embeddings with `infer run "
+                          "MODEL LINES.jsonl --runner pooling` (lines of url /v1/embeddings)")
 
 
 def check_options(num_prompts: int | None, dataset: str, baseline: str | None, lora_policy: str, url: str | None,

@@ -249,17 +249,52 @@ def embedding_inputs(value, name: str = "input") -> list:
     return value
 
 
-def embedding_fields(body: dict, prefix: str = "") -> tuple[PoolingParams, str]:
-    """(PoolingParams, encoding_format) of an embeddings body; RequestError naming the field otherwise."""
+@dataclass(frozen=True)
+class Encoding:
+    """How an embeddings response writes its vectors (vLLM's body fields): `format` float (JSON numbers) or
+    base64 (the vector's bytes as `dtype`, in `endianness`: native is the server's, as vLLM's)."""
+
+    format: str = "float"
+    dtype: str = "float32"
+    endianness: str = "native"
+
+
+def _choice(body: dict, key: str, default: str, allowed: tuple, prefix: str, hint: str | None = None) -> str:
+    value = body.get(key)
+    value = default if value is None else value
+    if value not in allowed:
+        raise RequestError(f"{prefix}{key} {value!r} is not one of {', '.join(allowed)}"[:300], hint)
+    return value
+
+
+def embedding_encoding(body: dict, prefix: str = "") -> Encoding:
+    """The Encoding of an embeddings body: encoding_format, embed_dtype, endianness (vLLM's); RequestError naming
+    the field otherwise (vLLM's encoding_format "bytes", a binary response, and its fp8 dtypes are refused)."""
+    if body.get("encoding_format") == "bytes":
+        raise RequestError(f"{prefix}encoding_format 'bytes' (vLLM's binary response) is not supported by infer",
+                           "send encoding_format base64: the same bytes (embed_dtype, endianness), base64-encoded")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ENCODINGS:
         raise RequestError(f"{prefix}encoding_format {fmt!r} is not one of {', '.join(ENCODINGS)}")
+    dtype = _choice(body, "embed_dtype", "float32", tuple(EMBED_DTYPES), prefix,
+                    "fp8 dtypes are not supported; float16 or bfloat16 halve the bytes")
+    return Encoding(fmt, dtype, _choice(body, "endianness", "native", ENDIANNESS, prefix))
+
+
+EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ENDIANNESS = ("native", "little", "big")
+
+
+def embedding_fields(body: dict, prefix: str = "", chat: bool = False) -> tuple[PoolingParams, Encoding]:
+    """(PoolingParams, Encoding) of an embeddings body (`chat`: its messages form); RequestError naming the field
+    otherwise."""
+    fmt = embedding_encoding(body, prefix)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"{prefix}model must be a string, got {type(model).__name__}")
     from .inputs import check_add_special_tokens  # (inputs imports this module)
     try:  # (vLLM's add_special_tokens: a text's special tokens, which infer always adds; false is refused)
-        check_add_special_tokens(body.get("add_special_tokens"), chat=False)
+        check_add_special_tokens(body.get("add_special_tokens"), chat=chat)
         params = PoolingParams(dimensions=body.get("dimensions"), normalize=body.get("normalize"),
                                truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
                                priority=body.get("priority", 0)).checked()

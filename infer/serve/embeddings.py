@@ -7,27 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import re
+import sys
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+import torch
 
 from ..engine.inputs import encode_prompt
-from ..engine.pooling import EMBED_ONLY, GENERATE_ONLY, PoolingParams, embedding_fields, embedding_inputs
+from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
+    embedding_inputs
 from ..errors import RequestError
 from . import protocol as p
 
 
-@dataclass
+@dataclasses.dataclass
 class EmbeddingRequest:
     """A checked body: what Server.submit reads of a request (its prompts, one choice each, the params of each)."""
 
     model: str | None
     prompts: list[list[int]]
     params: PoolingParams
-    encoding_format: str = "float"
+    encoding_format: Encoding = Encoding()
     n = 1
     beam = None
 
@@ -38,7 +41,7 @@ class EmbeddingRequest:
 # the fields of an embeddings body an error may start with (input[2] -> input); an error about the prompt itself
 # (too long for the context...) names input
 _FIELDS = ("input", "model", "encoding_format", "dimensions", "normalize", "truncate_prompt_tokens", "priority",
-           "add_special_tokens")
+           "add_special_tokens", "embed_dtype", "endianness")
 
 
 def _refused(e: RequestError) -> p.ApiError:
@@ -47,20 +50,30 @@ def _refused(e: RequestError) -> p.ApiError:
     return p.bad_request(e, param=word if word in _FIELDS else "input")
 
 
-def parse(raw: bytes, tokenizer, max_model_len: int) -> EmbeddingRequest:
-    """The body of POST /v1/embeddings as an EmbeddingRequest; ApiError 400 naming the field otherwise."""
+def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = False) -> EmbeddingRequest:
+    """The body of POST /v1/embeddings as an EmbeddingRequest; ApiError 400 naming the field otherwise. vLLM's
+    chat form (EmbeddingChatRequest): `messages` instead of `input`, rendered as /v1/chat/completions renders them
+    (add_generation_prompt defaults to false there, as vLLM's); `trust_template`: --trust-request-chat-template."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise p.ApiError(400, f"the body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise p.ApiError(400, "the body must be a JSON object with 'input'")
-    if "input" not in body:
-        raise p.ApiError(400, "input is required: the text (or token ids) to embed", param="input")
+    chat = body.get("messages") is not None
+    if chat and body.get("input") is not None:
+        raise p.ApiError(400, "send either input or messages, not both", param="input")
+    if not chat and "input" not in body:
+        raise p.ApiError(400, "input is required: the text (or token ids) to embed (or messages, a chat rendered "
+                              "with the chat template)", param="input")
     try:
-        params, fmt = embedding_fields(body)
-        inputs = embedding_inputs(body["input"])
+        params, fmt = embedding_fields(body, chat=chat)
         keep = params.truncate_prompt_tokens is not None
+        if chat:
+            body = {**body, "add_generation_prompt": body.get("add_generation_prompt") is True}
+            ids = p.chat_prompt_ids(body, tokenizer, None if keep else max_model_len, trust_template)
+            return EmbeddingRequest(body.get("model"), [ids], params, fmt)
+        inputs = embedding_inputs(body["input"])
         prompts = [list(map(int, item)) if isinstance(item, list) else
                    encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_model_len)
                    for item in inputs]
@@ -69,17 +82,22 @@ def parse(raw: bytes, tokenizer, max_model_len: int) -> EmbeddingRequest:
     return EmbeddingRequest(body.get("model"), prompts, params, fmt)
 
 
-def response_body(vectors: list, prompt_tokens: int, model: str, fmt: str) -> dict:
+def response_body(vectors: list, prompt_tokens: int, model: str, fmt: Encoding) -> dict:
     """OpenAI's embeddings response: one entry per vector (a float32 tensor), in order, and the tokens counted."""
     data = [{"index": i, "object": "embedding", "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)]
     return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": p.now(), "model": model, "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def _encoded(vec, fmt: str):
-    if fmt == "base64":
-        return base64.b64encode(vec.float().numpy().astype("<f4").tobytes()).decode("ascii")
-    return vec.tolist()
+def _encoded(vec, fmt: Encoding):
+    """JSON floats, or base64 of the vector's bytes as fmt.dtype in fmt.endianness (vLLM's embed_dtype)."""
+    if fmt.format != "base64":
+        return vec.tolist()
+    values = vec.to(EMBED_DTYPES[fmt.dtype]).contiguous()
+    raw = values.view(torch.uint8).reshape(-1, values.element_size())  # (the host's byte order)
+    if (sys.byteorder if fmt.endianness == "native" else fmt.endianness) != sys.byteorder:
+        raw = raw.flip(1)
+    return base64.b64encode(raw.numpy().tobytes()).decode("ascii")
 
 
 def generation_refusal(server, api: str) -> None:
@@ -91,22 +109,57 @@ def generation_refusal(server, api: str) -> None:
 
 async def create(server, request, raw: bytes):
     """The response of POST /v1/embeddings (a SafeJSONResponse body as a dict, or an ApiError raised)."""
-    from .app import _ClientGone, _error  # (the app imports this module)
     arrival = time.monotonic()
     if getattr(server.engine, "pooler", None) is None:
         raise p.ApiError(400, f"The model does not support Embeddings API: {EMBED_ONLY}", code="model_not_supported")
-    req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len)
+    req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len,
+                                  server.parser.trust_template)
     try:  # (the engine refuses it too, as a request's error: named here as the body's field)
         req.params.check_dimensions(server.engine.pooler, str(server.engine.config.model))
     except RequestError as e:
         raise p.bad_request(e, param="dimensions") from None
     lora = server.lora_for(req.model)
+    base_id = "embd-" + uuid.uuid4().hex
+    wave = server.engine.config.max_num_seqs  # (each wave fits the running slots, whatever --max-queue)
+    vectors: list = []
+    tokens = 0
     try:
-        queue, ids = server.submit(req, lora, "embd-" + uuid.uuid4().hex)
-    except p.ApiError as e:  # what the engine refuses of an input (too long, a token outside the vocabulary...):
-        if e.param == "prompt":  # the body's field is input
-            e.param = "input"
-        raise
+        for start in range(0, len(req.prompts), wave):
+            part = dataclasses.replace(req, prompts=req.prompts[start:start + wave])
+            queue, ids = await _submit(server, part, lora, f"{base_id}-{start}", request, first=start == 0)
+            got, n = await _collected(server, queue, ids, request, arrival)
+            vectors += got
+            tokens += n
+    except _Gone:
+        return None
+    return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format)
+
+
+class _Gone(Exception):
+    """The client went away mid-body: what it holds is aborted, nothing is answered."""
+
+
+async def _submit(server, part: EmbeddingRequest, lora, base_id: str, request, first: bool):
+    """Submit one wave of a body's inputs. A later wave that finds the queue full (--max-queue, other clients'
+    requests) waits for room: the body's first waves are done and its client waits for the rest."""
+    from .app import DISCONNECT_POLL_S
+    while True:
+        try:
+            return server.submit(part, lora, base_id)
+        except p.ApiError as e:  # what the engine refuses of an input (too long, a token outside the vocabulary...):
+            if e.param == "prompt":  # the body's field is input
+                e.param = "input"
+            if first or e.code != "queue_full":
+                raise
+        if request is not None and await request.is_disconnected():
+            raise _Gone()
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _collected(server, queue, ids: list[str], request, arrival: float) -> tuple[list, int]:
+    """(the vectors in order, the prompt tokens) of a submitted wave; _Gone if the client left (the wave's
+    requests aborted), an ApiError if one failed."""
+    from .app import _ClientGone, _error  # (the app imports this module)
     vectors: dict[int, object] = {}
     tokens = 0
     try:
@@ -119,6 +172,5 @@ async def create(server, request, raw: bytes):
                 vectors[i] = out.outputs.data
                 tokens += len(out.prompt_token_ids)
     except _ClientGone:
-        return None
-    return response_body([vectors[i] for i in range(len(ids))], tokens, req.model or server.model_id,
-                         req.encoding_format)
+        raise _Gone() from None
+    return [vectors[i] for i in range(len(ids))], tokens

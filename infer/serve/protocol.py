@@ -532,6 +532,26 @@ def _render_chat(tokenizer, messages: list[dict], template: dict, max_tokens: in
         raise bad_request(e, param=getattr(e, "field", None) or "messages") from e
 
 
+def chat_prompt_ids(body: dict, tokenizer, max_tokens: int | None, trust_template: bool) -> list[int]:
+    """The prompt ids of a body's `messages` as /v1/chat/completions renders them (the same checks: the chat
+    template's fields, the request's own template, add_special_tokens, tools rendered whatever tool_choice), for
+    /tokenize's and /v1/embeddings' chat forms."""
+    own = request_template(body, trust_template)
+    try:
+        check_add_special_tokens(body.get("add_special_tokens"), chat=True)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="add_special_tokens") from e
+    clean = _messages(body, tokenizer, own)
+    try:
+        template = {**chat_template_options(body), "chat_template": own}
+        tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"})
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.field) from e
+    if tools is not None:
+        template["tools"] = tools.tools
+    return _render_chat(tokenizer, clean, template, max_tokens)
+
+
 # ---------------------------------------------------------------------------------- vLLM's /tokenize, /detokenize
 def _flag(body: dict, key: str, default: bool) -> bool:
     value = _expect(body, key, (bool,), "a boolean")
@@ -551,21 +571,7 @@ def tokenize(body: Any, tokenizer, max_model_len: int, trust_template: bool = Fa
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise ApiError(400, "send either prompt or messages, not both", param="prompt")
-        own = request_template(body, trust_template)
-        try:
-            check_add_special_tokens(body.get("add_special_tokens"), chat=True)
-        except RequestError as e:
-            raise ApiError(400, str(e), param="add_special_tokens") from e
-        clean = _messages(body, tokenizer, own)
-        try:
-            template = {**chat_template_options(body), "chat_template": own}
-            # the chat endpoint renders the tools whatever its tool_choice (which vLLM's /tokenize does not take)
-            tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"})
-        except RequestError as e:
-            raise ApiError(400, str(e), param=e.field) from e
-        if tools is not None:
-            template["tools"] = tools.tools
-        ids = _render_chat(tokenizer, clean, template, None)
+        ids = chat_prompt_ids(body, tokenizer, None, trust_template)
     else:
         prompt = body.get("prompt")
         if prompt is None:
