@@ -170,3 +170,20 @@ def test_bench_url_refuses_a_pooling_server_before_it_runs(served_pooling, tmp_p
     assert res.exit_code == 2, res.output
     assert "pooling model" in res.output
     assert not (tmp_path / "bench-results").exists()
+
+
+def test_infer_run_embedding_lines_take_embed_dtype_and_refuse_the_chat_form(tmp_path):
+    """An `infer run` line of url /v1/embeddings: embed_dtype float16 writes the vector's float16 bytes; messages
+    (the server's chat form) get a clear error record (was "body.input must be text or token ids")."""
+    from helpers import infer_run_records
+    from test_probes_session59_embed import _line
+    hf = hf_float(ensure_builtin("tiny-llama"))
+    ids = random_prompts(hf.config.vocab_size, (6,), seed=25)[0]
+    lines = [_line("a", {"input": ids, "encoding_format": "base64", "embed_dtype": "float16"}),
+             _line("b", {"messages": CHAT})]
+    recs, _ = infer_run_records(tmp_path, lines, "--runner", "pooling", "--block-size", "4",
+                                "--output-format", "openai", key="custom_id")
+    got = np.frombuffer(base64.b64decode(recs["a"]["response"]["body"]["data"][0]["embedding"]), "<f2")
+    want = pooled(hf_hidden(hf, ids), "LAST").half().float()
+    check_close([torch.from_numpy(got.astype("<f4"))], [want], atol=1e-3)
+    assert "takes input, not the chat form" in recs["b"]["error"]["message"]

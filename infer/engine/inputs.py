@@ -555,6 +555,10 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
     """An OpenAI batch line of url /v1/embeddings (vLLM's run-batch, on a pooling runner): one input, its
     PoolingParams; its response is built from `openai` (the model named, the encoding_format)."""
     body = _batch_body(obj)
+    if body.get("messages") is not None:  # (vLLM's chat form: the server's POST /v1/embeddings takes it)
+        raise RequestError("body.messages: an infer run line of url /v1/embeddings takes input, not the chat form",
+                           "give the chat's rendered text (POST /tokenize with the messages gives its ids) as "
+                           "body.input, or send the messages to a server's POST /v1/embeddings")
     params, fmt = embedding_fields(body, "body.")
     inputs = embedding_inputs(body.get("input"), "body.input")
     if len(inputs) != 1:
