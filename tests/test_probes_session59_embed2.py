@@ -187,3 +187,27 @@ def test_infer_run_embedding_lines_take_embed_dtype_and_refuse_the_chat_form(tmp
     want = pooled(hf_hidden(hf, ids), "LAST").half().float()
     check_close([torch.from_numpy(got.astype("<f4"))], [want], atol=1e-3)
     assert "takes input, not the chat form" in recs["b"]["error"]["message"]
+
+
+def test_a_later_wave_waits_for_room_in_the_queue():
+    """A later wave that finds --max-queue full (other clients' requests queued meanwhile) waits and is submitted
+    when there is room: the body's first waves are done and its client is waiting; the first wave's 503 is the
+    client's to retry."""
+    import asyncio
+
+    from infer.serve import embeddings, protocol as p
+
+    class Busy:
+        def __init__(self):
+            self.tries = 0
+
+        def submit(self, part, lora, base_id):
+            self.tries += 1
+            if self.tries < 3:
+                raise p.ApiError(503, "the queue is full", code="queue_full")
+            return "queue", [base_id]
+    later = Busy()
+    assert asyncio.run(embeddings._submit(later, None, None, "embd-x-4", None, first=False)) == ("queue", ["embd-x-4"])
+    assert later.tries == 3
+    with pytest.raises(p.ApiError, match="the queue is full"):
+        asyncio.run(embeddings._submit(Busy(), None, None, "embd-x-0", None, first=True))

@@ -120,7 +120,7 @@ async def create(server, request, raw: bytes):
         raise p.bad_request(e, param="dimensions") from None
     lora = server.lora_for(req.model)
     base_id = "embd-" + uuid.uuid4().hex
-    wave = server.engine.config.max_num_seqs  # (each wave fits the running slots, whatever --max-queue)
+    wave = _running_slots(server)
     vectors: list = []
     tokens = 0
     try:
@@ -133,6 +133,15 @@ async def create(server, request, raw: bytes):
     except _Gone:
         return None
     return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format)
+
+
+def _running_slots(server) -> int:
+    """How many of a body's inputs run at once (a wave): the running slots, of every live replica under
+    --data-parallel-size. A larger body runs in waves: it completes whatever --max-queue, and the requests of other
+    clients that arrive meanwhile are queued before its next wave, not behind the whole body."""
+    replicas = getattr(server.aengine, "replicas", None)
+    alive = sum(1 for r in replicas if r.alive) if replicas else 1
+    return server.engine.config.max_num_seqs * max(1, alive)
 
 
 class _Gone(Exception):
