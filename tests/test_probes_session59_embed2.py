@@ -144,9 +144,25 @@ def test_base64_bfloat16(served_pooling):  # noqa: F811
     check_close([torch.from_numpy(raw.view("<f4").copy())], [want], atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_base64_fp8(served_pooling, dtype):  # noqa: F811
+    """vLLM's fp8 embed_dtypes: one byte a value, the float8 encoding of the vector."""
+    base, hf, _ = served_pooling
+    ids = random_prompts(hf.config.vocab_size, (6,), seed=24)[0]
+    status, body = _post(base, "/v1/embeddings", {"input": ids, "encoding_format": "base64", "embed_dtype": dtype})
+    assert status == 200, body
+    fp8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[dtype]
+    raw = bytearray(base64.b64decode(body["data"][0]["embedding"]))
+    got = torch.frombuffer(raw, dtype=torch.uint8).view(fp8).float()
+    want = pooled(hf_hidden(hf, ids), "MEAN")
+    assert got.shape == want.shape
+    # (within float8's rounding: 3 mantissa bits (e4m3) or 2 (e5m2), whichever way a value near a midpoint rounds)
+    torch.testing.assert_close(got, want, rtol={"fp8_e4m3": 2 ** -3, "fp8_e5m2": 2 ** -2}[dtype], atol=1e-2)
+
+
 @pytest.mark.parametrize("extra, param, says", [
     ({"encoding_format": "bytes"}, "encoding_format", "send encoding_format base64"),
-    ({"encoding_format": "base64", "embed_dtype": "fp8_e4m3"}, "embed_dtype", "float32, float16, bfloat16"),
+    ({"encoding_format": "base64", "embed_dtype": "float64"}, "embed_dtype", "float32, float16, bfloat16"),
     ({"encoding_format": "base64", "endianness": "middle"}, "endianness", "native, little, big"),
 ])
 def test_encodings_infer_does_not_write_are_refused(served_pooling, extra, param, says):  # noqa: F811

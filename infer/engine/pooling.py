@@ -269,19 +269,20 @@ def _choice(body: dict, key: str, default: str, allowed: tuple, prefix: str, hin
 
 def embedding_encoding(body: dict, prefix: str = "") -> Encoding:
     """The Encoding of an embeddings body: encoding_format, embed_dtype, endianness (vLLM's); RequestError naming
-    the field otherwise (vLLM's encoding_format "bytes", a binary response, and its fp8 dtypes are refused)."""
+    the field otherwise (vLLM's encoding_format "bytes", a binary response, is refused)."""
     if body.get("encoding_format") == "bytes":
         raise RequestError(f"{prefix}encoding_format 'bytes' (vLLM's binary response) is not supported by infer",
                            "send encoding_format base64: the same bytes (embed_dtype, endianness), base64-encoded")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ENCODINGS:
         raise RequestError(f"{prefix}encoding_format {fmt!r} is not one of {', '.join(ENCODINGS)}")
-    dtype = _choice(body, "embed_dtype", "float32", tuple(EMBED_DTYPES), prefix,
-                    "fp8 dtypes are not supported; float16 or bfloat16 halve the bytes")
+    dtype = _choice(body, "embed_dtype", "float32", tuple(EMBED_DTYPES), prefix)
     return Encoding(fmt, dtype, _choice(body, "endianness", "native", ENDIANNESS, prefix))
 
 
-EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's embed_dtype names (the fp8 ones: the bytes of the float8 values, as vLLM writes them)
+EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 ENDIANNESS = ("native", "little", "big")
 
 
