@@ -45,19 +45,26 @@ class _Watched:
 
 def _pausing_mid_step(engine, mode: str, at_step: int = 3) -> dict:
     """engine's `at_step`-th step (its body, under the lock) starts another thread's pause_generation(mode) and
-    goes on once that thread waits for the lock: {"paused_mid_step": whether the pause had run meanwhile,
-    "waited": whether it waited, "thread": the pausing thread}."""
+    goes on once that thread waits for the lock (_calling_mid_step's dict)."""
+    return _calling_mid_step(engine, lambda: engine.pause_generation(mode=mode), at_step)
+
+
+def _calling_mid_step(engine, target, at_step: int = 3) -> dict:
+    """engine's `at_step`-th step (its body, under the lock) starts `target()` in another thread and goes on once
+    that thread waits for the engine's lock: {"steps": [the steps begun so far], "waited": whether it waited,
+    "ran_mid_step": whether the thread had ended meanwhile, "thread": the thread}."""
     engine.lock = _Watched(engine.lock)
     advance, calls, seen = engine._advance, [0], {}
+    seen["steps"] = calls
 
     def step_body(outputs):
         calls[0] += 1
         if calls[0] == at_step:
-            pausing = threading.Thread(target=engine.pause_generation, kwargs={"mode": mode})
-            pausing.start()
-            seen["thread"] = pausing  # (started: the test joins it)
+            calling = threading.Thread(target=target)
+            calling.start()
+            seen["thread"] = calling  # (started: the test joins it)
             seen["waited"] = engine.lock.waiting.wait(10)
-            seen["paused_mid_step"] = engine._paused
+            seen["ran_mid_step"] = not calling.is_alive()
         return advance(outputs)
     engine._advance = step_body
     return seen
@@ -76,7 +83,7 @@ def test_a_pause_from_another_thread_waits_for_the_step_and_the_generate_follows
         gen, got = _in_thread(lambda: llm.generate(PROMPTS, LONG))
         assert wait_until(lambda: "thread" in seen)
         seen["thread"].join(60)
-        assert seen["waited"] and not seen["paused_mid_step"] and engine.is_paused()
+        assert seen["waited"] and not seen["ran_mid_step"] and engine.is_paused()
         if mode == "keep":
             assert gen.is_alive()  # (frozen: it waits for the resume)
             with pytest.raises(PauseError, match="generation is paused"):

@@ -223,10 +223,13 @@ class LLM:
     def close(self) -> None:
         """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
         `with LLM(...) as llm:` does it on leaving the block."""
-        with getattr(self, "_lock", threading.RLock()):
-            engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.close()
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        with engine.turn():  # (before another thread's next step; a control of another thread waits for its end)
+            if self.engine is engine:
+                self.engine = None
+                engine.close()
 
     def apply_model(self, func) -> list:
         """vLLM's LLM.apply_model: `func(model)` on every worker's model, their results in a list; infer runs the
@@ -234,7 +237,7 @@ class LLM:
         if not callable(func):
             raise RequestError(f"apply_model takes a function of the model, got {type(func).__name__}",
                                "e.g. llm.apply_model(lambda model: type(model).__name__)")
-        with self._lock:
+        with self._engine().turn():
             return [func(self._engine().runner.model)]
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -280,7 +283,7 @@ class LLM:
         holding up other threads' steps. `replace=True` (vLLM's load_inplace): `name` may be loaded already; the
         requests added from now on get the new weights, those added before finish with the old ones."""
         adapter = self._engine().lora_slots().load(name, path)
-        with self._lock:
+        with self._engine().turn():
             self._engine().add_lora(name, path, loaded=adapter, replace=replace)
 
     def _lora_of(self, request):
@@ -299,7 +302,7 @@ class LLM:
     def remove_lora(self, name: str) -> int:
         """Refuse `name` from now on; requests already running with it finish with it, and its memory is freed
         after them. Returns how many requests still use it."""
-        with self._lock:
+        with self._engine().turn():
             return self._engine().remove_lora(name)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:

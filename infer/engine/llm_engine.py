@@ -79,15 +79,8 @@ def control(method):
     yield_to_controls() (LLM's: another thread's pause is not held up until its generate ends)."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        with self._turn:
-            self._controls_waiting += 1
-        try:
-            with self.lock:
-                return method(self, *args, **kwargs)
-        finally:
-            with self._turn:
-                self._controls_waiting -= 1
-                self._turn.notify_all()
+        with self.turn():
+            return method(self, *args, **kwargs)
     return locked
 
 
@@ -1335,6 +1328,22 @@ class LLMEngine:
         (while asleep: once awake). Not paused: nothing to do."""
         self._check_open()
         self._paused = False
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Hold the engine's lock as a control (`control`) does: a loop stepping in another thread lets it in before
+        its next step (yield_to_controls) rather than taking the lock again at once. LLM's calls other than its steps
+        (close, add_lora, remove_lora, apply_model) take it so: they are not held up until another thread's generate
+        ends (a lock is not first come, first served)."""
+        with self._turn:
+            self._controls_waiting += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._turn:
+                self._controls_waiting -= 1
+                self._turn.notify_all()
 
     def yield_to_controls(self) -> None:
         """Wait (outside the lock) while another thread's control (pause_generation, sleep...) waits for the lock or
