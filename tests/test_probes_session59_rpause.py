@@ -97,3 +97,36 @@ def test_a_call_that_raises_under_the_lock_leaves_the_generates_their_turn(path,
         gen, got = _in_thread(lambda: llm.generate(PROMPTS, LONG))
         gen.join(60)
         assert [(o.finish_reason, list(o.token_ids)) for o in got[0]] == [("length", w) for w in want]
+
+
+class _InterruptedOnce(threading.Condition):
+    """The engine's _turn, with a KeyboardInterrupt delivered once as a control leaves it (`armed`): the moment
+    the control's count went up, before it waits for the lock."""
+
+    def __init__(self):
+        super().__init__(threading.Lock())
+        self.armed = False
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_a_keyboard_interrupt_as_a_control_counts_itself_leaves_no_turn_behind(path):
+    """Ctrl-C the moment a control (collective_rpc) counted itself: the control is interrupted, and a generate
+    afterwards, in another thread, answers Hugging Face's greedy tokens (it waited for ever for the control)."""
+    want = [hf_greedy(path, prompt, 20) for prompt in PROMPTS]
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        engine = llm.llm_engine
+        engine._turn = _InterruptedOnce()
+        engine._turn.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            engine.collective_rpc(lambda worker: None)
+        got: list = []
+        gen = threading.Thread(target=lambda: got.append(llm.generate(PROMPTS, LONG)), daemon=True)  # (hung: left)
+        gen.start()
+        gen.join(60)
+        assert got, "the generate waits for the interrupted control's turn"
+        assert [(o.finish_reason, list(o.token_ids)) for o in got[0]] == [("length", w) for w in want]

@@ -1334,16 +1334,20 @@ class LLMEngine:
         """Hold the engine's lock as a control (`control`) does: a loop stepping in another thread lets it in before
         its next step (yield_to_controls) rather than taking the lock again at once. LLM's calls other than its steps
         (close, add_lora, remove_lora, apply_model) take it so: they are not held up until another thread's generate
-        ends (a lock is not first come, first served)."""
-        with self._turn:
-            self._controls_waiting += 1
+        ends (a lock is not first come, first served). Counted inside the try: a KeyboardInterrupt the moment the
+        count went up (its `with` left) must not leave it up, or every later generate waited for ever."""
+        counted = False
         try:
+            with self._turn:
+                self._controls_waiting += 1
+                counted = True
             with self.lock:
                 yield
         finally:
-            with self._turn:
-                self._controls_waiting -= 1
-                self._turn.notify_all()
+            if counted:
+                with self._turn:
+                    self._controls_waiting -= 1
+                    self._turn.notify_all()
 
     def yield_to_controls(self) -> None:
         """Wait (outside the lock) while another thread's control (pause_generation, sleep...) waits for the lock or
