@@ -237,7 +237,7 @@ class LLM:
         if not callable(func):
             raise RequestError(f"apply_model takes a function of the model, got {type(func).__name__}",
                                "e.g. llm.apply_model(lambda model: type(model).__name__)")
-        with self._engine().turn():
+        with self._engine().turn():  # (between two steps of another thread's generate)
             return [func(self._engine().runner.model)]
 
     def get_default_sampling_params(self) -> SamplingParams:
