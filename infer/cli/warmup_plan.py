@@ -251,6 +251,7 @@ def _slots_plan(model, model_config, engine_config: EngineConfig, device, dtype,
 
 
 def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
+    from ..memory.checkpoint import checkpoint_load_bytes
     from ..memory.meter import fixed_mmap_threshold, resident_bytes
     from ..models.loader import load_model
     path, model_config, device, dtype = _model_parts(engine_config)
@@ -260,7 +261,8 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     _warm_libraries(dtype, device)
     before = resident_bytes(device)
     # the rope table an engine of this config holds (engine.setup.load_engine_parts)
-    check_rope_table(engine_config, model_config, device, model_max_len(model_config, engine_config))
+    check_rope_table(engine_config, model_config, device, model_max_len(model_config, engine_config),
+                     lambda: checkpoint_load_bytes(path, model_config, dtype, device))
     model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
     from ..engine.draft import load_draft  # (draft-model speculation: loaded as an engine start loads it)
     draft = load_draft(engine_config, model_config, dtype, device, model_max_len(model_config, engine_config), model)

@@ -110,6 +110,7 @@ def check_lora_targets(engine_config: EngineConfig, model_config) -> None:
 def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     from ..models.loader import load_config, load_model
     from ..models.resolve import resolve_model
+    from ..memory.checkpoint import checkpoint_load_bytes
     from ..memory.plan import check_lora_slots, check_rope_table, plan_memory
 
     path = resolve_model(engine_config.model)
@@ -120,7 +121,8 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
     tokenizer = load_tokenizer(path, engine_config.chat_template)
     max_len = model_max_len(model_config, engine_config)
-    check_rope_table(engine_config, model_config, device, max_len)
+    check_rope_table(engine_config, model_config, device, max_len,
+                     lambda: checkpoint_load_bytes(path, model_config, dtype, device))
     model, model_config = load_model(path, dtype, device, max_positions=max_len)  # the rope table: max_len rows
     from .draft import load_draft
     draft = load_draft(engine_config, model_config, dtype, device, max_len, model)  # (None without a draft model)

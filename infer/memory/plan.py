@@ -94,14 +94,18 @@ def budget_bytes(engine_config: PlanOptions, device: torch.device, weights: int,
     return int(available_cpu_memory() * 0.5) + (weights if loaded else 0)
 
 
-def check_rope_table(engine_config: PlanOptions, model_config, device: torch.device, max_len: int) -> None:
+def check_rope_table(engine_config: PlanOptions, model_config, device: torch.device, max_len: int,
+                     weights=lambda: 0) -> None:
     """Before the model is built: its rope table (max_len rows, float32) fits the budget while it is computed
     (about twice the table: the angles and the table). A config.json whose max_position_embeddings is in the
-    billions (no --max-model-len) otherwise took minutes and all the RAM, or failed inside torch's allocator."""
+    billions (no --max-model-len) otherwise took minutes and all the RAM, or failed inside torch's allocator.
+    `weights()`: the checkpoint's bytes as loaded, asked only when the table does not fit; a budget the weights
+    alone exceed is left to the plan, whose "the weights alone take" names what to change (a shorter context
+    would not help)."""
     from ..models.rope import rope_table_bytes
     table = rope_table_bytes(model_config, max_len)
     budget = budget_bytes(engine_config, device, 0, loaded=False)
-    if 2 * table <= budget:
+    if 2 * table <= budget or weights() >= budget:
         return
     per_row = max(1, rope_table_bytes(model_config, 1))
     fit = budget // (2 * per_row)
