@@ -129,11 +129,16 @@ def _check(b: str, cfg, section: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=16)
 def load(name: str, section: str = "") -> dict:
     """{"N,K": {bucket: config}} for the GPU called `name` (shipped, the user's cache on top, and on top of both
     $INFER_TUNED_CONFIG_FOLDER's: `tuned_folder`); a `section`'s table ({key: {bucket: config}}) from its own
-    files."""
+    files. Read once (`_load`, cached by both arguments: load(name) and load(name, "") are one table, which `save`
+    updates)."""
+    return _load(name, section)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(name: str, section: str) -> dict:
     merged: dict = {}
     folder = tuned_folder()
     for path in (SHIPPED / section / f"{name}.json", cache_file(name, section)) + \
@@ -141,6 +146,9 @@ def load(name: str, section: str = "") -> dict:
         for shape, by_m in _read(path, section).items():
             merged.setdefault(shape, {}).update({int(b): c for b, c in by_m.items()})
     return merged
+
+
+load.cache_clear = _load.cache_clear  # (forget the tables read: a test's new files, a new $INFER_CACHE)
 
 
 def table(device: torch.device, section: str = "") -> dict:
