@@ -96,17 +96,23 @@ def test_model_names_of_a_run_are_its_model_as_given_and_its_adapters(tmp_path):
 
 
 def test_batch_lines_the_run_cannot_answer_say_so(tmp_path, tokenizer):
-    """An embeddings line said 'no prompt', top_logprobs "abc" gave a bare ValueError, and a completions prompt
-    of token ids (which OpenAI and vLLM accept) was refused as 'prompt must be a string'."""
+    """An embeddings line said 'no prompt' (it is read as one now: --runner pooling answers it, a generating run
+    refuses it when it runs), another url names the ones infer run answers, top_logprobs "abc" gave a bare
+    ValueError, and a completions prompt of token ids (which OpenAI and vLLM accept) was refused as 'prompt must
+    be a string'."""
     items = _read(tmp_path, tokenizer,
                   _batch("emb", "/v1/embeddings", input="hi"),
+                  _batch("aud", "/v1/audio/transcriptions", prompt="hi"),
                   _batch("top", logprobs=True, top_logprobs="abc"),
                   _batch("ids", "/v1/completions", prompt=[5, 6, 7]),
                   _batch("one", "/v1/completions", prompt=["hello"]),
                   _batch("one_ids", "/v1/completions", prompt=[[5, 6]]),
                   _batch("two", "/v1/completions", prompt=["a", "b"]),
                   _batch("none", "/v1/completions", prompt=[]))
-    assert "url '/v1/embeddings' is not supported" in items["emb"].error
+    assert items["emb"].error is None and items["emb"].request.openai["embedding"]
+    assert items["emb"].request.prompt_token_ids == list(tokenizer("hi")["input_ids"])
+    assert "url '/v1/audio/transcriptions' is not supported" in items["aud"].error
+    assert "/v1/embeddings with --runner pooling" in items["aud"].error
     assert "body.top_logprobs must be an integer in 0..20, got 'abc'" in items["top"].error
     assert items["ids"].request.prompt_token_ids == [5, 6, 7]
     assert items["one"].request.prompt_token_ids == list(tokenizer("hello")["input_ids"])
