@@ -121,10 +121,14 @@ async def create(server, request, raw: bytes):
     lora = server.lora_for(req.model)
     base_id = "embd-" + uuid.uuid4().hex
     wave = _running_slots(server)
+    if len(req.prompts) > wave:  # every input checked before the first wave (vLLM's): none refused after waves ran
+        _check_inputs(server, req, lora)
     vectors: list = []
     tokens = 0
     try:
         for start in range(0, len(req.prompts), wave):
+            if start and request is not None and await request.is_disconnected():
+                raise _Gone()  # (a wave shorter than the poll of server.outputs would never see the client leave)
             part = dataclasses.replace(req, prompts=req.prompts[start:start + wave])
             queue, ids = await _submit(server, part, lora, f"{base_id}-{start}", request, first=start == 0)
             got, n = await _collected(server, queue, ids, request, arrival)
@@ -133,6 +137,18 @@ async def create(server, request, raw: bytes):
     except _Gone:
         return None
     return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format)
+
+
+def _check_inputs(server, req: EmbeddingRequest, lora) -> None:
+    """A 400 naming the first input the engine would refuse (too long, a token outside the vocabulary), before any
+    wave runs: the engine's own read-only checks (AsyncEngine.add runs them on this thread too)."""
+    for i, prompt in enumerate(req.prompts):
+        try:
+            server.engine.validate(prompt, req.params_for(i), lora)
+        except RequestError as e:
+            named = p.bad_request(e)  # (a field the engine names, as Server.submit's refusal)
+            raise p.ApiError(400, f"input[{i}]: {e}", param=named.param if named.param not in (None, "prompt")
+                             else "input") from None
 
 
 def _running_slots(server) -> int:

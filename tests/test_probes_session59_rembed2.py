@@ -1,0 +1,112 @@
+"""Review of the waves of a large /v1/embeddings body: every input is checked before the first wave (an input
+refused in a later wave ran the earlier waves for nothing), and a client that leaves between two waves gets no
+further wave (a wave shorter than the server's disconnect poll never saw it leave: the whole body ran)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+from test_probes_session59_embed import _post
+
+
+@pytest.fixture(scope="module")
+def waves():
+    """tiny-llama as a pooling server running 2 requests at once (a wave of 2 inputs): (URL, Server, engine)."""
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    ensure_builtin("tiny-llama")
+    engine = LLMEngine(EngineConfig("tiny-llama", runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                                    max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8, block_size=4))
+    server = Server(AsyncEngine(engine), "tiny-llama")
+    with serve_in_thread(server) as base:
+        yield base, server, engine
+
+
+def _count_adds(monkeypatch, server, on_add=None) -> list:
+    """The request ids the engine is given (each wave's inputs), recorded; on_add(count) runs before each add."""
+    added: list = []
+    add = server.aengine.add
+
+    def counted(rid, *args, **kwargs):
+        added.append(rid)
+        if on_add is not None:
+            on_add(len(added))
+        return add(rid, *args, **kwargs)
+    monkeypatch.setattr(server.aengine, "add", counted)
+    return added
+
+
+def _drained(engine) -> bool:
+    """Whether the engine holds no request and no KV block, polled for at most 30 s (its aborts run on its thread)."""
+    for _ in range(300):
+        if not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_an_input_refused_in_a_later_wave_is_refused_before_any_wave_runs(waves, monkeypatch):
+    """The 6th of 6 inputs (3 waves) is outside the vocabulary: a 400 naming input[5], and no input ran (was: two
+    waves embedded, then refused)."""
+    base, server, engine = waves
+    vocab = engine.model_config.vocab_size
+    added = _count_adds(monkeypatch, server)
+    prompts = random_prompts(vocab, (3,) * 5, seed=5) + [[3, vocab]]
+    status, body = _post(base, "/v1/embeddings", {"input": prompts})
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == "input" and error["message"].startswith("input[5]: "), error
+    assert "outside the vocabulary" in error["message"], error
+    assert added == []
+    too_long = random_prompts(vocab, (3, 3, 3, 40), seed=6)  # (max_model_len 32)
+    status, body = _post(base, "/v1/embeddings", {"input": too_long})
+    assert status == 400 and body["error"]["message"].startswith("input[3]: the prompt has 40 tokens"), body
+    assert added == []
+
+
+def test_a_client_gone_between_waves_gets_no_further_wave(waves, monkeypatch):
+    """40 inputs (20 waves of 2); the client closes its connection while the 2nd wave is submitted. The server
+    stops after that wave (was: every wave ran, as each took less than the disconnect poll, made long here so that
+    only the check between waves can see it), answers nothing, and the engine holds no request and no block."""
+    from infer.serve import app, embeddings
+    base, server, engine = waves
+    monkeypatch.setattr(app, "DISCONNECT_POLL_S", 30.0)  # (server.outputs' own poll never fires within a wave)
+    reached, closed, done = threading.Event(), threading.Event(), threading.Event()
+
+    def on_add(count):  # the 2nd wave's 2nd input: hold the server until the client is gone
+        if count == 4:
+            reached.set()
+            closed.wait(30)
+    added = _count_adds(monkeypatch, server, on_add)
+    create = embeddings.create
+
+    async def create_then_done(*args):
+        try:
+            return await create(*args)
+        finally:
+            done.set()
+    monkeypatch.setattr(embeddings, "create", create_then_done)
+    prompts = random_prompts(engine.model_config.vocab_size, (3,) * 40, seed=7)
+    raw = json.dumps({"input": prompts}).encode()
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        assert reached.wait(30), "the server did not reach the 2nd wave"
+    closed.set()
+    assert done.wait(60), "the server never finished the body"
+    assert len(added) < len(prompts), f"every wave ran after the client left ({len(added)} inputs)"
+    assert _drained(engine)
+    status, body = _post(base, "/v1/embeddings", {"input": prompts[:3]})  # the server still answers
+    assert status == 200 and len(body["data"]) == 3, body
