@@ -8,12 +8,13 @@ import json
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import ModelsHandler, random_prompts
 from test_probes_session59_embed import _post
 
 
@@ -110,3 +111,55 @@ def test_a_client_gone_between_waves_gets_no_further_wave(waves, monkeypatch):
     assert _drained(engine)
     status, body = _post(base, "/v1/embeddings", {"input": prompts[:3]})  # the server still answers
     assert status == 200 and len(body["data"]) == 3, body
+
+
+class _VllmCompletions(ModelsHandler, BaseHTTPRequestHandler):
+    """vLLM's POST /v1/completions as the client sees it: the body is validated first (CompletionRequest: a
+    missing or empty prompt is a 400), then a pooling model (`pooling`) answers that it does not do completions,
+    a generating one the completion of max_tokens tokens (16 when not given). `asked`: the max_tokens asked."""
+
+    pooling: bool
+    asked: list
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not body.get("prompt"):
+            status, message = 400, "Either prompt or prompt_embeds must be provided and non-empty."
+        elif self.pooling:
+            status, message = 400, "The model does not support Completions API"
+        else:
+            status, message = 200, None
+            self.asked.append(body.get("max_tokens", 16))
+        payload = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}} \
+            if message else {"object": "text_completion", "choices": [{"index": 0, "text": "x" * self.asked[-1]}]}
+        raw = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+
+@pytest.mark.parametrize("pooling", [True, False])
+def test_bench_urls_probe_tells_a_pooling_vllm_from_a_generating_one(pooling):
+    """vLLM validates the body before it finds its model pools: the probe without a prompt got the prompt's 400
+    from a pooling vLLM too, and `infer bench --url` ran it (every request failed). Refused now; a generating vLLM
+    is not, and is asked for one token."""
+    from infer.cli.bench import check_generates
+    from infer.errors import ConfigError
+    asked: list = []
+    handler = type("H", (_VllmCompletions,), {"pooling": pooling, "asked": asked})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        if pooling:
+            with pytest.raises(ConfigError, match="as a pooling model"):
+                check_generates(base, "m", {})
+        else:
+            check_generates(base, "m", {})
+            assert asked == [1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -173,12 +173,14 @@ def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None)
 
 def check_generates(base: str, model_id: str, headers: dict) -> None:
     """Refuse a server that runs its model as a pooling model (embeddings): every request would fail after the
-    whole run. Asked with a body without a prompt, which nothing generates from: a generation server answers 400
-    for the prompt, a pooling one (infer's --runner pooling, vLLM's) that the model does not do completions."""
+    whole run. Asked with a valid body of one token to generate (vLLM checks the body before it finds that its
+    model generates nothing: a body without a prompt got a 400 for the prompt from a pooling vLLM too); a
+    generation server answers it (or refuses it some other way: never taken as a pooling one), a pooling one
+    (infer's --runner pooling, vLLM's) that the model does not do completions."""
     import httpx
+    probe = {"model": model_id, "prompt": "Hi", "max_tokens": 1, "stream": False}
     try:
-        resp = httpx.post(f"{base}/v1/completions", json={"model": model_id}, headers=headers, timeout=10.0,
-                          trust_env=False)
+        resp = httpx.post(f"{base}/v1/completions", json=probe, headers=headers, timeout=10.0, trust_env=False)
     except httpx.HTTPError:
         return  # (the run says what fails)
     try:
