@@ -163,3 +163,13 @@ def test_bench_urls_probe_tells_a_pooling_vllm_from_a_generating_one(pooling):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_chat_bodys_prompt_too_long_names_messages(waves):
+    """The chat form (messages) rendered longer than the context: the engine's 400 names messages, the body's
+    field (was input, a field the body has not)."""
+    base, _, engine = waves
+    status, body = _post(base, "/v1/embeddings", {"messages": [{"role": "user", "content": "hi " * 40}]})
+    assert status == 400, body
+    assert body["error"]["param"] == "messages" and "tokens, which is more than" in body["error"]["message"], body
+    assert _drained(engine)

@@ -31,6 +31,7 @@ class EmbeddingRequest:
     prompts: list[list[int]]
     params: PoolingParams
     encoding_format: Encoding = Encoding()
+    field: str = "input"  # the body's field of the prompts (messages: the chat form), what an engine refusal names
     n = 1
     beam = None
 
@@ -72,7 +73,7 @@ def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = Fals
         if chat:
             body = {**body, "add_generation_prompt": body.get("add_generation_prompt") is True}
             ids = p.chat_prompt_ids(body, tokenizer, None if keep else max_model_len, trust_template)
-            return EmbeddingRequest(body.get("model"), [ids], params, fmt)
+            return EmbeddingRequest(body.get("model"), [ids], params, fmt, field="messages")
         inputs = embedding_inputs(body["input"])
         prompts = [list(map(int, item)) if isinstance(item, list) else
                    encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_model_len)
@@ -147,8 +148,8 @@ def _check_inputs(server, req: EmbeddingRequest, lora) -> None:
             server.engine.validate(prompt, req.params_for(i), lora)
         except RequestError as e:
             named = p.bad_request(e)  # (a field the engine names, as Server.submit's refusal)
-            raise p.ApiError(400, f"input[{i}]: {e}", param=named.param if named.param not in (None, "prompt")
-                             else "input") from None
+            raise p.ApiError(400, f"{req.field}[{i}]: {e}", param=named.param if named.param not in (None, "prompt")
+                             else req.field) from None
 
 
 def _running_slots(server) -> int:
@@ -172,8 +173,8 @@ async def _submit(server, part: EmbeddingRequest, lora, base_id: str, request, f
         try:
             return server.submit(part, lora, base_id)
         except p.ApiError as e:  # what the engine refuses of an input (too long, a token outside the vocabulary...):
-            if e.param == "prompt":  # the body's field is input
-                e.param = "input"
+            if e.param == "prompt":  # the body's field is input (messages: the chat form)
+                e.param = part.field
             if first or e.code != "queue_full":
                 raise
         if request is not None and await request.is_disconnected():
