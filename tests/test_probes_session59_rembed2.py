@@ -173,3 +173,31 @@ def test_a_chat_bodys_prompt_too_long_names_messages(waves):
     assert status == 400, body
     assert body["error"]["param"] == "messages" and "tokens, which is more than" in body["error"]["message"], body
     assert _drained(engine)
+
+
+def test_other_clients_are_answered_while_a_large_bodys_inputs_are_checked(waves, monkeypatch):
+    """The check of every input before the first wave runs off the event loop: held in it, the server still
+    answers GET /v1/models (a check of a large body on the loop stalled every client), then the body's vectors."""
+    import httpx
+    base, _, engine = waves
+    checking, answered = threading.Event(), threading.Event()
+    validate = engine.validate
+
+    def held(*args, **kwargs):
+        if not checking.is_set():
+            checking.set()
+            answered.wait(30)
+        return validate(*args, **kwargs)
+    monkeypatch.setattr(engine, "validate", held)
+    prompts = random_prompts(engine.model_config.vocab_size, (3,) * 6, seed=8)
+    result: list = []
+    body = threading.Thread(target=lambda: result.append(_post(base, "/v1/embeddings", {"input": prompts})))
+    body.start()
+    try:
+        assert checking.wait(30), "the inputs were not checked"
+        assert httpx.get(base + "/v1/models", timeout=10).status_code == 200
+    finally:
+        answered.set()
+        body.join(60)
+    status, reply = result[0]
+    assert status == 200 and len(reply["data"]) == 6, reply

@@ -123,7 +123,7 @@ async def create(server, request, raw: bytes):
     base_id = "embd-" + uuid.uuid4().hex
     wave = _running_slots(server)
     if len(req.prompts) > wave:  # every input checked before the first wave (vLLM's): none refused after waves ran
-        _check_inputs(server, req, lora)
+        await asyncio.to_thread(_check_inputs, server, req, lora)  # (a large body: off the event loop)
     vectors: list = []
     tokens = 0
     try:
@@ -142,7 +142,8 @@ async def create(server, request, raw: bytes):
 
 def _check_inputs(server, req: EmbeddingRequest, lora) -> None:
     """A 400 naming the first input the engine would refuse (too long, a token outside the vocabulary), before any
-    wave runs: the engine's own read-only checks (AsyncEngine.add runs them on this thread too)."""
+    wave runs: the engine's own read-only checks against its fixed limits (AsyncEngine.add runs them beside the
+    engine thread too)."""
     for i, prompt in enumerate(req.prompts):
         try:
             server.engine.validate(prompt, req.params_for(i), lora)
