@@ -126,15 +126,19 @@ async def create(server, request, raw: bytes):
         await asyncio.to_thread(_check_inputs, server, req, lora)  # (a large body: off the event loop)
     vectors: list = []
     tokens = 0
+    start = 0
     try:
-        for start in range(0, len(req.prompts), wave):
+        while start < len(req.prompts):
             if start and request is not None and await request.is_disconnected():
                 raise _Gone()  # (a wave shorter than the poll of server.outputs would never see the client leave)
+            if start:  # the slots of the replicas alive now (one that stopped meanwhile: a smaller wave, not a 400)
+                wave = _running_slots(server)
             part = dataclasses.replace(req, prompts=req.prompts[start:start + wave])
             queue, ids = await _submit(server, part, lora, f"{base_id}-{start}", request, first=start == 0)
             got, n = await _collected(server, queue, ids, request, arrival)
             vectors += got
             tokens += n
+            start += len(ids)
     except _Gone:
         return None
     return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format)
