@@ -138,6 +138,17 @@ def greedy_each(hf, prompts, n: int) -> list[list[int]]:
                 for p in prompts]
 
 
+def check_equal_transformers(hf, prompts, outs, n: int, name) -> None:
+    """`outs` (LLM.generate's of `prompts`, n tokens each, ignore_eos, logprobs asked) are transformers' greedy tokens
+    (`hf` float32, each prompt alone) and each token's logprob is transformers' within 1e-4."""
+    assert [o.token_ids for o in outs] == greedy_each(hf, prompts, n), name
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for i, rec in enumerate(out.logprobs):
+            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+
+
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -179,6 +179,22 @@ def check_kernel_path_equals_cpu(folder, monkeypatch) -> None:
         assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
 
 
+def check_gpu_path_interpreted(folder, monkeypatch, prompts, want) -> dict:
+    """The model in `folder` through every op's Triton kernel (int4_kernel_path: interpreted on CPU), decodes through
+    emulated CUDA graphs and the other steps (of up to 12 tokens) through emulated piecewise graphs, whose start
+    checked the model's pieces against its forward: greedy tokens `want` (6 of each prompt), some decodes replayed.
+    Returns the engine's stats."""
+    from infer import LLM, SamplingParams
+    int4_kernel_path(monkeypatch)
+    with LLM(str(folder), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
+             cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(32, emulate=True)
+        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))] == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        return llm.engine.stats()
+
+
 def split_gate_up(src, dst):
     """A copy of GPTQ checkpoint `src` (sharded or not) in one file, with each mlp.gate_up_proj stored as GPTQModel
     writes and reads a Phi-3's (or GLM-4's) MLP: gate_proj and up_proj apart (the halves along the output; g_idx

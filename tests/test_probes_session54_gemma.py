@@ -21,7 +21,8 @@ from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
-from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
+from helpers import (check_equal_transformers, greedy_each, norms_drawn, random_prompts, save_random_model,
+                     served_completion_text)
 from lora_helpers import (base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
 from quant_helpers import (check_int4_kernels_with_mixed_adapters, check_kernel_path_equals_cpu, gptqmodel_greedy,
@@ -62,12 +63,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
     with LLM(str(tmp_path), block_size=4) as llm:
         assert llm.engine.max_model_len == limit
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
-    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 8), name
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
-        for i, rec in enumerate(out.logprobs):
-            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+    check_equal_transformers(hf, prompts, outs, 8, name)
 
 
 def test_gemma2_softcapping_and_its_scale_change_the_outputs(tmp_path):

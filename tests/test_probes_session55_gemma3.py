@@ -22,10 +22,11 @@ from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
+from helpers import (check_equal_transformers, greedy_each, norms_drawn, random_prompts, save_random_model,
+                     served_completion_text)
 from lora_helpers import (PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
-from quant_helpers import gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
+from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
@@ -71,12 +72,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
         assert [model._rope(i) is model.local_cos_sin for i in range(len(types))] == [t == SL for t in types]
         assert model.layers[0].self_attn.scale == 24 ** -0.5 and model.layers[0].self_attn.softcap == 0.0
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3))
-    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 12), name
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
-        for i, rec in enumerate(out.logprobs):
-            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+    check_equal_transformers(hf, prompts, outs, 12, name)
 
 
 def test_a_config_in_the_hub_checkpoints_layout_equals_transformers(tmp_path):
@@ -137,14 +133,7 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
     hf = build(tmp_path, num_hidden_layers=2, layer_types=[SL, FULL], sliding_window=8, rope_parameters=SCALED)
     prompts = random_prompts(512, (5, 13), seed=4)
     want = hf_greedy(hf, prompts, 6)
-    int4_kernel_path(monkeypatch)
-    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
-             cuda_graph_max_tokens=16) as llm:
-        llm.engine.runner.capture_graphs(32, emulate=True)
-        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
-        assert generate(llm, prompts, 6) == want
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-        assert llm.engine.stats()["piecewise_graph_steps"] > 0
+    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
 
 
 def test_gemma3_multimodal_checkpoint_is_refused_up_front(tmp_path):

@@ -19,7 +19,7 @@ from infer import LLM, SamplingParams
 from infer.errors import ModelLoadError
 from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
+from helpers import check_equal_transformers, greedy_each, norms_drawn, random_prompts, save_random_model
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
@@ -45,12 +45,7 @@ hf_greedy = greedy_each
 
 def check_equal(hf, llm, prompts, name, n: int = 8):
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=3))
-    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, n), name
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
-        for i, rec in enumerate(out.logprobs):
-            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+    check_equal_transformers(hf, prompts, outs, n, name)
     return outs
 
 

@@ -27,11 +27,12 @@ from infer.errors import UnsupportedModelError
 from infer.lora.adapter import base_targets
 from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text
+from helpers import (check_equal_transformers, greedy_each, norms_and_biases_shifted, random_prompts, save_random_model,
+                     served_completion_text)
 from lora_helpers import (ALL, PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
-from quant_helpers import (check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel,
-                           split_gate_up)
+from quant_helpers import (check_gpu_path_interpreted, check_int4_kernels_with_mixed_adapters, gptqmodel_greedy,
+                           int4_kernel_path, needs_gptqmodel, split_gate_up)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -96,12 +97,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
             assert [layer.self_attn.window for layer in model.layers] == [8 if t == SL else 0 for t in types]
             assert [model._rope(i) is model.local_cos_sin for i in range(len(types))] == [t == SL for t in types]
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
-    assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 10), name
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
-        for i, rec in enumerate(out.logprobs):
-            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+    check_equal_transformers(hf, prompts, outs, 10, name)
 
 
 def test_each_granite_scalar_changes_its_tokens(tmp_path):
@@ -145,14 +141,7 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, fa
     hf = build(tmp_path, family, attention_bias=True)
     prompts = random_prompts(512, (5, 13), seed=4)
     want = greedy_each(hf, prompts, 6)
-    int4_kernel_path(monkeypatch)
-    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
-             cuda_graph_max_tokens=16) as llm:
-        llm.engine.runner.capture_graphs(32, emulate=True)
-        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
-        assert generate(llm, prompts, 6) == want
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-        assert llm.engine.stats()["piecewise_graph_steps"] > 0
+    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
 
 
 def test_what_infer_cannot_run_of_these_families_is_refused(tmp_path):

@@ -16,9 +16,9 @@ import torch
 from infer import LLM, SamplingParams
 from infer.lora.adapter import base_targets
 
-from helpers import greedy_each, norms_and_biases_shifted, random_prompts, save_random_model
+from helpers import check_equal_transformers, greedy_each, norms_and_biases_shifted, random_prompts, save_random_model
 from lora_helpers import base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft
-from quant_helpers import gptqmodel_greedy, int4_kernel_path, needs_gptqmodel, split_gate_up
+from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel, split_gate_up
 from test_probes_session59_families import ADAPTERS, SMALL, build
 
 
@@ -120,12 +120,7 @@ def test_glm_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
         assert attn.rope_interleaved and attn.rot_dim == int(attn.head_dim * hf.config.rope_parameters.get(
             "partial_rotary_factor", 0.5))
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
-    assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 10), name
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
-        for i, rec in enumerate(out.logprobs):
-            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+    check_equal_transformers(hf, prompts, outs, 10, name)
 
 
 def test_glm_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
@@ -136,14 +131,7 @@ def test_glm_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch
     hf = build_glm(tmp_path)
     prompts = random_prompts(512, (5, 13), seed=4)
     want = greedy_each(hf, prompts, 6)
-    int4_kernel_path(monkeypatch)
-    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
-             cuda_graph_max_tokens=16) as llm:
-        llm.engine.runner.capture_graphs(32, emulate=True)
-        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert got == want
+    check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)
 
 
 def test_glm_peft_adapters_equal_peft_alone_and_mixed_and_lora_validate_accepts_them(tmp_path):
