@@ -516,17 +516,39 @@ def served_in_sleep_mode(path):
         yield url, engine
 
 
-def run_in_sleep_mode_async_llm(path, main) -> None:
-    """asyncio.run(main(llm)) with llm an AsyncLLM of `path` (max_model_len 64, blocks of 4) with sleep mode on, shut
-    down after."""
+def run_async_llm(path, main, **engine) -> None:
+    """asyncio.run(main(llm)) with llm an AsyncLLM of `path` (max_model_len 64, blocks of 4, and `engine`'s options),
+    shut down after."""
     import asyncio
 
     from infer import AsyncLLM
-    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True)
+    llm = AsyncLLM(path, block_size=4, max_model_len=64, **engine)
     try:
         asyncio.run(main(llm))
     finally:
         llm.shutdown()
+
+
+def run_in_sleep_mode_async_llm(path, main) -> None:
+    """run_async_llm with sleep mode on."""
+    run_async_llm(path, main, enable_sleep_mode=True)
+
+
+@contextlib.contextmanager
+def stopped_after_each_record():
+    """Within it, `infer run`'s output writer raises KeyboardInterrupt (a Ctrl-C) right after writing a record: the
+    run stops with its first record on disk."""
+    from infer.cli import batch_io
+    real = batch_io.RecordWriter.write
+
+    def write_then_stop(self, record):
+        real(self, record)
+        raise KeyboardInterrupt
+    batch_io.RecordWriter.write = write_then_stop
+    try:
+        yield
+    finally:
+        batch_io.RecordWriter.write = real
 
 
 class BenchTargetStub:

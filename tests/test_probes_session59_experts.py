@@ -10,7 +10,7 @@ import torch
 
 from infer import LLM, SamplingParams
 
-from helpers import random_prompts
+from helpers import random_prompts, stopped_after_each_record
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 
@@ -150,24 +150,16 @@ def test_retry_failed_reruns_the_error_records_lines_once_their_adapter_is_given
     assert out.read_bytes() == done
 
 
-def test_retry_failed_killed_midway_loses_nothing_and_the_next_resume_completes_it(retry_setup, tmp_path,
-                                                                                   monkeypatch):
+def test_retry_failed_killed_midway_loses_nothing_and_the_next_resume_completes_it(retry_setup, tmp_path):
     """A --retry-failed run killed after its first retried record is on disk (the output holds that line's error
     and its new record): the next `--resume --retry-failed` keeps the new record in place of the error, runs the
     other failed line again, and ends with one record per id, a run's given the adapter from the start."""
-    from infer.cli import batch_io
     _, inp, adapter, ref = retry_setup
     out = tmp_path / "out.jsonl"
     assert _run_retry(inp, out).exit_code == 1
-    real = batch_io.RecordWriter.write
-
-    def write_then_stop(self, record):
-        real(self, record)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(batch_io.RecordWriter, "write", write_then_stop)
-    res = _run_retry(inp, out, "--resume", "--retry-failed", "--lora", f"support={adapter}")
+    with stopped_after_each_record():
+        res = _run_retry(inp, out, "--resume", "--retry-failed", "--lora", f"support={adapter}")
     assert res.exit_code == 130, res.output
-    monkeypatch.setattr(batch_io.RecordWriter, "write", real)
     assert len(out.read_text().splitlines()) == 4  # (the retried line's error and its new record)
     res = _run_retry(inp, out, "--resume", "--retry-failed", "--lora", f"support={adapter}")
     assert res.exit_code == 0 and "replaced 1 error record(s)" in res.output, res.output

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from helpers import StepGate, hf_greedy, metric_families, wait_until
+from helpers import StepGate, hf_greedy, metric_families, run_async_llm, wait_until
 from infer import LLM, SamplingParams
 from infer.engine.sleep import PAUSED
 from infer.errors import PauseError, PauseTimeoutError
@@ -132,7 +132,6 @@ def test_a_timed_out_wait_pause_leaves_a_later_pause_its_own_clear_cache(path, r
     """pause_generation(mode="wait", timeout=) whose timeout runs out stays queued until the requests end; a later
     pause (after a resume, or not) with clear_cache=False supersedes it: the prefix cache a prompt left is still
     there afterwards (it was forgotten by the leftover wait, clear_cache=True)."""
-    from infer import AsyncLLM
     prompt = list(range(3, 20))
 
     async def main(llm):
@@ -154,11 +153,7 @@ def test_a_timed_out_wait_pause_leaves_a_later_pause_its_own_clear_cache(path, r
         outs = [out async for out in llm.generate(prompt, SamplingParams(max_tokens=2), "again")]
         assert outs[-1].num_cached_tokens > 0
 
-    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_prefix_caching=True)
-    try:
-        asyncio.run(main(llm))
-    finally:
-        llm.shutdown()
+    run_async_llm(path, main, enable_prefix_caching=True)
 
 
 class _Steps:
@@ -234,7 +229,6 @@ def test_async_llm_beam_search_under_pause_abort_and_keep(path):
     """AsyncLLM.beam_search (vLLM's EngineClient.beam_search): pause_generation() (mode abort) two steps in ends
     it at once with every beam it had (those of a search of 2 tokens), finish_reason "abort"; mode "keep" two
     steps in: it goes on after resume_generation() with the beams of an uninterrupted search."""
-    from infer import AsyncLLM
     from infer.engine.beam import BeamSearchParams
 
     async def search(llm, rid, tokens):
@@ -263,11 +257,7 @@ def test_async_llm_beam_search_under_pause_abort_and_keep(path):
                 if mode == "keep":
                     assert await asyncio.wait_for(task, 60) == want
 
-    llm = AsyncLLM(path, block_size=4, max_model_len=64)
-    try:
-        asyncio.run(main(llm))
-    finally:
-        llm.shutdown()
+    run_async_llm(path, main)
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from infer.cli.main import app
 from infer.errors import OutOfMemoryError
-from helpers import random_prompts
+from helpers import random_prompts, stopped_after_each_record
 from test_probes_parallel_bench_s35 import local_ray  # noqa: F401  (--data-parallel 2 in this process)
 from test_probes_session59_experts import v4_base  # noqa: F401  (a tiny Qwen3 MoE and Mixtral)
 
@@ -38,7 +38,6 @@ def test_resume_with_another_pooler_config_is_refused(tmp_path):
     """--pooler-config (pooling type, normalize) changes every embedding of `infer run --runner pooling`, but the
     resume fingerprint did not hold it: a run stopped midway and resumed with another pooling wrote records of two
     poolings into one output, exit 0. Now the resume is refused naming it; the same pooling resumes."""
-    from infer.cli import batch_io
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/embeddings",
                                        "body": {"input": f"hello {c}"}}) + "\n" for c in "abc"))
@@ -47,16 +46,8 @@ def test_resume_with_another_pooler_config_is_refused(tmp_path):
         return CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--runner", "pooling",
                                         "--block-size", "4", *args])
     mean = ("--pooler-config", '{"pooling_type": "MEAN"}')
-    real = batch_io.RecordWriter.write
-
-    def write_then_stop(self, record):
-        real(self, record)
-        raise KeyboardInterrupt
-    batch_io.RecordWriter.write = write_then_stop
-    try:
+    with stopped_after_each_record():
         assert run(*mean).exit_code == 130
-    finally:
-        batch_io.RecordWriter.write = real
     first = out.read_bytes()
     res = run("--resume")
     assert res.exit_code == 2, res.output
@@ -79,7 +70,6 @@ def test_retry_failed_with_data_parallel_replaces_each_error_once(tmp_path, loca
     a run stopped after its first retried record loses nothing, and the output ends with one record per id, those
     of a run given the adapter from the start; a beam-search line (not run with --data-parallel) fails again and
     keeps one record."""
-    from infer.cli import batch_io
     from infer.models.tiny import ensure_builtin
     from lora_helpers import hf_float, save_adapter
     from test_probes_session59_experts import _by_id, _batch
@@ -98,16 +88,8 @@ def test_retry_failed_with_data_parallel_replaces_each_error_once(tmp_path, loca
     ref, out = _by_id(tmp_path / "ref.jsonl"), tmp_path / "out.jsonl"
     assert run(out).exit_code == 1
     assert {k: v[0] for k, v in _by_id(out).items()} == {"s1": 404, "b": 200, "s2": 404, "beam": 404}
-    real = batch_io.RecordWriter.write
-
-    def write_then_stop(self, record):
-        real(self, record)
-        raise KeyboardInterrupt
-    batch_io.RecordWriter.write = write_then_stop
-    try:
+    with stopped_after_each_record():
         assert run(out, "--resume", "--retry-failed", *lora).exit_code == 130
-    finally:
-        batch_io.RecordWriter.write = real
     assert len(out.read_text().splitlines()) == 5  # (a retried line's error and its new record)
     res = run(out, "--resume", "--retry-failed", *lora)
     assert res.exit_code == 1 and "replaced 1 error record(s)" in res.output, res.output
