@@ -149,6 +149,26 @@ def check_equal_transformers(hf, prompts, outs, n: int, name) -> None:
             assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
 
 
+def check_chunked_prefill_and_prefix_caching(folder, hf) -> None:
+    """The model in `folder` (blocks of 4) gives transformers' (`hf`) greedy tokens (6) of prompts of 30 and 41 tokens
+    and of one sharing the second's first 32, in steps of 12 tokens (prompts cut into chunks), and with prefix
+    caching, the third prompt run after the others (some of its blocks found cached)."""
+    from infer import LLM, SamplingParams
+
+    def generate(llm, prompts):
+        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    prompts = random_prompts(512, (30, 41), seed=5)
+    prompts.append(prompts[1][:32] + [7, 8, 9])
+    want = greedy_each(hf, prompts, 6)
+    with LLM(str(folder), block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+             enable_prefix_caching=False) as llm:
+        assert generate(llm, prompts) == want
+    with LLM(str(folder), block_size=4, enable_prefix_caching=True) as llm:
+        assert generate(llm, prompts[:2]) == want[:2]
+        assert generate(llm, prompts[2:]) == want[2:]
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+
+
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

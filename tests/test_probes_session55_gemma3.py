@@ -22,8 +22,8 @@ from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_equal_transformers, greedy_each, norms_drawn, random_prompts, save_random_model,
-                     served_completion_text)
+from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
+                     norms_drawn, random_prompts, save_random_model, served_completion_text)
 from lora_helpers import (PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
 from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
@@ -111,16 +111,7 @@ def test_chunked_prefill_across_the_window_and_prefix_caching_equal_transformers
     """Steps of 12 tokens (chunk boundaries inside the window of 16) and a prompt whose first blocks another
     prompt cached: transformers' tokens."""
     hf = build(tmp_path, seed=1, num_hidden_layers=3, layer_types=[SL, SL, FULL])
-    prompts = random_prompts(512, (30, 41), seed=5)
-    prompts.append(prompts[1][:32] + [7, 8, 9])
-    want = hf_greedy(hf, prompts, 6)
-    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
-             enable_prefix_caching=False) as llm:
-        assert generate(llm, prompts, 6) == want
-    with LLM(str(tmp_path), block_size=4, enable_prefix_caching=True) as llm:
-        assert generate(llm, prompts[:2], 6) == want[:2]
-        assert generate(llm, prompts[2:], 6) == want[2:]
-        assert llm.engine.stats()["prefix_cache_hits"] > 0
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
 
 
 def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):

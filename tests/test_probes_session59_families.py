@@ -27,8 +27,8 @@ from infer.errors import UnsupportedModelError
 from infer.lora.adapter import base_targets
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_equal_transformers, greedy_each, norms_and_biases_shifted, random_prompts, save_random_model,
-                     served_completion_text)
+from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
+                     norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text)
 from lora_helpers import (ALL, PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
 from quant_helpers import (check_gpu_path_interpreted, check_int4_kernels_with_mixed_adapters, gptqmodel_greedy,
@@ -118,16 +118,7 @@ def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family)
     """Steps of 12 tokens (prompts cut into chunks) and a prompt whose first blocks another prompt cached:
     transformers' tokens."""
     hf = build(tmp_path, family, seed=1)
-    prompts = random_prompts(512, (30, 41), seed=5)
-    prompts.append(prompts[1][:32] + [7, 8, 9])
-    want = greedy_each(hf, prompts, 6)
-    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
-             enable_prefix_caching=False) as llm:
-        assert generate(llm, prompts, 6) == want
-    with LLM(str(tmp_path), block_size=4, enable_prefix_caching=True) as llm:
-        assert generate(llm, prompts[:2], 6) == want[:2]
-        assert generate(llm, prompts[2:], 6) == want[2:]
-        assert llm.engine.stats()["prefix_cache_hits"] > 0
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
