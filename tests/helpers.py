@@ -299,6 +299,19 @@ def tiny_llama_with_template(path, template: str):
     return path
 
 
+def tiny_llama_with_json(path, file: str, **changes):
+    """tiny-llama copied into the new folder `path` with `changes` made to the fields of its JSON `file`
+    (config.json, generation_config.json): path."""
+    import json
+    import shutil
+
+    from infer.models.tiny import ensure_builtin
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    fields = json.loads((path / file).read_text())
+    (path / file).write_text(json.dumps({**fields, **changes}))
+    return path
+
+
 def tiny_chat_model(tmp_path_factory, name: str):
     """tiny-llama copied into a fresh folder with a minimal ChatML chat template (server probes)."""
     return tiny_llama_with_template(tmp_path_factory.mktemp(name) / "tiny", CHATML_TEMPLATE)

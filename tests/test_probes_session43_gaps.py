@@ -155,16 +155,12 @@ def test_vllms_short_parallel_options_are_named_as_typed(typed, words):
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory):
     """tiny-llama with generation_config.json's max_new_tokens 5, its tokenizer and its OpenAI defaults."""
-    import shutil
-
     from transformers import AutoTokenizer
 
+    from helpers import tiny_llama_with_json
     from infer.engine.inputs import openai_sampling_defaults
-    from infer.models.tiny import ensure_builtin
-    folder = tmp_path_factory.mktemp("capped") / "capped"
-    shutil.copytree(ensure_builtin("tiny-llama"), folder)
-    gen = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 5}))
+    folder = tiny_llama_with_json(tmp_path_factory.mktemp("capped") / "capped", "generation_config.json",
+                                  max_new_tokens=5)
     return AutoTokenizer.from_pretrained(folder), openai_sampling_defaults(folder)
 
 

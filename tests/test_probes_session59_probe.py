@@ -11,16 +11,14 @@ import torch
 from infer import LLM, SamplingParams
 from infer.errors import OutOfMemoryError
 
+from helpers import tiny_llama_with_json
+
 
 @pytest.fixture(scope="module")
 def long_context_llama(tmp_path_factory):
     """tiny-llama whose config.json claims a context of 4,000,000 tokens (a float32 rope table of 244 MiB)."""
-    from infer.models.tiny import ensure_builtin
-    path = tmp_path_factory.mktemp("long") / "tiny"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4_000_000}))
-    return path
+    return tiny_llama_with_json(tmp_path_factory.mktemp("long") / "tiny", "config.json",
+                                max_position_embeddings=4_000_000)
 
 
 def test_a_rope_table_past_the_budget_is_refused_before_the_model_is_built(long_context_llama):
