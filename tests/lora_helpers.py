@@ -133,6 +133,32 @@ class PeftOracle:
         self.model.unload()
 
 
+def check_mixed_adapters_gpu_path_equal_peft(base, hf, paths: dict, monkeypatch, check_model) -> None:
+    """Prompts of 5, 3 and 7 tokens mixed as adapter all8, the base alone and qv4 (of `paths`, on `hf`): an LLM of
+    `base` with the adapters, every op through its Triton kernel (interpreted on CPU) and decodes through emulated
+    CUDA graphs (some replayed), gives peft's tokens (4 each); `check_model(model)` first checks the engine's
+    model."""
+    from helpers import random_prompts
+    from infer import LLM, SamplingParams
+    from quant_helpers import int4_kernel_path
+    oracle = PeftOracle(hf, paths)
+    try:
+        prompts = random_prompts(512, (5, 3, 7), seed=9)
+        names = ["all8", None, "qv4"]
+        want = [oracle.greedy(n, p, 4) for p, n in zip(prompts, names)]
+    finally:
+        oracle.close()
+    int4_kernel_path(monkeypatch)
+    with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
+             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4) as llm:
+        check_model(llm.engine.runner.model)
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                 lora=names)]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert got == want
+
+
 def finish_all(engine) -> dict[str, list[int]]:
     """Step an LLMEngine until nothing is left: {request id: its generated token ids}."""
     done = {}

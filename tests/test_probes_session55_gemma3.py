@@ -24,9 +24,9 @@ from infer.models.tiny import ensure_builtin
 
 from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
                      norms_drawn, random_prompts, save_random_model, served_completion_text)
-from lora_helpers import (PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          hf_float)
-from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
+from lora_helpers import (base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          check_mixed_adapters_gpu_path_equal_peft, hf_float)
+from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
@@ -196,26 +196,13 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(gemma3_lora, 
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     base, hf, paths = gemma3_lora
-    oracle = PeftOracle(hf, paths)
-    try:
-        prompts = random_prompts(512, (5, 3, 7), seed=9)
-        names = ["all8", None, "qv4"]
-        want = [oracle.greedy(n, p, 4) for p, n in zip(prompts, names)]
-    finally:
-        oracle.close()
-    int4_kernel_path(monkeypatch)
-    with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
-             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4) as llm:
-        model = llm.engine.runner.model
+
+    def check_model(model):
         for layer in model.layers:  # the rms_norm variants an engine start compiles for the deltas left to the norms
             for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):  # after o and down: Gemma 3's, without a
                 assert not proj.lora_consumer.residual and proj.lora_consumer.unit  # residual, by 1 + w
             assert layer.self_attn.qkv_proj.lora_consumer is None  # (the q/k norms come between qkv and attention)
-        llm.engine.runner.capture_graphs(8, emulate=True)
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
-                                                 lora=names)]
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert got == want
+    check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
 
 
 def test_lora_validate_accepts_a_gemma3_adapter_and_refuses_a_regex_selecting_its_norms(gemma3_lora, tmp_path):

@@ -29,10 +29,10 @@ from infer.models.tiny import ensure_builtin
 
 from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
                      norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text)
-from lora_helpers import (ALL, PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          hf_float)
+from lora_helpers import (ALL, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          check_mixed_adapters_gpu_path_equal_peft, hf_float)
 from quant_helpers import (check_gpu_path_interpreted, check_int4_kernels_with_mixed_adapters, gptqmodel_greedy,
-                           int4_kernel_path, needs_gptqmodel, split_gate_up)
+                           needs_gptqmodel, split_gate_up)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -206,17 +206,9 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     family, base, hf, paths = family_lora
-    oracle = PeftOracle(hf, paths)
-    try:
-        prompts = random_prompts(512, (5, 3, 7), seed=9)
-        names = ["all8", None, "qv4"]
-        want = [oracle.greedy(n, p, 4) for p, n in zip(prompts, names)]
-    finally:
-        oracle.close()
-    int4_kernel_path(monkeypatch)
-    with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
-             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4) as llm:
-        for layer in llm.engine.runner.model.layers:
+
+    def check_model(model):
+        for layer in model.layers:
             for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 if family == "granite":
                     assert proj.lora_consumer is None
@@ -225,10 +217,7 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
                     assert not proj.lora_consumer.residual
                     assert proj.lora_consumer.unit == ({"float_weight": True} if "olmo" in family else {})
             assert (layer.self_attn.qkv_proj.lora_consumer is None) == (family != "granite")
-        llm.engine.runner.capture_graphs(8, emulate=True)
-        got = generate(llm, prompts, 4, lora=names)
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert got == want
+    check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
 
 
 @needs_gptqmodel
