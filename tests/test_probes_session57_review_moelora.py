@@ -11,7 +11,7 @@ from infer import LLM, SamplingParams
 from infer.cli.main import app
 
 from helpers import random_prompts
-from lora_helpers import check_lora_validate_ok, hf_float, save_adapter
+from lora_helpers import hf_float, save_adapter
 from test_probes_session55_moe import build
 from test_probes_session57_moelora import EXPERTS, _v4_adapter
 
