@@ -125,7 +125,7 @@ mma = dict(BITS=4, ZEROS_V1=True, F32=False, WP=16, EVEN_K=True, BLOCK_N=128, BL
 gemv = dict(BITS=4, ZEROS_V1=True, F32=False, WP=16, EVEN_K=True, BLOCK_N=64, BLOCK_K=128, SPLIT=True,
             FIELD_LOOP=False, INPLACE=True, ASM=True, AHEAD=True, GS_LOG2=7, **kernel_sass.NO_LORA)
 for on in (False, True):
-    out[f"rms {on}"] = compile_(fused._rms_norm_kernel, rms, dict(HAS_RES=True, BLOCK=1024, PDL=on, UNIT=False))
+    out[f"rms {on}"] = compile_(fused._rms_norm_kernel, rms, dict(HAS_RES=True, BLOCK=1024, PDL=on, UNIT=False, F32W=False))
     out[f"mmat {on}"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=on), 4, 3)
     out[f"gemv {on}"] = compile_(gptq_gemv.gemv_kernel, kernel_sass.ARGS, dict(gemv, PDL=on), 4, 1)
 out["mmat nothing"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=True, PREFETCH=0), 4, 3)
