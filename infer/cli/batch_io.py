@@ -465,21 +465,22 @@ class Records:
 
     def output(self, req_id: str, out) -> dict:
         if hasattr(out, "outputs") and hasattr(out.outputs, "embedding"):  # a /v1/embeddings line's vector
-            return self._embedding(req_id, out)
+            return self._embedding(req_id, [out])
         if self.fmt == "infer":
             return output_record(req_id, out, self.tokenizer)
         return self.choices(req_id, [out])
 
-    def _embedding(self, req_id: str, out) -> dict:
-        """An embeddings line's record: infer's own ({"id", "embedding", "usage"...}), or the OpenAI batch output
-        line whose body is the server's embeddings response."""
-        tokens = len(out.prompt_token_ids)
+    def _embedding(self, req_id: str, outs: list) -> dict:
+        """An embeddings line's record: infer's own ({"id", "embedding", "usage"...}; one input), or the OpenAI batch
+        output line whose body is the server's embeddings response (every input's vector, in order)."""
+        tokens = sum(len(out.prompt_token_ids) for out in outs)
         if self.fmt == "infer":
-            return {"id": req_id, "embedding": out.outputs.embedding, "finish_reason": "stop", "error": None,
+            return {"id": req_id, "embedding": outs[0].outputs.embedding, "finish_reason": "stop", "error": None,
                     "usage": {"prompt_tokens": tokens, "completion_tokens": 0}}
         from ..serve.embeddings import response_body
         info = self.requests[req_id].openai
-        body = response_body([out.outputs.data], tokens, info["model"] or self.model, info["encoding_format"])
+        body = response_body([out.outputs.data for out in outs], tokens, info["model"] or self.model,
+                             info["encoding_format"], info["request_id"])
         return {"id": _batch_id(), "custom_id": req_id,
                 "response": {"status_code": 200, "request_id": _batch_id("req"), "body": body}, "error": None}
 
@@ -491,6 +492,8 @@ class Records:
             return self._failed(req_id, p.engine_error(failed))
         request = self.requests[req_id]
         info = request.openai
+        if info.get("embedding"):  # a line of several inputs (cli/embed_lines.py)
+            return self._embedding(req_id, outs)
         req = p.GenerationRequest([request.prompt_token_ids] * len(outs), request.params, info["model"],
                                   chat=info["chat"], return_token_ids=info["return_token_ids"], n=len(outs),
                                   tokens_as_ids=info["tokens_as_ids"],

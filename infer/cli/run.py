@@ -24,6 +24,7 @@ from .banner import start_traits
 from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_batch_lines, check_format, check_input_encoding,
                        model_names, one_request_file, read_inputs, unused_adapters_note)
 from .beam_lines import LineBeams, is_beam_line
+from .embed_lines import LineInputs, inputs_of, is_many_inputs_line
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
                      output_lock, side_files, write_fingerprint)
@@ -405,11 +406,14 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_
 def _validate_lines(engine, lines: list) -> None:
     """Each line's request checked by `engine.validate`: one that can never run becomes that line's error."""
     for item in lines:
-        if item.request is not None:
+        prompts = (inputs_of(item.request) or [item.request.prompt_token_ids]) if item.request is not None else []
+        for i, prompt in enumerate(prompts):  # (an embeddings line's inputs: each, named as the server names it)
             try:
-                engine.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
+                engine.validate(prompt, item.request.params, item.request.lora)
             except RequestError as e:
-                item.request, item.error = None, f"line {item.line_no}: {line_reason(e)}"
+                which = f"body.input[{i}]: " if len(prompts) > 1 else ""
+                item.request, item.error = None, f"line {item.line_no}: {which}{line_reason(e)}"
+                break
 
 
 def line_reason(e: RequestError | str) -> str:
@@ -488,14 +492,18 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
         if not item.error and is_beam_line(item.request) and records.fmt != "openai":
             item.error = (f"line {item.line_no}: body.use_beam_search answers n choices, which infer's own records do "
                           "not hold: run with --output-format openai")
+        if not item.error and is_many_inputs_line(item.request) and records.fmt != "openai":
+            item.error = (f"line {item.line_no}: body.input holds {len(inputs_of(item.request))} inputs, answered "
+                          "with one vector each, which infer's own records do not hold: run with --output-format "
+                          "openai (or write one line per input)")
         if item.error:
             writer.write(records.error(item.id, item.error, status=item.status))
             failed += 1
             continue
         r = item.request
-        if is_beam_line(r):
+        if is_beam_line(r) or is_many_inputs_line(r):  # a line of several engine requests
             try:
-                search = LineBeams(engine, item)
+                search = LineBeams(engine, item) if is_beam_line(r) else LineInputs(engine, item)
                 beams.update(dict.fromkeys(search.send(engine), search))
             except RequestError as e:
                 writer.write(records.error(item.id, f"line {item.line_no}: {e}"))

@@ -17,6 +17,7 @@ from ..parallel.runtime import (PLACEMENT_TIMEOUT_S, ReplicaError, check_local_r
 from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .beam_lines import is_beam_line
+from .embed_lines import inputs_of, is_many_inputs_line
 from .entry import terminate_as_interrupt
 from .run import _prechecked_lines, _strict_exit, exit_interrupted, line_reason, model_id, open_output
 
@@ -110,6 +111,10 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         if not item.error and is_beam_line(item.request):  # (its steps would go to any replica: one engine runs it)
             item.error = (f"line {item.line_no}: body.use_beam_search is not run with --data-parallel or Ray: run the "
                           "file without them (or send the lines to infer serve)")
+        if not item.error and is_many_inputs_line(item.request):  # (its inputs would go to several replicas)
+            item.error = (f"line {item.line_no}: body.input holds {len(inputs_of(item.request))} inputs, which are "
+                          "not run with --data-parallel or Ray: write one line per input, or run the file without "
+                          "them (or send the body to infer serve)")
         if item.error:
             writer.write(records.error(item.id, item.error, status=item.status))
             failed += 1

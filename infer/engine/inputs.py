@@ -16,7 +16,7 @@ from typing import Any
 
 from ..checks import _loops_over_content, check_text, reads_content_parts  # noqa: F401 (re-exported)
 from ..errors import RequestError, UnknownModelError
-from .pooling import EMBEDDINGS_URL, embedding_fields, embedding_inputs
+from .pooling import EMBEDDINGS_URL, embedding_fields, embedding_inputs, embedding_request_id
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
 from .structured import from_openai
@@ -552,25 +552,24 @@ def _batch_body(obj: dict) -> dict:
 
 
 def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, max_tokens: int | None):
-    """An OpenAI batch line of url /v1/embeddings (vLLM's run-batch, on a pooling runner): one input, its
-    PoolingParams; its response is built from `openai` (the model named, the encoding_format)."""
+    """An OpenAI batch line of url /v1/embeddings (vLLM's run-batch, on a pooling runner): its inputs (OpenAI's
+    four forms; one record answers them all, as the server's response), its PoolingParams; its response is built
+    from `openai` (the model named, the encoding_format, the request_id, every input's token ids)."""
     body = _batch_body(obj)
     if body.get("messages") is not None:  # (vLLM's chat form: the server's POST /v1/embeddings takes it)
         raise RequestError("body.messages: an infer run line of url /v1/embeddings takes input, not the chat form",
                            "give the chat's rendered text (POST /tokenize with the messages gives its ids) as "
                            "body.input, or send the messages to a server's POST /v1/embeddings")
     params, fmt = embedding_fields(body, "body.")
-    inputs = embedding_inputs(body.get("input"), "body.input")
-    if len(inputs) != 1:
-        raise RequestError(f"body.input holds {len(inputs)} inputs; a batch line answers one",
-                           "write one line per input, each with its own custom_id")
+    rid = embedding_request_id(body, "body.")
     keep = params.truncate_prompt_tokens is not None
-    tokens = inputs[0] if isinstance(inputs[0], list) else encode_prompt(
-        tokenizer, prompt=inputs[0], max_tokens=None if keep else max_tokens)
+    prompts = [[int(t) for t in item] if isinstance(item, list) else
+               encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_tokens)
+               for item in embedding_inputs(body.get("input"), "body.input")]
     req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
-    return ParsedRequest(req_id, [int(t) for t in tokens], params, names.lora_for(body.get("model")),
+    return ParsedRequest(req_id, prompts[0], params, names.lora_for(body.get("model")),
                          openai={"embedding": True, "chat": False, "model": body.get("model"),
-                                 "encoding_format": fmt})
+                                 "encoding_format": fmt, "request_id": rid, "inputs": prompts})
 
 
 def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:

@@ -304,6 +304,16 @@ def embedding_fields(body: dict, prefix: str = "", chat: bool = False) -> tuple[
     return params, fmt
 
 
+def embedding_request_id(body: dict, prefix: str = "") -> str | None:
+    """An embeddings body's request_id (vLLM's field: the response's id is embd- and it, else a uuid); "" is none
+    given, as vLLM's; RequestError otherwise."""
+    rid = body.get("request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError(f"{prefix}request_id must be a string, got {type(rid).__name__}",
+                           'e.g. "request_id": "job-7" (the response\'s id is then embd-job-7)')
+    return rid or None
+
+
 def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[int], pooler: Pooler) -> dict:
     """{index in the batch: the pooled float32 vector} for the sequences whose prompt this step completes; `hidden`
     holds the step's rows in `order` (ModelRunner.prepare's). MEAN sums each chunk into seq.pool_sum; CLS keeps the

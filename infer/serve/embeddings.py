@@ -18,7 +18,7 @@ import torch
 
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
-    embedding_inputs
+    embedding_inputs, embedding_request_id
 from ..errors import RequestError
 from . import protocol as p
 
@@ -32,6 +32,7 @@ class EmbeddingRequest:
     params: PoolingParams
     encoding_format: Encoding = Encoding()
     field: str = "input"  # the body's field of the prompts (messages: the chat form), what an engine refusal names
+    request_id: str | None = None  # vLLM's field: the response's id is embd- and it (the X-Request-Id header first)
     n = 1
     beam = None
 
@@ -42,7 +43,7 @@ class EmbeddingRequest:
 # the fields of an embeddings body an error may start with (input[2] -> input); an error about the prompt itself
 # (too long for the context...) names input
 _FIELDS = ("input", "model", "encoding_format", "dimensions", "normalize", "truncate_prompt_tokens", "priority",
-           "add_special_tokens", "embed_dtype", "endianness")
+           "add_special_tokens", "embed_dtype", "endianness", "request_id")
 
 
 def _refused(e: RequestError) -> p.ApiError:
@@ -69,24 +70,32 @@ def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = Fals
                               "with the chat template)", param="input")
     try:
         params, fmt = embedding_fields(body, chat=chat)
+        rid = embedding_request_id(body)
         keep = params.truncate_prompt_tokens is not None
         if chat:
             body = {**body, "add_generation_prompt": body.get("add_generation_prompt") is True}
             ids = p.chat_prompt_ids(body, tokenizer, None if keep else max_model_len, trust_template)
-            return EmbeddingRequest(body.get("model"), [ids], params, fmt, field="messages")
+            return EmbeddingRequest(body.get("model"), [ids], params, fmt, field="messages", request_id=rid)
         inputs = embedding_inputs(body["input"])
         prompts = [list(map(int, item)) if isinstance(item, list) else
                    encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_model_len)
                    for item in inputs]
     except RequestError as e:
         raise _refused(e) from None
-    return EmbeddingRequest(body.get("model"), prompts, params, fmt)
+    return EmbeddingRequest(body.get("model"), prompts, params, fmt, request_id=rid)
 
 
-def response_body(vectors: list, prompt_tokens: int, model: str, fmt: Encoding) -> dict:
-    """OpenAI's embeddings response: one entry per vector (a float32 tensor), in order, and the tokens counted."""
+def response_id(base: str | None = None) -> str:
+    """An embeddings response's id, as vLLM's: embd- and `base` (the client's X-Request-Id header, else its body's
+    request_id), else a fresh uuid."""
+    return "embd-" + (base or uuid.uuid4().hex)
+
+
+def response_body(vectors: list, prompt_tokens: int, model: str, fmt: Encoding, base_id: str | None = None) -> dict:
+    """OpenAI's embeddings response: one entry per vector (a float32 tensor), in order, and the tokens counted;
+    `base_id`: the client's id for it (response_id)."""
     data = [{"index": i, "object": "embedding", "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)]
-    return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": p.now(), "model": model, "data": data,
+    return {"id": response_id(base_id), "object": "list", "created": p.now(), "model": model, "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
@@ -141,7 +150,10 @@ async def create(server, request, raw: bytes):
             start += len(ids)
     except _Gone:
         return None
-    return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format)
+    # the client's id names the response (the engine's ids stay the server's own, as the generation routes')
+    given = request.headers.get("x-request-id") if request is not None else None
+    return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format,
+                         given or req.request_id)
 
 
 def _check_inputs(server, req: EmbeddingRequest, lora) -> None:
