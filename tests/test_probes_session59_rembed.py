@@ -38,18 +38,6 @@ def test_embeddings_priority_zero_and_special_tokens_true_are_taken(served_pooli
         assert got["data"] == want[1]["data"]
 
 
-def test_bench_refuses_a_pooling_runner_before_it_runs(tmp_path, monkeypatch):
-    """Every request failed after the whole run (its report written): refused at once, and nothing written."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["bench", "tiny-llama", "--runner", "pooling", "-c", "1", "--num-prompts", "1"])
-    assert res.exit_code == 2, res.output
-    assert "infer bench measures text generation" in res.output and "--runner pooling" in res.output
-    assert not (tmp_path / "bench-results").exists()
-
-
 def test_infer_run_counts_the_prompt_tokens_it_embeds(tmp_path, capsys):
     """`infer run --runner pooling` said "0 tokens in ... (0.0 tok/s)", on one engine and with --data-parallel
     (the replicas counted generated tokens only): the prompt tokens embedded, on both."""

@@ -109,3 +109,106 @@ def test_hypothesis_is_pinned_to_a_tested_range():
     assert {s.operator for s in req.specifier} >= {">=", "<"}
     assert req.specifier.contains(version("hypothesis"))
     assert ".[test" in (root / "scripts" / "setup").read_text()
+
+
+def _bench(tmp_path, *args: str):
+    """`infer bench tiny-llama ARGS --out tmp_path/bench -q`: (exit code, output, results.json or None)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    out = tmp_path / "bench"
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", *args, "--out", str(out), "-q"])
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+    return res.exit_code, res.output, results
+
+
+def _check_embedding_entry(entry: dict, n: int, backend: str) -> None:
+    """A pooling run's figures: every request completed, no token generated, embeddings/s and input tokens/s as
+    their own definitions (completed and input tokens over the duration), E2EL's percentiles, no TTFT sample."""
+    assert entry["backend"] == backend and entry["completed"] == n and entry["failed"] == 0
+    assert entry["total_output_tokens"] == 0 and entry["total_input_tokens"] > 0
+    assert entry["embedding_throughput"] == pytest.approx(n / entry["duration"])
+    assert entry["input_throughput"] == pytest.approx(entry["total_input_tokens"] / entry["duration"])
+    assert 0 < entry["median_e2el_ms"] <= entry["p99_e2el_ms"]
+    assert len(entry["e2els"]) == n and all(x > 0 for x in entry["e2els"])
+    assert "ttfts" not in entry and "output_lens" not in entry
+
+
+def test_bench_runner_pooling_against_the_hf_baseline(tmp_path):
+    """`infer bench --runner pooling --baseline hf`: each level's embeddings/s, input tokens/s, E2EL and memory, ours
+    and transformers' side by side on the same prompts (each request's length, in order), with ours / baseline;
+    results.csv carries the same, a row per side."""
+    import csv
+    code, output, results = _bench(tmp_path, "--runner", "pooling", "-c", "1,3", "--num-prompts", "5",
+                                   "--input-len", "9", "--random-range-ratio", "0.5", "--baseline", "hf",
+                                   "--save-detailed")
+    assert code == 0, output
+    assert [r["concurrency"] for r in results] == [1, 3]
+    for entry in results:
+        base = entry["baseline"]
+        _check_embedding_entry(entry, 5, "infer")
+        _check_embedding_entry(base, 5, "hf")
+        assert base["concurrency"] == entry["concurrency"]
+        assert entry["input_lens"] == base["input_lens"] and len(set(entry["input_lens"])) > 1
+        assert entry["peak_memory_bytes"] > 0 and base["peak_memory_bytes"] > 0
+        for key in ("embedding_throughput", "input_throughput", "median_e2el_ms"):
+            assert entry["ratio"][key] == pytest.approx(entry[key] / base[key])
+        assert entry["config"]["pooling"] is True and "AutoModel" in entry["config"]["baseline_engine"]
+    rows = list(csv.DictReader((tmp_path / "bench" / "results.csv").open()))
+    assert [(r["backend"], r["concurrency"]) for r in rows] == [("infer", "1"), ("hf", "1"), ("infer", "3"),
+                                                                ("hf", "3")]
+    assert float(rows[0]["ratio_embedding_throughput"]) == pytest.approx(results[0]["ratio"]["embedding_throughput"])
+
+
+def test_hf_baseline_pools_as_the_engine(llama):
+    """The baseline's vectors (a right-padded batch of unequal prompts) are the engine's, for each pooling type."""
+    from infer import LLM
+    from infer.bench.hf_baseline import hf_embeddings
+    from infer.engine.pooling import resolve_pooler
+    path, hf = llama
+    prompts = random_prompts(hf.config.vocab_size, (7, 2, 11), seed=24)
+    for kind in ("LAST", "MEAN", "CLS"):
+        cfg = {"pooling_type": kind, "normalize": kind != "MEAN"}
+        with LLM(str(path), runner="pooling", pooler_config=cfg, block_size=4) as llm:
+            want = [torch.tensor(o.outputs.embedding) for o in llm.embed(prompts)]
+        pooler = resolve_pooler(path, hf.config.hidden_size, cfg)
+        check_close(hf_embeddings(hf, prompts, pooler, torch.device("cpu")), want)
+
+
+def test_bench_url_runner_pooling_posts_embeddings(tmp_path, served_pooling):  # noqa: F811
+    """--url with --runner pooling drives the server's POST /v1/embeddings (its prompt tokens counted from the usage),
+    and the HF baseline pools as --pooler-config says the server does."""
+    base = served_pooling[0]
+    code, output, results = _bench(tmp_path, "--url", base, "--runner", "pooling", "--pooler-config",
+                                   '{"pooling_type": "MEAN"}', "-c", "2", "--num-prompts", "4", "--input-len", "6",
+                                   "--baseline", "hf", "--save-detailed")
+    assert code == 0, output
+    (entry,) = results
+    _check_embedding_entry(entry, 4, "http")
+    _check_embedding_entry(entry["baseline"], 4, "hf")
+    assert entry["input_lens"] == entry["baseline"]["input_lens"]
+
+
+def test_bench_url_runner_pooling_refuses_a_generation_server(tmp_path):
+    """A server that generates answers no embeddings: refused before the run, nothing measured."""
+    from helpers import served_tiny_llama
+    gen = served_tiny_llama()
+    base = next(gen)
+    try:
+        code, output, results = _bench(tmp_path, "--url", base, "--runner", "pooling", "-c", "1", "--num-prompts",
+                                       "1")
+    finally:
+        gen.close()
+    assert code == 2 and "for text generation, and --runner pooling benches embeddings" in output, output
+    assert results is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--output-len", "5"), "--output-len: --runner pooling benches embeddings"),
+    (("--goodput", "ttft:100"), "--goodput ttft: an embedding has no token times"),
+])
+def test_bench_runner_pooling_refuses_generation_options(tmp_path, args, message):
+    code, output, results = _bench(tmp_path, "--runner", "pooling", "-c", "1", "--num-prompts", "1", *args)
+    assert code == 2 and message in output, output
+    assert results is None
+

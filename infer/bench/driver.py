@@ -50,6 +50,15 @@ def sampling_params_for(req: BenchRequest, temperature: float = 0.0, seed: int |
                           ignore_eos=req.ignore_eos, seed=seed)
 
 
+def request_params(engine, req: BenchRequest, temperature: float = 0.0, seed: int | None = None):
+    """What the engine runs a benchmark request with: a pooling engine's (--runner pooling) PoolingParams (the
+    prompt in, its vector out), else sampling_params_for's."""
+    if getattr(engine, "pooler", None) is not None:
+        from ..engine.pooling import PoolingParams
+        return PoolingParams()
+    return sampling_params_for(req, temperature, seed)
+
+
 class Progress:
     """A rich progress bar counting finished requests (a no-op when disabled, or where its console is no terminal),
     on `console` if given."""
@@ -108,7 +117,7 @@ class _Run:
         rid = f"bench-{self.tag}-{i}"
         rec = RequestRecord(i, len(ids), send_time=sent, lora=req.lora)
         try:
-            params = sampling_params_for(req, self.temperature, seed)  # (an output length out of range)
+            params = request_params(self.engine, req, self.temperature, seed)  # (an output length out of range)
             self.engine.add_request(rid, list(ids), params, lora=req.lora)
         except InferError as e:  # this request can never run: a failure, the others go on
             rec.error, rec.end_time, rec.finish_reason = str(e), time.perf_counter(), "error"
@@ -126,9 +135,11 @@ class _Run:
                 rec.chunk_times.append(t)
             if o.finished:
                 del self.inflight[o.request_id]
-                rec.output_tokens, rec.text, rec.finish_reason = len(o.token_ids), o.text, o.finish_reason
-                rec.cached_tokens = o.num_cached_tokens
-                rec.success = o.finish_reason in ("stop", "length") and not o.error and rec.output_tokens > 0
+                vector = hasattr(o.outputs, "embedding")  # a pooling request's: its prompt's vector, no token
+                rec.output_tokens, rec.text = (0, "") if vector else (len(o.token_ids), o.text)
+                rec.finish_reason, rec.cached_tokens = o.finish_reason, o.num_cached_tokens
+                made = vector or rec.output_tokens > 0
+                rec.success = o.finish_reason in ("stop", "length") and not o.error and made
                 rec.error = o.error or (None if rec.success else f"finished with reason {o.finish_reason!r}")
                 rec.end_time = t
                 self._finish(rec)
@@ -203,4 +214,5 @@ def run_in_process(engine, requests: list[BenchRequest], concurrency: int, reque
     return ended(RunResult("infer", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
                            request_rate=request_rate, partial=partial, aborted=aborted,
                            peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
-                           timeline=sampler.timeline, engine_stats=sampler.last_stats, start_time=t0), failure)
+                           timeline=sampler.timeline, engine_stats=sampler.last_stats, start_time=t0,
+                           pooling=getattr(engine, "pooler", None) is not None), failure)

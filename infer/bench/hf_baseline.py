@@ -1,4 +1,5 @@
-"""Baseline: Hugging Face transformers `generate` on static, left-padded batches of `batch_size` requests.
+"""Baseline: Hugging Face transformers `generate` on static, left-padded batches of `batch_size` requests (a
+pooling run's: AutoModel's last_hidden_state pooled, run_hf_embed).
 
     from infer.bench.hf_baseline import load_hf, run_hf_generate
     hf = load_hf("tiny-llama")                                   # once; a path or a name works too, below
@@ -184,23 +185,71 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
     batches with `partial=True`; an error in a later batch is raised with them as its `bench_partial` (a RunResult,
     partial, its `error` set), as the in-process driver's is. The progress bar goes to `console` when given (a
     rich Console)."""
+    model, tok, dev = load_hf(model, dtype, device) if isinstance(model, str) else model
+    warm = [(i, replace(r, output_len=min(r.output_len, WARMUP_TOKENS)))
+            for i, r in list(enumerate(requests))[:batch_size]] if warmup else []
+    return _run_batches(requests, batch_size, lambda batch, sampler: _run_batch(
+        model, tok, dev, batch, sampler, cache_implementation), warm, f"hf generate b={batch_size}", progress, console)
+
+
+def run_hf_embed(model: str | HFModel, requests: list[BenchRequest], batch_size: int, pooler, dtype: str = "auto",
+                 device: str = "auto", progress: bool = True, console=None, warmup: bool = False) -> RunResult:
+    """The transformers baseline of a pooling run (--runner pooling) at one batch size: AutoModel's
+    last_hidden_state (the CausalLM's base model, after its final norm) of each static, right-padded batch, pooled
+    as the engine's `pooler` pools (LAST: each prompt's last token, MEAN, CLS; normalized where it normalizes) and
+    brought to the host. As run_hf_generate otherwise (warmup: one batch first, not measured)."""
+    model, tok, dev = load_hf(model, dtype, device) if isinstance(model, str) else model
+    warm = list(enumerate(requests))[:batch_size] if warmup else []
+    return _run_batches(requests, batch_size, lambda batch, sampler: _embed_batch(model, tok, dev, batch, pooler),
+                        warm, f"hf embed b={batch_size}", progress, console, pooling=True)
+
+
+def _embed_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], pooler) -> list[RequestRecord]:
+    prompts = [r.prompt_token_ids or tok.encode(r.prompt, add_special_tokens=False) for _, r in batch]
+    start = time.perf_counter()
+    vectors = hf_embeddings(model, prompts, pooler, device)
+    end = time.perf_counter()
+    return [RequestRecord(i, len(prompt), send_time=start, lora=req.lora, finish_reason="stop", end_time=end,
+                          success=True) for (i, req), prompt in zip(batch, prompts)]
+
+
+def hf_embeddings(model, prompts: list[list[int]], pooler, device) -> list:
+    """The float32 vectors (on the host) of one right-padded batch of `prompts` through a transformers CausalLM's
+    base model (AutoModel's last_hidden_state), pooled as `pooler` (engine.pooling.Pooler) pools."""
+    import torch
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # right-padded: a causal model's rows before the padding are the prompt's own
+        ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p, dtype=torch.long), 1
+    with torch.inference_mode():
+        hidden = model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state.float()
+        rows = [hidden[i, :len(p)] for i, p in enumerate(prompts)]
+        vectors = [{"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[pooler.pooling_type] for h in rows]
+        if pooler.normalize:
+            vectors = [torch.nn.functional.normalize(v, p=2, dim=-1) for v in vectors]
+        return [v.cpu() for v in vectors]  # (on the host: the GPU has caught up when the batch ends)
+
+
+def _run_batches(requests: list[BenchRequest], batch_size: int, run_batch, warm: list, label: str, progress: bool,
+                 console, pooling: bool = False) -> RunResult:
+    """Every request through `run_batch(batch, sampler)` (its records), `batch_size` at a time, after the `warm`
+    batch (not measured); see run_hf_generate."""
     if batch_size < 1:
         raise ModelLoadError(f"the baseline batch size must be at least 1, got {batch_size}")
-    model, tok, dev = load_hf(model, dtype, device) if isinstance(model, str) else model
     sampler = ResourceSampler()  # as ours: a sample (~0.1 ms) at every step slowed its steps, not ours
     records: list[RequestRecord] = []
     partial, aborted, failure = False, 0, None
     indexed = list(enumerate(requests))
-    if warmup and indexed:
-        warm = [(i, replace(r, output_len=min(r.output_len, WARMUP_TOKENS))) for i, r in indexed[:batch_size]]
-        _run_batch(model, tok, dev, warm, None, cache_implementation)
-    with Progress(progress, len(requests), f"hf generate b={batch_size}", console) as bar:
+    if warm:
+        run_batch(warm, None)
+    with Progress(progress, len(requests), label, console) as bar:
         t0 = end = time.perf_counter()
         sampler.start(t0)
         for s in range(0, len(indexed), batch_size):
             batch = indexed[s:s + batch_size]
             try:
-                records += _run_batch(model, tok, dev, batch, sampler, cache_implementation)
+                records += run_batch(batch, sampler)
             except KeyboardInterrupt:
                 partial, aborted = True, len(batch)
                 end = time.perf_counter()
@@ -211,9 +260,11 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
                 break
             end = max(r.end_time for r in records[-len(batch):])
             bar.advance(len(batch))
+            if pooling:
+                sampler.sample(0)
     with contextlib.suppress(Exception):
         sampler.sample(0, force=True)
     return ended(RunResult("hf", batch_size, records, duration_s=end - t0, num_requests=len(requests),
                            request_rate=math.inf, partial=partial, aborted=aborted,
                            peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
-                           timeline=sampler.timeline, start_time=t0), failure)
+                           timeline=sampler.timeline, start_time=t0, pooling=pooling), failure)

@@ -15,6 +15,8 @@ else one per chunk with text; at least one), and so do the prompt tokens found c
 usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details), when the server sends them.
 A stream the server cut off (the connection closed with neither a finish_reason nor `data: [DONE]`) is a failed
 request, not a completed one of the tokens it got.
+A pooling run's request (embeddings: `pooling`) is a POST /v1/embeddings of the prompt's token ids, done when
+its vector comes back (its E2EL; its prompt tokens the usage's).
 Memory figures are those of this client process, not of the server.
 """
 
@@ -95,6 +97,24 @@ def _apply_chunk(rec: RequestRecord, data: dict, t: float) -> bool:
     return bool(text)
 
 
+async def _embed_one(client, url: str, model: str, req: BenchRequest, rec: RequestRecord, headers: dict) -> None:
+    """One POST /v1/embeddings of the request's prompt into `rec` (its error, or its usage's prompt tokens)."""
+    prompt = list(req.prompt_token_ids) if req.prompt_token_ids else req.prompt
+    resp = await client.post(f"{url}/v1/embeddings", json={"model": req.lora or model, "input": prompt},
+                             headers=headers)
+    if resp.status_code != 200:
+        rec.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+        return
+    body = resp.json()
+    if not isinstance(body, dict) or len(body.get("data") or []) != 1:
+        rec.error = f"the response holds no single embedding: {str(body)[:300]}"
+        return
+    rec.finish_reason = "stop"
+    usage = body.get("usage")
+    if isinstance(usage, dict) and usage.get("prompt_tokens") is not None:
+        rec.prompt_tokens = int(usage["prompt_tokens"])
+
+
 async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> tuple[list[bool], bool]:
     """Stream one request into `rec`; returns, for each chunk time-stamped, whether it carried text, and whether
     the stream ended with `data: [DONE]` (not cut off by the server closing the connection)."""
@@ -122,8 +142,9 @@ async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers:
 
 
 class _HttpRun:
-    def __init__(self, url, model, requests, concurrency, temperature, api_key, tokenizer, bar):
+    def __init__(self, url, model, requests, concurrency, temperature, api_key, tokenizer, bar, pooling=False):
         self.url, self.model, self.requests, self.temperature = url, model, requests, temperature
+        self.pooling = pooling
         self.sem = asyncio.Semaphore(concurrency)
         self.headers, self.tokenizer, self.bar = _headers(api_key), tokenizer, bar
         self.done: list[RequestRecord] = []
@@ -141,8 +162,11 @@ class _HttpRun:
             texts: list[bool] = []
             ended = False
             try:
-                texts, ended = await _stream_one(client, self.url, _body(self.model, req, self.temperature), rec,
-                                          self.headers)
+                if self.pooling:
+                    await _embed_one(client, self.url, self.model, req, rec, self.headers)
+                else:
+                    texts, ended = await _stream_one(client, self.url, _body(self.model, req, self.temperature),
+                                                     rec, self.headers)
             except Exception as e:  # a dropped connection or a bad chunk fails this request only
                 rec.error = f"{type(e).__name__}: {e}"
             finally:
@@ -153,6 +177,8 @@ class _HttpRun:
     def _finish(self, rec: RequestRecord, texts: list[bool] | None = None, ended: bool = True) -> None:
         """Record `rec` as done; `ended`: the stream ended with [DONE] (False: the connection closed first)."""
         rec.end_time = time.perf_counter()
+        if self.pooling:  # (a vector, or the error)
+            return self._done(rec)
         texts = texts or []
         if rec.chunk_times and not rec.output_tokens:  # no usage: count the text, and a reply has a token at least
             rec.output_tokens = max(1, len(self.tokenizer.encode(rec.text, add_special_tokens=False))
@@ -167,6 +193,9 @@ class _HttpRun:
                          "the server closed the connection)")
         if rec.error is None and rec.finish_reason in ABORTED:  # cut short by the server: not a completed request
             rec.error = f"finished with reason {rec.finish_reason!r}"
+        self._done(rec)
+
+    def _done(self, rec: RequestRecord) -> None:
         rec.success = rec.error is None
         self.done.append(rec)
         self.end = rec.end_time
@@ -187,8 +216,9 @@ async def _run_all(run: _HttpRun, offsets: list[float], sampler: ResourceSampler
 
 def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: int, request_rate: float = math.inf,
              api_key: str | None = None, seed: int = 0, progress: bool = True, tokenizer=None,
-             temperature: float = 0.0) -> RunResult:
-    """Drive the server at `url` with at most `concurrency` streams open; see the module docstring.
+             temperature: float = 0.0, pooling: bool = False) -> RunResult:
+    """Drive the server at `url` with at most `concurrency` streams open (`pooling`: embeddings requests); see the
+    module docstring.
     Raises ConfigError when the server cannot be reached. Ctrl-C returns what finished, `partial=True`."""
     if concurrency < 1:
         raise InferError(f"--concurrency must be at least 1, got {concurrency}")
@@ -197,7 +227,7 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
     sampler, t0_box, partial = ResourceSampler(), [], False
     before = server_stats(url, api_key)  # the server's counters so far (a warm-up's, the levels' before this one)
     with Progress(progress, len(requests), f"http c={concurrency}") as bar:
-        run = _HttpRun(url, model, requests, concurrency, temperature, api_key, tokenizer, bar)
+        run = _HttpRun(url, model, requests, concurrency, temperature, api_key, tokenizer, bar, pooling)
         try:
             asyncio.run(_run_all(run, offsets, sampler, t0_box))
         except KeyboardInterrupt:  # asyncio.run cancelled the open streams
@@ -210,7 +240,7 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
     return RunResult("http", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
                      request_rate=request_rate, partial=partial, aborted=run.started - len(run.done),
                      peak_rss_bytes=sampler.peak_rss_bytes, timeline=sampler.timeline, start_time=t0,
-                     engine_stats=_run_stats(before, server_stats(url, api_key)))
+                     engine_stats=_run_stats(before, server_stats(url, api_key)), pooling=pooling)
 
 
 def _fill_cached(records: list[RequestRecord]) -> None:

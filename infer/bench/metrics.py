@@ -34,6 +34,8 @@ import numpy as np
 DEFAULT_PERCENTILES = (90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "chars_per_s")
+# a pooling run's (embeddings: --runner pooling): vectors per second and prompt tokens per second; its ratios
+EMBED_KEYS = ("embedding_throughput", "input_throughput")
 # the latency figures a baseline's ratios cover besides THROUGHPUT_KEYS (ours / baseline: below 1 is faster)
 LATENCY_RATIO_KEYS = tuple(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99"))
 SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput may set an objective on (vLLM's names), in ms
@@ -107,6 +109,7 @@ class RunResult:
     label: str | None = None  # how the report names this run, when more than its backend says (default: backend)
     goodput: dict | None = None  # service level objectives {"ttft" | "tpot" | "e2el": ms}: adds request_goodput
     error: str | None = None  # the error that stopped the run half way (then partial), None when it ran to its end
+    pooling: bool = False  # embeddings (--runner pooling): a request is a prompt in, a vector out, no token made
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -117,7 +120,10 @@ class RunResult:
         return self.peak_gpu_bytes if self.peak_gpu_bytes else self.peak_rss_bytes
 
     def metrics(self, percentiles=DEFAULT_PERCENTILES) -> dict:
-        return compute_metrics(self.records, self.duration_s, percentiles, goodput=self.goodput)
+        out = compute_metrics(self.records, self.duration_s, percentiles, goodput=self.goodput)
+        if self.pooling:  # (its request_throughput is vectors per second, its total_token_throughput the prompts')
+            out.update(embedding_throughput=out["request_throughput"], input_throughput=out["total_token_throughput"])
+        return out
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -58,6 +58,9 @@ class BenchPlan:
     # the engine's)
     goodput: dict | None = None  # service level objectives {"ttft" | "tpot" | "e2el": ms} (vLLM's --goodput)
     save_detailed: bool = False  # results.json also holds each request's figures (vLLM's --save-detailed)
+    pooling: bool = False  # embeddings (--runner pooling): each request a prompt in, its vector out, no token made;
+    # the baseline is transformers' AutoModel last_hidden_state pooled as the engine (or the server) pools
+    pooler_config: dict | None = None  # with --url: how the server pools (its --pooler-config), for the baseline
 
 
 BASE_NO_ADAPTERS = "hf (base, no adapters)"  # the HF baseline's label when the workload uses adapters
@@ -127,7 +130,7 @@ class _Target:
                       flush=True)
             self.levels_run += 1
             return run_http(p.url, p.model_id, requests, concurrency, p.rate, api_key=p.api_key, seed=p.seed,
-                            progress=progress, tokenizer=self.tokenizer)
+                            progress=progress, tokenizer=self.tokenizer, pooling=p.pooling)
         if p.lora_policy == "split":
             from .lora_split import run_split
             return run_split(self.engine, requests, concurrency, p.rate, seed=p.seed, progress=progress)
@@ -145,6 +148,10 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     if plan.baseline == NO_SPEC:
         cfg["baseline_engine"] = ("the same engine options without speculative_config, built after ours was "
                                   "freed (one engine in memory at a time): each side's peak memory is its own")
+    elif plan.baseline == "hf" and plan.pooling:
+        cfg["baseline_engine"] = ("transformers AutoModel last_hidden_state, pooled as ours, in static batches of "
+                                  "the level's size, loaded after every level of ours, with ours' engine freed first "
+                                  "(one model in memory at a time): each side's peak memory is its own")
     elif plan.baseline == "hf":
         cfg["baseline_engine"] = ("transformers generate, loaded after every level of ours, with ours' engine freed "
                                   "first (one model in memory at a time): each side's peak memory is its own")
@@ -203,23 +210,41 @@ def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_s
     runs every level (one model in memory at a time, so each side's peak memory is its own: with both loaded, ours'
     peak held the baseline's weights and the baseline's ours' weights and KV cache); True when Ctrl-C cut it
     short."""
-    from .hf_baseline import load_hf, run_hf_generate
+    from .hf_baseline import load_hf, run_hf_embed, run_hf_generate
     label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
     try:
-        base_requests = baseline_requests(requests, _context_len(plan))
+        # (a pooling run's requests are its prompts, each the same as ours': nothing to cut)
+        base_requests = requests if plan.pooling else baseline_requests(requests, _context_len(plan))
+        pooler = plan_pooler(plan) if plan.pooling else None
         target.close()
         with hide():
             hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
         for c in plan.levels:
-            _say(plan, f"baseline: transformers generate, {len(base_requests)} requests in batches of {c}")
+            what = "AutoModel embeddings" if plan.pooling else "generate"
+            _say(plan, f"baseline: transformers {what}, {len(base_requests)} requests in batches of {c}")
             with hide() as term, _keeping_partial(bases, plan.goodput, label):
-                base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
-                                       warmup=True)  # warmed, as the engine is, before it is measured
+                if plan.pooling:
+                    base = run_hf_embed(hf, base_requests, c, pooler, progress=not plan.quiet, console=term,
+                                        warmup=True)
+                else:
+                    base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
+                                           warmup=True)  # warmed, as the engine is, before it is measured
             if _add_baseline(plan, base, label, bases):
                 return True
     except KeyboardInterrupt:  # while transformers loaded or between its levels: ours are complete
         return True
     return False
+
+
+def plan_pooler(plan: BenchPlan):
+    """How the benchmarked engine (or server) pools (engine.pooling.resolve_pooler: --pooler-config, else the
+    model's sentence-transformers files, else LAST and normalized), which the HF baseline pools the same way."""
+    from ..engine.pooling import resolve_pooler
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    path = resolve_model(plan.model)
+    config = plan.engine.pooler_config if plan.engine is not None else plan.pooler_config
+    return resolve_pooler(path, load_config(path).hidden_size, config)
 
 
 @contextlib.contextmanager
@@ -305,7 +330,8 @@ def _check_fits(plan: BenchPlan) -> None:
     cap = _max_model_len(plan)
     if cap is None:
         return
-    longest = length_range(plan.input_len, plan.range_ratio)[1] + length_range(plan.output_len, plan.range_ratio)[1]
+    out = 0 if plan.pooling else length_range(plan.output_len, plan.range_ratio)[1]  # (a pooling run makes none)
+    longest = length_range(plan.input_len, plan.range_ratio)[1] + out
     if longest > cap:
         drawn = f" (the longest drawn with --random-range-ratio {plan.range_ratio:g}: {longest})" \
             if plan.range_ratio else ""

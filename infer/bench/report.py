@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import OutputError
-from .metrics import LATENCY_RATIO_KEYS, THROUGHPUT_KEYS, RunResult, latency_series
+from .metrics import EMBED_KEYS, LATENCY_RATIO_KEYS, THROUGHPUT_KEYS, RunResult, latency_series
 from .plots import plot_latency, plot_throughput, plot_timeline
 
 # what write_report writes into the report folder
@@ -51,6 +51,15 @@ LATENCY_COLUMNS = [("conc", "concurrency", "{:d}")] + [
     for m in ("ttft", "tpot", "itl", "e2el") for s in ("p50", "p99")]
 # with a baseline: ours / baseline of each median latency (below 1: ours is faster)
 LATENCY_RATIO_COLUMNS = [(f"x {m.upper()} p50", f"ratio:median_{m}_ms", "") for m in ("ttft", "tpot", "itl", "e2el")]
+# a pooling run's (embeddings, --runner pooling): vectors and prompt tokens per second, its latencies E2EL's only
+EMBED_COLUMNS = [("conc", "concurrency", "{:d}"), ("done", "completed", "{:d}"), ("fail", "failed", "{:d}"),
+                 ("emb/s", "embedding_throughput", "{:.2f}"), ("in tok/s", "input_throughput", "{:.1f}"),
+                 ("peak GiB", "peak_memory_gib", "{:.2f}")]
+EMBED_RATIO_COLUMNS = [("base emb/s", "base:embedding_throughput", ""), ("x emb/s", "ratio:embedding_throughput", ""),
+                       ("x in tok/s", "ratio:input_throughput", "")]
+EMBED_LATENCY_COLUMNS = [("conc", "concurrency", "{:d}")] + [
+    (f"E2EL {s} ms", f"{s}_e2el_ms", "{:.2f}") for s in ("mean", "median", "p99")]
+EMBED_LATENCY_RATIO_COLUMNS = [("x E2EL p50", "ratio:median_e2el_ms", "")]
 
 
 def _git_commit() -> str | None:
@@ -83,8 +92,12 @@ def detailed_lists(run: RunResult) -> dict:
     cached_tokens (the prompt tokens found in the prefix cache: the engine's in-process, the server's
     usage.prompt_tokens_details with --url; null where not reported) and request_errors (vLLM's "errors"; ours is
     the distinct reasons). Each request's E2EL is its TTFT plus the sum of its ITLs, and its TPOT that sum over
-    output_lens - 1."""
+    output_lens - 1. A pooling run's (embeddings: no token, no TTFT) has each request's E2EL in e2els instead."""
     recs = run.records
+    if run.pooling:
+        return {"input_lens": [r.prompt_tokens for r in recs], "e2els": [r.e2el if r.success else 0.0 for r in recs],
+                "cached_tokens": [r.cached_tokens for r in recs],
+                "request_errors": [None if r.success else (r.error or "") for r in recs]}
     return {"input_lens": [r.prompt_tokens for r in recs],
             "output_lens": [r.output_tokens if r.success else 0 for r in recs],
             "ttfts": [r.ttft if r.success else 0.0 for r in recs],
@@ -195,7 +208,7 @@ def ratios(ours: dict, theirs: dict, run: RunResult, base: RunResult) -> dict:
     one token, no second chunk): its 0 there stands for no figure, and 0 / x read as "infinitely faster"."""
     sampled = [{m for m, values in latency_series(r.records).items() if values} for r in (run, base)]
     out = {}
-    for k in THROUGHPUT_KEYS + LATENCY_RATIO_KEYS:
+    for k in THROUGHPUT_KEYS + LATENCY_RATIO_KEYS + (EMBED_KEYS if run.pooling and base.pooling else ()):
         metric = k.rsplit("_", 2)[-2] if k.endswith("_ms") else None
         missing = metric is not None and not all(metric in s for s in sampled)
         out[k] = None if missing or not theirs[k] else ours[k] / theirs[k]
@@ -232,7 +245,10 @@ def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str
     """Column titles and formatted rows of the "throughput" table (with baseline and ratio columns when there
     is a baseline, and a partial flag) or of the "latency" table."""
     based = any("baseline" in r for r in results)
-    if which == "latency":
+    if any("embedding_throughput" in r for r in results):  # a pooling run: no token is generated
+        cols = (EMBED_LATENCY_COLUMNS + (EMBED_LATENCY_RATIO_COLUMNS if based else [])) if which == "latency" else \
+            (EMBED_COLUMNS + (EMBED_RATIO_COLUMNS if based else []))
+    elif which == "latency":
         cols = LATENCY_COLUMNS + (LATENCY_RATIO_COLUMNS if based else [])
     else:
         cols = list(THROUGHPUT_COLUMNS)
@@ -273,8 +289,9 @@ def baseline_note(results: list[dict]) -> str | None:
         return None
     label = baseline_label(results)
     if label is None:  # the x columns' direction was said nowhere on the terminal
-        what = ": transformers generate on static batches of size = concurrency;" if base.get("backend") == "hf" \
-            else ";"
+        hf = "transformers AutoModel last_hidden_state pooled as ours" if "embedding_throughput" in base else \
+            "transformers generate"
+        what = f": {hf} on static batches of size = concurrency;" if base.get("backend") == "hf" else ";"
         return (f"baseline = {base.get('label') or base.get('backend')}{what} x = ours / baseline: above 1 on a "
                 "throughput, below 1 on a latency, ours is better")
     if base.get("backend") != "hf":  # ours' engine without speculative decoding

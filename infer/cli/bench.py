@@ -1,6 +1,7 @@
 """`infer bench MODEL`: throughput and latency of the engine (in-process) or of any OpenAI-compatible server
 (--url), at one or more concurrency levels, optionally against HF transformers generate (--baseline hf) or against the
-same engine without speculative decoding (--baseline no-spec)."""
+same engine without speculative decoding (--baseline no-spec). With --runner pooling: embeddings (POST /v1/embeddings
+with --url), against transformers' AutoModel last_hidden_state pooled alike (--baseline hf)."""
 
 from __future__ import annotations
 
@@ -135,8 +136,9 @@ def mix(names: list[str], k: int | None) -> list[str]:
     return names[:k]
 
 
-def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None) -> str:
-    """The server's base URL, after checking it answers /v1/models and serves `model_id` and `adapters`."""
+def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None, pooling: bool = False) -> str:
+    """The server's base URL, after checking it answers /v1/models and serves `model_id` and `adapters`, and that it
+    runs its model as the bench will drive it (`pooling`: embeddings, else generation)."""
     import httpx
 
     from ..bench.http_driver import base_url
@@ -167,8 +169,30 @@ def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None)
             fix.append("give --lora only for adapters the server serves (start it with infer serve --lora NAME=PATH)")
         raise ConfigError(f"{base} does not serve {', '.join(map(repr, missing))}; it serves "
                           f"{', '.join(sorted(served)) or 'nothing'}", "; ".join(fix))
-    check_generates(base, model_id, headers)
+    (check_embeds if pooling else check_generates)(base, model_id, headers)
     return base
+
+
+def _probe_error(base: str, route: str, body: dict, headers: dict) -> dict:
+    """The error object a server answers a probe with ({} when it answers, or cannot be read or reached)."""
+    import httpx
+    try:
+        resp = httpx.post(f"{base}{route}", json=body, headers=headers, timeout=10.0, trust_env=False)
+        error = resp.json().get("error") or {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return {}  # (the run says what fails)
+    return error if isinstance(error, dict) else {}
+
+
+def check_embeds(base: str, model_id: str, headers: dict) -> None:
+    """--runner pooling with --url: refuse a server that runs its model for text generation (every embeddings
+    request would fail after the whole run), asked with one short input to embed."""
+    error = _probe_error(base, "/v1/embeddings", {"model": model_id, "input": "Hi"}, headers)
+    if error.get("code") == "model_not_supported" or "does not support Embeddings API" in str(error.get("message")):
+        raise ConfigError(f"{base} serves {model_id!r} for text generation, and --runner pooling benches embeddings "
+                          "(POST /v1/embeddings): every request would fail",
+                          "drop --runner pooling to bench its generation, or bench a server started with --runner "
+                          "pooling")
 
 
 def check_generates(base: str, model_id: str, headers: dict) -> None:
@@ -177,23 +201,13 @@ def check_generates(base: str, model_id: str, headers: dict) -> None:
     model generates nothing: a body without a prompt got a 400 for the prompt from a pooling vLLM too); a
     generation server answers it (or refuses it some other way: never taken as a pooling one), a pooling one
     (infer's --runner pooling, vLLM's) that the model does not do completions."""
-    import httpx
     probe = {"model": model_id, "prompt": "Hi", "max_tokens": 1, "stream": False}
-    try:
-        resp = httpx.post(f"{base}/v1/completions", json=probe, headers=headers, timeout=10.0, trust_env=False)
-    except httpx.HTTPError:
-        return  # (the run says what fails)
-    try:
-        error = resp.json().get("error") or {}
-    except (ValueError, AttributeError):
-        return
-    if not isinstance(error, dict):
-        return
+    error = _probe_error(base, "/v1/completions", probe, headers)
     if error.get("code") == "model_not_supported" or "does not support Completions API" in str(error.get("message")):
         raise ConfigError(f"{base} serves {model_id!r} as a pooling model (embeddings): infer bench measures text "
                           "generation (TTFT, TPOT, ITL) and every request would fail",
-                          "bench a server started without --runner pooling, or time embeddings with `infer run "
-                          "MODEL LINES.jsonl --runner pooling` (lines of url /v1/embeddings)")
+                          "bench its embeddings with --runner pooling (POST /v1/embeddings), or bench a server "
+                          "started without --runner pooling")
 
 
 def check_options(num_prompts: int | None, dataset: str, baseline: str | None, lora_policy: str, url: str | None,
@@ -227,13 +241,21 @@ def check_no_spec(baseline: str | None, engine: EngineConfig) -> None:
                           "\"num_speculative_tokens\": 3}', or use --baseline hf")
 
 
-def check_runner(engine: EngineConfig) -> None:
-    """infer bench measures generation (TTFT, TPOT, ITL): a pooling engine generates nothing, and every request
-    failed after the whole run, its report written."""
-    if engine.pooling():
-        raise ConfigError("infer bench measures text generation; --runner pooling serves embeddings, which it cannot "
-                          "bench", "drop --runner pooling (and --pooler-config), or time `infer run MODEL "
-                          "LINES.jsonl --runner pooling` with lines of url /v1/embeddings")
+def check_runner(engine: EngineConfig, output_len: int | None, slos: dict | None, lora_policy: str) -> None:
+    """--runner pooling benches embeddings (each request a prompt in, its vector out): what only a generation has
+    (an output length, a TTFT or TPOT objective, the split policy's generation driver) is refused, not ignored."""
+    if not engine.pooling():
+        return
+    if output_len is not None:
+        raise ConfigError("--output-len: --runner pooling benches embeddings, which generate no token",
+                          "drop --output-len (--input-len sets the prompts' length)")
+    timed = sorted(set(slos or ()) - {"e2el"})
+    if timed:
+        raise ConfigError(f"--goodput {timed[0]}: an embedding has no token times, only its end-to-end latency",
+                          "give --goodput e2el:MS with --runner pooling")
+    if lora_policy != "mixed":
+        raise ConfigError("--lora-policy split benches generation; --runner pooling runs the adapters mixed",
+                          "drop --lora-policy")
 
 
 def check_range_ratio(ratio: float, dataset: str) -> None:
@@ -261,7 +283,8 @@ def check_lengths(dataset: str, input_len: int | None, output_len: int | None) -
 
 
 # what an engine option still sets with --url (bench's own --seed seeds the workload: prompts, arrivals)
-URL_ENGINE_OPTIONS = ("dtype", "device", "chat_template", "seed")
+# (--runner pooling: bench the server's embeddings; --pooler-config: how it pools, which the HF baseline pools alike)
+URL_ENGINE_OPTIONS = ("dtype", "device", "chat_template", "seed", "runner", "pooler_config")
 
 
 def check_url_engine_options(url: str | None) -> None:
@@ -456,6 +479,9 @@ def bench(
 
     Does speculation pay: infer bench tiny-llama --speculative-config '{"method": "ngram",
     "num_speculative_tokens": 3}' --baseline no-spec -c 4
+
+    Embeddings (embeddings/s, input tokens/s, E2EL, memory; the baseline transformers' AutoModel pooled alike):
+    infer bench tiny-llama --runner pooling -c 1,8 --input-len 128 --baseline hf
     """
     levels, rate, slos = parse_concurrency(concurrency), parse_rate(request_rate), parse_goodput(goodput)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
@@ -470,9 +496,9 @@ def bench(
     check_lengths(dataset, input_len, output_len)
     check_url_engine_options(url)
     check_no_spec(baseline, engine)
-    check_runner(engine)
+    check_runner(engine, output_len, slos, lora_policy)
     input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
-        DEFAULT_OUTPUT_LEN if output_len is None else output_len
+        (1 if engine.pooling() else DEFAULT_OUTPUT_LEN) if output_len is None else output_len  # (pooling: unused)
     made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
     if out is None:
         fresh = not os.path.lexists("bench-results")
@@ -489,10 +515,9 @@ def bench(
         plan = BenchPlan(model=model, levels=levels, rate=rate, num_prompts=num_prompts, dataset=dataset,
                          input_len=input_len, output_len=output_len, range_ratio=random_range_ratio, loras=names,
                          lora_policy=lora_policy,
-                         url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
-                         api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
-                         save_detailed=save_detailed,
-                         out=out)
+                         url=None if url is None else check_url(url, model_id, names, api_key, engine.pooling()),
+                         model_id=model_id, api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
+                         save_detailed=save_detailed, pooling=engine.pooling(), out=out)
         set_target(plan, engine, lora, max_num_seqs, max_loras)
         run_and_report(plan)
 
@@ -516,6 +541,7 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
         plan.engine = replace(engine, seed=plan.seed, loras=lora or [], max_num_seqs=seqs, max_loras=max_loras or slots)
     else:
         plan.dtype, plan.device, plan.chat_template = engine.dtype, engine.device, engine.chat_template
+        plan.pooler_config = engine.pooler_config
 
 
 def run_and_report(plan) -> None:
