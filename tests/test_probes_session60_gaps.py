@@ -212,3 +212,28 @@ def test_bench_runner_pooling_refuses_generation_options(tmp_path, args, message
     assert code == 2 and message in output, output
     assert results is None
 
+
+def test_retry_failed_takes_served_model_names_added(tmp_path, llama):
+    """A line whose body.model was no name of the run failed (404); --resume --retry-failed with that name added
+    to --served-model-name (MODEL's name still first) runs it again, into one record with every input's vector, and
+    keeps the others; without --retry-failed the hint says to add it; a new first name (the model of every record
+    whose line names none) is still refused."""
+    _, hf = llama
+    ids = random_prompts(hf.config.vocab_size, (5, 3), seed=25)
+    lines = [_line("plain", {"input": ids[0]}), _line("alias", {"model": "alias", "input": ids})]
+    args = (*POOLING, "--output-format", "openai")
+    recs, _ = infer_run_records(tmp_path, lines, *args, key="custom_id")
+    kept = recs["plain"]
+    assert recs["alias"]["response"]["status_code"] == 404
+    recs, printed = infer_run_records(tmp_path, lines, *args, "--served-model-name", "tiny-llama", "alias",
+                                      "--resume", key="custom_id")
+    assert "add --retry-failed" in " ".join(printed.split()) and recs["alias"]["response"]["status_code"] == 404
+    recs, printed = infer_run_records(tmp_path, lines, *args, "--served-model-name", "alias", "tiny-llama",
+                                      "--resume", "--retry-failed", key="custom_id")
+    assert "served_model_name" in " ".join(printed.split()) and recs["alias"]["response"]["status_code"] == 404
+    recs, printed = infer_run_records(tmp_path, lines, *args, "--served-model-name", "tiny-llama", "alias",
+                                      "--resume", "--retry-failed", key="custom_id")
+    assert recs["plain"] == kept, printed
+    body = recs["alias"]["response"]["body"]
+    assert recs["alias"]["response"]["status_code"] == 200 and body["model"] == "alias"
+    check_close([torch.tensor(d["embedding"]) for d in body["data"]], [pooled(hf_hidden(hf, p), "LAST") for p in ids])

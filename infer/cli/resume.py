@@ -290,8 +290,9 @@ def check_not_unfinished(output: Path) -> None:
 def check_resume(output: Path, input: Path, options: dict, retry_failed: bool = False) -> None:
     """Refuse to resume OUTPUT from another input or with options that change outputs. An input that only grew
     (lines appended to the same file) is the same input. `retry_failed` (--retry-failed): adapters added to the
-    old ones (--lora NAME=PATH, those already given at the same paths) are taken: they change no record but the
-    error of a line that named an unknown adapter, which the run retries."""
+    old ones (--lora NAME=PATH, those already given at the same paths) and --served-model-name ids added after the
+    old ones (the first, a line's model where it names none, kept) are taken: they change no record but the error
+    of a line that named an unknown adapter or model, which the run retries."""
     path = fingerprint_path(output)
     if not output.is_file():
         return
@@ -311,7 +312,7 @@ def check_resume(output: Path, input: Path, options: dict, retry_failed: bool = 
     hint = "resume with the same input and options, write to a new -o OUTPUT, or pass --force-resume"
     old_opts, options = {**OPTION_DEFAULTS, **old_opts}, {**OPTION_DEFAULTS, **options}
     changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k)
-                     and not (k == "loras" and retry_failed and _only_added(old_opts.get(k), options.get(k))))
+                     and not (retry_failed and _added(k, old_opts, options)))
     what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)
     if input.stat().st_size < size or input_digest(input, size) != digest:  # every difference at once
         also = f"; it was also written with other options: {what}" if changed else ""
@@ -323,11 +324,25 @@ def check_resume(output: Path, input: Path, options: dict, retry_failed: bool = 
                           f"newline, so the text appended to it changed that line (byte {size:,} on)",
                           "end the old last line with a newline and put the new requests on lines of their own, or "
                           "write to a new -o OUTPUT")
-    if changed == ["loras"] and _only_added(old_opts.get("loras"), options.get("loras")):
-        hint = ("to run again, with the adapters added, the lines whose records are errors (an unknown adapter's), "
-                "add --retry-failed; else " + hint)
+    if changed and all(_added(k, old_opts, options) for k in changed):
+        hint = ("to run again, with the adapters or names added, the lines whose records are errors (an unknown "
+                "adapter's or model's), add --retry-failed; else " + hint)
     if changed:
         raise ConfigError(f"{output} was written with other options: {what}", hint)
+
+
+def _added(key: str, old_opts: dict, options: dict) -> bool:
+    """Whether option `key` only adds what a line may name: adapters (loras), or --served-model-name ids after the
+    old ones (none given: MODEL's name), the first kept (the model of the records of lines that name none)."""
+    old, new = old_opts.get(key), options.get(key)
+    if key == "loras":
+        return _only_added(old, new)
+    if key != "served_model_name" or not isinstance(new, list):
+        return False
+    if old is None:
+        from .options import base_model_id
+        old = [base_model_id(str(old_opts.get("model")))]
+    return isinstance(old, list) and new[:len(old)] == old
 
 
 def _only_added(old, new) -> bool:
