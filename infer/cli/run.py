@@ -398,7 +398,7 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_
         "model_limit_reason": context_limit(config)[1], "vocab_size": config.vocab_size,
         "eos_token_ids": sorted(eos_ids(path, config, tokenizer)), "num_blocks": sys.maxsize,
         "adapters": sorted(engine.loras), "lora_enabled": engine.enable_lora,
-        "pooler": resolve_pooler(path, config.hidden_size, engine.pooler_config) if engine.pooling() else None})
+        "pooler": resolve_pooler(path, config.hidden_size, engine.pooler_config, config) if engine.pooling() else None})
     _validate_lines(view, lines)
     return lines
 

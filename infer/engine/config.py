@@ -20,7 +20,7 @@ from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
 from ..lora.targets import parse_target_modules
 from ..memory.sizes import gib
-from .pooling import RUNNERS, parse_pooler_config
+from .pooling import RUNNERS, classifier_folder, parse_pooler_config
 from .speculative import parse_speculative_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -211,8 +211,10 @@ class EngineConfig:
                                                    "\"num_speculative_tokens\": 3}' (default: off).",
                                              cli_type=str, metavar="JSON")
     runner: str = option("auto", "auto | generate | pooling (vLLM's --runner): pooling serves embeddings (LLM.embed, "
-                                 "POST /v1/embeddings, infer run lines with url /v1/embeddings) and no text "
-                                 "generation; auto: generate.")
+                                 "POST /v1/embeddings, infer run lines with url /v1/embeddings), or a classifier's "
+                                 "classes and scores (LLM.classify, LLM.score, POST /classify, /score, /rerank), and "
+                                 "no text generation; auto: pooling for a *ForSequenceClassification model, else "
+                                 "generate.")
     pooler_config: dict | None = option(None, "--runner pooling: how to pool, as JSON, e.g. '{\"pooling_type\": "
                                               "\"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS; default: the "
                                               "model's sentence-transformers modules.json, else LAST, normalized).",
@@ -320,6 +322,8 @@ class EngineConfig:
         self.chat_template = load_chat_template(self.chat_template)
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.pooler_config = parse_pooler_config(self.pooler_config)
+        if self.runner == "auto" and classifier_folder(self.model):  # (vLLM's: a ForSequenceClassification pools)
+            self.runner = "pooling"
         for msg in self._problems():  # the CLI adds "see `infer <the command> --help`" to an error without a hint
             raise ConfigError(*msg) if isinstance(msg, tuple) else ConfigError(msg)  # msg: a message or (it, hint)
         if self.device.startswith("cuda") and not torch.cuda.is_available():

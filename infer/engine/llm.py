@@ -520,9 +520,47 @@ class LLM:
         vector in `.outputs.embedding`. `pooling_params` (one, or one per prompt): dimensions, normalize,
         truncate_prompt_tokens; `lora_request` (vLLM's LoRARequest, or one per prompt) or `lora` (a registered
         adapter's name) runs the prompts with that adapter."""
-        if self._engine().pooler is None:
-            raise RequestError(EMBED_ONLY.replace("/v1/embeddings", "LLM.embed").replace("server", "LLM"),
+        return self._pool("embed", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority)
+
+    def classify(self, prompts: Prompt | Seq[Prompt],
+                 pooling_params: PoolingParams | list[PoolingParams] | None = None, *, lora_request=None,
+                 lora: str | list[str | None] | None = None, use_tqdm=True, truncate_prompt_tokens: int | None = None,
+                 priority: int | list[int] | None = None) -> list:
+        """vLLM's LLM.classify on a *ForSequenceClassification model: one ClassificationRequestOutput per prompt, in
+        order, its class probabilities in `.outputs.probs` (PoolingParams(use_activation=False): the logits)."""
+        return self._pool("classify", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority)
+
+    def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None, use_tqdm=True,
+              pooling_params: PoolingParams | None = None, lora_request=None,
+              lora: str | None = None, priority: int | None = None) -> list:
+        """vLLM's LLM.score: one ScoringRequestOutput per pair (`data_1` one text against each of `data_2`, or as
+        many texts as `data_2`, pairwise), its score in `.outputs.score`: a cross-encoder's (a classifier of one
+        label) relevance of the pair joined by its tokenizer, or an embedding model's cosine similarity."""
+        from .classify import ScoringRequestOutput, check_cross_encoder, cosine, pair_ids, score_pairs
+        engine = self._engine()
+        pairs = score_pairs(data_1, data_2, "data_1", "data_2")
+        if engine.pooler is not None and engine.pooler.task == "classify":
+            check_cross_encoder(engine.pooler)
+            room = None if truncate_prompt_tokens is not None else engine.max_model_len
+            prompts = [pair_ids(engine.tokenizer, a, b, room) for a, b in pairs]
+            outs = self._pool("classify", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens,
+                                priority)
+            return [ScoringRequestOutput(o.request_id, o.outputs.probs[0], o.prompt_token_ids) for o in outs]
+        outs = self._pool("embed", [t for pair in pairs for t in pair], pooling_params, lora_request, lora,
+                            truncate_prompt_tokens, priority)
+        return [ScoringRequestOutput(a.request_id, cosine(a.outputs.data, b.outputs.data),
+                                     a.prompt_token_ids + b.prompt_token_ids) for a, b in zip(outs[::2], outs[1::2])]
+
+    def _pool(self, task: str, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority):
+        """The outputs of embed (task "embed") or classify: the engine's pooler must do that task."""
+        pooler = self._engine().pooler
+        if pooler is None:
+            raise RequestError(EMBED_ONLY.replace("/v1/embeddings", f"LLM.{task}").replace("server", "LLM"),
                                'create it with LLM(MODEL, runner="pooling")')
+        if pooler.task != task:
+            from .classify import NOT_CLASSIFIER, NOT_EMBEDDER
+            raise RequestError(NOT_CLASSIFIER if task == "classify" else NOT_EMBEDDER,
+                               "embed with an embedding model" if task == "embed" else "load a classifier")
         params = pooling_params if pooling_params is not None else PoolingParams()
         if isinstance(params, tuple):
             params = list(params)
@@ -532,9 +570,9 @@ class LLM:
             params = params if isinstance(pooling_params, (list, tuple)) else params[0]
         if lora_request is not None:
             if lora is not None:
-                raise RequestError("embed() got both lora and lora_request", "give one")
+                raise RequestError(f"{task}() got both lora and lora_request", "give one")
             lora = _LoRARequests(list(lora_request) if isinstance(lora_request, tuple) else lora_request)
-        return self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, "embed")))
+        return self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, task)))
 
     @staticmethod
     def _sizes(params, count: int) -> list[int]:

@@ -26,6 +26,7 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .classify import ClassificationOutput, ClassificationRequestOutput
 from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
                       PoolingParams, finish_vector, resolve_pooler)
 from .sampler import NOT_FINITE
@@ -249,8 +250,8 @@ class LLMEngine:
                                  draft_parts.model_config if draft_parts is not None else None)
         # a model of mixed layers: a block table per layer group, the sliding groups' blocks behind their window freed
         # --runner pooling: embeddings; a prefix-cache hit skips tokens a MEAN or CLS pool needs (pooling.Pooler)
-        self.pooler = resolve_pooler(parts.path, self.model_config.hidden_size, config.pooler_config) \
-            if config.pooling() else None
+        self.pooler = resolve_pooler(parts.path, self.model_config.hidden_size, config.pooler_config,
+                                     self.model_config) if config.pooling() else None
         caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.caches_prefixes)
         groups = kv_groups(config, self.model_config, self.max_model_len,
                            draft_parts.model_config if draft_parts is not None else None)
@@ -974,7 +975,8 @@ class LLMEngine:
                 outputs.append(self._output(seq, []))
             else:
                 self.scheduler.finish(seq, "stop")
-                outputs.append(EmbeddingRequestOutput(seq, EmbeddingOutput(vec)))
+                outputs.append(ClassificationRequestOutput(seq, ClassificationOutput(vec))
+                               if self.pooler.task == "classify" else EmbeddingRequestOutput(seq, EmbeddingOutput(vec)))
             self._forget(seq)
         return outputs
 

@@ -14,6 +14,7 @@ from ..lora.batch import LoRAGroups, host_groups
 from ..memory.sizes import prompt_logprob_rows
 from ..models.context import ForwardContext
 from .config import EngineConfig
+from .classify import score_rows
 from .pooling import Pooler, pool_rows
 from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs, token_ranks
 from .scheduler import ScheduledBatch
@@ -330,11 +331,12 @@ class ModelRunner:
     @torch.inference_mode()
     def pool(self, batch: ScheduledBatch, pooler: Pooler) -> dict[int, torch.Tensor]:
         """A pooling step (--runner pooling), run to the end: {index in batch: pooled float32 vector} for the
-        sequences whose prompt it completes (pooling.pool_rows); nothing is sampled."""
+        sequences whose prompt it completes (pooling.pool_rows; a classifier's: its logits, classify.score_rows);
+        nothing is sampled."""
         order = self.order(batch)
         input_ids, positions, ctx, *_ = self.prepare(batch, order)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
-        return pool_rows(hidden, batch.seqs, batch.num_new_tokens, order, pooler)
+        return score_rows(self.model, pool_rows(hidden, batch.seqs, batch.num_new_tokens, order, pooler), pooler)
 
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""

@@ -54,10 +54,11 @@ def parse_pooler_config(value) -> dict | None:
     if not isinstance(value, dict):
         raise ConfigError(f"--pooler-config must be a JSON object, got {type(value).__name__}",
                           '--pooler-config \'{"pooling_type": "LAST"}\'')
-    other = sorted(set(value) - {"pooling_type", "normalize"}, key=str)
+    other = sorted(set(value) - {"pooling_type", "normalize", "use_activation"}, key=str)
     if other:
         raise ConfigError(f"--pooler-config has {', '.join(map(repr, other))}, which infer does not take",
-                          "give pooling_type (LAST, MEAN or CLS) and/or normalize (true or false)")
+                          "give pooling_type (LAST, MEAN or CLS), normalize (an embedding model's, true or false) "
+                          "and/or use_activation (a classifier's, true or false)")
     out = dict(value)
     if "pooling_type" in out:
         kind = out["pooling_type"]
@@ -65,20 +66,27 @@ def parse_pooler_config(value) -> dict | None:
             raise ConfigError(f"--pooler-config pooling_type {kind!r} is not one of {', '.join(POOLING_TYPES)}",
                               "LAST: the last token's state; MEAN: the mean over the prompt; CLS: the first token's")
         out["pooling_type"] = kind.upper()
-    if "normalize" in out and not isinstance(out["normalize"], bool):
-        raise ConfigError(f"--pooler-config normalize must be true or false, got {out['normalize']!r}")
+    for key in ("normalize", "use_activation"):
+        if key in out and not isinstance(out[key], bool):
+            raise ConfigError(f"--pooler-config {key} must be true or false, got {out[key]!r}")
     return out
 
 
 @dataclass(frozen=True)
 class Pooler:
     """How a pooling engine's model pools: its type, whether it normalizes, its matryoshka dimensions (None: not a
-    matryoshka model; [] any dimensions up to hidden_size)."""
+    matryoshka model; [] any dimensions up to hidden_size). A classifier's (task "classify", engine.classify): its
+    classes' labels, whether its logits go through the activation (softmax; sigmoid for one label) and its
+    config.json's problem_type."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     hidden_size: int = 0
     matryoshka: list[int] | None = None
+    task: str = "embed"
+    labels: tuple[str, ...] = ()
+    use_activation: bool = True
+    problem_type: str | None = None
 
     @property
     def caches_prefixes(self) -> bool:
@@ -113,8 +121,28 @@ def sentence_transformers_pooling(folder: Path) -> dict:
     return out
 
 
-def resolve_pooler(folder: Path, hidden_size: int, override: dict | None) -> Pooler:
-    """The model's Pooler: --pooler-config's keys, else the sentence-transformers files', else LAST, normalized."""
+def classifier_folder(model) -> bool:
+    """Whether `model` is a folder of a *ForSequenceClassification model (vLLM's runner auto pools it)."""
+    from ..models.classifier import is_classifier
+    path = Path(str(model)) / "config.json"
+    cfg = _json(path) if path.is_file() else None
+    return isinstance(cfg, dict) and is_classifier(cfg)
+
+
+def resolve_pooler(folder: Path, hidden_size: int, override: dict | None, model_config=None) -> Pooler:
+    """The model's Pooler: --pooler-config's keys, else the sentence-transformers files', else LAST, normalized; a
+    classifier's (`model_config` of a ForSequenceClassification): LAST, its logits through the activation."""
+    from ..models.classifier import is_classifier, labels
+    if model_config is not None and is_classifier(model_config):
+        if "normalize" in (override or {}):
+            raise ConfigError("--pooler-config normalize is for an embedding model: this model is a classifier",
+                              "give use_activation (false: the raw logits) instead")
+        spec = {"pooling_type": "LAST", "use_activation": True, **(override or {})}
+        return Pooler(spec["pooling_type"], False, hidden_size, None, "classify", tuple(labels(model_config)),
+                      spec["use_activation"], getattr(model_config, "problem_type", None))
+    if "use_activation" in (override or {}):
+        raise ConfigError("--pooler-config use_activation is for a classifier (a *ForSequenceClassification "
+                          "model): this model makes embeddings", "give normalize instead")
     spec = {"pooling_type": "LAST", "normalize": True}
     spec.update(sentence_transformers_pooling(Path(folder)))
     spec.update(override or {})
@@ -134,6 +162,7 @@ class PoolingParams:
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
+    use_activation: bool | None = None  # a classifier's: softmax/sigmoid of its logits (None: the pooler's choice)
     n: int = field(default=1, init=False, repr=False)  # (one vector a request: LLM fans nothing out)
     output_kind = RequestOutputKind.FINAL_ONLY  # (AsyncLLM.encode yields the finished output alone)
 
@@ -141,8 +170,9 @@ class PoolingParams:
         if self.dimensions is not None and (isinstance(self.dimensions, bool)
                                             or not isinstance(self.dimensions, numbers.Integral)):
             raise RequestError(f"dimensions must be an integer, got {self.dimensions!r}")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise RequestError(f"normalize must be true, false or None, got {self.normalize!r}")
+        for key in ("normalize", "use_activation"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), bool):
+                raise RequestError(f"{key} must be true, false or None, got {getattr(self, key)!r}"[:200])
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or (t < 1 and t != -1)):
             raise RequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {t!r}")
@@ -348,7 +378,11 @@ def _copied(row: torch.Tensor) -> torch.Tensor:
 
 
 def finish_vector(vec: torch.Tensor, pooler: Pooler, params: PoolingParams) -> torch.Tensor:
-    """The request's vector: cut to its dimensions, then L2-normalized (as vLLM's embedding head), on the host."""
+    """The request's vector: cut to its dimensions, then L2-normalized (as vLLM's embedding head), on the host; a
+    classifier's logits through its activation (engine.classify)."""
+    if pooler.task == "classify":
+        from .classify import activated
+        return activated(vec, pooler, params).cpu()
     if params.dimensions is not None:
         vec = vec[:params.dimensions]
     if pooler.normalize if params.normalize is None else params.normalize:

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
+from .classifier import add_score_head, is_classifier
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .registry import check_supported, model_class
 from .rope import check_rope
@@ -177,7 +178,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     cfg = load_config(path)
     files = weight_files(path)
     with torch.device(device):
-        model = model_class(cfg)(cfg, dtype, linear_method_factory(path, cfg), max_positions)
+        model = _build(cfg, dtype, linear_method_factory(path, cfg), max_positions)
     stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if _dtype_name(stored).startswith("float8"):
         log.warning(f"config.json's dtype is {_dtype_name(stored)}: infer has no float8 weights and computes in "
@@ -186,6 +187,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     model.finish_loading()
     model.eval()
     return model, cfg
+
+
+def _build(cfg, dtype: torch.dtype, method_for, max_positions: int | None):
+    """The model of `cfg`, on the current device; a ForSequenceClassification's with its score head."""
+    model = model_class(cfg)(cfg, dtype, method_for, max_positions)
+    if is_classifier(cfg):
+        add_score_head(model, cfg, dtype)
+    return model
 
 
 def check_weights(path: Path, device: torch.device | None = None):
@@ -201,7 +210,7 @@ def check_weights(path: Path, device: torch.device | None = None):
     cfg = load_config(path)
     files = weight_files(path)
     with torch.device("meta"), meta_as_gpu(device is not None and torch.device(device).type == "cuda"):
-        model = model_class(cfg)(cfg, torch.float32, linear_method_factory(path, cfg), 1)
+        model = _build(cfg, torch.float32, linear_method_factory(path, cfg), 1)
     place_weights(model, iter_tensors(files, meta=True), torch.float32)
     for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in
         if isinstance(layer, MergedLinear) and hasattr(layer.method, "check_complete"):

@@ -59,7 +59,8 @@ NEAR_FAMILIES = {
 
 
 def check_supported(cfg) -> str:
-    archs = list(getattr(cfg, "architectures", None) or [])
+    from .classifier import causal_name  # (a ForSequenceClassification model: its family's decoder, models.classifier)
+    archs = [causal_name(a) for a in getattr(cfg, "architectures", None) or []]
     model_type = getattr(cfg, "model_type", None)
     arch = next((a for a in archs if a in SUPPORTED), None)
     if arch is None and model_type in SUPPORTED.values() and not archs:

@@ -1,0 +1,148 @@
+"""Classification and scoring on the pooling runner (vLLM's classify and score tasks): a *ForSequenceClassification
+model's pooled last hidden state through its `score` head (models.classifier) gives num_labels logits, then the
+activation transformers' loss implies (vLLM's): softmax for several labels, sigmoid for one (a cross-encoder's
+relevance) or for problem_type multi_label_classification, none for regression (or use_activation false).
+
+A score of two texts: a classifier of one label (a cross-encoder) reads the pair as its tokenizer joins two texts
+(transformers' tokenizer(text_1, text_2), as sentence-transformers' CrossEncoder and vLLM); an embedding model
+embeds each text apart and scores their cosine similarity."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import RequestError
+from .pooling import EmbeddingRequestOutput, Pooler, PoolingParams
+
+NOT_CLASSIFIER = ("this model makes embeddings, not classes: classification (LLM.classify, POST /classify) needs a "
+                  "*ForSequenceClassification model")
+NOT_EMBEDDER = ("this model is a classifier (a *ForSequenceClassification model): it gives class probabilities "
+                "(LLM.classify, POST /classify) and scores (LLM.score, POST /score, /rerank), not embeddings")
+
+
+def score_rows(model, pooled: dict, pooler: Pooler) -> dict:
+    """A classifier's logits (float32) for each pooled hidden state of the step (pooling.pool_rows's), through the
+    model's score head in the model's dtype (as transformers'); an embedding model's pooled states as they are."""
+    if pooler.task != "classify" or not pooled:
+        return pooled
+    keys = list(pooled)
+    weight = model.score.weight
+    logits = torch.nn.functional.linear(torch.stack([pooled[k] for k in keys]).to(weight.dtype), weight).float()
+    return dict(zip(keys, logits))
+
+
+def activated(logits: torch.Tensor, pooler: Pooler, params: PoolingParams) -> torch.Tensor:
+    """The request's probabilities (vLLM's classify activation) or its raw logits (use_activation false, or a
+    regression model's)."""
+    use = pooler.use_activation if params.use_activation is None else params.use_activation
+    if not use or pooler.problem_type == "regression":
+        return logits
+    if len(logits) < 2 or pooler.problem_type == "multi_label_classification":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+class ClassificationOutput:
+    """vLLM's ClassificationOutput: `probs` (one per class, a list of floats), `num_classes` (`data`: the tensor)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.data)
+
+
+class ClassificationRequestOutput(EmbeddingRequestOutput):
+    """vLLM's ClassificationRequestOutput (a finished classify request): `.outputs.probs`, `.prompt_token_ids`."""
+
+    def __repr__(self) -> str:
+        return (f"ClassificationRequestOutput(request_id={self.request_id!r}, num_classes="
+                f"{self.outputs.num_classes}, prompt_tokens={len(self.prompt_token_ids)})")
+
+
+class ScoringOutput:
+    """vLLM's ScoringOutput: the pair's `score` (a float)."""
+
+    def __init__(self, score: float):
+        self.score = score
+
+    def __repr__(self) -> str:
+        return f"ScoringOutput(score={self.score})"
+
+
+class ScoringRequestOutput:
+    """vLLM's ScoringRequestOutput: `.outputs.score`, the tokens the pair ran as (`prompt_token_ids`: a
+    cross-encoder's joined pair; an embedding model's two texts, one after the other)."""
+
+    finished = True
+
+    def __init__(self, request_id: str, score: float, prompt_token_ids: list[int]):
+        self.request_id, self.outputs, self.prompt_token_ids = request_id, ScoringOutput(score), prompt_token_ids
+
+    def __repr__(self) -> str:
+        return f"ScoringRequestOutput(request_id={self.request_id!r}, score={self.outputs.score})"
+
+
+def check_cross_encoder(pooler: Pooler) -> None:
+    """A classifier scores pairs only with one label (vLLM's: a cross-encoder's relevance)."""
+    if pooler.task == "classify" and len(pooler.labels) != 1:
+        raise RequestError(f"this classifier has {len(pooler.labels)} labels: scoring a pair needs a cross-encoder, "
+                           "a *ForSequenceClassification model of num_labels 1",
+                           "classify the texts instead (LLM.classify, POST /classify)")
+
+
+def score_pairs(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2") -> list[tuple]:
+    """vLLM's pairing of LLM.score's / POST /score's texts: one and one, one and N (the first against each), or N
+    and N (pairwise); RequestError naming the field otherwise."""
+    left, right = _texts(text_1, name_1), _texts(text_2, name_2)
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise RequestError(f"{name_1} has {len(left)} texts and {name_2} {len(right)}: give one {name_1} or as "
+                           f"many as {name_2}", f"one {name_1} is scored against each {name_2}")
+    return list(zip(left, right))
+
+
+def _texts(value, name: str) -> list:
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"{name} must be a text or a non-empty list of texts, got "
+                           f"{'an empty list' if value == [] else type(value).__name__}")
+    for i, item in enumerate(value):
+        if isinstance(item, str) and not item:
+            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to score", "remove it")
+        if not isinstance(item, str) and not (isinstance(item, list) and item and all(_is_id(t) for t in item)):
+            raise RequestError(f"{name}[{i}] is neither a text nor a list of token ids (integers)")
+    return value
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def pair_ids(tokenizer, first, second, max_tokens: int | None) -> list[int]:
+    """A cross-encoder's prompt of a pair: its tokenizer's pair encoding (special tokens, separators and, where the
+    tokenizer has them, token type ids left out as vLLM's decoder cross-encoders do); RequestError when longer than
+    `max_tokens`."""
+    hf = getattr(tokenizer, "hf", tokenizer)
+    if isinstance(first, str) and isinstance(second, str):
+        ids = hf(first, second)["input_ids"]
+    else:
+        one = first if isinstance(first, list) else hf(first, add_special_tokens=False)["input_ids"]
+        two = second if isinstance(second, list) else hf(second, add_special_tokens=False)["input_ids"]
+        ids = hf.build_inputs_with_special_tokens(one, two)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise RequestError(f"the pair has {len(ids)} tokens, more than the model's context of {max_tokens} tokens",
+                           "shorten the texts, or give truncate_prompt_tokens")
+    return list(ids)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """An embedding model's score of a pair (vLLM's): the cosine similarity of the two vectors."""
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))
