@@ -22,7 +22,7 @@ from ..engine.inputs import MAX_LOGPROBS, MAX_TOKENS_CAP, openai_sampling_defaul
 from ..engine.sleep import PAUSED, SLEPT
 from ..errors import LoRAError, RequestError, SleepModeError
 from . import protocol as p
-from . import embeddings
+from . import embeddings, scoring
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
 from .beams import ServedBeamSearch
@@ -527,6 +527,16 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
+def _pooling_route(server: Server, handler):
+    """A route of serve.scoring's (classify, score, rerank): the body read, the handler's dict answered."""
+    async def route(request: Request):
+        arrival = time.monotonic()
+        raw = await request_body(server, request)
+        body = None if raw is None else await handler(server, request, raw, arrival)
+        return Response(status_code=499) if body is None else SafeJSONResponse(body)
+    return route
+
+
 def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -541,6 +551,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         raw = await request_body(server, request)
         body = None if raw is None else await embeddings.create(server, request, raw)
         return Response(status_code=499) if body is None else SafeJSONResponse(body)
+
+    for route, handler in (("/classify", scoring.classify), ("/score", scoring.score), ("/v1/score", scoring.score),
+                           ("/rerank", scoring.rerank), ("/v1/rerank", scoring.rerank),
+                           ("/v2/rerank", scoring.rerank)):
+        app.add_api_route(route, _pooling_route(server, handler), methods=["POST"])
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):

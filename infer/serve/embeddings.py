@@ -19,6 +19,7 @@ import torch
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
     embedding_inputs, embedding_request_id
+from ..engine.classify import NOT_EMBEDDER
 from ..errors import RequestError
 from . import protocol as p
 
@@ -120,16 +121,29 @@ def generation_refusal(server, api: str) -> None:
 async def create(server, request, raw: bytes):
     """The response of POST /v1/embeddings (a SafeJSONResponse body as a dict, or an ApiError raised)."""
     arrival = time.monotonic()
-    if getattr(server.engine, "pooler", None) is None:
-        raise p.ApiError(400, f"The model does not support Embeddings API: {EMBED_ONLY}", code="model_not_supported")
+    pooler = getattr(server.engine, "pooler", None)
+    if pooler is None or pooler.task != "embed":
+        raise p.ApiError(400, f"The model does not support Embeddings API: "
+                              f"{EMBED_ONLY if pooler is None else NOT_EMBEDDER}", code="model_not_supported")
     req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len,
                                   server.parser.trust_template)
     try:  # (the engine refuses it too, as a request's error: named here as the body's field)
         req.params.check_dimensions(server.engine.pooler, str(server.engine.config.model))
     except RequestError as e:
         raise p.bad_request(e, param="dimensions") from None
-    lora = server.lora_for(req.model)
-    base_id = "embd-" + uuid.uuid4().hex
+    got = await pooled(server, request, req, server.lora_for(req.model), "embd-", arrival)
+    if got is None:
+        return None
+    # the client's id names the response (the engine's ids stay the server's own, as the generation routes')
+    given = request.headers.get("x-request-id") if request is not None else None
+    return response_body(*got, req.model or server.model_id, req.encoding_format, given or req.request_id)
+
+
+async def pooled(server, request, req: EmbeddingRequest, lora, prefix: str, arrival: float
+                 ) -> tuple[list, int] | None:
+    """(the pooled vector of each of req's prompts, in order; the prompt tokens) run in waves of the running slots
+    (every input checked first); None if the client went away (what it held aborted). `arrival`: the body's."""
+    base_id = prefix + uuid.uuid4().hex
     wave = _running_slots(server)
     if len(req.prompts) > wave:  # every input checked before the first wave (vLLM's): none refused after waves ran
         await asyncio.to_thread(_check_inputs, server, req, lora)  # (a large body: off the event loop)
@@ -150,10 +164,7 @@ async def create(server, request, raw: bytes):
             start += len(ids)
     except _Gone:
         return None
-    # the client's id names the response (the engine's ids stay the server's own, as the generation routes')
-    given = request.headers.get("x-request-id") if request is not None else None
-    return response_body(vectors, tokens, req.model or server.model_id, req.encoding_format,
-                         given or req.request_id)
+    return vectors, tokens
 
 
 def _check_inputs(server, req: EmbeddingRequest, lora) -> None:

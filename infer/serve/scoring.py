@@ -1,0 +1,176 @@
+"""vLLM's pooling routes beside /v1/embeddings: POST /classify (a *ForSequenceClassification model's class
+probabilities), POST /score and /v1/score (text_1 against text_2), POST /rerank, /v1/rerank and /v2/rerank
+(Jina's and Cohere's format: query, documents, top_n, return_documents). A pair is scored by a cross-encoder (a
+classifier of one label, the pair joined by its tokenizer) or by an embedding model (cosine similarity); both run
+as pooling requests through embeddings.pooled. Without --runner pooling every route is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import numbers
+import re
+import uuid
+
+from ..engine.classify import NOT_CLASSIFIER, check_cross_encoder, cosine, pair_ids, score_pairs
+from ..engine.inputs import encode_prompt
+from ..engine.pooling import PoolingParams, embedding_inputs
+from ..errors import RequestError
+from . import protocol as p
+from .embeddings import EmbeddingRequest, pooled
+
+NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} needs the server started with --runner "
+                      "pooling (a classifier, or an embedding model for scores)")
+_FIELDS = ("input", "model", "text_1", "text_2", "query", "documents", "top_n", "return_documents",
+           "truncate_prompt_tokens", "use_activation", "priority")
+
+
+def _body(raw: bytes, needs: tuple[str, ...]) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise p.ApiError(400, f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise p.ApiError(400, f"the body must be a JSON object with {' and '.join(needs)}")
+    for key in needs:
+        if key not in body:
+            raise p.ApiError(400, f"{key} is required", param=key)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise p.ApiError(400, f"model must be a string, got {type(model).__name__}", param="model")
+    return body
+
+
+def _refused(e: RequestError) -> p.ApiError:
+    """A 400 whose param is the body's field the error names."""
+    word = re.match(r"[a-z_0-9]*", e.message).group(0)
+    return p.bad_request(e, param=word if word in _FIELDS else None)
+
+
+def _params(body: dict) -> PoolingParams:
+    return PoolingParams(truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+                         use_activation=body.get("use_activation"), priority=body.get("priority", 0)).checked()
+
+
+def _pooler(server, api: str):
+    pooler = getattr(server.engine, "pooler", None)
+    if pooler is None:
+        raise p.ApiError(400, f"The model does not support {api} API: {NOT_POOLING_SERVER.format(api=api)}",
+                         code="model_not_supported")
+    return pooler
+
+
+async def _run(server, request, req: EmbeddingRequest, prefix: str, arrival: float):
+    return await pooled(server, request, req, server.lora_for(req.model), prefix, arrival)
+
+
+def _usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+
+async def classify(server, request, raw: bytes, arrival: float):
+    """POST /classify: one entry per input (its label, probs, num_classes), as vLLM's ClassificationResponse."""
+    pooler = _pooler(server, "Classification")
+    if pooler.task != "classify":
+        raise p.ApiError(400, f"The model does not support Classification API: {NOT_CLASSIFIER}",
+                         code="model_not_supported")
+    body = _body(raw, ("input",))
+
+    def parse() -> EmbeddingRequest:
+        try:
+            params = _params(body)
+            room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
+            prompts = [list(map(int, item)) if isinstance(item, list) else
+                       encode_prompt(server.tokenizer, prompt=item, max_tokens=room)
+                       for item in embedding_inputs(body["input"])]
+        except RequestError as e:
+            raise _refused(e) from None
+        return EmbeddingRequest(body.get("model"), prompts, params)
+
+    req = await asyncio.to_thread(parse)
+    got = await _run(server, request, req, "classify-", arrival)
+    if got is None:
+        return None
+    data = [{"index": i, "label": pooler.labels[int(v.argmax())], "probs": v.tolist(), "num_classes": len(v)}
+            for i, v in enumerate(got[0])]
+    return {"id": "classify-" + _hex(), "object": "list",
+            "created": p.now(), "model": req.model or server.model_id, "data": data, "usage": _usage(got[1])}
+
+
+async def _scores(server, request, body: dict, left, right, names: tuple[str, str], prefix: str,
+                  arrival: float) -> tuple[list[float], int] | None:
+    """The score of each pair of `left` and `right` (score_pairs' rule) and the prompt tokens; None: client gone."""
+    pooler = server.engine.pooler
+
+    def parse() -> tuple[EmbeddingRequest, int]:
+        try:
+            params = _params(body)
+            pairs = score_pairs(left, right, *names)
+            room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
+            if pooler.task == "classify":
+                check_cross_encoder(pooler)
+                prompts = [pair_ids(server.tokenizer, a, b, room) for a, b in pairs]
+            else:
+                prompts = [t if isinstance(t, list) else encode_prompt(server.tokenizer, prompt=t, max_tokens=room)
+                           for pair in pairs for t in pair]
+        except RequestError as e:
+            raise _refused(e) from None
+        return EmbeddingRequest(body.get("model"), prompts, params), len(pairs)
+
+    req, count = await asyncio.to_thread(parse)
+    got = await _run(server, request, req, prefix, arrival)
+    if got is None:
+        return None
+    vectors, tokens = got
+    if pooler.task == "classify":
+        return [float(v[0]) for v in vectors], tokens
+    return [cosine(vectors[2 * i], vectors[2 * i + 1]) for i in range(count)], tokens
+
+
+async def score(server, request, raw: bytes, arrival: float):
+    """POST /score and /v1/score: vLLM's ScoreResponse, one score per pair of text_1 and text_2."""
+    _pooler(server, "Score")
+    body = _body(raw, ("text_1", "text_2"))
+    got = await _scores(server, request, body, body["text_1"], body["text_2"], ("text_1", "text_2"), "score-",
+                        arrival)
+    if got is None:
+        return None
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(got[0])]
+    return {"id": "score-" + _hex(), "object": "list", "created": p.now(), "model": body.get("model") or
+            server.model_id, "data": data, "usage": _usage(got[1])}
+
+
+async def rerank(server, request, raw: bytes, arrival: float):
+    """POST /rerank, /v1/rerank, /v2/rerank: the documents by their relevance to the query, highest first, the
+    first top_n (0 or none: all), each with its index in documents and (return_documents) its text."""
+    _pooler(server, "Rerank")
+    body = _body(raw, ("query", "documents"))
+    query, docs, top_n = body["query"], body["documents"], body.get("top_n")
+    try:
+        if not isinstance(query, str) or not query:
+            raise RequestError("query must be a non-empty text" + ("" if isinstance(query, str) else
+                                                                     f", got {type(query).__name__}"))
+        if not isinstance(docs, list) or not docs:
+            raise RequestError("documents must be a non-empty list of texts" +
+                               (", got an empty list" if docs == [] else f", got {type(docs).__name__}"),
+                               "give the texts to rank")
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or top_n < 0):
+            raise RequestError(f"top_n must be a non-negative integer, got {top_n!r}"[:200],
+                               "0 (or none) returns every document")
+        if not isinstance(body.get("return_documents", True), bool):
+            raise RequestError("return_documents must be true or false")
+    except RequestError as e:
+        raise _refused(e) from None
+    got = await _scores(server, request, body, query, docs, ("query", "documents"), "rerank-", arrival)
+    if got is None:
+        return None
+    order = sorted(range(len(docs)), key=lambda i: -got[0][i])[:top_n or None]
+    keep = body.get("return_documents", True)
+    results = [{"index": i, "relevance_score": got[0][i], **({"document": {"text": docs[i]}} if keep else {})}
+               for i in order]
+    return {"id": "rerank-" + _hex(), "model": body.get("model") or server.model_id, "usage": {"total_tokens": got[1]},
+            "results": results}
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex
