@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infer import LLM, PoolingParams
-from infer.errors import ConfigError, RequestError
+from infer.errors import ConfigError, LoRAError, RequestError
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
@@ -114,7 +114,8 @@ def test_cross_encoder_scores_equal_transformers_pair_encoding(qwen_ce):
                                atol=1e-5, rtol=1e-4)
 
 
-def test_embedding_model_scores_are_cosine_similarities():
+def hf_cosines(query: str, docs: list[str]) -> list[float]:
+    """transformers' cosine similarity of tiny-qwen3's last-token hidden states of the query and each document."""
     from transformers import AutoTokenizer
 
     from lora_helpers import hf_float
@@ -124,8 +125,12 @@ def test_embedding_model_scores_are_cosine_similarities():
     def vec(text):
         with torch.no_grad():
             return hf.model(torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0, -1]
-    want = [torch.nn.functional.cosine_similarity(vec("a cat"), vec(d), dim=0).item() for d in DOCS]
-    with LLM(str(path), runner="pooling", block_size=4) as llm:
+    return [torch.nn.functional.cosine_similarity(vec(query), vec(d), dim=0).item() for d in docs]
+
+
+def test_embedding_model_scores_are_cosine_similarities():
+    want = hf_cosines("a cat", DOCS)
+    with LLM("tiny-qwen3", runner="pooling", block_size=4) as llm:
         got = [o.outputs.score for o in llm.score("a cat", DOCS)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
 
@@ -159,7 +164,150 @@ def test_peft_seq_cls_adapter_is_refused(llama3, tmp_path):
     model = get_peft_model(hf, LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj"]))
     model.save_pretrained(tmp_path / "seqcls")
     model.unload()
-    with pytest.raises(Exception, match="modules_to_save"):
+    with pytest.raises(LoRAError, match="has modules_to_save"):
         with LLM(str(path), block_size=4, enable_lora=True, max_lora_rank=8,
                  loras={"s": str(tmp_path / "seqcls")}) as llm:
             llm.classify(["hi"], lora="s")
+
+
+def _serve(path, **kw):
+    """Yields the base URL of the model at `path` served (pooling runner, runner auto) in a thread as "cls"."""
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(path), max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8,
+                                    block_size=4, **kw))
+    with serve_in_thread(Server(AsyncEngine(engine), "cls")) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def served_classifier(llama3):
+    yield from _serve(llama3[0])
+
+
+@pytest.fixture(scope="module")
+def served_cross_encoder(qwen_ce):
+    yield from _serve(qwen_ce[0])
+
+
+def _post(base: str, route: str, body) -> tuple[int, dict]:
+    import httpx
+    r = httpx.post(base + route, json=body, timeout=60)
+    return r.status_code, r.json()
+
+
+def test_classify_route_equals_transformers(served_classifier, llama3):
+    """POST /classify (vLLM's ClassificationResponse): texts and token ids, more inputs than running slots (waves),
+    each entry's probs, its label (id2label of the most probable class), num_classes; usage counts the prompts."""
+    from transformers import AutoTokenizer
+    path, hf = llama3
+    texts = ["hello world", "a b c", "the cat sat", "x"]
+    ids = [AutoTokenizer.from_pretrained(path)(t)["input_ids"] for t in texts]
+    status, body = _post(served_classifier, "/classify", {"model": "cls", "input": texts})
+    assert status == 200, body
+    assert body["object"] == "list" and body["model"] == "cls" and body["id"].startswith("classify-")
+    want = [torch.softmax(hf_logits(hf, i), -1) for i in ids]
+    check_close([torch.tensor(d["probs"]) for d in body["data"]], want)
+    assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    assert [d["label"] for d in body["data"]] == [LABELS[int(w.argmax())] for w in want]
+    assert all(d["num_classes"] == 3 for d in body["data"])
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == sum(map(len, ids))
+    status, one = _post(served_classifier, "/classify", {"input": ids[0], "use_activation": False})
+    assert status == 200, one
+    check_close([torch.tensor(one["data"][0]["probs"])], [hf_logits(hf, ids[0])])
+
+
+def test_score_and_rerank_routes_equal_transformers(served_cross_encoder, qwen_ce):
+    """/score and /v1/score: one score per pair; /rerank, /v1/rerank, /v2/rerank: the documents by relevance,
+    highest first, top_n of them, with their text unless return_documents is false."""
+    from transformers import AutoTokenizer
+    path, hf = qwen_ce
+    want = _pair_scores(hf, AutoTokenizer.from_pretrained(path), "where is the cat", DOCS)
+    for route in ("/score", "/v1/score"):
+        status, body = _post(served_cross_encoder, route, {"text_1": "where is the cat", "text_2": DOCS})
+        assert status == 200, body
+        assert [d["index"] for d in body["data"]] == [0, 1, 2, 3] and body["data"][0]["object"] == "score"
+        torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), torch.tensor(want),
+                                   atol=1e-5, rtol=1e-4)
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        status, body = _post(served_cross_encoder, route, {"query": "where is the cat", "documents": DOCS,
+                                                            "top_n": 3})
+        assert status == 200, body
+        assert [r["index"] for r in body["results"]] == order[:3]
+        assert [r["document"]["text"] for r in body["results"]] == [DOCS[i] for i in order[:3]]
+        torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in body["results"]]),
+                                   torch.tensor([want[i] for i in order[:3]]), atol=1e-5, rtol=1e-4)
+        assert body["usage"]["total_tokens"] > 0
+    status, body = _post(served_cross_encoder, "/rerank", {"query": "where is the cat", "documents": DOCS,
+                                                           "return_documents": False})
+    assert status == 200 and [r["index"] for r in body["results"]] == order, body
+    assert all("document" not in r for r in body["results"])
+
+
+@pytest.mark.parametrize("route, body, message", [
+    ("/rerank", {"query": "q", "documents": []}, "documents must be a non-empty list of texts, got an empty list"),
+    ("/rerank", {"query": "q", "documents": "d"}, "documents must be a non-empty list of texts, got str"),
+    ("/rerank", {"query": 5, "documents": ["d"]}, "query must be a non-empty text, got int"),
+    ("/rerank", {"query": "q", "documents": ["d", 5]}, "documents[1] is neither a text nor a list of token ids"),
+    ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n must be a non-negative integer"),
+    ("/rerank", {"query": "q", "documents": ["d"], "return_documents": "yes"}, "return_documents must be"),
+    ("/rerank", {"documents": ["d"]}, "query is required"),
+    ("/score", {"text_1": "a", "text_2": ["w " * 40]}, "the pair has"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1 has 2 texts and text_2 3"),
+    ("/score", {"text_1": "a", "text_2": [""]}, "text_2[0] is an empty string"),
+    ("/score", {"text_1": "a", "text_2": "b", "use_activation": "no"}, "use_activation must be true, false"),
+    ("/classify", {"input": []}, "input is an empty list"),
+])
+def test_routes_refuse_bad_bodies(served_cross_encoder, route, body, message):
+    got, reply = _post(served_cross_encoder, route, body)
+    assert got == 400 and message in reply["error"]["message"], reply
+
+
+def test_classify_route_refuses_bad_inputs(served_classifier):
+    for body, message in (({"input": []}, "input is an empty list"), ({"input": 5}, "input must be text"),
+                          ({"input": [5] * 40}, "the prompt has 40 tokens"), ({}, "input is required")):
+        got, reply = _post(served_classifier, "/classify", body)
+        assert got == 400 and message in reply["error"]["message"], reply
+    got, reply = _post(served_classifier, "/score", {"text_1": "a", "text_2": "b"})
+    assert got == 400 and "has 3 labels" in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("route, api", [("/v1/completions", "Completions"), ("/v1/embeddings", "Embeddings")])
+def test_classifier_server_refuses_generation_and_embeddings(served_classifier, route, api):
+    status, reply = _post(served_classifier, route, {"prompt": "hi", "input": "hi"})
+    assert status == 400 and reply["error"]["message"].startswith(f"The model does not support {api} API"), reply
+
+
+def test_generation_server_refuses_the_pooling_routes():
+    from helpers import served_tiny_llama
+    gen = served_tiny_llama()
+    base = next(gen)
+    try:
+        replies = [_post(base, route, body) for route, body in (
+            ("/classify", {"input": "hi"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),
+            ("/v2/rerank", {"query": "a", "documents": ["b"]}))]
+    finally:
+        gen.close()
+    for (status, reply), api in zip(replies, ("Classification", "Score", "Rerank")):
+        assert status == 400 and reply["error"]["message"].startswith(f"The model does not support {api} API")
+        assert "--runner pooling" in reply["error"]["message"]
+
+
+def test_embedding_server_reranks_by_cosine_and_refuses_classify():
+    want = hf_cosines("a cat", DOCS)
+    gen = _serve("tiny-qwen3", runner="pooling")
+    base = next(gen)
+    try:
+        status, body = _post(base, "/v1/rerank", {"query": "a cat", "documents": DOCS})
+        refused = _post(base, "/classify", {"input": "hi"})
+    finally:
+        gen.close()
+    assert status == 200, body
+    assert [r["index"] for r in body["results"]] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+    torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in body["results"]]),
+                               torch.tensor(sorted(want, reverse=True)), atol=1e-5, rtol=1e-4)
+    assert refused[0] == 400 and "makes embeddings, not classes" in refused[1]["error"]["message"], refused
