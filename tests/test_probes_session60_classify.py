@@ -311,3 +311,40 @@ def test_embedding_server_reranks_by_cosine_and_refuses_classify():
     torch.testing.assert_close(torch.tensor([r["relevance_score"] for r in body["results"]]),
                                torch.tensor(sorted(want, reverse=True)), atol=1e-5, rtol=1e-4)
     assert refused[0] == 400 and "makes embeddings, not classes" in refused[1]["error"]["message"], refused
+
+
+def test_gptq_classifier_equals_transformers_on_dequantized_weights(tmp_path, llama3):
+    """A GPTQ int4 decoder (infer quantize) with a float score head and a ForSequenceClassification config.json:
+    softmax of the score head on transformers' last hidden state of the dequantized weights. infer quantize
+    refuses the classifier itself (GPTQModel writes a causal LM: the head would be lost)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from quant_helpers import dequantized_float_model, has_gptqmodel
+    res = CliRunner().invoke(app, ["quantize", str(llama3[0]), "-o", str(tmp_path / "no")])
+    assert res.exit_code != 0 and "is a classifier (LlamaForSequenceClassification)" in res.output, res.output
+    if not has_gptqmodel():
+        pytest.skip("needs the quantize extra (gptqmodel)")
+    out = tmp_path / "gptq"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32", "--num-samples",
+                                   "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    hf = dequantized_float_model(ensure_builtin("tiny-llama"), out)
+    score = llama3[1].score.weight.detach().clone()
+    weights = load_file(out / "model.safetensors")
+    save_file({**weights, "score.weight": score}, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(architectures=["LlamaForSequenceClassification"], id2label={str(k): v for k, v in LABELS.items()},
+               label2id={v: k for k, v in LABELS.items()})
+    (out / "config.json").write_text(json.dumps(cfg))
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=12)
+    with torch.no_grad():
+        want = [torch.softmax(hf.model(torch.tensor([p])).last_hidden_state[0, -1] @ score.T, -1) for p in prompts]
+    with LLM(str(out), block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        got = probs(llm.classify(prompts))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=5e-4, rtol=1e-3)

@@ -134,7 +134,15 @@ def quantize(
     if (src / "config.json").is_file():  # a model infer cannot run is refused before calibration, not after
         from ..models.loader import load_config
         from ..models.registry import check_supported
-        check_supported(load_config(src))
+        cfg = load_config(src)
+        check_supported(cfg)
+        from ..errors import UnsupportedModelError
+        from ..models.classifier import is_classifier
+        if is_classifier(cfg):  # (GPTQModel quantizes a causal LM: the score head would be lost)
+            raise UnsupportedModelError(
+                f"{src} is a classifier ({cfg.architectures[0]}): infer quantize writes causal language models and "
+                "would drop its score head", "quantize the base causal LM, then add the float score.weight and "
+                "the ForSequenceClassification config.json to the GPTQ folder (infer loads it as a classifier)")
     with terminate_as_interrupt():
         result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose,
                                   source=source_name(model))
