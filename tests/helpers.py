@@ -344,8 +344,9 @@ def streamed_chat_choices(base: str, body: dict) -> list[dict]:
         return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
 
 
-def infer_run_records(tmp_path, lines: list[dict], *args: str, key: str = "id") -> tuple[dict, str]:
-    """`infer run tiny-llama -q ARGS` on a jsonl file of `lines` (in tmp_path): its output records by `key` (an OpenAI
+def infer_run_records(tmp_path, lines: list[dict], *args: str, key: str = "id",
+                      model: str = "tiny-llama") -> tuple[dict, str]:
+    """`infer run MODEL -q ARGS` on a jsonl file of `lines` (in tmp_path): its output records by `key` (an OpenAI
     batch output line's: custom_id), and what it printed."""
     import json
 
@@ -354,7 +355,7 @@ def infer_run_records(tmp_path, lines: list[dict], *args: str, key: str = "id") 
     from infer.cli.main import app
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q", *args])
+    res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(out), "-q", *args])
     return {r[key]: r for r in map(json.loads, out.read_text().splitlines())}, res.output
 
 

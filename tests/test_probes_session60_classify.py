@@ -138,8 +138,10 @@ def test_embedding_model_scores_are_cosine_similarities():
 def test_runner_refusals(llama3):
     """A classifier generates and embeds nothing; an embedding model classifies nothing; scoring pairs needs one
     label; peft's SEQ_CLS adapters (modules_to_save on the score head) are refused."""
+    from infer.cli.banner import start_traits
     path, hf = llama3
     with LLM(str(path), block_size=4) as llm:
+        assert start_traits(llm.engine).endswith(", a classifier of 3 labels on LAST pooling")
         with pytest.raises(RequestError, match="only supported for generative models"):
             llm.generate(["hi"])
         with pytest.raises(RequestError, match="is a classifier"):
@@ -348,3 +350,20 @@ def test_gptq_classifier_equals_transformers_on_dequantized_weights(tmp_path, ll
         got = probs(llm.classify(prompts))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=5e-4, rtol=1e-3)
+
+
+def test_infer_run_refuses_embedding_and_scoring_lines_on_a_classifier(tmp_path, llama3):
+    """infer run on a classifier (runner auto: pooling): an embeddings line is told the model is a classifier; a
+    line of a score, rerank or classify url is told to go to a server; the others still run."""
+    from helpers import infer_run_records
+    lines = [{"custom_id": "e", "url": "/v1/embeddings", "body": {"input": "hi"}},
+             {"custom_id": "s", "url": "/v1/score", "body": {"text_1": "a", "text_2": "b"}},
+             {"custom_id": "r", "url": "/v2/rerank", "body": {"query": "a", "documents": ["b"]}},
+             {"custom_id": "g", "url": "/v1/completions", "body": {"prompt": "hi"}}]
+    recs, _ = infer_run_records(tmp_path, lines, "--block-size", "4", "--output-format", "openai", key="custom_id",
+                                model=str(llama3[0]))
+    assert "is a classifier" in recs["e"]["error"]["message"], recs["e"]
+    for key, url in (("s", "/v1/score"), ("r", "/v2/rerank")):
+        assert f"url {url!r}: infer run does not answer classify, score or rerank lines" in \
+            recs[key]["error"]["message"], recs[key]
+    assert "only supported for generative models" in recs["g"]["error"]["message"], recs["g"]

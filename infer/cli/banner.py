@@ -25,7 +25,10 @@ def engine_traits(dtype, num_blocks: int, block_size: int, kv_cache_dtype: str |
             text += f", {name} speculative decoding ({speculative['model']}, {tokens})"
         else:
             text += f", n-gram speculative decoding ({tokens})"
-    if pooler is not None:  # (what a vector is: a pooling server said nothing of it)
+    if pooler is not None and pooler.task == "classify":  # (a classifier's: its labels, what it answers)
+        n = len(pooler.labels)
+        text += f", a classifier of {n} label{'s' if n != 1 else ''} on {pooler.pooling_type} pooling"
+    elif pooler is not None:  # (what a vector is: a pooling server said nothing of it)
         text += f", embeddings of {pooler.pooling_type} pooling, {'' if pooler.normalize else 'not '}normalized"
     return text
 

@@ -572,11 +572,18 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
                                  "encoding_format": fmt, "request_id": rid, "inputs": prompts})
 
 
+SCORING_URLS = ("/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")  # (serve.scoring's)
+
+
 def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
     """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
     not supported (n > 1, tools, ...) is refused rather than dropped."""
     body = _batch_body(obj)
     url = obj.get("url")
+    if url in SCORING_URLS:
+        raise RequestError(f"url {url!r}: infer run does not answer classify, score or rerank lines (a line is one "
+                           "prompt; a score or rerank body is several)",
+                           f"send the body to a server started with `infer serve MODEL --runner pooling` (POST {url})")
     if url is not None and url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)} (and "
                            f"{EMBEDDINGS_URL} with --runner pooling)",

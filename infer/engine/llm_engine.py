@@ -26,7 +26,7 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .classify import ClassificationOutput, ClassificationRequestOutput
+from .classify import NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput, ClassificationRequestOutput
 from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
                       PoolingParams, finish_vector, resolve_pooler)
 from .sampler import NOT_FINITE
@@ -457,6 +457,9 @@ class LLMEngine:
         if params is not None and not isinstance(params, PoolingParams):
             raise RequestError(NOT_GENERATING, EMBED_INSTEAD)
         pooling = (params or PoolingParams()).checked()
+        if pooling.task not in (None, self.pooler.task):  # (an embeddings line of infer run on a classifier...)
+            raise RequestError(NOT_EMBEDDER if pooling.task == "embed" else NOT_CLASSIFIER,
+                               "run it on a model that does that (--runner pooling)")
         pooling.check_dimensions(self.pooler, str(self.config.model))
         return pooling, SamplingParams(max_new_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens,
                                        priority=pooling.priority)

@@ -163,6 +163,7 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     use_activation: bool | None = None  # a classifier's: softmax/sigmoid of its logits (None: the pooler's choice)
+    task: str | None = None  # "embed" or "classify": what the request asks of the model (None: whatever it does)
     n: int = field(default=1, init=False, repr=False)  # (one vector a request: LLM fans nothing out)
     output_kind = RequestOutputKind.FINAL_ONLY  # (AsyncLLM.encode yields the finished output alone)
 
@@ -176,6 +177,8 @@ class PoolingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or (t < 1 and t != -1)):
             raise RequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {t!r}")
+        if self.task not in (None, "embed", "classify"):
+            raise RequestError(f"task must be embed, classify or None, got {self.task!r}"[:200])
         if self.priority is None:  # (the server's field sent as null: its default)
             self.priority = 0
         if isinstance(self.priority, bool) or not isinstance(self.priority, numbers.Integral):
@@ -328,7 +331,7 @@ def embedding_fields(body: dict, prefix: str = "", chat: bool = False) -> tuple[
         check_add_special_tokens(body.get("add_special_tokens"), chat=chat)
         params = PoolingParams(dimensions=body.get("dimensions"), normalize=body.get("normalize"),
                                truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
-                               priority=body.get("priority", 0)).checked()
+                               priority=body.get("priority", 0), task="embed").checked()
     except RequestError as e:
         raise RequestError(prefix + e.message, e.hint) from None
     return params, fmt

@@ -47,8 +47,8 @@ def _refused(e: RequestError) -> p.ApiError:
     return p.bad_request(e, param=word if word in _FIELDS else None)
 
 
-def _params(body: dict) -> PoolingParams:
-    return PoolingParams(truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+def _params(body: dict, task: str | None = None) -> PoolingParams:
+    return PoolingParams(truncate_prompt_tokens=body.get("truncate_prompt_tokens"), task=task,
                          use_activation=body.get("use_activation"), priority=body.get("priority", 0)).checked()
 
 
@@ -78,7 +78,7 @@ async def classify(server, request, raw: bytes, arrival: float):
 
     def parse() -> EmbeddingRequest:
         try:
-            params = _params(body)
+            params = _params(body, "classify")
             room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
             prompts = [list(map(int, item)) if isinstance(item, list) else
                        encode_prompt(server.tokenizer, prompt=item, max_tokens=room)
