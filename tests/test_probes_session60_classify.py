@@ -79,6 +79,17 @@ def test_classify_probs_equal_transformers_softmax(llama3, tokens):
         assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-gemma3", "tiny-phi3",
+                                  "tiny-qwen3-moe"])
+def test_other_families_classify_as_transformers(tmp_path, name):
+    """Each family's ForSequenceClassification (Gemma 3's: Gemma3TextForSequenceClassification) equals
+    transformers' softmax, through chunks of 4 tokens."""
+    path, hf = build_classifier(name, tmp_path / name, 3, seed=5)
+    prompts = random_prompts(hf.config.vocab_size, LENGTHS[:3], seed=6)
+    with LLM(str(path), block_size=4, max_num_batched_tokens=4, max_num_seqs=2) as llm:
+        check_close(probs(llm.classify(prompts)), [torch.softmax(hf_logits(hf, p), -1) for p in prompts])
+
+
 def test_one_label_is_a_sigmoid_and_pooler_config_turns_it_off(qwen_ce):
     path, hf = qwen_ce
     prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=4)

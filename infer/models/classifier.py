@@ -11,8 +11,13 @@ from torch import nn
 SEQ_CLS = "ForSequenceClassification"
 
 
+_CAUSAL = {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}  # (Gemma 3's text model: model_type gemma3_text)
+
+
 def causal_name(arch: str) -> str:
     """The ForCausalLM architecture whose decoder a ForSequenceClassification architecture has."""
+    if arch in _CAUSAL:
+        return _CAUSAL[arch]
     return arch[:-len(SEQ_CLS)] + "ForCausalLM" if arch.endswith(SEQ_CLS) else arch
 
 

@@ -60,9 +60,9 @@ NEAR_FAMILIES = {
 
 def check_supported(cfg) -> str:
     from .classifier import causal_name  # (a ForSequenceClassification model: its family's decoder, models.classifier)
-    archs = [causal_name(a) for a in getattr(cfg, "architectures", None) or []]
+    archs = list(getattr(cfg, "architectures", None) or [])
     model_type = getattr(cfg, "model_type", None)
-    arch = next((a for a in archs if a in SUPPORTED), None)
+    arch = next((causal_name(a) for a in archs if causal_name(a) in SUPPORTED), None)
     if arch is None and model_type in SUPPORTED.values() and not archs:
         arch = next(a for a, t in SUPPORTED.items() if t == model_type)
     if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
@@ -71,7 +71,7 @@ def check_supported(cfg) -> str:
             "language model; Gemma-3-4B and larger), which infer does not run",
             "infer runs Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M): "
             "use a text-only Gemma 3 checkpoint")
-    if model_type == "ministral" and "MistralForCausalLM" in archs:
+    if model_type == "ministral" and "MistralForCausalLM" in map(causal_name, archs):
         raise UnsupportedModelError(
             "config.json of a MistralForCausalLM has layer_types, which makes transformers run it as Ministral "
             "(sliding attention on some layers only), an architecture infer does not run",
