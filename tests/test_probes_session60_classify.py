@@ -44,7 +44,17 @@ def llama3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_ce(tmp_path_factory):
-    return build_classifier("tiny-qwen3", tmp_path_factory.mktemp("cls") / "qwen_ce", 1, seed=2)
+    """A cross-encoder (one label) whose tokenizer joins a pair with its EOS token after each text (as a BERT-like
+    pair template: "$A </s> $B </s>"), so a pair is not the two texts run together."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    path, hf = build_classifier("tiny-qwen3", tmp_path_factory.mktemp("cls") / "qwen_ce", 1, seed=2)
+    tok = AutoTokenizer.from_pretrained(path)
+    eos = tok.eos_token
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A", pair=f"$A {eos} $B:1 {eos}:1", special_tokens=[(eos, tok.convert_tokens_to_ids(eos))])
+    tok.save_pretrained(path)
+    return path, hf
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -118,6 +128,9 @@ def test_cross_encoder_scores_equal_transformers_pair_encoding(qwen_ce):
     with LLM(str(path), block_size=4) as llm:
         got = [o.outputs.score for o in llm.score("where is the cat", DOCS)]
         pairwise = llm.score(DOCS[:2], DOCS[2:])
+        by_ids = llm.score(tok("where is the cat", add_special_tokens=False)["input_ids"], DOCS[:1])
+    assert tok("a", "b")["input_ids"] != tok("ab")["input_ids"]  # (the template joins the pair)
+    assert by_ids[0].prompt_token_ids == tok("where is the cat", DOCS[0])["input_ids"]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
     assert sorted(range(len(DOCS)), key=lambda i: -got[i]) == sorted(range(len(DOCS)), key=lambda i: -want[i])
     torch.testing.assert_close(torch.tensor([o.outputs.score for o in pairwise]),

@@ -130,17 +130,31 @@ def pair_ids(tokenizer, first, second, max_tokens: int | None) -> list[int]:
     """A cross-encoder's prompt of a pair: its tokenizer's pair encoding (special tokens, separators and, where the
     tokenizer has them, token type ids left out as vLLM's decoder cross-encoders do); RequestError when longer than
     `max_tokens`."""
-    hf = getattr(tokenizer, "hf", tokenizer)
     if isinstance(first, str) and isinstance(second, str):
-        ids = hf(first, second)["input_ids"]
-    else:
-        one = first if isinstance(first, list) else hf(first, add_special_tokens=False)["input_ids"]
-        two = second if isinstance(second, list) else hf(second, add_special_tokens=False)["input_ids"]
-        ids = hf.build_inputs_with_special_tokens(one, two)
+        ids = tokenizer(first, second)["input_ids"]
+    else:  # token ids: framed by the special tokens the tokenizer puts around and between a pair of texts
+        one = first if isinstance(first, list) else tokenizer(first, add_special_tokens=False)["input_ids"]
+        two = second if isinstance(second, list) else tokenizer(second, add_special_tokens=False)["input_ids"]
+        before, between, after = _pair_frame(tokenizer)
+        ids = [*before, *one, *between, *two, *after]
     if max_tokens is not None and len(ids) > max_tokens:
         raise RequestError(f"the pair has {len(ids)} tokens, more than the model's context of {max_tokens} tokens",
                            "shorten the texts, or give truncate_prompt_tokens")
     return list(ids)
+
+
+def _pair_frame(tokenizer) -> tuple[list[int], list[int], list[int]]:
+    """The special tokens a tokenizer's pair encoding puts before, between and after the two texts' own tokens (read
+    off the pair encoding of two one-letter texts)."""
+    x, y = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("x", "y"))
+    pair = list(tokenizer("x", "y")["input_ids"])
+    for i in range(len(pair) - len(x) + 1):
+        if pair[i:i + len(x)] == x:
+            for j in range(i + len(x), len(pair) - len(y) + 1):
+                if pair[j:j + len(y)] == y:
+                    return pair[:i], pair[i + len(x):j], pair[j + len(y):]
+    raise RequestError("this tokenizer's pair encoding does not keep each text's tokens: a pair of token ids "
+                       "cannot be joined as it joins texts", "give the pair as texts")
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
