@@ -100,7 +100,7 @@ def test_other_families_classify_as_transformers(tmp_path, name):
         check_close(probs(llm.classify(prompts)), [torch.softmax(hf_logits(hf, p), -1) for p in prompts])
 
 
-def test_one_label_is_a_sigmoid_and_pooler_config_turns_it_off(qwen_ce):
+def test_one_label_is_a_sigmoid_and_pooler_config_turns_it_off(qwen_ce, monkeypatch):
     path, hf = qwen_ce
     prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=4)
     logits = [hf_logits(hf, p) for p in prompts]
@@ -108,6 +108,12 @@ def test_one_label_is_a_sigmoid_and_pooler_config_turns_it_off(qwen_ce):
         check_close(probs(llm.classify(prompts)), [torch.sigmoid(x) for x in logits])
     with LLM(str(path), block_size=4, pooler_config={"use_activation": False}) as llm:
         check_close(probs(llm.classify(prompts)), logits)
+    with pytest.raises(ConfigError, match="is a classifier .* generates no text"):
+        LLM(str(path), runner="generate")
+    with monkeypatch.context() as m:  # (a model config.py cannot read as a folder: the engine refuses it)
+        m.setattr("infer.engine.config.classifier_folder", lambda model: False)
+        with pytest.raises(ConfigError, match="is a classifier .* generates no text"):
+            LLM(str(path))
     with pytest.raises(ConfigError, match="normalize is for an embedding model"):
         LLM(str(path), pooler_config={"normalize": True})
     with pytest.raises(ConfigError, match="use_activation is for a classifier"):

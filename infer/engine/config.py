@@ -322,7 +322,11 @@ class EngineConfig:
         self.chat_template = load_chat_template(self.chat_template)
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.pooler_config = parse_pooler_config(self.pooler_config)
-        if self.runner == "auto" and classifier_folder(self.model):  # (vLLM's: a ForSequenceClassification pools)
+        if self.runner in ("auto", "generate") and classifier_folder(self.model):  # (vLLM's: a classifier pools)
+            if self.runner == "generate":
+                raise ConfigError(f"{self.model} is a classifier (a *ForSequenceClassification model): it has a "
+                                  "score head, no language-model head, and generates no text",
+                                  "use --runner pooling (or auto) and classify or score with it")
             self.runner = "pooling"
         for msg in self._problems():  # the CLI adds "see `infer <the command> --help`" to an error without a hint
             raise ConfigError(*msg) if isinstance(msg, tuple) else ConfigError(msg)  # msg: a message or (it, hint)

@@ -19,6 +19,7 @@ from .. import kernels
 from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, ModelLoadError, OutOfMemoryError,
                       PauseError, RequestError, RequestIdTypeError, SleepModeError, UnknownAdapterError)
 from ..memory.sizes import kv_groups, kv_window
+from ..models.classifier import is_classifier
 from ..models.limits import layer_groups
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -252,6 +253,9 @@ class LLMEngine:
         # --runner pooling: embeddings; a prefix-cache hit skips tokens a MEAN or CLS pool needs (pooling.Pooler)
         self.pooler = resolve_pooler(parts.path, self.model_config.hidden_size, config.pooler_config,
                                      self.model_config) if config.pooling() else None
+        if self.pooler is None and is_classifier(self.model_config):  # (a name config.py could not read as a folder)
+            raise ConfigError(f"{config.model} is a classifier (a *ForSequenceClassification model): it generates "
+                              "no text", "start it with --runner pooling and classify or score with it")
         caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.caches_prefixes)
         groups = kv_groups(config, self.model_config, self.max_model_len,
                            draft_parts.model_config if draft_parts is not None else None)
