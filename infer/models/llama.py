@@ -23,7 +23,7 @@ from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
 from .registry import GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, activation
-from .rope import build_cos_sin_cache, rope_layer_types
+from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, rope_layer_types
 from .shapes import ModelShapes
 
 # rows of one GPTQ output-head matmul: no more than memory.sizes.DEQUANT_MIN_TOKENS, so the head always runs in the
@@ -83,16 +83,17 @@ class Attention(nn.Module):
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         self.kv_group = 0  # its KV layer group (the model runner sets it: engine.hybrid_blocks; 0: ctx's own tables)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
-        # follow attention_bias (q, k, v and o), and so do Granite and OLMo 2; Mistral has none whatever its config says
+        # follow attention_bias (q, k, v and o), and so do Granite, OLMo 2 and SmolLM3; Mistral has none whatever its
+        # config says; Seed-OSS's attention_bias is q, k and v's, attention_out_bias o's
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
-                                                                             *OLMO)
+                                                                             *OLMO, "smollm3", "seed_oss")
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
             or declared or (kind in GLM and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
-        o_bias = declared
+        o_bias = bool(getattr(cfg, "attention_out_bias", False)) if kind == "seed_oss" else declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
         self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO)  # Gemma 3's by 1 + w
@@ -197,8 +198,8 @@ class MLP(nn.Module):
         """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
-        # only Llama's and Granite's MLPs have biases (mlp_bias)
-        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite")
+        # only Llama's, Granite's, SmolLM3's and Seed-OSS's MLPs have biases (mlp_bias)
+        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "smollm3", "seed_oss")
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
@@ -383,7 +384,7 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer.input_layernorm(x, residual, delta)
             if aux and i in aux:
                 kept[i] = residual.clone()
-            x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
+            x, delta = layer.self_attn(positions, x, ctx, self._rope(i))
             if m != 1.0:
                 x = x * m
             x, residual = layer.post_attention_layernorm(x, residual, delta)
@@ -427,7 +428,12 @@ class LlamaForCausalLM(nn.Module):
                 x, _ = self.norm(x, residual, delta)
                 return x, None
             x, residual = self.layers[i].input_layernorm(x, residual, delta)
-        return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
+        return self.layers[i].self_attn.query(positions, x, ctx, self._rope(i)), residual
+
+    def _rope(self, i: int) -> torch.Tensor:
+        """Layer i's rotary table (Gemma 3's and OLMo 3's differ by layer type, SmolLM3's NoPE layers rotate by
+        none)."""
+        return self.cos_sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_head:  # at most HEAD_ROWS rows a matmul: the fused int4 kernels, never the dequantize
@@ -500,10 +506,6 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         x, residual = layer.pre_feedforward_layernorm(x, residual)
         x, delta = layer.mlp(x, ctx)
         return layer.post_feedforward_layernorm(x, None, delta), residual
-
-    def _rope(self, i: int) -> torch.Tensor:
-        """Layer i's rotary table (Gemma 3's differ by layer type)."""
-        return self.cos_sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_and_norm(input_ids)
@@ -602,10 +604,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         x, delta = layer.mlp(h, ctx)
         return h + layer.post_feedforward_layernorm(x, None, delta)
 
-    def _rope(self, i: int) -> torch.Tensor:
-        """Layer i's rotary table (OLMo 3's differ by layer type)."""
-        return self.cos_sin
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
@@ -651,3 +649,24 @@ class Glm4ForCausalLM(Gemma2ForCausalLM):
         x, residual = layer.post_attention_layernorm(x, residual)
         x, delta = layer.mlp(x, ctx)
         return layer.post_mlp_layernorm(x, None, delta), residual
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """Hugging Face's SmolLM3 (transformers' SmolLM3ForCausalLM: SmolLM3-3B): Llama's layers and checkpoint names,
+    with no rotary on the layers no_rope_layers marks 0 (NoPE: every 4th layer in SmolLM3-3B). Those layers rotate by
+    `nope_cos_sin`, a table of one pair of dims whose cos is 1 and sin 0 (`rope.nope_layers`): q and k pass every
+    rotary kernel unchanged, bit for bit, and the fused decode and prefill kernels need no variant of their own. A
+    sliding window (use_sliding_window: on the NoPE layers, as transformers lists them in layer_types) is
+    Attention.window's."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.nope = nope_layers(cfg)
+        self.register_buffer("nope_cos_sin", identity_cos_sin(self.cos_sin.shape[0]) if any(self.nope) else None,
+                             persistent=False)
+        for layer, nope in zip(self.layers, self.nope):
+            if nope:
+                layer.self_attn.rot_dim = self.nope_cos_sin.shape[-1]
+
+    def _rope(self, i: int) -> torch.Tensor:
+        return self.nope_cos_sin if self.nope[i] else self.cos_sin

@@ -21,6 +21,8 @@ SUPPORTED = {
     "Olmo3ForCausalLM": "olmo3",
     "Glm4ForCausalLM": "glm4",
     "GlmForCausalLM": "glm",
+    "SmolLM3ForCausalLM": "smollm3",  # Llama with no rotary on the layers no_rope_layers marks 0 (NoPE)
+    "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (attention_bias) and o's apart (attention_out_bias)
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -129,8 +131,8 @@ def model_class(cfg):
     if is_moe(cfg):
         return moe_model_class()
     from .llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM,
-                        LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM)
+                        LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
             "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
-            "glm4": Glm4ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "glm4": Glm4ForCausalLM, "smollm3": SmolLM3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

@@ -21,6 +21,29 @@ def rope_layer_types(cfg) -> list[str | None]:
     return [None]
 
 
+def nope_layers(cfg) -> list[bool]:
+    """Which decoder layers rotate q and k by no rope (NoPE): SmolLM3's, where its no_rope_layers has a 0 (1: rope;
+    transformers' SmolLM3Config fills it, every no_rope_layer_interval-th layer 0, when config.json has none); every
+    other family rotates every layer. A list shorter than the layers, or of values other than 0 and 1, is an
+    UnsupportedModelError (transformers fails building the model, or reads any true value as rope)."""
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    if getattr(cfg, "model_type", None) != "smollm3":
+        return [False] * layers
+    flags = getattr(cfg, "no_rope_layers", None)
+    if not isinstance(flags, (list, tuple)) or len(flags) < layers or any(f not in (0, 1) for f in flags):
+        raise UnsupportedModelError(
+            f"config.json's no_rope_layers {flags!r} is not a list of 0 and 1 for each of the {layers} layers",
+            "SmolLM3's no_rope_layers has one entry a layer (1: the layer uses rope, 0: it does not): use the "
+            "config.json that came with the weights, or leave it out (every no_rope_layer_interval-th layer NoPE)")
+    return [not flags[i] for i in range(layers)]
+
+
+def identity_cos_sin(max_positions: int) -> torch.Tensor:
+    """[max_positions, 2] float32 table of cos 1 | sin 0 on the default device: a rotary table of one pair of dims
+    that rotates nothing (a NoPE layer's: `nope_layers`), the head's other dims passed as a partial rotary's are."""
+    return torch.tensor([1.0, 0.0]).expand(max_positions, 2).contiguous()
+
+
 def rope_parameters(cfg, layer_type: str | None = None) -> dict:
     """The rope parameters of the config (of its layers of `layer_type`, where it gives them per layer type)."""
     params = getattr(cfg, "rope_parameters", None)
@@ -57,6 +80,7 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
     with the weights, not in the checkpoint. A row is the rotary dims (2 * the frequencies: Phi-3's partial rotary
     narrower than the head)."""
     width = sum(2 * _inv_freq(cfg, layer_type)[0].numel() for layer_type in rope_layer_types(cfg))
+    width += 2 if any(nope_layers(cfg)) else 0  # (the NoPE layers' identity_cos_sin)
     return max_positions * width * torch.finfo(torch.float32).bits // 8
 
 
@@ -79,9 +103,11 @@ def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
 
 def check_rope(cfg) -> None:
     """Refuse a rope infer cannot compute (an UnsupportedModelError): what build_cos_sin_cache refuses, checked when
-    the config is read (models.loader.load_config), so that commands that never build the model refuse it too."""
+    the config is read (models.loader.load_config), so that commands that never build the model refuse it too;
+    SmolLM3's no_rope_layers (`nope_layers`)."""
     for layer_type in rope_layer_types(cfg):
         _inv_freq(cfg, layer_type)
+    nope_layers(cfg)
 
 
 def _inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

@@ -82,6 +82,10 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # GLM-4 (0414): four norms a layer, gate|up stored fused, half of each head rotated in interleaved pairs (head_dim
     # set: GLM-4's config defaults to 128)
     "tiny-glm4": TinySpec("glm4", 17, config=dict(_TINY, head_dim=16)),
+    # SmolLM3: Llama's layers, the last of each 4 without rope (NoPE), a tied head (as SmolLM3-3B's)
+    "tiny-smollm3": TinySpec("smollm3", 18, config=dict(_TINY, num_hidden_layers=4)),
+    # Seed-OSS: Llama's layers with q/k/v biases and none on o, head_dim set apart (its config defaults to 128)
+    "tiny-seed-oss": TinySpec("seed_oss", 19, config=dict(_TINY, head_dim=32)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -174,7 +178,8 @@ def _build(spec: TinySpec, out: Path) -> None:
                           "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                          "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM"}[spec.arch]]
+                          "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
+                          "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -1,0 +1,281 @@
+"""Session 60 (famA): SmolLM3 (SmolLM3ForCausalLM: Llama with no rotary on the layers no_rope_layers marks 0, NoPE;
+a sliding window on those layers where use_sliding_window is set) and ByteDance Seed-OSS (SeedOssForCausalLM: Llama
+with q, k and v biases from attention_bias, o's from attention_out_bias, mlp_bias, head_dim set apart), end to end on
+tiny random models built from their configs (float32), each against the real thing: greedy tokens and logprobs equal
+transformers' (GQA and MHA, biases, tied heads), the GPU code path (Triton interpreted, emulated CUDA graphs and
+piecewise graphs: a NoPE layer rotates nothing in the fused kernels either), chunked prefill and prefix caching; GPTQ
+checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to peft (alone and
+mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, run, bench, the built-in
+tiny-smollm3 and tiny-seed-oss; what their configs ask that infer cannot do refused up front."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+from transformers import AutoConfig
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+from infer.errors import UnsupportedModelError
+from infer.models.tiny import ensure_builtin
+
+from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
+                     norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text)
+from lora_helpers import (ALL, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          check_mixed_adapters_gpu_path_equal_peft, hf_float)
+from quant_helpers import (check_gpu_path_interpreted, check_int4_kernels_with_mixed_adapters, gptqmodel_greedy,
+                           needs_gptqmodel)
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
+             tie_word_embeddings=False)
+FAMILIES = {"smollm3": ("smollm3", "SmolLM3ForCausalLM", {}),  # layer 3 NoPE (transformers' interval of 4)
+            # head_dim set apart from hidden_size / heads (Seed-OSS's config defaults to 128)
+            "seed_oss": ("seed_oss", "SeedOssForCausalLM", dict(head_dim=32))}
+SL, FULL = "sliding_attention", "full_attention"
+
+
+def build(folder, family: str, seed: int = 0, **config):
+    """A random model folder of `family` (float32; norm weights and biases moved off their constant init) with the
+    tiny-llama tokenizer; returns transformers' model (eager attention)."""
+    model_type, arch, extra = FAMILIES[family]
+    return save_random_model(folder, model_type, arch, {**SMALL, **extra, **config}, seed, norms_and_biases_shifted)
+
+
+def generate(llm, prompts, n: int, **kw) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True), **kw)]
+
+
+CONFIGS = {
+    "smollm3-gqa-nope-every-4th": ("smollm3", dict()),
+    "smollm3-mha-tied-bias-nope-alternate": ("smollm3", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                             attention_bias=True, mlp_bias=True,
+                                                             no_rope_layers=[0, 1, 0, 1])),
+    # a window of 8 (prompts pass it) on the NoPE layers, as transformers' SmolLM3Config lists them in layer_types
+    "smollm3-sliding-nope-layers": ("smollm3", dict(use_sliding_window=True, sliding_window=8,
+                                                    no_rope_layer_interval=2)),
+    "seed_oss-gqa-qkv-bias": ("seed_oss", dict()),
+    "seed_oss-mha-tied-all-biases": ("seed_oss", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                      attention_out_bias=True, mlp_bias=True, num_hidden_layers=3)),
+    "seed_oss-no-bias-wide-heads": ("seed_oss", dict(attention_bias=False, head_dim=64, num_hidden_layers=2)),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
+    family, config = CONFIGS[name]
+    hf = build(tmp_path, family, **config)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        model = llm.engine.runner.model
+        if family == "smollm3":  # the NoPE layers rotate by the identity table, the others by the rope's
+            nope = [not f for f in hf.config.no_rope_layers]
+            assert [model._rope(i) is model.nope_cos_sin for i in range(len(nope))] == nope and any(nope)
+            assert [layer.self_attn.window for layer in model.layers] == \
+                [8 if t == SL else 0 for t in hf.config.layer_types]
+        else:
+            attn = model.layers[0].self_attn
+            assert (attn.qkv_proj.bias is not None) == hf.config.attention_bias
+            assert (attn.o_proj.bias is not None) == hf.config.attention_out_bias
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, name)
+
+
+def test_nope_layers_and_seed_oss_biases_change_the_tokens(tmp_path):
+    """The checks above mean something: in transformers, the same weights with every layer rotated (no_rope_layers
+    all 1) give other logits than SmolLM3's one NoPE layer of 4, and other tokens than NoPE on alternate layers;
+    Seed-OSS's o bias (attention_out_bias) changes its tokens."""
+    prompts = random_prompts(512, (30,), seed=3)
+    rotated = build(tmp_path / "r", "smollm3", no_rope_layers=[1, 1, 1, 1])
+    with torch.no_grad():
+        ids = torch.tensor(prompts)
+        assert not torch.allclose(build(tmp_path / "a", "smollm3")(ids).logits, rotated(ids).logits, atol=1e-3)
+    assert greedy_each(build(tmp_path / "b", "smollm3", no_rope_layers=[0, 1, 0, 1]), prompts, 8) != \
+        greedy_each(rotated, prompts, 8)
+    want = greedy_each(build(tmp_path / "c", "seed_oss", attention_out_bias=True), prompts, 8)
+    assert greedy_each(build(tmp_path / "d", "seed_oss"), prompts, 8) != want
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family):
+    """Steps of 12 tokens (prompts cut into chunks) and a prompt whose first blocks another prompt cached:
+    transformers' tokens."""
+    hf = build(tmp_path, family, seed=1)
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
+
+
+@pytest.mark.parametrize("family, config", [("smollm3", dict(no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+                                                             sliding_window=8)),
+                                            ("seed_oss", dict(attention_out_bias=True, mlp_bias=True))])
+def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, family, config):
+    """Every op through its Triton kernel (interpreted on CPU): SmolLM3's NoPE layers (sliding over a window of 8
+    here) through the fused rotary/KV-store and decode-attention kernels with their table of one unrotated pair,
+    Seed-OSS's biases; decodes through emulated CUDA graphs, the others through emulated piecewise graphs (whose
+    start checks the family's piece() against its forward): transformers' tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    hf = build(tmp_path, family, attention_bias=True, **config)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+
+
+@pytest.mark.parametrize("flags", [[1, 1, 0], [1, 2, 1, 0]])
+def test_a_no_rope_layers_infer_cannot_read_is_refused(tmp_path, flags):
+    """SmolLM3's no_rope_layers shorter than the layers (transformers fails building the model) or of values other
+    than 0 and 1 is refused when the config is read (`infer warmup --estimate` too), naming it."""
+    build(tmp_path, "smollm3")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["no_rope_layers"] = flags
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="no_rope_layers .* is not a list of 0 and 1 for each of the 4"):
+        LLM(str(tmp_path))
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"])
+    assert res.exit_code != 0 and "no_rope_layers" in res.output
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@needs_gptqmodel
+@pytest.mark.parametrize("family", FAMILIES)
+def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path, family):
+    """GPTQModel quantizes both as Llama (its smollm3 and seed_oss map to LlamaQModel): infer's tokens of the
+    checkpoint equal GPTQModel's own load of it, and `infer convert`'s output gives them too."""
+    build(tmp_path / "f", family, attention_bias=True)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.gate_proj.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
+    assert "model.layers.0.self_attn.q_proj.bias" in tensors
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        got = generate(llm, prompts, 8)
+    assert got == gptqmodel_greedy(out, prompts, 8)
+    res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    with LLM(str(tmp_path / "c"), block_size=4) as llm:
+        assert generate(llm, prompts, 8) == got
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"])}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_lora(request, tmp_path_factory):
+    """(family, base folder, transformers' model, {name: adapter}) of ADAPTERS on a base of the family (biases on;
+    Seed-OSS's o bias too)."""
+    root = tmp_path_factory.mktemp(request.param)
+    build(root / "base", request.param, attention_bias=True,
+          **({"attention_out_bias": True} if request.param == "seed_oss" else {}))
+    return (request.param, *base_and_adapters(root, ADAPTERS))
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
+    _, base, hf, paths = family_lora
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
+    """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs, the qkv
+    delta of a decode step left to decode_attention (which rotates a NoPE layer's q and k by nothing): peft's
+    tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    _, base, hf, paths = family_lora
+
+    def check_model(model):
+        for layer in model.layers:
+            assert layer.self_attn.qkv_proj.lora_consumer is not None
+    check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
+
+
+@needs_gptqmodel
+def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_path, monkeypatch):
+    """A GPTQ checkpoint of the base with the adapters mixed: the int4 kernels (interpreted), their silu in gate_up's
+    epilogue, give the CPU path's tokens."""
+    _, base, _, paths = family_lora
+    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
+
+
+def test_lora_validate_accepts_an_adapter_of_every_projection(family_lora):
+    _, base, _, paths = family_lora
+    check_lora_validate_ok(base, paths["all8"])
+
+
+def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_lora, tmp_path):
+    """peft has no default target_modules for these bases (its mapping names neither smollm3 nor seed_oss):
+    PeftModel.from_pretrained refuses a config without them ("Please specify `target_modules`"), and so do infer's
+    engine and lora-validate."""
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    family, base, _, paths = family_lora
+    path = shutil.copytree(paths["all8"], tmp_path / "a")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["target_modules"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    from peft import PeftModel
+    with pytest.raises(ValueError, match="Please specify `target_modules`"):
+        PeftModel.from_pretrained(hf_float(base), str(path))
+    [problem] = adapter_problems("a", path, AutoConfig.from_pretrained(base))
+    assert f"peft has no default for a {family} base" in str(problem)
+    with pytest.raises(LoRAError, match=f"peft has no default for a {family} base"):
+        LLM(str(base), loras={"a": str(path)})
+
+
+# ---------------------------------------------------------------------------------------- serve, warmup, tiny
+def test_serve_completions(family_lora):
+    from transformers import AutoTokenizer
+
+    family, base, hf, _ = family_lora
+    prompt = random_prompts(512, (20,), seed=8)[0]
+    assert served_completion_text(base, family, prompt, 5) == \
+        AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
+
+
+TINY = {"tiny-smollm3": "SmolLM3ForCausalLM", "tiny-seed-oss": "SeedOssForCausalLM"}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
+    """The built-in model equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights
+    as the loaded engine holds them (SmolLM3's NoPE table with its rope table)."""
+    path = ensure_builtin(name)
+    assert json.loads((path / "config.json").read_text())["architectures"] == [TINY[name]]
+    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(name, max_model_len=256) as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        assert (getattr(llm.engine.runner.model, "nope_cos_sin", None) is not None) == (name == "tiny-smollm3")
+        prompts = random_prompts(512, (6, 40), seed=1)
+        got = generate(llm, prompts, 6)
+    assert got == greedy_each(hf_float(path), prompts, 6)
+    assert all(len(set(tokens)) > 2 for tokens in got)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
+    """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
+    prompt = random_prompts(512, (9,), seed=2)[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
+                                                   "ignore_eos": True}) + "\n")
+    res = CliRunner().invoke(app, ["run", name, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-q"])
+    assert res.exit_code == 0, res.output
+    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["token_ids"] == greedy_each(hf_float(ensure_builtin(name)), [prompt], 6)[0]
+    res = CliRunner().invoke(app, ["bench", name, "--out", str(tmp_path / "b"), "-c", "2", "--num-prompts", "2",
+                                   "--input-len", "8", "--output-len", "6", "-q"])
+    assert res.exit_code == 0, res.output
+    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert report["completed"] == 2
