@@ -1,12 +1,14 @@
 """Session 60 (famA): SmolLM3 (SmolLM3ForCausalLM: Llama with no rotary on the layers no_rope_layers marks 0, NoPE;
-a sliding window on those layers where use_sliding_window is set) and ByteDance Seed-OSS (SeedOssForCausalLM: Llama
-with q, k and v biases from attention_bias, o's from attention_out_bias, mlp_bias, head_dim set apart), end to end on
-tiny random models built from their configs (float32), each against the real thing: greedy tokens and logprobs equal
-transformers' (GQA and MHA, biases, tied heads), the GPU code path (Triton interpreted, emulated CUDA graphs and
-piecewise graphs: a NoPE layer rotates nothing in the fused kernels either), chunked prefill and prefix caching; GPTQ
-checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to peft (alone and
-mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, run, bench, the built-in
-tiny-smollm3 and tiny-seed-oss; what their configs ask that infer cannot do refused up front."""
+a sliding window on those layers where use_sliding_window is set), ByteDance Seed-OSS (SeedOssForCausalLM: Llama
+with q, k and v biases from attention_bias, o's from attention_out_bias, mlp_bias, head_dim set apart) and Baidu's
+ERNIE 4.5 dense (Ernie4_5ForCausalLM: Llama rotating the whole head in interleaved pairs, use_bias on every layer),
+end to end on tiny random models built from their configs (float32), each against the real thing: greedy tokens and
+logprobs equal transformers' (GQA and MHA, biases, tied heads), the GPU code path (Triton interpreted, emulated CUDA
+graphs and piecewise graphs: a NoPE layer rotates nothing in the fused kernels either), chunked prefill and prefix
+caching; GPTQ checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to
+peft (alone and mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, run, bench, the
+built-in tiny-smollm3, tiny-seed-oss and tiny-ernie4_5; what their configs ask that infer cannot do refused up front;
+their near neighbours (ERNIE 4.5's mixtures of experts) refused naming what they are."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              tie_word_embeddings=False)
 FAMILIES = {"smollm3": ("smollm3", "SmolLM3ForCausalLM", {}),  # layer 3 NoPE (transformers' interval of 4)
             # head_dim set apart from hidden_size / heads (Seed-OSS's config defaults to 128)
-            "seed_oss": ("seed_oss", "SeedOssForCausalLM", dict(head_dim=32))}
+            "seed_oss": ("seed_oss", "SeedOssForCausalLM", dict(head_dim=32)),
+            "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM", dict(head_dim=16))}  # (its default: 128)
 SL, FULL = "sliding_attention", "full_attention"
 
 
@@ -63,6 +66,9 @@ CONFIGS = {
     "seed_oss-mha-tied-all-biases": ("seed_oss", dict(num_key_value_heads=4, tie_word_embeddings=True,
                                                       attention_out_bias=True, mlp_bias=True, num_hidden_layers=3)),
     "seed_oss-no-bias-wide-heads": ("seed_oss", dict(attention_bias=False, head_dim=64, num_hidden_layers=2)),
+    "ernie4_5-gqa": ("ernie4_5", dict()),
+    "ernie4_5-mha-tied-bias-wide-heads": ("ernie4_5", dict(num_key_value_heads=4, tie_word_embeddings=True,
+                                                          use_bias=True, head_dim=32, num_hidden_layers=2)),
 }
 
 
@@ -79,10 +85,15 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
             assert [model._rope(i) is model.nope_cos_sin for i in range(len(nope))] == nope and any(nope)
             assert [layer.self_attn.window for layer in model.layers] == \
                 [8 if t == SL else 0 for t in hf.config.layer_types]
-        else:
+        elif family == "seed_oss":
             attn = model.layers[0].self_attn
             assert (attn.qkv_proj.bias is not None) == hf.config.attention_bias
             assert (attn.o_proj.bias is not None) == hf.config.attention_out_bias
+        else:  # the whole head rotated, the pairs interleaved
+            attn = model.layers[0].self_attn
+            assert attn.rot_dim == attn.head_dim and attn.rope_interleaved
+            assert (attn.o_proj.bias is not None) == (model.layers[0].mlp.down_proj.bias is not None) == \
+                hf.config.use_bias
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
     check_equal_transformers(hf, prompts, outs, 10, name)
 
@@ -112,12 +123,14 @@ def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family)
 
 @pytest.mark.parametrize("family, config", [("smollm3", dict(no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
                                                              sliding_window=8)),
-                                            ("seed_oss", dict(attention_out_bias=True, mlp_bias=True))])
+                                            ("seed_oss", dict(attention_out_bias=True, mlp_bias=True)),
+                                            ("ernie4_5", dict(use_bias=True))])
 def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, family, config):
     """Every op through its Triton kernel (interpreted on CPU): SmolLM3's NoPE layers (sliding over a window of 8
     here) through the fused rotary/KV-store and decode-attention kernels with their table of one unrotated pair,
-    Seed-OSS's biases; decodes through emulated CUDA graphs, the others through emulated piecewise graphs (whose
-    start checks the family's piece() against its forward): transformers' tokens."""
+    Seed-OSS's biases, ERNIE 4.5's interleaved pairs; decodes through emulated CUDA graphs, the others through
+    emulated piecewise graphs (whose start checks the family's piece() against its forward): transformers'
+    tokens."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     hf = build(tmp_path, family, attention_bias=True, **config)
@@ -144,9 +157,9 @@ def test_a_no_rope_layers_infer_cannot_read_is_refused(tmp_path, flags):
 @needs_gptqmodel
 @pytest.mark.parametrize("family", FAMILIES)
 def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path, family):
-    """GPTQModel quantizes both as Llama (its smollm3 and seed_oss map to LlamaQModel): infer's tokens of the
-    checkpoint equal GPTQModel's own load of it, and `infer convert`'s output gives them too."""
-    build(tmp_path / "f", family, attention_bias=True)
+    """GPTQModel quantizes each as Llama (its smollm3 and seed_oss map to LlamaQModel, its Ernie4_5QModel is one):
+    infer's tokens of the checkpoint equal GPTQModel's own load of it, and `infer convert`'s output gives them too."""
+    build(tmp_path / "f", family, **BIASES[family])
     out = tmp_path / "q"
     res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
                                    "--num-samples", "8", "--seq-len", "32"])
@@ -166,17 +179,17 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
+BIASES = {"smollm3": dict(attention_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=True),
+          "ernie4_5": dict(use_bias=True)}
 ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
             "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"])}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_lora(request, tmp_path_factory):
-    """(family, base folder, transformers' model, {name: adapter}) of ADAPTERS on a base of the family (biases on;
-    Seed-OSS's o bias too)."""
+    """(family, base folder, transformers' model, {name: adapter}) of ADAPTERS on a base of the family (biases on)."""
     root = tmp_path_factory.mktemp(request.param)
-    build(root / "base", request.param, attention_bias=True,
-          **({"attention_out_bias": True} if request.param == "seed_oss" else {}))
+    build(root / "base", request.param, **BIASES[request.param])
     return (request.param, *base_and_adapters(root, ADAPTERS))
 
 
@@ -187,15 +200,15 @@ def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
 
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
     """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs, the qkv
-    delta of a decode step left to decode_attention (which rotates a NoPE layer's q and k by nothing): peft's
-    tokens."""
+    delta of a decode step left to decode_attention (which rotates a NoPE layer's q and k by nothing; not ERNIE
+    4.5's, whose interleaved pairs are reordered first): peft's tokens."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
-    _, base, hf, paths = family_lora
+    family, base, hf, paths = family_lora
 
     def check_model(model):
         for layer in model.layers:
-            assert layer.self_attn.qkv_proj.lora_consumer is not None
+            assert (layer.self_attn.qkv_proj.lora_consumer is None) == (family == "ernie4_5")
     check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
 
 
@@ -213,7 +226,7 @@ def test_lora_validate_accepts_an_adapter_of_every_projection(family_lora):
 
 
 def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_lora, tmp_path):
-    """peft has no default target_modules for these bases (its mapping names neither smollm3 nor seed_oss):
+    """peft has no default target_modules for these bases (its mapping names none of smollm3, seed_oss, ernie4_5):
     PeftModel.from_pretrained refuses a config without them ("Please specify `target_modules`"), and so do infer's
     engine and lora-validate."""
     from infer.errors import LoRAError
@@ -242,7 +255,8 @@ def test_serve_completions(family_lora):
         AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
 
 
-TINY = {"tiny-smollm3": "SmolLM3ForCausalLM", "tiny-seed-oss": "SeedOssForCausalLM"}
+TINY = {"tiny-smollm3": "SmolLM3ForCausalLM", "tiny-seed-oss": "SeedOssForCausalLM",
+        "tiny-ernie4_5": "Ernie4_5ForCausalLM"}
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -279,3 +293,18 @@ def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
     assert res.exit_code == 0, res.output
     [report] = json.loads((tmp_path / "b" / "results.json").read_text())
     assert report["completed"] == 2
+
+
+@pytest.mark.parametrize("model_type, arch, what", [
+    ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "ERNIE 4.5's mixture of experts"),
+    ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ERNIE 4.5's vision-language mixture of experts"),
+    ("ernie", "ErnieForMaskedLM", "the first ERNIE")])
+def test_ernies_near_neighbours_are_refused_naming_what_they_are(tmp_path, model_type, arch, what):
+    """A config of ERNIE 4.5's mixtures of experts or the first ERNIE (an encoder) is refused naming what it is and the
+    ERNIE 4.5 infer runs, by the engine and by `infer warmup --estimate`."""
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": model_type, "architectures": [arch]}))
+    with pytest.raises(UnsupportedModelError, match=f"is {what}.*which infer does not run") as e:
+        LLM(str(tmp_path))
+    assert "Ernie4_5ForCausalLM" in e.value.hint
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"])
+    assert res.exit_code != 0 and what in res.output

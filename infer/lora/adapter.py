@@ -78,10 +78,10 @@ _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
-# phi3, granite, olmo2, olmo3, glm, glm4, smollm3 or seed_oss entry, and peft refuses such an adapter on those bases
-# ("Please specify `target_modules`")
+# phi3, granite, olmo2, olmo3, glm, glm4, smollm3, seed_oss or ernie4_5 entry, and peft refuses such an adapter on those
+# bases ("Please specify `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
-PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, "smollm3", "seed_oss")
+PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, "smollm3", "seed_oss", "ernie4_5")
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}

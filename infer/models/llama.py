@@ -84,10 +84,11 @@ class Attention(nn.Module):
         self.kv_group = 0  # its KV layer group (the model runner sets it: engine.hybrid_blocks; 0: ctx's own tables)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
         # follow attention_bias (q, k, v and o), and so do Granite, OLMo 2 and SmolLM3; Mistral has none whatever its
-        # config says; Seed-OSS's attention_bias is q, k and v's, attention_out_bias o's
+        # config says; Seed-OSS's attention_bias is q, k and v's, attention_out_bias o's; ERNIE 4.5's use_bias all four
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
-                                                                             *OLMO, "smollm3", "seed_oss")
+                                                                             *OLMO, "smollm3", "seed_oss") \
+            or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
             or declared or (kind in GLM and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
@@ -105,10 +106,11 @@ class Attention(nn.Module):
             self.k_norm = norm_for(cfg)(widths[1], cfg.rms_norm_eps, dtype)
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
-        # GLM-4 rotates interleaved pairs (dims 2i, 2i + 1: transformers' glm4 apply_rotary_pos_emb): each head's
-        # rotary dims are reordered evens first, odds after (`_deinterleaved`), and every rotary kernel rotates those
-        # halves as its NeoX pairs (q and k alike: their products, the attention, unchanged)
-        self.rope_interleaved = cfg.model_type in GLM
+        # GLM-4 and ERNIE 4.5 rotate interleaved pairs (dims 2i, 2i + 1: transformers' glm4 and ernie4_5
+        # apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after (`_deinterleaved`), and
+        # every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their products, the attention,
+        # unchanged)
+        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5")  # (ERNIE 4.5's: over the whole head)
         if not self.qk_norm and not self.rope_interleaved:  # a decode step's qkv LoRA expand may be left to
             # decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
@@ -198,8 +200,9 @@ class MLP(nn.Module):
         """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
-        # only Llama's, Granite's, SmolLM3's and Seed-OSS's MLPs have biases (mlp_bias)
-        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "smollm3", "seed_oss")
+        # only Llama's, Granite's, SmolLM3's and Seed-OSS's MLPs have biases (mlp_bias), and ERNIE 4.5's (use_bias)
+        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "smollm3", "seed_oss") \
+            or (cfg.model_type == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)

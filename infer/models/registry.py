@@ -23,6 +23,7 @@ SUPPORTED = {
     "GlmForCausalLM": "glm",
     "SmolLM3ForCausalLM": "smollm3",  # Llama with no rotary on the layers no_rope_layers marks 0 (NoPE)
     "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (attention_bias) and o's apart (attention_out_bias)
+    "Ernie4_5ForCausalLM": "ernie4_5",  # Llama with a rotary of interleaved pairs (GLM-4's), use_bias on every layer
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -44,6 +45,8 @@ _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_ty
 _OLMO = "infer runs OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): use one of those"
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4) and glm-4-9b-chat-hf (GlmForCausalLM, "
         "model_type glm): use one of those")
+_ERNIE = ("infer runs ERNIE 4.5's dense models (Ernie4_5ForCausalLM, model_type ernie4_5: ERNIE-4.5-0.3B): use one "
+          "of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
     "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
@@ -57,6 +60,12 @@ NEAR_FAMILIES = {
     "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
     "glm4_moe": ("GLM-4.5 and GLM-4.6, mixtures of experts (Glm4MoeForCausalLM)", _GLM),
     "glm4_moe_lite": ("GLM-4.7-Flash, a mixture of experts (Glm4MoeLiteForCausalLM)", _GLM),
+    "ernie4_5_moe": ("ERNIE 4.5's mixture of experts (Ernie4_5_MoeForCausalLM: ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B)",
+                     _ERNIE),
+    "ernie4_5_vl_moe": ("ERNIE 4.5's vision-language mixture of experts (Ernie4_5_VLMoeForConditionalGeneration)",
+                        _ERNIE),
+    "ernie": ("the first ERNIE (ErnieModel: ERNIE 1.0 to 3.0), a BERT-style encoder, not a causal language model",
+              _ERNIE),
 }
 
 

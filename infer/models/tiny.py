@@ -86,6 +86,9 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-smollm3": TinySpec("smollm3", 18, config=dict(_TINY, num_hidden_layers=4)),
     # Seed-OSS: Llama's layers with q/k/v biases and none on o, head_dim set apart (its config defaults to 128)
     "tiny-seed-oss": TinySpec("seed_oss", 19, config=dict(_TINY, head_dim=32)),
+    # ERNIE 4.5 (0.3B): Llama's layers, the whole head rotated in interleaved pairs, a tied head, head_dim set (its
+    # config defaults to 128)
+    "tiny-ernie4_5": TinySpec("ernie4_5", 20, config=dict(_TINY, head_dim=16)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -179,7 +182,8 @@ def _build(spec: TinySpec, out: Path) -> None:
                           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                           "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
-                          "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM"}[spec.arch]]
+                          "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+                          "ernie4_5": "Ernie4_5ForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
