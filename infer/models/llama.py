@@ -1,6 +1,7 @@
 """The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3,
 Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below), Granite,
-OLMo 2 and OLMo 3 (GraniteForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM below).
+OLMo 2 and OLMo 3 (GraniteForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM below), SmolLM3 (SmolLM3ForCausalLM below),
+Seed-OSS and ERNIE 4.5 (Llama's class: biases and an interleaved rotary are config switches of Attention and MLP).
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
 (Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
