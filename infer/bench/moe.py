@@ -112,6 +112,23 @@ def tuned_row(bucket: int, cfg: dict | None, tuned_us: float, heuristic_us: floa
             "config": json.dumps(cfg, sort_keys=True) if cfg is not None else None}
 
 
+def _bad_shape(args) -> str | None:
+    """What is wrong with the experts' shape flags, or None (--group-size 0 was a ZeroDivisionError, 0 or less
+    experts, --top-k or sizes tracebacks from the random experts after the GPU had started)."""
+    for flag, v in (("--experts", args.experts), ("--top-k", args.top_k), ("--hidden", args.hidden),
+                    ("--intermediate", args.intermediate), ("--group-size", args.group_size)):
+        if v < 1:
+            return f"{flag} {v} must be at least 1" + (" (the bench's experts have groups: give one, e.g. 128)"
+                                                      if flag == "--group-size" else "")
+    bad = [(flag, v) for flag, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
+           if v % args.group_size or v % 8]
+    if bad:
+        return f"{bad[0][0]} {bad[0][1]} is no multiple of --group-size {args.group_size} and of 8"
+    if args.top_k > args.experts or min(args.tokens) < 1:
+        return "--top-k must be at most --experts and every --tokens at least 1"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m infer.bench.moe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
@@ -132,16 +149,12 @@ def main(argv=None) -> int:
         ap.error("--quick is the candidate set of --tune (the engine start's): add --tune, or drop --quick")
     if args.tune and args.block_m:
         ap.error("--block-m lists BLOCK_M candidates of the timing table; --tune searches BLOCK_M itself: drop one")
+    why = _bad_shape(args)  # (before the GPU check: a wrong flag is named on any machine, never a traceback)
+    if why:
+        ap.error(why)
     if not torch.cuda.is_available():
         print("infer.bench.moe: no CUDA GPU here: it times the GPU kernels (on a CPU the experts run torch's "
               "reference; `pytest tests/test_probes_session56_moeq.py` checks the kernels under TRITON_INTERPRET=1)",
-              file=sys.stderr)
-        return 2
-    bad = [(name, v) for name, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
-           if v % args.group_size or v % 8]
-    if bad or args.top_k > args.experts or min(args.tokens) < 1:
-        print(f"infer.bench.moe: {bad[0][0]} {bad[0][1]} is no multiple of --group-size {args.group_size} and of 8"
-              if bad else "infer.bench.moe: --top-k must be at most --experts and every --tokens at least 1",
               file=sys.stderr)
         return 2
     from .kernels import copy_bandwidth

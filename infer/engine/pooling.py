@@ -306,9 +306,7 @@ def embedding_encoding(body: dict, prefix: str = "") -> Encoding:
     if body.get("encoding_format") == "bytes":
         raise RequestError(f"{prefix}encoding_format 'bytes' (vLLM's binary response) is not supported by infer",
                            "send encoding_format base64: the same bytes (embed_dtype, endianness), base64-encoded")
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ENCODINGS:
-        raise RequestError(f"{prefix}encoding_format {fmt!r} is not one of {', '.join(ENCODINGS)}")
+    fmt = _choice(body, "encoding_format", "float", ENCODINGS, prefix)  # ("" or {} was float)
     dtype = _choice(body, "embed_dtype", "float32", tuple(EMBED_DTYPES), prefix)
     return Encoding(fmt, dtype, _choice(body, "endianness", "native", ENDIANNESS, prefix))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -22,6 +21,7 @@ from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, 
 from ..engine.classify import NOT_EMBEDDER
 from ..errors import RequestError
 from . import protocol as p
+from .body import DEFAULT_MAX_JSON_DEPTH, check_values, load_json
 
 
 @dataclasses.dataclass
@@ -53,14 +53,15 @@ def _refused(e: RequestError) -> p.ApiError:
     return p.bad_request(e, param=word if word in _FIELDS else "input")
 
 
-def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = False) -> EmbeddingRequest:
+def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = False,
+          max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> EmbeddingRequest:
     """The body of POST /v1/embeddings as an EmbeddingRequest; ApiError 400 naming the field otherwise. vLLM's
     chat form (EmbeddingChatRequest): `messages` instead of `input`, rendered as /v1/chat/completions renders them
-    (add_generation_prompt defaults to false there, as vLLM's); `trust_template`: --trust-request-chat-template."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise p.ApiError(400, f"the body is not JSON: {e}") from None
+    (add_generation_prompt defaults to false there, as vLLM's); `trust_template`: --trust-request-chat-template.
+    The body is read as the generation routes read theirs (`max_depth`: --max-json-depth; a body nested past
+    Python's recursion limit was a 500), every string valid Unicode and every number finite."""
+    body = load_json(raw, max_depth)
+    check_values(body)
     if not isinstance(body, dict):
         raise p.ApiError(400, "the body must be a JSON object with 'input'")
     chat = body.get("messages") is not None
@@ -74,7 +75,8 @@ def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = Fals
         rid = embedding_request_id(body)
         keep = params.truncate_prompt_tokens is not None
         if chat:
-            body = {**body, "add_generation_prompt": body.get("add_generation_prompt") is True}
+            if body.get("add_generation_prompt") is None:  # (a non-boolean is refused when rendered: "yes" was false)
+                body = {**body, "add_generation_prompt": False}
             ids = p.chat_prompt_ids(body, tokenizer, None if keep else max_model_len, trust_template)
             return EmbeddingRequest(body.get("model"), [ids], params, fmt, field="messages", request_id=rid)
         inputs = embedding_inputs(body["input"])
@@ -126,7 +128,7 @@ async def create(server, request, raw: bytes):
         raise p.ApiError(400, f"The model does not support Embeddings API: "
                               f"{EMBED_ONLY if pooler is None else NOT_EMBEDDER}", code="model_not_supported")
     req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len,
-                                  server.parser.trust_template)
+                                  server.parser.trust_template, server.limits.max_json_depth)
     try:  # (the engine refuses it too, as a request's error: named here as the body's field)
         req.params.check_dimensions(server.engine.pooler, str(server.engine.config.model))
     except RequestError as e:
