@@ -463,15 +463,17 @@ def stub_calls(monkeypatch, *targets: str) -> dict:
     return seen
 
 
-def served_tiny_llama():
-    """Yields the base URL of tiny-llama (max_model_len 64, up to 8 sequences, blocks of 4) served in a thread as
-    "tiny-llama"; the server stops when the generator resumes. Skips without fastapi."""
+def served_tiny_llama(**config):
+    """Yields the base URL of tiny-llama (max_model_len 64, up to 8 sequences, blocks of 4; `config`: other
+    EngineConfig fields, runner="pooling"...) served in a thread as "tiny-llama"; the server stops when the
+    generator resumes. Skips without fastapi."""
     pytest.importorskip("fastapi")
     from infer.engine.config import EngineConfig
     from infer.engine.llm_engine import LLMEngine
     from infer.serve.app import Server, serve_in_thread
     from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
+    engine = LLMEngine(EngineConfig("tiny-llama", **{"max_model_len": 64, "max_num_seqs": 8, "block_size": 4,
+                                                     **config}))
     with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
         yield base
 

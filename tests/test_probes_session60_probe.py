@@ -1,0 +1,91 @@
+"""Hostile-user probes (session 60) of what session 59 built: embeddings bodies, the MoE bench's flags, ... Each test
+fails without its fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import served_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def pooling_server():
+    """tiny-llama as a pooling server (the model's default pooling: LAST, normalized): its base URL."""
+    yield from served_tiny_llama(runner="pooling", max_num_seqs=4)
+
+
+def _post(base: str, raw: bytes):
+    import httpx
+    r = httpx.post(base + "/v1/embeddings", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("raw, message, param", [
+    (b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests arrays/objects 5001 levels deep; the limit is 64", None),
+    (b'{"input": NaN}', "input must be a finite number, got nan", "input"),
+    (b'{"input": "hi", "dimensions": Infinity}', "dimensions must be a finite number", "dimensions"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages contains an unpaired surrogate", "messages"),
+])
+def test_an_embeddings_body_is_read_as_the_generation_routes_read_theirs(pooling_server, raw, message, param):
+    """POST /v1/embeddings parsed its body with a bare json.loads: a body nested deeper than Python's recursion
+    limit was a 500 ("internal server error: RecursionError") with a traceback in the log, and NaN / Infinity were
+    read as numbers. It is read as /v1/completions reads its body now (--max-json-depth, every string valid Unicode,
+    every number finite): a 400 naming the problem and the field."""
+    status, reply = _post(pooling_server, raw)
+    assert status == 400 and message in reply["error"]["message"], reply
+    assert reply["error"]["param"] == param
+
+
+@pytest.mark.parametrize("value", ["", {}, 0, False])
+def test_an_encoding_format_of_no_name_is_refused(pooling_server, value):
+    """encoding_format "" (or {}, 0, false: anything falsy) was read as float and answered 200 with floats; a
+    client that meant base64 got a body it could not decode. Refused now, naming the field and the choices."""
+    status, reply = _post(pooling_server, json.dumps({"input": "hi", "encoding_format": value}).encode())
+    assert status == 400 and reply["error"]["param"] == "encoding_format", reply
+    assert f"encoding_format {value!r} is not one of float, base64" in reply["error"]["message"]
+    status, reply = _post(pooling_server, json.dumps({"input": "hi", "encoding_format": None}).encode())
+    assert status == 200 and isinstance(reply["data"][0]["embedding"], list)  # (null: the default, float)
+
+
+def test_the_chat_forms_add_generation_prompt_must_be_a_boolean(pooling_server):
+    """The chat form's add_generation_prompt "yes" (or 1) was read as false silently (the embeddings route
+    replaced it before the rendering's check); /v1/chat/completions refuses it. Refused now; true still opens the
+    assistant's turn (more prompt tokens than the default, false)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, reply = _post(pooling_server, json.dumps({**chat, "add_generation_prompt": "yes"}).encode())
+    assert status == 400 and reply["error"]["param"] == "add_generation_prompt", reply
+    assert "add_generation_prompt must be a boolean, got str" in reply["error"]["message"]
+    counts = {}
+    for add in (None, False, True):
+        status, reply = _post(pooling_server, json.dumps({**chat, "add_generation_prompt": add}).encode())
+        assert status == 200, reply
+        counts[add] = reply["usage"]["prompt_tokens"]
+    assert counts[None] == counts[False] < counts[True]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group-size", "0"], "--group-size 0 must be at least 1"),
+    (["--group-size", "-1"], "--group-size -1 must be at least 1"),
+    (["--experts", "0"], "--experts 0 must be at least 1"),
+    (["--top-k", "0"], "--top-k 0 must be at least 1"),
+    (["--hidden", "0"], "--hidden 0 must be at least 1"),
+    (["--intermediate", "100"], "--intermediate 100 is no multiple of --group-size 128 and of 8"),
+    (["--tune", "--top-k", "9", "--experts", "8"], "--top-k must be at most --experts"),
+])
+def test_the_moe_bench_refuses_bad_shapes_before_the_gpu(monkeypatch, capsys, argv, message):
+    """`python -m infer.bench.moe --group-size 0` on a GPU ended in a ZeroDivisionError traceback; --group-size -1
+    (GPTQ's per-channel), --experts 0, --top-k 0 or --hidden 0 in tracebacks from the random experts, after the GPU
+    had started. Each is refused naming the flag before anything runs (on a CPU too), exit code 2."""
+    from infer.bench.moe import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (what a GPU machine answers)
+
+    def never():
+        raise AssertionError("the bench ran")
+    monkeypatch.setattr("infer.bench.kernels.copy_bandwidth", never)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
