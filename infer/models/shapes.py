@@ -62,6 +62,25 @@ def check_shapes(cfg) -> None:
                                     "came with the weights")
 
 
+# Granite's scales (GraniteForCausalLM): each a finite number, the attention's scale above 0 (0 or below: NaN
+# attention, in transformers' sdpa too) and the logits' divisor not 0 (every logit inf): every request failed with
+# "the model overflowed (run it in bfloat16 or float32)" otherwise, a hint that could not help
+_GRANITE_SCALES = {"embedding_multiplier": None, "residual_multiplier": None, "attention_multiplier": "above 0",
+                   "logits_scaling": "not 0"}
+
+
+def _check_granite_multipliers(raw: dict) -> None:
+    if raw.get("model_type") != "granite":
+        return
+    for field, rule in _GRANITE_SCALES.items():
+        value = raw.get(field)
+        if type(value) not in (int, float):  # (absent: transformers' default; a string: transformers refuses it)
+            continue
+        if not math.isfinite(value) or (rule == "above 0" and value <= 0) or (rule == "not 0" and value == 0):
+            raise ModelLoadError(f"config.json has {field} {value!r}: Granite's {field} must be a finite number"
+                                 f"{' ' + rule if rule else ''}", CONFIG_HINT)
+
+
 def check_config_values(raw: dict) -> None:
     """Refuse, before transformers reads config.json (`raw`, its JSON object), the values no model has: a size that
     is not a whole number (a count below 1, an optional size below 0), an rms_norm_eps below 0 (every norm NaN), a
@@ -89,6 +108,7 @@ def check_config_values(raw: dict) -> None:
     eps = raw.get("rms_norm_eps")
     if eps is not None and type(eps) in (int, float) and not eps >= 0:
         raise ModelLoadError(f"config.json has rms_norm_eps {eps!r}: it must be a number of at least 0", CONFIG_HINT)
+    _check_granite_multipliers(raw)
     quant = raw.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ModelLoadError(f"config.json's quantization_config must be an object, got {type(quant).__name__}",
