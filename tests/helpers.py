@@ -299,14 +299,14 @@ def tiny_llama_with_template(path, template: str):
     return path
 
 
-def tiny_llama_with_json(path, file: str, **changes):
-    """tiny-llama copied into the new folder `path` with `changes` made to the fields of its JSON `file`
-    (config.json, generation_config.json): path."""
+def tiny_llama_with_json(path, file: str, base: str = "tiny-llama", **changes):
+    """tiny-llama (or the built-in tiny model `base`) copied into the new folder `path` with `changes` made to the
+    fields of its JSON `file` (config.json, generation_config.json): path."""
     import json
     import shutil
 
     from infer.models.tiny import ensure_builtin
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    shutil.copytree(ensure_builtin(base), path)
     fields = json.loads((path / file).read_text())
     (path / file).write_text(json.dumps({**fields, **changes}))
     return path

@@ -89,3 +89,25 @@ def test_the_moe_bench_refuses_bad_shapes_before_the_gpu(monkeypatch, capsys, ar
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, rule", [("logits_scaling", 0, "not 0"),
+                                                ("residual_multiplier", float("nan"), ""),
+                                                ("embedding_multiplier", float("inf"), ""),
+                                                ("attention_multiplier", 0, "above 0"),
+                                                ("attention_multiplier", -0.0625, "above 0")])
+def test_granite_multipliers_no_model_has_are_refused_when_read(tmp_path, field, value, rule):
+    """A Granite config.json with logits_scaling 0, a NaN multiplier or an attention_multiplier at or below 0
+    loaded, and every request then failed at its first token with "the model's logits were not finite: the model
+    overflowed (run it in bfloat16 or float32 with --dtype ...)", a hint that could not help (transformers' logits
+    are not finite either). Refused when config.json is read, naming the field; tiny-granite's own scales load."""
+    from infer import LLM, SamplingParams
+    from infer.errors import ModelLoadError
+
+    from helpers import tiny_llama_with_json
+    path = tiny_llama_with_json(tmp_path / "granite", "config.json", base="tiny-granite", **{field: value})
+    with pytest.raises(ModelLoadError, match=f"config.json has {field} {value!r}: Granite's {field} must be a "
+                                             f"finite number{' ' + rule if rule else ''}"):
+        LLM(str(path), max_model_len=64)
+    fine = tiny_llama_with_json(tmp_path / "fine", "config.json", base="tiny-granite", logits_scaling=-4.0)
+    assert LLM(str(fine), max_model_len=64).generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
