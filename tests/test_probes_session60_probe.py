@@ -111,3 +111,15 @@ def test_granite_multipliers_no_model_has_are_refused_when_read(tmp_path, field,
         LLM(str(path), max_model_len=64)
     fine = tiny_llama_with_json(tmp_path / "fine", "config.json", base="tiny-granite", logits_scaling=-4.0)
     assert LLM(str(fine), max_model_len=64).generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+
+
+def test_a_too_long_text_among_many_inputs_is_named(pooling_server):
+    """A body of many texts, one of them certainly longer than the context: the refusal said "the prompt is 5,000
+    bytes long ..." without saying which of the inputs (a body of thousands: no way to find it), where a too-long
+    list of token ids was named (input[2]: ...). Each is named now; a single input's refusal is as before."""
+    long_text = "x" * 5000
+    status, reply = _post(pooling_server, json.dumps({"input": ["hi", "there", long_text]}).encode())
+    assert status == 400 and reply["error"]["param"] == "input", reply
+    assert reply["error"]["message"].startswith("input[2]: the prompt is 5,000 bytes long"), reply
+    status, reply = _post(pooling_server, json.dumps({"input": long_text}).encode())
+    assert status == 400 and reply["error"]["message"].startswith("the prompt is 5,000 bytes long"), reply

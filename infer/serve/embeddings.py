@@ -79,13 +79,25 @@ def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = Fals
                 body = {**body, "add_generation_prompt": False}
             ids = p.chat_prompt_ids(body, tokenizer, None if keep else max_model_len, trust_template)
             return EmbeddingRequest(body.get("model"), [ids], params, fmt, field="messages", request_id=rid)
-        inputs = embedding_inputs(body["input"])
-        prompts = [list(map(int, item)) if isinstance(item, list) else
-                   encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_model_len)
-                   for item in inputs]
+        prompts = _token_ids(embedding_inputs(body["input"]), tokenizer, None if keep else max_model_len)
     except RequestError as e:
         raise _refused(e) from None
     return EmbeddingRequest(body.get("model"), prompts, params, fmt, request_id=rid)
+
+
+def _token_ids(inputs: list, tokenizer, most: int | None) -> list[list[int]]:
+    """Each input's token ids (a text tokenized, certainly longer than `most` refused untokenized); a refusal of one
+    of several names it, input[i], as the engine's checks of the ids do (a too-long text of 10,000 did not)."""
+    prompts = []
+    for i, item in enumerate(inputs):
+        try:
+            prompts.append(list(map(int, item)) if isinstance(item, list) else
+                           encode_prompt(tokenizer, prompt=item, max_tokens=most))
+        except RequestError as e:
+            if len(inputs) == 1:
+                raise
+            raise RequestError(f"input[{i}]: {e.message}", e.hint) from None
+    return prompts
 
 
 def response_id(base: str | None = None) -> str:
