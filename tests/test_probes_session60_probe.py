@@ -110,7 +110,8 @@ def test_granite_multipliers_no_model_has_are_refused_when_read(tmp_path, field,
                                              f"finite number{' ' + rule if rule else ''}"):
         LLM(str(path), max_model_len=64)
     fine = tiny_llama_with_json(tmp_path / "fine", "config.json", base="tiny-granite", logits_scaling=-4.0)
-    assert LLM(str(fine), max_model_len=64).generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+    out = LLM(str(fine), max_model_len=64).generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
 
 
 def test_a_too_long_text_among_many_inputs_is_named(pooling_server):
