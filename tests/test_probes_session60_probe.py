@@ -124,3 +124,43 @@ def test_a_too_long_text_among_many_inputs_is_named(pooling_server):
     assert reply["error"]["message"].startswith("input[2]: the prompt is 5,000 bytes long"), reply
     status, reply = _post(pooling_server, json.dumps({"input": long_text}).encode())
     assert status == 400 and reply["error"]["message"].startswith("the prompt is 5,000 bytes long"), reply
+
+
+@pytest.mark.parametrize("control", ["pause", "sleep"])
+def test_an_embed_another_thread_ends_raises_naming_why(control):
+    """LLM.embed while another thread's pause_generation(mode="abort") or sleep() ended its requests: embed returned
+    a generation's RequestOutput for each (`.outputs` a list: `out.outputs.embedding` was an AttributeError in the
+    caller's hands). It raises now, PauseError / SleepModeError naming how many ended and why; after the resume
+    (the wake_up) the same embed gives the vectors of an uninterrupted one."""
+    import threading
+
+    from infer import LLM
+    from infer.engine.sleep import PAUSED, SLEPT
+    from infer.errors import PauseError, SleepModeError
+
+    from helpers import wait_until
+    from test_probes_session59_pause import _calling_mid_step
+    prompts = [[(7 * i + k) % 500 for k in range(24)] for i in range(6)]
+    with LLM("tiny-llama", runner="pooling", pooler_config={"pooling_type": "MEAN"}, block_size=4, max_model_len=64,
+             max_num_batched_tokens=8, max_num_seqs=2, enable_sleep_mode=True) as llm:
+        want = [o.outputs.embedding for o in llm.embed(prompts)]
+        engine = llm.llm_engine
+        seen = _calling_mid_step(engine, (lambda: engine.pause_generation(mode="abort")) if control == "pause"
+                                 else (lambda: engine.sleep(level=1)))
+        got: list = []
+
+        def embed():
+            try:
+                got.append(llm.embed(prompts))
+            except Exception as e:  # noqa: BLE001 - what the caller gets
+                got.append(e)
+        thread = threading.Thread(target=embed)
+        thread.start()
+        assert wait_until(lambda: "thread" in seen)
+        seen["thread"].join(60)
+        thread.join(60)
+        error, why = (PauseError, PAUSED) if control == "pause" else (SleepModeError, SLEPT)
+        assert isinstance(got[0], error), got
+        assert f"of the 6 embeddings ended without their vector: {why}" in got[0].message
+        engine.resume_generation() if control == "pause" else engine.wake_up()
+        assert [o.outputs.embedding for o in llm.embed(prompts)] == want

@@ -14,14 +14,14 @@ import weakref
 from dataclasses import fields as dataclass_fields, replace
 from typing import Iterator, Sequence as Seq
 
-from ..errors import ClosedError, PauseError, RequestError, UnknownOptionError
+from ..errors import ClosedError, PauseError, RequestError, SleepModeError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, text_only
 from .outputs import CompletionOutput, RequestOutput, as_delta
-from .pooling import EMBED_ONLY, PoolingParams
+from .pooling import EMBED_ONLY, EmbeddingRequestOutput, PoolingParams
 from .sampling_params import RequestOutputKind, SamplingParams
-from .sleep import PAUSED
+from .sleep import PAUSED, SLEPT
 
 Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
 
@@ -572,7 +572,7 @@ class LLM:
             if lora is not None:
                 raise RequestError(f"{task}() got both lora and lora_request", "give one")
             lora = _LoRARequests(list(lora_request) if isinstance(lora_request, tuple) else lora_request)
-        return self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, task)))
+        return _embedded(self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, task))))
 
     @staticmethod
     def _sizes(params, count: int) -> list[int]:
@@ -827,6 +827,24 @@ def _check_unpaused(engine, running: bool = False) -> None:
     if engine.is_paused() and not running:
         raise PauseError("generation is paused (llm.llm_engine.pause_generation()): a new request would wait for "
                          "resume_generation()", "resume it first: llm.llm_engine.resume_generation()")
+
+
+def _embedded(outs: list) -> list:
+    """LLM.embed's outputs, each an EmbeddingRequestOutput. Requests another thread's pause_generation(mode="abort")
+    or sleep() ended have no vector: raised, naming how many (their RequestOutput of a generation in its place made
+    the caller's `.outputs.embedding` an AttributeError)."""
+    ended = [o for o in outs if not isinstance(o, EmbeddingRequestOutput)]
+    if not ended:
+        return outs
+    why = ended[0].error or f"finish_reason {ended[0].finish_reason!r}"
+    what = f"{len(ended)} of the {len(outs)} embeddings ended without their vector: {why}"
+    if why == PAUSED:
+        raise PauseError(what, "embed them again after resume_generation() (a pause with mode \"keep\" or \"wait\" "
+                               "lets an embed go on)")
+    if why == SLEPT:
+        raise SleepModeError(what, "embed them again after wake_up() (sleep(mode=\"keep\") lets an embed go on "
+                                   "after the wake_up)")
+    raise RequestError(what)
 
 
 def _aborted_search() -> PauseError:
