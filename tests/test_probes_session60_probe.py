@@ -4,6 +4,7 @@ fails without its fix."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -164,3 +165,27 @@ def test_an_embed_another_thread_ends_raises_naming_why(control):
         assert f"of the 6 embeddings ended without their vector: {why}" in got[0].message
         engine.resume_generation() if control == "pause" else engine.wake_up()
         assert [o.outputs.embedding for o in llm.embed(prompts)] == want
+
+
+def test_async_llm_encode_a_pause_ended_raises_naming_why():
+    """AsyncLLM.encode whose request pause_generation(mode="abort") ended yielded a generation's RequestOutput
+    (no `.outputs.embedding`); it raises PauseError naming it now, and after the resume gives the vector."""
+    from infer.engine.sleep import PAUSED
+    from infer.errors import PauseError
+
+    from helpers import run_async_llm
+    from test_probes_session59_pause import _calling_mid_step
+    prompt = [(3 * k) % 500 for k in range(48)]
+
+    async def main(llm):
+        want = [out async for out in llm.encode(prompt, request_id="first")][-1].outputs.embedding
+        engine = llm.engine
+        seen = _calling_mid_step(engine, lambda: engine.pause_generation(mode="abort"))
+        with pytest.raises(PauseError, match=re.escape(f"the embedding ended without its vector: {PAUSED}")):
+            async for _ in llm.encode(prompt, request_id="paused"):
+                pass
+        seen["thread"].join(60)
+        engine.resume_generation()
+        assert [out async for out in llm.encode(prompt, request_id="again")][-1].outputs.embedding == want
+    run_async_llm("tiny-llama", main, runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                  max_num_batched_tokens=8, max_num_seqs=2)

@@ -572,7 +572,7 @@ class LLM:
             if lora is not None:
                 raise RequestError(f"{task}() got both lora and lora_request", "give one")
             lora = _LoRARequests(list(lora_request) if isinstance(lora_request, tuple) else lora_request)
-        return _embedded(self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, task))))
+        return embedded(self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, task))))
 
     @staticmethod
     def _sizes(params, count: int) -> list[int]:
@@ -829,15 +829,16 @@ def _check_unpaused(engine, running: bool = False) -> None:
                          "resume_generation()", "resume it first: llm.llm_engine.resume_generation()")
 
 
-def _embedded(outs: list) -> list:
-    """LLM.embed's outputs, each an EmbeddingRequestOutput. Requests another thread's pause_generation(mode="abort")
-    or sleep() ended have no vector: raised, naming how many (their RequestOutput of a generation in its place made
-    the caller's `.outputs.embedding` an AttributeError)."""
+def embedded(outs: list) -> list:
+    """LLM.embed's finished outputs (AsyncLLM.encode's one), each an EmbeddingRequestOutput. Requests another
+    thread's pause_generation(mode="abort") or sleep() ended have no vector: raised, naming how many (their
+    RequestOutput of a generation in its place made the caller's `.outputs.embedding` an AttributeError)."""
     ended = [o for o in outs if not isinstance(o, EmbeddingRequestOutput)]
     if not ended:
         return outs
     why = ended[0].error or f"finish_reason {ended[0].finish_reason!r}"
-    what = f"{len(ended)} of the {len(outs)} embeddings ended without their vector: {why}"
+    what = (f"{len(ended)} of the {len(outs)} embeddings" if len(outs) > 1 else "the embedding") + \
+        f" ended without {'their vector' if len(outs) > 1 else 'its vector'}: {why}"
     if why == PAUSED:
         raise PauseError(what, "embed them again after resume_generation() (a pause with mode \"keep\" or \"wait\" "
                                "lets an embed go on)")

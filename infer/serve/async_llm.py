@@ -154,9 +154,10 @@ class AsyncLLM:
                                "e.g. PoolingParams(dimensions=256)")
         if truncate_prompt_tokens is not None:  # (a copy: the caller's params are left as they were)
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens).checked()
+        from ..engine.llm import embedded
         async for out in self.generate(prompt, params, request_id, lora=lora, priority=priority,
                                        lora_request=lora_request):
-            yield out
+            yield embedded([out])[0] if out.finished else out  # (one a pause or sleep ended: raised, named)
 
     async def beam_search(self, prompt, request_id: str, params, lora_request=None, *, lora: str | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
