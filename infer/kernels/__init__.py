@@ -52,6 +52,11 @@ def _cap(softcap: float) -> dict:
     return {"softcap": float(softcap)} if softcap else {}
 
 
+def _sinks(sinks) -> dict:
+    """gpt-oss's attention sinks (float32 [Hq]), passed only where set (the other families' calls as they were)."""
+    return {"sinks": sinks} if sinks is not None else {}
+
+
 def _win(window: int) -> dict:
     """A sliding-window layer's window, passed only where set (full layers' and other families' calls as they
     were)."""
@@ -102,23 +107,24 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None,
-                    softcap=0.0, window=0):
+                    softcap=0.0, window=0, sinks=None):
     if use_triton(q):  # the module is `attention`: a submodule named paged_attention would shadow this function
         return _triton("attention").paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                    scale, max_query_len, **_cap(softcap), **_win(window))
+                                                    scale, max_query_len, **_cap(softcap), **_win(window),
+                                                    **_sinks(sinks))
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                     max_query_len, **_cap(softcap), **_win(window))
+                                     max_query_len, **_cap(softcap), **_win(window), **_sinks(sinks))
 
 
 def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping, block_tables,
-                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0, window=0):
+                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0, window=0, sinks=None):
     if use_triton(q):
         return _triton("attention").decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
                                                      slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                                                     lora, **_cap(softcap), **_win(window))
+                                                     lora, **_cap(softcap), **_win(window), **_sinks(sinks))
     return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
                                       block_tables, seq_lens, query_start_loc, scale, lora, **_cap(softcap),
-                                      **_win(window))
+                                      **_win(window), **_sinks(sinks))
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):
@@ -154,16 +160,22 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_si
                                  lora, gated)
 
 
-def fused_moe(x, w13, w2, weights, ids, lora=None):
+def fused_moe(x, w13, w2, weights, ids, lora=None, oai=None):
     """A mixture of experts' SwiGLU MLPs (reference.fused_moe), with `lora` (reference.MoELoRA) each token's adapter
     on the experts: Triton's, in launches of fixed grids (a CUDA graph records them; the adapters' deltas batched
     torch ops over the token-expert pairs); CUDA without Triton every expert over every token, weighted by its
-    routing weight (0 where not chosen: reference.fused_moe_dense), which a graph can record too."""
+    routing weight (0 where not chosen: reference.fused_moe_dense), which a graph can record too. `oai`
+    (reference.OaiExperts): gpt-oss's expert biases and clamped activation."""
     if use_triton(x):
-        return _triton("moe").fused_moe(x, w13, w2, weights, ids, lora)
+        return _triton("moe").fused_moe(x, w13, w2, weights, ids, lora, **_oai(oai))
     if x.is_cuda:
-        return reference.fused_moe_dense(x, w13, w2, weights, ids, lora)
-    return reference.fused_moe(x, w13, w2, weights, ids, lora)
+        return reference.fused_moe_dense(x, w13, w2, weights, ids, lora, oai)
+    return reference.fused_moe(x, w13, w2, weights, ids, lora, oai)
+
+
+def _oai(oai) -> dict:
+    """gpt-oss's experts (reference.OaiExperts), passed only where set (the other families' calls as they were)."""
+    return {"oai": oai} if oai is not None else {}
 
 
 def fused_moe_block_steps(x, max_tokens: int, top_k: int, experts: int) -> dict[int, int]:
@@ -182,9 +194,9 @@ def fused_moe_config_steps(x, max_tokens: int, w13, w2, top_k: int) -> dict:
     return moe.config_steps(max_tokens, top_k, e, moe.experts_key(w13, w2, top_k, x.dtype), x.device)
 
 
-def fused_moe_int4(x, w13, w2, weights, ids, lora=None):
+def fused_moe_int4(x, w13, w2, weights, ids, lora=None, oai=None):
     """fused_moe over int4 GPTQ experts (reference.Int4Experts): Triton's, dequantized in registers, in the float
     kernel's launches; else the reference (the experts dequantized, then the float op)."""
     if use_triton(x):
-        return _triton("moe").fused_moe_int4(x, w13, w2, weights, ids, lora)
-    return reference.fused_moe_int4(x, w13, w2, weights, ids, lora)
+        return _triton("moe").fused_moe_int4(x, w13, w2, weights, ids, lora, **_oai(oai))
+    return reference.fused_moe_int4(x, w13, w2, weights, ids, lora, oai)

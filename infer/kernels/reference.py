@@ -155,12 +155,12 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None, softcap: float = 0.0,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Semantics: a decode step's attention from its unrotated q [T, Hq*D], k, v [T, Hk*D], every sequence
     querying one token, its last (position seq_lens[b] - 1, written at slot_mapping[t]):
     paged_attention(rotary_store_kv(...) as [T, Hq, D], ..., max_query_len=1), returned as [T, Hq, D]. With `lora`
     (the qkv layer's lora_reference.LoRADelta of this batch, by token), q|k|v are first a copy with the delta added
-    (`add_delta`): the layer's output as its `apply` would have left it. `window`: paged_attention's."""
+    (`add_delta`): the layer's output as its `apply` would have left it. `window`, `sinks`: paged_attention's."""
     t = q.shape[0]
     if lora is not None:
         from .lora_reference import add_delta
@@ -169,7 +169,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
     q = rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
     return paged_attention(q.reshape(t, -1, head_dim), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, max_query_len=1, softcap=softcap, window=window)
+                           scale, max_query_len=1, softcap=softcap, window=window, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------------------------- paged KV
@@ -215,7 +215,7 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtyp
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, max_query_len: int | None = None, softcap: float = 0.0,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Semantics: for each sequence b, its queries q[query_start_loc[b]:query_start_loc[b+1]] ([n_b, Hq, D]) are the
     last n_b tokens of a sequence of seq_lens[b] tokens whose keys/values sit in the paged cache at the blocks
     block_tables[b] ([num_blocks, block_size, Hk, D]). Query i (position p = seq_lens[b] - n_b + i) attends to the
@@ -224,7 +224,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     in float32. `softcap` > 0 (Gemma 2's attn_logit_softcapping): each score s = scale * q.k is capped to
     softcap * tanh(s / softcap) before the softmax (the scores then in float32). `window` > 0 (a sliding-window
     layer: transformers' sliding_window): query at p attends to the keys at positions max(0, p - window + 1)..p
-    only, the last `window` keys including its own (masking_utils' kv_idx > q_idx - sliding_window)."""
+    only, the last `window` keys including its own (masking_utils' kv_idx > q_idx - sliding_window). `sinks`
+    (float32 [Hq]: gpt-oss's attention sinks): head h's softmax denominator adds exp(sinks[h]), a logit no value
+    goes with (transformers' eager_attention_forward: the sink column concatenated to the scores, dropped after the
+    softmax)."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
@@ -246,7 +249,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             queries += range(qsl[b], qsl[b + 1])
             row_lens += range(lens[b] - n + 1, lens[b] + 1)
         _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out,
-                        batched=bool(short), softcap=softcap, window=window)
+                        batched=bool(short), softcap=softcap, window=window, sinks=sinks)
     done = set(short)
     for b in range(num_seqs):
         n = qsl[b + 1] - qsl[b]
@@ -254,7 +257,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         k = _gather_kv(k_cache, block_tables[b], lens[b], q.dtype)
         v = _gather_kv(v_cache, block_tables[b], lens[b], q.dtype)
-        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap, window)
+        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap, window, sinks)
     return out
 
 
@@ -262,13 +265,14 @@ MASK_ELEMENTS = 1 << 17  # the most (query x key) mask entries one masked SDPA c
 # float copy torch's CPU SDPA makes of it): a chunked prefill's queries after a context go in row chunks this bounds
 
 
-def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap: float = 0.0):
+def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap: float = 0.0,
+          sinks: torch.Tensor | None = None):
     """F.scaled_dot_product_attention, or with `softcap` > 0 the same attention with each score capped to
     softcap * tanh(score / softcap) (which SDPA cannot do), in float32 and rounded to q's dtype: the queries in
     row chunks of at most MASK_ELEMENTS scores a head (a prefill's n x L scores whole would outgrow the memory
     plan's per-token activations), a KV head's group of query heads as rows of one matmul over its keys (no
-    repeated K and V)."""
-    if not softcap:
+    repeated K and V). `sinks` (float32 [Hq]) the same way: each head's softmax denominator adds exp(sinks[h])."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     n, keys, hk = q.shape[-2], k.shape[-2], k.shape[-3]
@@ -285,20 +289,34 @@ def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
         end = min(n, start + rows)
         qc = qg[..., start:end, :].float().flatten(-3, -2)  # [..., Hk, group * r, D]
         s = torch.matmul(qc, kf.transpose(-1, -2)).unflatten(-2, (group, end - start))  # [..., Hk, group, r, L]
-        torch.tanh(s.mul_(scale).div_(softcap), out=s).mul_(softcap)  # (in place: one copy of the scores, not 4)
+        if softcap:
+            torch.tanh(s.mul_(scale).div_(softcap), out=s).mul_(softcap)  # (in place: one copy of the scores, not 4)
+        else:
+            s.mul_(scale)
         if is_causal:  # query i of n sees the keys up to keys - n + i
             pos = torch.arange(start, end, device=q.device).unsqueeze(1) + (keys - n)
             s.masked_fill_(torch.arange(keys, device=q.device).unsqueeze(0) > pos, float("-inf"))
         if attn_mask is not None:
             mask = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., start:end, :]
             s.masked_fill_(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(s, dim=-1).flatten(-3, -2), vf)  # [..., Hk, group * r, D]
+        o = torch.matmul(_softmax(s, sinks, hk, group).flatten(-3, -2), vf)  # [..., Hk, group * r, D]
         out.append(o.unflatten(-2, (group, end - start)).to(q.dtype))
     return (out[0] if len(out) == 1 else torch.cat(out, -2)).flatten(-4, -3)
 
 
+def _softmax(s: torch.Tensor, sinks: torch.Tensor | None, hk: int, group: int) -> torch.Tensor:
+    """The softmax over the last dim of the scores s [..., Hk, group, r, L] (float32); with `sinks` ([Hk * group]),
+    head h's denominator adds exp(sinks[h]) (the maximum taken over the sink too, as transformers')."""
+    if sinks is None:
+        return torch.softmax(s, dim=-1)
+    sink = sinks.float().view(hk, group, 1, 1)
+    top = torch.maximum(s.amax(-1, keepdim=True), sink)
+    p = torch.exp(s - top)
+    return p / (p.sum(-1, keepdim=True) + torch.exp(sink - top))
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
-            softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+            softcap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys; `window` > 0: query
     at p over the keys p - window + 1..p only (paged_attention's).
     (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
@@ -311,8 +329,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
         bad = ~(torch.isfinite(k[own]).flatten(1).all(1) & torch.isfinite(v[own]).flatten(1).all(1))
         if bool(bad.any()):
             j = int(bad.nonzero()[0, 0]) + 1  # the first query whose own key is not finite
-            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset, softcap, window),
-                              _attend(q[j:], k, v, scale, offset + j, softcap, window)])
+            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset, softcap, window, sinks),
+                              _attend(q[j:], k, v, scale, offset + j, softcap, window, sinks)])
     if window and n > 1 and offset + n > window:  # a key or value that is not finite before a later query's window
         # (a token the model overflowed on, out of the window since) reaches that query through its masked weight
         # (0 x NaN) too (one query alone is attended over its window's keys only, below): the queries past the
@@ -325,11 +343,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
             i = cut - 1 + window - offset  # the first query whose window starts past it
             if i < n:
                 i = max(i, 0)
-                rest = _attend(q[i:], k[cut:], v[cut:], scale, offset + i - cut, softcap, window)
+                rest = _attend(q[i:], k[cut:], v[cut:], scale, offset + i - cut, softcap, window, sinks)
                 if not i:
                     return rest
-                return torch.cat([_attend(q[:i], k[:offset + i], v[:offset + i], scale, offset, softcap, window),
-                                  rest])
+                return torch.cat([_attend(q[:i], k[:offset + i], v[:offset + i], scale, offset, softcap, window,
+                                          sinks), rest])
     if window and offset + n <= window:
         window = 0  # every query sees all its keys: plain causal attention
     if window and n == 1:  # one query at the last position: the last `window` keys, unmasked
@@ -338,7 +356,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
     if not window and (offset == 0 or n == 1):  # one query at the last position sees every key: no mask
-        o = _sdpa(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa, softcap=softcap)
+        o = _sdpa(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa, softcap=softcap, sinks=sinks)
         return o[0].transpose(0, 1)
     # after a context (a chunked prefill's later chunk): masked, in row chunks, each over the keys up to its last
     # query, so that the mask (rows x keys, and its float copy) never outgrows MASK_ELEMENTS (the n x L mask of a
@@ -356,7 +374,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
         if window:
             mask = mask & (kpos > pos_q - window)
         out.append(_sdpa(qh[:, :, start:end], kh[:, :, lo:keys], vh[:, :, lo:keys], attn_mask=mask, scale=scale,
-                         enable_gqa=gqa, softcap=softcap)[0])
+                         enable_gqa=gqa, softcap=softcap, sinks=sinks)[0])
     return (out[0] if len(out) == 1 else torch.cat(out, 1)).transpose(0, 1)
 
 
@@ -406,7 +424,7 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
 
 
 def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out, batched=False,
-                    softcap: float = 0.0, window: int = 0) -> None:
+                    softcap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """`_decode_attention` of rows: query q[queries[r]] over the first row_lens[r] keys of sequence seqs[r]'s
     blocks (`batched`: as one batch, whatever `_per_sequence` says); `window` > 0: over the last `window` of them
     only."""
@@ -417,7 +435,7 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
         for b, i, n in zip(seqs, queries, row_lens):
             k = _gather_kv(k_cache, tables[b], n, q.dtype)
             v = _gather_kv(v_cache, tables[b], n, q.dtype)
-            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap, window)
+            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap, window, sinks)
         return
     idx = torch.tensor(seqs, device=q.device)
     bs = k_cache.shape[1]
@@ -449,7 +467,8 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
             # keys before its window may (a token it overflowed on, out of the window since): 0 x NaN would reach it
             pad = ~mask[:, :, 0, :, None]
             k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
-    o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap)
+    o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap,
+              sinks=sinks)
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
 
 
@@ -485,14 +504,38 @@ def moe_lora_delta(rows: torch.Tensor, slots: torch.Tensor, experts: torch.Tenso
     return d
 
 
+class OaiExperts(NamedTuple):
+    """gpt-oss's experts beyond the SwiGLU ones (transformers' GptOssExperts): biases b13 [E, 2I] (each expert's
+    gate's, then its up's) added to the gate_up product and b2 [E, H] to the down one, and the clamped activation
+    `oai_swiglu`."""
+    b13: torch.Tensor
+    b2: torch.Tensor
+    alpha: float
+    limit: float
+
+
+def oai_swiglu(h: torch.Tensor, inter: int, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of gate_up rows h [n, 2I] (gate columns, then up's; transformers interleaves them, the
+    loader splits them apart): gate clamped above at limit, up to [-limit, limit], (up + 1) * gate *
+    sigmoid(alpha * gate), in h's dtype (GptOssExperts._apply_gate)."""
+    gate, up = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _expert_act(h: torch.Tensor, inter: int, oai: OaiExperts | None) -> torch.Tensor:
+    return F.silu(h[:, :inter]) * h[:, inter:] if oai is None else oai_swiglu(h, inter, oai.alpha, oai.limit)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, lora: MoELoRA | None = None) -> torch.Tensor:
+              ids: torch.Tensor, lora: MoELoRA | None = None, oai: OaiExperts | None = None) -> torch.Tensor:
     """Semantics: a mixture of experts' SwiGLU MLPs. x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up
     rows); w2 [E, H, I]; ids [T, k] the experts of each token, weights [T, k] their routing weights (float32, or x's
     dtype). out[t] = sum over j of (weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))) rounded to x's dtype,
     e = ids[t, j], summed in the experts' order (as transformers' experts loop): only the experts some token chose
     run, each over its tokens. With `lora` (MoELoRA), gate_up_e and down_e of a token whose slot s >= 0 each add
-    their moe_lora_delta with slot s's A and B of expert e (peft's target_parameters: W_e + scaling B_e A_e)."""
+    their moe_lora_delta with slot s's A and B of expert e (peft's target_parameters: W_e + scaling B_e A_e). With
+    `oai` (OaiExperts: gpt-oss), each product adds its expert's bias (after the matmul, as transformers' x @ W + b)
+    and the activation is oai_swiglu."""
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
@@ -500,11 +543,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     for e in torch.unique(ids).tolist():
         tok, pos = torch.where(ids == e)
         h = F.linear(x[tok], w13[e])
+        if oai is not None:
+            h = h + oai.b13[e]
         if lora is not None:
             slots = lora.token_slots[tok]
             h = h + moe_lora_delta(x[tok], slots, e, lora.a13, lora.b13)
-        act = F.silu(h[:, :inter]) * h[:, inter:]
+        act = _expert_act(h, inter, oai)
         y = F.linear(act, w2[e])
+        if oai is not None:
+            y = y + oai.b2[e]
         if lora is not None:
             y = y + moe_lora_delta(act, slots, e, lora.a2, lora.b2)
         out.index_add_(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
@@ -512,7 +559,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
 
 def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, lora: MoELoRA | None = None) -> torch.Tensor:
+                    ids: torch.Tensor, lora: MoELoRA | None = None, oai: OaiExperts | None = None) -> torch.Tensor:
     """fused_moe's semantics with no data-dependent shape (a CUDA graph can record it): every expert runs over every
     token, its output weighted by the token's routing weight for it (0 where the token did not choose it)."""
     dense = torch.zeros(x.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
@@ -520,10 +567,14 @@ def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     inter = w2.shape[2]
     for e in range(w13.shape[0]):
         h = F.linear(x, w13[e])
+        if oai is not None:
+            h = h + oai.b13[e]
         if lora is not None:
             h = h + moe_lora_delta(x, lora.token_slots, e, lora.a13, lora.b13)
-        act = F.silu(h[:, :inter]) * h[:, inter:]
+        act = _expert_act(h, inter, oai)
         y = F.linear(act, w2[e])
+        if oai is not None:
+            y = y + oai.b2[e]
         if lora is not None:
             y = y + moe_lora_delta(act, lora.token_slots, e, lora.a2, lora.b2)
         out += (y * dense[:, e, None]).to(x.dtype)
@@ -584,8 +635,8 @@ class Int4Experts(NamedTuple):
 
 
 def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: torch.Tensor,
-                   ids: torch.Tensor, lora: MoELoRA | None = None) -> torch.Tensor:
+                   ids: torch.Tensor, lora: MoELoRA | None = None, oai: OaiExperts | None = None) -> torch.Tensor:
     """fused_moe over int4 experts: their float weights in x's dtype, then fused_moe (on CUDA fused_moe_dense,
     whose shapes a CUDA graph can record)."""
     f13, f2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
-    return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids, lora)
+    return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids, lora, oai)

@@ -23,7 +23,7 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, activation
+from .registry import FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, activation
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, rope_layer_types
 from .shapes import ModelShapes
 
@@ -62,8 +62,9 @@ class RMSNorm(nn.Module):
 
 def norm_for(cfg):
     """The RMSNorm class of the family: Gemma's weights by 1 + weight, OLMo's by weight in float32 (transformers'
-    Olmo2RMSNorm and Olmo3RMSNorm: (weight * normed).to(dtype), where Llama's rounds the normed row first)."""
-    return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA, float_weight=cfg.model_type in OLMO)
+    Olmo2RMSNorm and Olmo3RMSNorm: (weight * normed).to(dtype), where Llama's rounds the normed row first; gpt-oss's
+    GptOssRMSNorm too)."""
+    return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA, float_weight=cfg.model_type in FLOAT_NORMS)
 
 
 class Attention(nn.Module):
@@ -82,6 +83,9 @@ class Attention(nn.Module):
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
+        # gpt-oss's attention sinks: a learned logit per query head in each softmax's denominator (None: none)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False) \
+            if cfg.model_type == "gpt_oss" else None
         self.kv_group = 0  # its KV layer group (the model runner sets it: engine.hybrid_blocks; 0: ctx's own tables)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
         # follow attention_bias (q, k, v and o), and so do Granite, OLMo 2 and SmolLM3; Mistral has none whatever its
@@ -126,7 +130,7 @@ class Attention(nn.Module):
             tables, slots = self._kv(ctx)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          slots, tables, ctx.seq_lens, ctx.query_start_loc,
-                                         self.scale, delta, self.softcap, self.window)
+                                         self.scale, delta, self.softcap, self.window, self.sinks)
             return self.o_proj.forward_deferred(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj.forward_deferred(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
@@ -176,7 +180,8 @@ class Attention(nn.Module):
             attention.decode_attention(ints[0], q, k, v, torch.empty(1, self.rot_dim, device=dev), self.head_dim,
                                        self.k_cache, self.v_cache, ints[1], tables, lens, starts, self.scale, delta,
                                        compile_only=True, parts=parts, softcap=self.softcap,
-                                       **({"window": self.window} if self.window else {}))
+                                       **({"window": self.window} if self.window else {}),
+                                       **({"sinks": self.sinks} if self.sinks is not None else {}))
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
         """The rotated query [t, q_size] (by `cos_sin`, the layer's table: Gemma3ForCausalLM's differ by layer type);
@@ -192,7 +197,7 @@ class Attention(nn.Module):
         t = q.shape[0]
         o = kernels.paged_attention(q.reshape(t, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                     self._kv(ctx)[0], ctx.seq_lens, ctx.query_start_loc, self.scale,
-                                    ctx.max_query_len, self.softcap, self.window)
+                                    ctx.max_query_len, self.softcap, self.window, self.sinks)
         return o.reshape(t, self.q_size)
 
 
@@ -279,7 +284,8 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     if cfg.model_type == "granite":
         return None
-    return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS, cfg.model_type in OLMO)
+    return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
+                         cfg.model_type in FLOAT_NORMS)
 
 
 class _NormConsumer:
@@ -404,6 +410,8 @@ class LlamaForCausalLM(nn.Module):
         """(the first layer's input norm of the tokens' embeddings, the embeddings: the first residual), in one launch
         on the GPU (the gather took 10.8 us of an H100's decode step on its own)."""
         norm = self.layers[0].input_layernorm
+        if norm.float_weight:  # (gpt-oss: its norm's weight in float32; the fused kernel's is Llama's)
+            return self._scaled_embed_and_norm(input_ids, 1.0)
         return kernels.embed_rms_norm(input_ids, self.embed_tokens.weight, norm.weight, norm.eps)
 
     def _scaled_embed_and_norm(self, input_ids: torch.Tensor, factor: float):

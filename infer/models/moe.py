@@ -37,11 +37,11 @@ from torch import nn
 from .. import kernels
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..kernels import cpu_gemm
-from ..kernels.reference import Int4Experts, MoELoRA
+from ..kernels.reference import Int4Experts, MoELoRA, OaiExperts
 from .layers import UnquantizedLinearMethod
 
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
-BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}
+BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama"}
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -61,8 +61,9 @@ def is_moe(cfg) -> bool:
 
 
 def num_experts(cfg) -> int:
-    """E: Qwen's num_experts, Mixtral's num_local_experts."""
-    return int(getattr(cfg, "num_local_experts" if cfg.model_type == "mixtral" else "num_experts", 0) or 0)
+    """E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts."""
+    field = "num_local_experts" if cfg.model_type in ("mixtral", "gpt_oss") else "num_experts"
+    return int(getattr(cfg, field, 0) or 0)
 
 
 def is_sparse(cfg, layer: int) -> bool:
@@ -70,7 +71,7 @@ def is_sparse(cfg, layer: int) -> bool:
     not in mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step (with num_experts > 0)."""
     if not is_moe(cfg):
         return False
-    if cfg.model_type == "mixtral":
+    if cfg.model_type in ("mixtral", "gpt_oss"):
         return True
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     return (layer not in (getattr(cfg, "mlp_only_layers", None) or []) and num_experts(cfg) > 0
@@ -78,8 +79,9 @@ def is_sparse(cfg, layer: int) -> bool:
 
 
 def expert_size(cfg) -> int:
-    """I: an expert's intermediate width (Qwen's moe_intermediate_size; Mixtral's intermediate_size)."""
-    return int(cfg.intermediate_size if cfg.model_type == "mixtral" else cfg.moe_intermediate_size)
+    """I: an expert's intermediate width (Qwen's moe_intermediate_size; Mixtral's and gpt-oss's
+    intermediate_size)."""
+    return int(cfg.intermediate_size if cfg.model_type in ("mixtral", "gpt_oss") else cfg.moe_intermediate_size)
 
 
 def check_moe(cfg) -> None:
@@ -87,7 +89,7 @@ def check_moe(cfg) -> None:
     if not is_moe(cfg):
         return
     e, k = num_experts(cfg), int(getattr(cfg, "num_experts_per_tok", 0) or 0)
-    field = "num_local_experts" if cfg.model_type == "mixtral" else "num_experts"
+    field = "num_local_experts" if cfg.model_type in ("mixtral", "gpt_oss") else "num_experts"
     if any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)) and not 0 < k <= e:
         raise UnsupportedModelError(f"config.json has num_experts_per_tok {k} with {field} {e}",
                                     f"each token is routed to between 1 and {field} experts")
@@ -122,14 +124,16 @@ def int4_path(t: torch.Tensor) -> bool:
 
 
 class _Gate(nn.Module):
-    """A linear without bias kept as a plain weight (the router [E, H]; Qwen2-MoE's shared_expert_gate [1, H])."""
+    """A linear kept as a plain weight (the router [E, H]; Qwen2-MoE's shared_expert_gate [1, H]); `bias`: with one
+    (gpt-oss's router)."""
 
-    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x):
-        return cpu_gemm.linear(x, self.weight, None, None)
+        return cpu_gemm.linear(x, self.weight, self.bias, None)
 
 
 class Int4Stack(nn.Module):
@@ -175,9 +179,9 @@ class Int4Stack(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]. int4 (the GPU path's GPTQ
     configs of gate/up and of down): no float weights (w13, w2 [E, 0, 0]) but their int4 stacks (Int4Stack
-    w13_int4, w2_int4)."""
+    w13_int4, w2_int4). `biases` (gpt-oss): b13 [E, 2I] (gate's, then up's) and b2 [E, H]."""
 
-    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None):
+    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None, biases: bool = False):
         super().__init__()
         self.num_experts, self.hidden, self.inter = e, hidden, inter
         self.int4 = int4
@@ -187,6 +191,10 @@ class Experts(nn.Module):
         if int4:
             self.w13_int4 = Int4Stack(e, hidden, 2 * inter, int4[0])
             self.w2_int4 = Int4Stack(e, inter, hidden, int4[1])
+        self.b13 = self.b2 = None
+        if biases:
+            self.b13 = nn.Parameter(torch.empty(e, 2 * inter, dtype=dtype), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
         self.loaded: set[tuple[int, int]] = set()  # (expert, part): 0 gate, 1 up, 2 down
 
 
@@ -203,7 +211,11 @@ class SparseMoeBlock(nn.Module):
         # transformers' Mixtral keeps the routing weights in float32 (its products with the experts' outputs too);
         # Qwen's round them to the model's dtype first
         self.float_weights = cfg.model_type == "mixtral"
-        self.gate = _Gate(e, h, dtype)
+        # gpt-oss: a router with a bias, the softmax over the top k logits (in the model's dtype), experts with
+        # biases and a clamped SwiGLU (reference.OaiExperts)
+        self.oai = cfg.model_type == "gpt_oss"
+        self.alpha, self.limit = float(getattr(cfg, "swiglu_alpha", 1.702)), float(getattr(cfg, "swiglu_limit", 7.0))
+        self.gate = _Gate(e, h, dtype, bias=self.oai)
         self.lora = None  # the experts' adapter slots (lora.experts.ExpertLoRA), set by a LoRA manager
         # GPTQ experts (GPTQModel's qwen3_moe, mixtral): on the CPU each dequantized once at load into the stacked
         # float weights (as the CPU path does every GPTQ layer); on the GPU path (`int4_path`) kept int4, stacked,
@@ -234,7 +246,7 @@ class SparseMoeBlock(nn.Module):
                         "GPTQ experts only as 4-bit, every expert's projections quantized", "run it on the CPU "
                         "(--device cpu: dequantized at load), or serve a checkpoint of 4-bit GPTQ experts")
             self.int4 = (gate_up.config, down.config)
-        self.experts = Experts(e, h, inter, dtype, self.int4)
+        self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai)
         self.shared_expert = None
         if cfg.model_type == "qwen2_moe":
             shared = int(cfg.shared_expert_intermediate_size)
@@ -311,6 +323,9 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
         logits = self.gate(x)  # in the model's dtype, as transformers' F.linear
+        if self.oai:  # gpt-oss's GptOssTopKRouter: the top k logits, then their softmax (in the logits' dtype)
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -353,10 +368,16 @@ class SparseMoeBlock(nn.Module):
             for lora in ((None,) if slots is None else (None, MoELoRA(slots.a13, slots.b13, slots.a2, slots.b2,
                                                                          in_slot0))):
                 if self.int4 is not None:
-                    kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora)
+                    kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora,
+                                           self.oai_experts())
                 else:
-                    kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora)
+                    kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora, self.oai_experts())
         return sorted(counts)
+
+    def oai_experts(self) -> OaiExperts | None:
+        """gpt-oss's expert biases and activation as the fused MoE takes them (None for the other families)."""
+        ex = self.experts
+        return OaiExperts(ex.b13, ex.b2, self.alpha, self.limit) if self.oai else None
 
     def forward(self, x, ctx=None):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
@@ -367,9 +388,10 @@ class SparseMoeBlock(nn.Module):
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         lora = self.lora.moe_lora(batch) if batch is not None else None
         if self.int4 is not None:
-            out = kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora)
+            out = kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora,
+                                         self.oai_experts())
         else:
-            out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora)
+            out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora, self.oai_experts())
         if self.shared_expert is not None and self.shared_width:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -380,6 +402,11 @@ class SparseMoeBlock(nn.Module):
 # projection, or the stacked experts of transformers' own parameter names
 _TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|experts\.(\d+)\.(\w+)\.(weight|qweight|"
                      r"qzeros|scales|g_idx)|experts\.(gate_up_proj|down_proj))$")
+
+
+# gpt-oss's sparse layer as transformers names it: the router (with a bias) and the stacked experts with biases
+# (gate_up_proj [E, H, 2I]: x @ W, its gate and up columns interleaved; down_proj [E, I, H])
+_OAI_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)(_bias)?)$")
 
 
 def layer_index(key: str) -> int:
@@ -406,6 +433,8 @@ class MoeForCausalLM:
     def load_expert_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
         """Load checkpoint tensor `name` (`key` without "model.") into a sparse layer; returns the model's parameter
         it went into, or None where it is no sparse layer's (the loader's usual routing then)."""
+        if self.config.model_type == "gpt_oss":
+            return self._load_oai_tensor(key, t, name)
         block, m = self._moe_block(key)
         if block is None:
             return None
@@ -458,10 +487,45 @@ class MoeForCausalLM:
         experts.loaded.add((index, part))
         return f"layers.{layer}.mlp.experts.{'w13' if part < 2 else 'w2'}"
 
+    def _load_oai_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
+        """load_expert_tensor of gpt-oss: the router's weight and bias; gate_up_proj [E, H, 2I] transposed to w13
+        [E, 2I, H] with its interleaved gate and up columns (2j, 2j + 1) split into gate's rows, then up's (their
+        bias likewise), down_proj [E, I, H] transposed to w2 [E, H, I]."""
+        m = _OAI_TENSOR.match(key)
+        if m is None or int(m.group(1)) >= len(self.layers):
+            return None
+        layer = int(m.group(1))
+        block = self.layers[layer].mlp
+        ex = block.experts
+        e, h, inter = ex.num_experts, ex.hidden, ex.inter
+        if m.group(2) is not None:  # the router
+            dest, stored = (block.gate.weight, (e, h)) if m.group(2) == "weight" else (block.gate.bias, (e,))
+            into = f"layers.{layer}.mlp.gate.{m.group(2)}"
+        else:
+            gate_up, bias = m.group(3) == "gate_up_proj", m.group(4) is not None
+            dest = (ex.b13 if gate_up else ex.b2) if bias else (ex.w13 if gate_up else ex.w2)
+            stored = ((e, 2 * inter) if gate_up else (e, h)) if bias else ((e, h, 2 * inter) if gate_up else
+                                                                             (e, inter, h))
+            into = f"layers.{layer}.mlp.experts.{('b' if bias else 'w') + ('13' if gate_up else '2')}"
+        if tuple(t.shape) != stored:
+            raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, config.json implies {stored}",
+                                 "the weights do not match config.json")
+        if m.group(3) is not None:
+            if m.group(4) is None:
+                t = t.transpose(1, 2)  # x @ W: W [E, in, out] as the [E, out, in] of F.linear
+            if gate_up:
+                t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)  # interleaved gate, up -> gate's, then up's
+            if m.group(4) is None:
+                ex.loaded.update((i, p) for i in range(e) for p in ((0, 1) if gate_up else (2,)))
+        dest.data.copy_(t)
+        return into
+
     def check_experts(self) -> None:
         """A ModelLoadError naming the first expert projection the checkpoint had no tensor for; GPTQ experts
         dequantized into the stacked weights."""
         names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
+        if self.config.model_type == "gpt_oss":  # (stacked only: the loader names a missing one)
+            return
         for block in self.modules():
             if isinstance(block, SparseMoeBlock):
                 block.dequantize_experts()

@@ -24,6 +24,7 @@ SUPPORTED = {
     "SmolLM3ForCausalLM": "smollm3",  # Llama with no rotary on the layers no_rope_layers marks 0 (NoPE)
     "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (attention_bias) and o's apart (attention_out_bias)
     "Ernie4_5ForCausalLM": "ernie4_5",  # Llama with a rotary of interleaved pairs (GLM-4's), use_bias on every layer
+    "GptOssForCausalLM": "gpt_oss",  # OpenAI's gpt-oss-20b / 120b: a mixture of experts (models.moe)
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -38,6 +39,8 @@ POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4")
 # gate|up stored as one mlp.gate_up_proj; the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf, model_type glm) has
 # them in Llama's layer of two norms, GLM-4-0414 (Glm4ForCausalLM) in a layer of four
 GLM = ("glm", "glm4")
+# the families whose RMSNorm weights the normed row in float32 and rounds once: OLMo 2's and 3's, gpt-oss's
+FLOAT_NORMS = (*OLMO, "gpt_oss")
 
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
