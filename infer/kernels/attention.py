@@ -107,6 +107,20 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
 
 
 @triton.jit
+def _normed(acc, m_i, l_i, sink_ptr, head, mask, SINKS: tl.constexpr):
+    """The softmax's output acc / l_i (rows of one query head each: head [M], `mask` the real ones); with SINKS
+    (gpt-oss's attention sinks, sink_ptr [Hq] float32 in base-2 units: sinks * log2(e)) each row's denominator adds
+    exp2(sink - m_i) (against the running max m_i, both rescaled to max(m_i, sink))."""
+    if SINKS:
+        sk = tl.load(sink_ptr + head, mask=mask, other=float("-inf"))
+        top = tl.maximum(m_i, sk)
+        rescale = tl.exp2(m_i - top)
+        l_i = l_i * rescale + tl.exp2(sk - top)
+        acc = acc * rescale[:, None]
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The sequence b whose tiles hold `tile`: the last b with qsl[b] // BLOCK_Q + b <= tile."""
     left = 0
@@ -123,12 +137,13 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 # Neither the batch size nor the block tables' width (their row stride s_bt: 1, or a multiple of 16, would each
 # specialize) may compile a variant of its own on a user's request: warm_kernels() cannot reach every width.
 @triton.jit(do_not_specialize=["num_seqs", "s_bt"])
-def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr, num_seqs, qk_scale,
+def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr, sink_ptr, num_seqs, qk_scale,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0):
+                    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
+                    SINKS: tl.constexpr = False):
     pdl.start(PDL)
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
@@ -157,7 +172,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
         acc, m_i, l_i, hit = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                           kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                                           PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW, FUTURE=True)
-        acc = tl.where(hit[:, None] > 0, float("nan"), acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+        acc = tl.where(hit[:, None] > 0, float("nan"), _normed(acc, m_i, l_i, sink_ptr, head, mask_m, SINKS))
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -223,8 +238,8 @@ def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows
 # table's width and the partition count are runtime integers, never specialized (nor the partials' stride sh_p,
 # T x 3R: its divisibility by 16 follows T's parity at small ranks)
 @triton.jit
-def _merge(o_row, part_acc_ptr, part_ml_ptr, head, row0, used, s_oh, s_od, BLOCK_D: tl.constexpr,
-           HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+def _merge(o_row, part_acc_ptr, part_ml_ptr, head, row0, used, s_oh, s_od, sink_ptr, BLOCK_D: tl.constexpr,
+           HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, SINKS: tl.constexpr = False):
     """One query head's output (the token's row o_row) from its `used` partial results (rows row0..row0+used-1),
     CHUNK at a time (a running max and sum, as the attention itself keeps); read past L1 (other SMs wrote them)."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -245,12 +260,17 @@ def _merge(o_row, part_acc_ptr, part_ml_ptr, head, row0, used, s_oh, s_od, BLOCK
         acc = acc * alpha + tl.sum(a * w[:, None], 0)
         l_run = l_run * alpha + tl.sum(l_s * w, 0)
         m_run = m_new
+    if SINKS:  # (`_normed`'s sink, of this head)
+        sk = tl.load(sink_ptr + head + tl.zeros((1,), tl.int32))
+        top = tl.maximum(m_run, sk)
+        acc = acc * tl.exp2(m_run - top)
+        l_run = l_run * tl.exp2(m_run - top) + tl.exp2(sk - top)
     tl.store(o_row + head * s_oh + offs_d * s_od, (acc / l_run).to(o_row.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["s_bt", "num_parts", "sh_p"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, tables_ptr, lens_ptr, qsl_ptr,
-                   qk_scale, s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
+                   sink_ptr, qk_scale, s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, num_parts,
                    pos_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, s_kn, s_vn, s_cs,
                    hp_ptr, lb_ptr, ls_ptr, lr_ptr, lc_ptr, S, R, sh_p, sh_t, sr_i, sr_s, sc_i, sc_s, q_width, kv_width,
@@ -259,7 +279,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
                    LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
                    S_P2: tl.constexpr = 2, PDL: tl.constexpr = False, FP8: tl.constexpr = 0,
-                   SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0):
+                   SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False):
     """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
     kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
     cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
@@ -274,7 +294,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
     caches' float8 format (fp8.code; 0: none): the new key and value are rounded to it (fp8.to_cache) before
     they are written and attended, as every key the cache holds. SOFTCAP: the scores soft-capped (`_capped`).
     WINDOW > 0 (a sliding-window layer): the query attends to the last WINDOW keys only, seq_len - WINDOW on (the
-    partitions share out those keys; the blocks before them are never read)."""
+    partitions share out those keys; the blocks before them are never read). SINKS: each head's denominator adds
+    its sink (`_normed`; the merge too)."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -361,7 +382,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
         else:
             used = 1
         if used == 1:
-            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            acc = _normed(acc, m_i, l_i, sink_ptr, head, mask_m, SINKS)
             tl.store(out_ptr + tok * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -378,7 +399,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                 for gi in tl.static_range(GROUP):
                     h = kv_head * GROUP + gi
                     _merge(o_row, part_acc_ptr, part_ml_ptr, h, (b * (tl.num_programs(1) * GROUP) + h).to(tl.int64)
-                           * num_parts, used, s_oh, s_od, BLOCK_D, HEAD_DIM, CHUNK)
+                           * num_parts, used, s_oh, s_od, sink_ptr, BLOCK_D, HEAD_DIM, CHUNK, SINKS)
                 tl.atomic_xchg(cnt, 0)
 
 
@@ -397,10 +418,10 @@ def _decode_programs(device: torch.device) -> int:
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, rope=None, lora=None,
-            compile_only: bool = False, parts: int | None = None) -> None:
+            compile_only: bool = False, parts: int | None = None, sinks=None) -> None:
     """rope: (positions, k rows [T, Hk*D], v rows, cos_sin [P, rot_dim], slot_mapping) for `decode_attention`;
     lora: the qkv layer's LoRADelta there. compile_only: compile the decode kernel, launch nothing. parts: the
-    partitions a sequence's keys are cut into (`decode_parts` by default)."""
+    partitions a sequence's keys are cut into (`decode_parts` by default). sinks: `_sink_logits`' (or None)."""
     num_seqs, hk = seq_lens.shape[0], k_cache.shape[2]
     if parts is None:
         parts = decode_parts(num_seqs, hk, block_tables.shape[1] * k_cache.shape[1], meta["BLOCK_N"],
@@ -431,13 +452,14 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
                     S_P2=max(2, next_power_of_2(num_slots)), maxnreg=LORA_MAX_REGS)
     grid = (num_seqs, hk, parts)
     run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
-    run(q, k_cache, v_cache, out, part_acc, part_ml, counters, block_tables, seq_lens, query_start_loc, qk_scale,
+    run(q, k_cache, v_cache, out, part_acc, part_ml, counters, block_tables, seq_lens, query_start_loc,
+        seq_lens if sinks is None else sinks, qk_scale,
         *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache), parts,
         *extra, SPLIT=parts > 1, CHUNK=REDUCE_CHUNK, **meta, **({"grid": grid} if compile_only else {}))
 
 
 def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len,
-             meta) -> None:
+             meta, sinks=None) -> None:
     group_pad = meta["GROUP_PAD"]
     rows_max = max(64, group_pad)  # rows (token x head pairs) per tile
     # two tile heights only (short and long queries), so `LLMEngine.warm_kernels()` compiles every variant a step
@@ -447,27 +469,31 @@ def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sc
     num_seqs = seq_lens.shape[0]
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])
     _unified_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, qk_scale,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_lens if sinks is None else sinks,
+        num_seqs, qk_scale,
         *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache),
         BLOCK_Q=block_q, **meta)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    max_query_len: int | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+                    max_query_len: int | None = None, softcap: float = 0.0, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of reference.paged_attention: q [T, Hq, D], caches [num_blocks, block_size, Hk, D]."""
     out = torch.empty_like(q)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    meta = _meta(q, k_cache, softcap, window)
+    meta = _meta(q, k_cache, softcap, window, sinks)
     qk_scale = float(scale) * LOG2E
+    sinks = _sink_logits(sinks)
     if max_query_len == 1:
-        _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)
+        _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, sinks=sinks)
     else:
         meta["GROUP_PAD"] = next_power_of_2(meta["GROUP"])
-        _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len, meta)
+        _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len, meta,
+                 sinks)
     return out
 
 
@@ -477,7 +503,12 @@ def _interpreted_bf16(q: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: int = 0) -> dict:
+def _sink_logits(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """gpt-oss's sinks [Hq] as the kernels read them: float32, in the base-2 units of their softmax (x log2(e))."""
+    return None if sinks is None else sinks.float() * LOG2E
+
+
+def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: int = 0, sinks=None) -> dict:
     hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = hq // hk
     meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
@@ -488,6 +519,8 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: 
         meta["SOFTCAP"] = float(softcap) * LOG2E
     if window:  # a sliding-window layer's window: a variant of its own (full layers compile the kernels as before)
         meta["WINDOW"] = int(window)
+    if sinks is not None:  # gpt-oss's attention sinks: a variant of its own
+        meta["SINKS"] = True
     return meta
 
 
@@ -496,7 +529,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None,
                      compile_only: bool = False, parts: int | None = None, softcap: float = 0.0,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of reference.decode_attention, in one launch: the
     rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
     without the rotated q's and k's round trip through memory; with `lora` (the qkv layer's LoRADelta, by token),
@@ -521,6 +554,6 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache, softcap, window), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
-            compile_only=compile_only, parts=parts)
+            _meta(q3, k_cache, softcap, window, sinks), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
+            compile_only=compile_only, parts=parts, sinks=_sink_logits(sinks))
     return out

@@ -315,8 +315,9 @@ def aligned(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, lora=None, block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """reference.fused_moe in three launches (`_run`); block_m: the blocks' rows (None: `step_config`'s; a
+              ids: torch.Tensor, lora=None, block_m: int | None = None, config: dict | None = None,
+              oai=None) -> torch.Tensor:
+    """reference.fused_moe in three launches (`_run`; `oai`: gpt-oss's reference.OaiExperts); block_m: the blocks' rows (None: `step_config`'s; a
     candidate of the bench otherwise, the heuristics' tiles); config: the launch config to use (a tuner's
     candidate; None: `step_config`'s)."""
     t, top_k = ids.shape
@@ -326,7 +327,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, w13.shape[0]),
                 lambda a, out, fw, al, row_div, weighted, cfg: _gemm(a, w13 if row_div else w2, out, fw, al, top_k,
-                                                                     row_div, weighted, cfg))
+                                                                     row_div, weighted, cfg), oai)
 
 
 def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch.Tensor, experts: int) -> dict:
@@ -339,14 +340,16 @@ def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch
 
 
 def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, cfg: dict,
-         gemm) -> torch.Tensor:
+         gemm, oai=None) -> torch.Tensor:
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
     aligned, row_div=True, weighted=False)`), silu_and_mul, the down one (weighted by the routing weights), the k
     rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter and its expert
     (reference.moe_lora_delta; here _LoRAPairs' grouped matmuls, no host sync) added to its gate_up row, and to its
     down row before the routing weight (rounded to x's dtype, times the weight in float32, as the kernel's WEIGHTED
     store). cfg: the launch config of both matmuls over the experts (`_config`); the adapters' pairs take the
-    heuristics' (their BLOCK_M `block_m` where forced)."""
+    heuristics' (their BLOCK_M `block_m` where forced). With `oai` (gpt-oss's reference.OaiExperts): each pair's
+    expert's bias added to its gate_up row and to its down row (before the routing weight, as transformers' x @ W +
+    b, then the weight), the activation reference.oai_swiglu in place of silu_and_mul (torch ops over the rows)."""
     from . import fused
     t, top_k = ids.shape
     pairs_aligned = aligned(ids, num_experts, cfg["BLOCK_M"])
@@ -354,15 +357,25 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m
     flat_w = weights.reshape(-1).contiguous()
     gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
     gemm(x, gate_up, flat_w, pairs_aligned, True, False, cfg)
+    if oai is not None:
+        flat_ids = ids.reshape(-1)
+        gate_up += oai.b13.index_select(0, flat_ids)
     if lora is not None:
         adapters = _LoRAPairs(ids, lora, flat_w, block_m)
         gate_up += adapters.delta(x, lora.a13, lora.b13, True)
-    act = fused.silu_and_mul(gate_up)
+    if oai is None:
+        act = fused.silu_and_mul(gate_up)
+    else:
+        from .reference import oai_swiglu
+        act = oai_swiglu(gate_up, out13 // 2, oai.alpha, oai.limit)
     del gate_up  # (freed before the down stage: the activation plan counts one of the two alive, sizes.moe_token_bytes)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
-    gemm(act, down, flat_w, pairs_aligned, False, lora is None, cfg)
+    gemm(act, down, flat_w, pairs_aligned, False, lora is None and oai is None, cfg)
+    if oai is not None:
+        down += oai.b2.index_select(0, flat_ids)
     if lora is not None:
         down += adapters.delta(act, lora.a2, lora.b2, False)
+    if lora is not None or oai is not None:
         down.mul_(flat_w[:, None])  # (in place, computed in float32 and rounded once: no [pairs, H] float32 copies)
     return down.view(t, top_k, -1).sum(dim=1)
 
@@ -488,7 +501,7 @@ def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
-                   block_m: int | None = None, config: dict | None = None) -> torch.Tensor:
+                   block_m: int | None = None, config: dict | None = None, oai=None) -> torch.Tensor:
     """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
     dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
     t, top_k = ids.shape
@@ -499,4 +512,4 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
     return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, e),
                 lambda a, out, fw, al, row_div, weighted, cfg: _gemm_int4(a, w13 if row_div else w2, out, fw, al,
-                                                                          top_k, row_div, weighted, cfg))
+                                                                          top_k, row_div, weighted, cfg), oai)

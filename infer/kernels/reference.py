@@ -311,8 +311,8 @@ def _softmax(s: torch.Tensor, sinks: torch.Tensor | None, hk: int, group: int) -
         return torch.softmax(s, dim=-1)
     sink = sinks.float().view(hk, group, 1, 1)
     top = torch.maximum(s.amax(-1, keepdim=True), sink)
-    p = torch.exp(s - top)
-    return p / (p.sum(-1, keepdim=True) + torch.exp(sink - top))
+    p = s.sub_(top).exp_()  # (in place: one copy of the scores, as the soft-capped path's)
+    return p.div_(p.sum(-1, keepdim=True).add_(torch.exp(sink - top)))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,

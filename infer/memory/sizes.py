@@ -249,8 +249,11 @@ def softcap_cpu_position_bytes(model_config, dtype: torch.dtype, batched: bool) 
     capped (Gemma 2's attn_logit_softcapping: kernels.reference._sdpa's own attention, in float32): the scores twice
     more (the capped ones and their softmax, beside the plain term's), K and V as float32 copies in half precision,
     and for a batch of sequences (`batched`: its gathered K and V a strided view, [R, L, Hk, D] read as [R, Hk, L,
-    D]) the contiguous copy of K, then of V, that its matmuls take. 0 without soft-capping."""
-    if model_config.model_type != "gemma2" or not getattr(model_config, "attn_logit_softcapping", None):
+    D]) the contiguous copy of K, then of V, that its matmuls take. 0 without soft-capping. gpt-oss's attention
+    sinks take the same path (their softmax in it), counted alike."""
+    sinks = model_config.model_type == "gpt_oss"
+    if not sinks and (model_config.model_type != "gemma2" or not getattr(model_config, "attn_logit_softcapping",
+                                                                          None)):
         return 0
     b, f = element_bytes(dtype), 4
     shapes = ModelShapes.from_config(model_config)

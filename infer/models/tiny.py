@@ -89,6 +89,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # ERNIE 4.5 (0.3B): Llama's layers, the whole head rotated in interleaved pairs, a tied head, head_dim set (its
     # config defaults to 128)
     "tiny-ernie4_5": TinySpec("ernie4_5", 20, config=dict(_TINY, head_dim=16)),
+    # gpt-oss: attention sinks, q/k/v/o biases, alternate sliding layers (a window of 64: prompts pass it), yarn rope,
+    # 8 experts of width 32 (top-2) with biases and the clamped SwiGLU (limit 1: the clamp reached), a biased router
+    "tiny-gpt-oss": TinySpec("gpt_oss", 21, config=dict(
+        _TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=64, swiglu_limit=1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024})),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -183,7 +190,8 @@ def _build(spec: TinySpec, out: Path) -> None:
                           "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                           "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
                           "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                          "ernie4_5": "Ernie4_5ForCausalLM"}[spec.arch]]
+                          "ernie4_5": "Ernie4_5ForCausalLM",
+                          "gpt_oss": "GptOssForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
