@@ -21,7 +21,8 @@ from infer.models.tiny import ensure_builtin
 
 from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
                      interpreted_module, measured_warmup, nan_filled_empty, random_prompts, save_random_model)
-from lora_helpers import hf_float
+from lora_helpers import (base_and_adapters, check_mixed_adapters_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
+                          hf_float, save_adapters)
 from quant_helpers import check_gpu_path_interpreted
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
@@ -237,6 +238,52 @@ def test_triton_fused_moe_with_oai_experts_equals_the_reference(moe_kernels):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+# ------------------------------------------------------------------------------------------------------- LoRA
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"])}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's, on the attention) on a gpt-oss."""
+    root = tmp_path_factory.mktemp("gptoss_lora")
+    build(root / "base")
+    return base_and_adapters(root, ADAPTERS)
+
+
+def test_peft_attention_adapters_equal_peft_alone_and_mixed(gpt_oss_lora):
+    base, hf, paths = gpt_oss_lora
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+@interpreted
+def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(gpt_oss_lora, monkeypatch):
+    """Adapters beside a base-only row through the Triton kernels (interpreted, the decode kernel adding the qkv
+    delta beside the sinks) and emulated decode graphs: peft's tokens."""
+    base, hf, paths = gpt_oss_lora
+
+    def check_model(model):
+        assert all(layer.self_attn.sinks is not None for layer in model.layers)
+    check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
+
+
+def test_an_adapter_of_the_experts_is_refused(gpt_oss_lora, tmp_path):
+    """peft's target_parameters on gpt-oss's experts (gate_up_proj [E, H, 2I], interleaved): refused by the engine and
+    by lora-validate, naming what to train instead."""
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    base, hf, _ = gpt_oss_lora
+    path = save_adapters(hf, tmp_path, {"exp": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"])})["exp"]
+    [problem] = adapter_problems("exp", path, AutoConfig.from_pretrained(base))
+    assert "infer does not adapt gpt-oss's experts" in problem.message and "q_proj, k_proj" in problem.hint
+    with pytest.raises(LoRAError, match="infer does not adapt gpt-oss's experts"):
+        LLM(str(base), loras={"exp": str(path)})
+
+
 # ------------------------------------------------------------------------------ warmup, run, bench, tiny
 def test_builtin_tiny_model_runs_and_warmup_sizes_it():
     """tiny-gpt-oss equals transformers (prompts past its window of 64) and writes varied tokens; `infer warmup
@@ -274,9 +321,11 @@ def test_infer_run_and_bench_on_the_builtin_model(tmp_path):
 
 def test_the_measured_cpu_peak_is_under_the_estimate(tmp_path):
     """A step of 1,020 tokens (4 x 256) and decodes at 256: the measured peak (the sinks' explicit softmax, the
-    experts' biases and clamped activation) is under `warmup --estimate`'s activations, by less than 1.3x."""
+    experts' biases and clamped activation) is under `warmup --estimate`'s activations, by less than 1.6x (the
+    formula adds a prefill chunk's sink scores, 1 MB here, to the step's per-token peak, which the MoE reaches after
+    the attention freed them)."""
     build(tmp_path, max_position_embeddings=256)
     measured = measured_warmup([str(tmp_path), "--max-length", "256", "--concurrency", "4",
                                 "--max-num-batched-tokens", "1024"])
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
-    assert peak <= formula <= 1.3 * peak, (formula, peak)
+    assert peak <= formula <= 1.6 * peak, (formula, peak)

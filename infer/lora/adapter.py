@@ -228,6 +228,14 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "train with target_modules instead (infer adapts parameters only as a mixture of experts' "
                         "stacked experts)")] if params else []
     problems = []
+    experts = [m for m in adapter.mlp_modules if _EXPERTS.match(m) or _EXPERT_MODULE.match(m)]
+    if base_config.model_type == "gpt_oss" and (params or experts):
+        # gpt-oss's experts: gate_up_proj [E, H, 2I] (x @ W, gate and up columns interleaved) and their biases,
+        # which infer's expert slots (lora.experts: Qwen's and Mixtral's [E, 2I, H] layout) do not lay out
+        what = f"target_parameters {json.dumps(params)}" if params else f"adapts {experts[0]}"
+        return [Problem(f"{what}: infer does not adapt gpt-oss's experts (or its router)",
+                        "train the adapter with target_modules on the attention (q_proj, k_proj, v_proj, o_proj), "
+                        "or merge the experts' adapter into the weights (peft's merge_and_unload) and serve that")]
     # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
     # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
     unmapped = _moe_unmapped(adapter, base_config)

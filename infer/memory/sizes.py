@@ -250,14 +250,23 @@ def softcap_cpu_position_bytes(model_config, dtype: torch.dtype, batched: bool) 
     more (the capped ones and their softmax, beside the plain term's), K and V as float32 copies in half precision,
     and for a batch of sequences (`batched`: its gathered K and V a strided view, [R, L, Hk, D] read as [R, Hk, L,
     D]) the contiguous copy of K, then of V, that its matmuls take. 0 without soft-capping. gpt-oss's attention
-    sinks take the same path (their softmax in it), counted alike."""
-    sinks = model_config.model_type == "gpt_oss"
-    if not sinks and (model_config.model_type != "gemma2" or not getattr(model_config, "attn_logit_softcapping",
-                                                                          None)):
+    sinks take the same path, their softmax in place: the scores once more (`_explicit_scores`)."""
+    copies = _explicit_scores(model_config)
+    if not copies:
         return 0
     b, f = element_bytes(dtype), 4
     shapes = ModelShapes.from_config(model_config)
-    return 2 * shapes.num_heads * f + (2 * shapes.kv_size * f if b < f else 0) + (shapes.kv_size * f if batched else 0)
+    return copies * shapes.num_heads * f + (2 * shapes.kv_size * f if b < f else 0) + \
+        (shapes.kv_size * f if batched else 0)
+
+
+def _explicit_scores(model_config) -> int:
+    """The float32 copies of the scores kernels.reference._sdpa's own attention holds (where the plain SDPA's
+    holds none): 2 for Gemma 2's soft-capped scores (capped in place, then their softmax), 1 for gpt-oss's sinks
+    (the softmax in place too), 0 for the other families."""
+    if model_config.model_type == "gpt_oss":
+        return 1
+    return 2 if model_config.model_type == "gemma2" and getattr(model_config, "attn_logit_softcapping", None) else 0
 
 
 def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int:
@@ -285,12 +294,14 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
     most MASK_ELEMENTS (query x key) scores a head, or one query's over more keys; a prefill of `num_tokens` at most
     `max_length` keys), the chunk's causal mask, and K and V as float32 copies in half precision. The plain SDPA's
     prefill holds no scores (its CPU kernel works in tiles); 0 without soft-capping."""
-    if not softcap_cpu_position_bytes(model_config, dtype, False):
+    copies = _explicit_scores(model_config)
+    if not copies:
         return 0
     shapes = ModelShapes.from_config(model_config)
-    scores = min(num_tokens * max_length, max(MASK_ELEMENTS, max_length))  # a head's (query x key) chunk
+    rows = num_tokens if copies == 2 else min(num_tokens, max_length)  # (a sequence's queries: at most max_length)
+    scores = min(rows * max_length, max(MASK_ELEMENTS, max_length))  # a head's (query x key) chunk
     kv_copies = 2 * max_length * shapes.kv_size * 4 if element_bytes(dtype) < 4 else 0
-    return scores * (2 * shapes.num_heads * 4 + 1) + kv_copies
+    return scores * (copies * shapes.num_heads * 4 + 1) + kv_copies
 
 
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
