@@ -23,7 +23,7 @@ from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_trans
                      interpreted_module, measured_warmup, nan_filled_empty, random_prompts, save_random_model)
 from lora_helpers import (base_and_adapters, check_mixed_adapters_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
                           hf_float, save_adapters)
-from quant_helpers import check_gpu_path_interpreted
+from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 SL, FULL = "sliding_attention", "full_attention"
@@ -186,19 +186,17 @@ def oai_experts(e=4, h=32, inter=16, seed=0):
 
 
 def gpt_oss_experts(w13, w2, oai):
-    """transformers' GptOssExperts holding the same experts as it stores them: gate_up_proj [E, H, 2I] with the gate
-    and up columns interleaved, down_proj [E, I, H]."""
+    """transformers' GptOssExperts holding the same experts as it stores them: gate_up_proj [E, H, 2I] (x @ W; the
+    rows of w13, gate and up interleaved, as infer keeps them), down_proj [E, I, H]."""
     from transformers import AutoConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
     e, two_i, h = w13.shape
     cfg = AutoConfig.for_model("gpt_oss", hidden_size=h, intermediate_size=two_i // 2, num_local_experts=e,
                                swiglu_alpha=oai.alpha, swiglu_limit=oai.limit)
     experts = GptOssExperts(cfg)
-    inter = two_i // 2
     with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.stack([w13[:, :inter], w13[:, inter:]], 2).reshape(e, two_i, h)
-                                   .transpose(1, 2))
-        experts.gate_up_proj_bias.copy_(torch.stack([oai.b13[:, :inter], oai.b13[:, inter:]], 2).reshape(e, two_i))
+        experts.gate_up_proj.copy_(w13.transpose(1, 2))
+        experts.gate_up_proj_bias.copy_(oai.b13)
         experts.down_proj.copy_(w2.transpose(1, 2))
         experts.down_proj_bias.copy_(oai.b2)
     return experts
@@ -236,6 +234,47 @@ def test_triton_fused_moe_with_oai_experts_equals_the_reference(moe_kernels):
         with nan_filled_empty(moe_kernels):
             got = moe_kernels.fused_moe(x, w13, w2, weights, ids, oai=oai)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@pytest.fixture(scope="module")
+def gptq_gpt_oss(tmp_path_factory):
+    """(float folder, `infer quantize`'s GPTQ checkpoint of it: GPTQModel's gpt_oss definition, every expert's
+    projections apart with their biases, the router float)."""
+    root = tmp_path_factory.mktemp("gptoss_gptq")
+    build(root / "f")
+    res = CliRunner().invoke(app, ["quantize", str(root / "f"), "-o", str(root / "q"), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    return root / "f", root / "q"
+
+
+@needs_gptqmodel
+def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load(gptq_gpt_oss):
+    """GPTQModel stores each expert's gate_up as two halves of transformers' interleaved columns (its defuser's
+    gate_proj and up_proj): infer stacks them back into that order, and its tokens equal GPTQModel's own load."""
+    from safetensors.torch import load_file
+    _, out = gptq_gpt_oss
+    tensors = load_file(out / "model.safetensors")
+    assert {"model.layers.0.mlp.experts.3.gate_proj.qweight", "model.layers.0.mlp.experts.3.up_proj.bias",
+            "model.layers.1.self_attn.o_proj.qweight", "model.layers.0.mlp.router.bias"} <= set(tensors)
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == gptqmodel_greedy(out, prompts, 8, every_float=True)
+
+
+@needs_gptqmodel
+@interpreted
+def test_int4_experts_through_the_kernels_equal_the_cpu_path(gptq_gpt_oss, tmp_path, monkeypatch):
+    """The GPTQ checkpoint on the GPU code path (int4 experts stacked, the int4 fused MoE with the biases and the
+    clamped activation, interpreted; emulated graphs): the CPU path's tokens (its experts dequantized at load)."""
+    _, out = gptq_gpt_oss
+    prompts = random_prompts(512, (5, 13), seed=4)
+    with LLM(str(out), block_size=4) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    check_gpu_path_interpreted(out, monkeypatch, prompts, want)
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA

@@ -505,9 +505,9 @@ def moe_lora_delta(rows: torch.Tensor, slots: torch.Tensor, experts: torch.Tenso
 
 
 class OaiExperts(NamedTuple):
-    """gpt-oss's experts beyond the SwiGLU ones (transformers' GptOssExperts): biases b13 [E, 2I] (each expert's
-    gate's, then its up's) added to the gate_up product and b2 [E, H] to the down one, and the clamped activation
-    `oai_swiglu`."""
+    """gpt-oss's experts beyond the SwiGLU ones (transformers' GptOssExperts): w13's rows in transformers' order,
+    gate and up interleaved (2j: unit j's gate, 2j + 1: its up); biases b13 [E, 2I] (in that order) added to the
+    gate_up product and b2 [E, H] to the down one, and the clamped activation `oai_swiglu`."""
     b13: torch.Tensor
     b2: torch.Tensor
     alpha: float
@@ -515,10 +515,11 @@ class OaiExperts(NamedTuple):
 
 
 def oai_swiglu(h: torch.Tensor, inter: int, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's activation of gate_up rows h [n, 2I] (gate columns, then up's; transformers interleaves them, the
-    loader splits them apart): gate clamped above at limit, up to [-limit, limit], (up + 1) * gate *
-    sigmoid(alpha * gate), in h's dtype (GptOssExperts._apply_gate)."""
-    gate, up = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(-limit, limit)
+    """gpt-oss's activation of gate_up rows h [n, 2I] (gate and up columns interleaved, as transformers stores
+    them: GPTQModel's per-expert gate_proj and up_proj are the first and second halves of that order): gate
+    clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate), in h's dtype
+    (GptOssExperts._apply_gate); returns [n, I]."""
+    gate, up = h[:, 0::2].clamp(max=limit), h[:, 1::2].clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 

@@ -401,7 +401,7 @@ class SparseMoeBlock(nn.Module):
 # a sparse layer's tensors as checkpoints name them (after the loader drops "model."): the router, an expert's
 # projection, or the stacked experts of transformers' own parameter names
 _TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|experts\.(\d+)\.(\w+)\.(weight|qweight|"
-                     r"qzeros|scales|g_idx)|experts\.(gate_up_proj|down_proj))$")
+                     r"qzeros|scales|g_idx|bias)|experts\.(gate_up_proj|down_proj))$")
 
 
 # gpt-oss's sparse layer as transformers names it: the router (with a bias) and the stacked experts with biases
@@ -433,7 +433,7 @@ class MoeForCausalLM:
     def load_expert_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
         """Load checkpoint tensor `name` (`key` without "model.") into a sparse layer; returns the model's parameter
         it went into, or None where it is no sparse layer's (the loader's usual routing then)."""
-        if self.config.model_type == "gpt_oss":
+        if self.config.model_type == "gpt_oss" and _OAI_TENSOR.match(key):
             return self._load_oai_tensor(key, t, name)
         block, m = self._moe_block(key)
         if block is None:
@@ -469,6 +469,14 @@ class MoeForCausalLM:
         if index >= e or proj not in names:
             return None  # the loader names it as a tensor config.json has no place for
         part = names.index(proj)
+        if m.group(5) == "bias":  # gpt-oss's experts apart (GPTQModel's checkpoints): each projection's bias
+            if experts.b13 is None:
+                return None  # (the loader names it as a tensor config.json has no place for)
+            dest = experts.b13[index, part * inter:(part + 1) * inter] if part < 2 else experts.b2[index]
+            check(dest.shape, dest)
+            dest.copy_(t)
+            experts.loaded.add((index, part + 3))
+            return f"layers.{layer}.mlp.experts.{'b13' if part < 2 else 'b2'}"
         if m.group(5) != "weight":  # a GPTQ expert's tensor: into its own GPTQ layer, dequantized by check_experts
             if block.method_for is None:
                 raise ModelLoadError(f"{name} is a quantized expert's tensor in a checkpoint whose config.json has no "
@@ -488,11 +496,12 @@ class MoeForCausalLM:
         return f"layers.{layer}.mlp.experts.{'w13' if part < 2 else 'w2'}"
 
     def _load_oai_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
-        """load_expert_tensor of gpt-oss: the router's weight and bias; gate_up_proj [E, H, 2I] transposed to w13
-        [E, 2I, H] with its interleaved gate and up columns (2j, 2j + 1) split into gate's rows, then up's (their
-        bias likewise), down_proj [E, I, H] transposed to w2 [E, H, I]."""
+        """load_expert_tensor of gpt-oss's stacked tensors: the router's weight and bias; gate_up_proj [E, H, 2I]
+        transposed to w13 [E, 2I, H], its gate and up rows kept interleaved (2j, 2j + 1: reference.OaiExperts; its
+        bias too), down_proj [E, I, H] transposed to w2 [E, H, I]. (GPTQModel's per-expert gate_proj and up_proj
+        are the halves of that interleaved order: load_expert_tensor stacks them so.)"""
         m = _OAI_TENSOR.match(key)
-        if m is None or int(m.group(1)) >= len(self.layers):
+        if int(m.group(1)) >= len(self.layers):
             return None
         layer = int(m.group(1))
         block = self.layers[layer].mlp
@@ -513,10 +522,8 @@ class MoeForCausalLM:
         if m.group(3) is not None:
             if m.group(4) is None:
                 t = t.transpose(1, 2)  # x @ W: W [E, in, out] as the [E, out, in] of F.linear
-            if gate_up:
-                t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)  # interleaved gate, up -> gate's, then up's
-            if m.group(4) is None:
-                ex.loaded.update((i, p) for i in range(e) for p in ((0, 1) if gate_up else (2,)))
+            parts = (0, 1) if gate_up else (2,)
+            ex.loaded.update((i, p + (3 if bias else 0)) for i in range(e) for p in parts)
         dest.data.copy_(t)
         return into
 
@@ -524,17 +531,21 @@ class MoeForCausalLM:
         """A ModelLoadError naming the first expert projection the checkpoint had no tensor for; GPTQ experts
         dequantized into the stacked weights."""
         names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
-        if self.config.model_type == "gpt_oss":  # (stacked only: the loader names a missing one)
-            return
         for block in self.modules():
             if isinstance(block, SparseMoeBlock):
                 block.dequantize_experts()
+                stacked = "gate_up_proj", "gate_up_proj", "down_proj"  # (gpt-oss's: transformers' own names)
                 for index in range(block.experts.num_experts):
-                    for part, proj in enumerate(names):
+                    # gpt-oss's experts have biases too: parts 3, 4, 5 (loaded stacked, or apart by GPTQModel)
+                    for part in range(6 if block.oai else 3):
                         if (index, part) not in block.experts.loaded:
                             tensor = "qweight" if block.method_for is not None else "weight"  # (GPTQ / AWQ experts)
-                            raise ModelLoadError(f"the checkpoint has no tensor {block.prefix}.experts.{index}.{proj}"
-                                                 f".{tensor}", "the model folder is incomplete")
+                            tensor = "bias" if part > 2 else tensor
+                            what = f"{index}.{names[part % 3]}.{tensor}"
+                            if block.oai and block.method_for is None:
+                                what = stacked[part % 3] + ("_bias" if part > 2 else "")
+                            raise ModelLoadError(f"the checkpoint has no tensor {block.prefix}.experts.{what}",
+                                                 "the model folder is incomplete")
 
 
 _CLASS: list[type] = []
