@@ -236,6 +236,47 @@ def test_triton_fused_moe_with_oai_experts_equals_the_reference(moe_kernels):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+# ------------------------------------------------------------------------------------------------------ MXFP4
+def to_mxfp4(folder, seed: int = 0) -> None:
+    """The gpt-oss in `folder` as the hub stores gpt-oss-20b: each layer's experts.gate_up_proj and down_proj
+    replaced by MXFP4 _blocks (random 4-bit codes) and _scales (powers of two from 2^-5 to 2^-1), config.json's
+    quantization_config MXFP4's (the attention, router, embeddings and head left float)."""
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(folder / "model.safetensors")
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(key).shape  # [E, in, out]
+        tensors[key + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[key + "_scales"] = torch.randint(122, 127, (e, n, k // 32), generator=g, dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_an_mxfp4_checkpoint_is_dequantized_at_load_as_transformers_does(tmp_path):
+    """The hub's layout (MXFP4 experts): infer dequantizes them at load, as transformers does on a machine without
+    its MXFP4 kernels (Mxfp4Config(dequantize=True)); greedy tokens and logprobs equal transformers' load of the
+    same folder."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    build(tmp_path, hidden_size=64, intermediate_size=64)
+    to_mxfp4(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    hf.generation_config.eos_token_id = None
+    assert type(hf.model.layers[0].mlp.experts).__name__ == "GptOssExperts"  # (dequantized)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(tmp_path), block_size=4, dtype="float32") as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)  # (the experts as float)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0))
+    check_equal_transformers(hf, prompts, outs, 8, "mxfp4")
+
+
 # ------------------------------------------------------------------------------------------------------- GPTQ
 @pytest.fixture(scope="module")
 def gptq_gpt_oss(tmp_path_factory):

@@ -98,6 +98,10 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 numel *= d
             is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
+            if info["dtype"] == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
+                # gpt-oss's MXFP4 experts (models.moe.mxfp4_dequantize): two values a byte of blocks, loaded as
+                # float; the scales dropped
+                size = 2 * numel * elem if name.endswith("_blocks") else 0
             if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False) and not head_only:
                 continue
             if name.endswith(".g_idx"):  # one per merged layer, counted below

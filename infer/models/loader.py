@@ -117,7 +117,11 @@ def linear_method_factory(path: Path, cfg):
     qc = getattr(cfg, "quantization_config", None)
     if not qc and not any((path / f).is_file() for f in ("quantize_config.json", "quant_config.json")):
         return lambda names: None
-    from ..quant.config import GPTQConfig
+    from ..quant.config import GPTQConfig, dequantized_at_load
+    if dequantized_at_load({"model_type": getattr(cfg, "model_type", None), "quantization_config": qc}):
+        # the hub's gpt-oss checkpoints: MXFP4 experts, dequantized at load (models.moe.mxfp4_dequantize), every
+        # other layer float
+        return lambda names: None
     from ..quant.gptq_linear import GPTQLinearMethod
     gcfg = GPTQConfig.from_model_dir(path)
     if gcfg is None:

@@ -406,7 +406,27 @@ _TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|e
 
 # gpt-oss's sparse layer as transformers names it: the router (with a bias) and the stacked experts with biases
 # (gate_up_proj [E, H, 2I]: x @ W, its gate and up columns interleaved; down_proj [E, I, H])
-_OAI_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)(_bias)?)$")
+_OAI_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)"
+                         r"(_bias|_blocks|_scales)?)$")
+# MXFP4's 16 values (the hub's gpt-oss checkpoints: transformers' integrations.mxfp4.FP4_VALUES), by 4-bit code
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An MXFP4 tensor as the hub's gpt-oss checkpoints store the experts: blocks uint8 [E, N, G, 16] (two 4-bit
+    codes a byte, low nibble first: 32 values of a group), scales uint8 [E, N, G] (each group's power of two,
+    biased by 127), as the float [E, N, G * 32] (the [E, out, in] of F.linear) that transformers dequantizes to
+    on a machine without its MXFP4 kernels (integrations.mxfp4.convert_moe_packed_tensors, before its transpose):
+    each value exact in `dtype`. One expert at a time (no whole-tensor int64 codes)."""
+    lut = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
+    e, n, g, b = blocks.shape
+    out = torch.empty(e, n, g * b * 2, dtype=dtype, device=blocks.device)
+    for i in range(e):
+        codes = blocks[i].to(torch.int64)
+        vals = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).reshape(n, g, b * 2)
+        exp = scales[i].to(torch.int32) - 127
+        out[i] = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32)).reshape(n, g * b * 2).to(dtype)
+    return out
 
 
 def layer_index(key: str) -> int:
@@ -503,6 +523,23 @@ class MoeForCausalLM:
         m = _OAI_TENSOR.match(key)
         if int(m.group(1)) >= len(self.layers):
             return None
+        if m.group(4) in ("_blocks", "_scales"):  # MXFP4 (the hub's checkpoints): dequantized once both are in
+            block = self.layers[int(m.group(1))].mlp
+            held = block.__dict__.setdefault("_mxfp4", {}).setdefault(m.group(3), {})
+            held[m.group(4)] = (t, name)
+            into = f"layers.{m.group(1)}.mlp.experts.{'w13' if m.group(3) == 'gate_up_proj' else 'w2'}"
+            if len(held) < 2:
+                return into
+            (blocks, bname), (scales, sname) = held.pop("_blocks"), held.pop("_scales")
+            ex = block.experts
+            rows, cols = ex.w13.shape[1:] if m.group(3) == "gate_up_proj" else ex.w2.shape[1:]
+            want = (ex.num_experts, rows, cols // 32)
+            if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (*want, 16) or tuple(scales.shape) != want:
+                raise ModelLoadError(f"{bname} {tuple(blocks.shape)} and {sname} {tuple(scales.shape)} are no "
+                                     f"MXFP4 tensors of shapes {(*want, 16)} and {want} (uint8)",
+                                     "the weights do not match config.json")
+            return self._load_oai_tensor(key.removesuffix(m.group(4)),
+                                         mxfp4_dequantize(blocks, scales, ex.w13.dtype).transpose(1, 2), name)
         layer = int(m.group(1))
         block = self.layers[layer].mlp
         ex = block.experts

@@ -14,6 +14,15 @@ _BITS_HINT = ("only 4-bit and 8-bit GPTQ are supported: use the model's 4-bit (o
               "weights (`infer quantize FLOAT_MODEL -o OUT --bits 4` makes a 4-bit checkpoint of them)")
 
 
+def dequantized_at_load(config: dict) -> bool:
+    """Whether config.json (a dict) is a gpt-oss with MXFP4 experts (the hub's gpt-oss-20b / 120b): infer
+    dequantizes them at load (models.moe.mxfp4_dequantize, as transformers does without its MXFP4 kernels), a
+    float model otherwise."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    return config.get("model_type") == "gpt_oss" and isinstance(qc, dict) and \
+        str(qc.get("quant_method", "")).lower() == "mxfp4"
+
+
 @dataclass(frozen=True)
 class GPTQConfig:
     bits: int = 4
@@ -141,6 +150,8 @@ class GPTQConfig:
                 d = json.loads(f.read_text())
             except ValueError as e:
                 raise ModelLoadError(f"{f} is not valid JSON: {e}") from e
+            if key and dequantized_at_load(d):
+                continue  # (the experts float once loaded: the other files' GPTQ configs as for a float model)
             d = d.get(key) if key else d
             if d and name == "quant_config.json" and isinstance(d, dict) and not (d.get("quant_method") or
                                                                                   d.get("method")):
