@@ -317,9 +317,9 @@ def aligned(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, lora=None, block_m: int | None = None, config: dict | None = None,
               oai=None) -> torch.Tensor:
-    """reference.fused_moe in three launches (`_run`; `oai`: gpt-oss's reference.OaiExperts); block_m: the blocks' rows (None: `step_config`'s; a
-    candidate of the bench otherwise, the heuristics' tiles); config: the launch config to use (a tuner's
-    candidate; None: `step_config`'s)."""
+    """reference.fused_moe in three launches (`_run`; `oai`: gpt-oss's reference.OaiExperts); block_m: the blocks'
+    rows (None: `step_config`'s; a candidate of the bench otherwise, the heuristics' tiles); config: the launch
+    config to use (a tuner's candidate; None: `step_config`'s)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
