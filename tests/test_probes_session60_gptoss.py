@@ -20,7 +20,8 @@ from infer.kernels import reference
 from infer.models.tiny import ensure_builtin
 
 from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
-                     interpreted_module, measured_warmup, nan_filled_empty, random_prompts, save_random_model)
+                     interpreted_module, measured_warmup, nan_filled_empty, norms_and_biases_shifted, random_prompts,
+                     save_random_model)
 from lora_helpers import (base_and_adapters, check_mixed_adapters_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
                           hf_float, save_adapters)
 from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel
@@ -166,14 +167,15 @@ def test_triton_attention_kernels_with_sinks_equal_the_reference(attention_kerne
     with nan_filled_empty(attention_kernels):
         got = attention_kernels.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.25, sinks=sinks, window=window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    dec = [1, 2]  # the decode rows alone, in one partition and in several
-    sub = (q[qsl[1]:qsl[3]].contiguous(), tables[dec], seq_lens[dec], torch.tensor([0, 1, 2], dtype=torch.int32))
-    want = reference.paged_attention(sub[0], kc, vc, sub[1], sub[2], sub[3], 0.25, 1, sinks=sinks, window=window)
+    # decodes of 300 and 201 keys alone, in one partition and in three (three blocks of 128 keys: the last
+    # partition's merge adds the sink; a window's few keys stay in one)
+    q, kc, vc, tables, seq_lens, qsl = paged([(300, 1), (201, 1)], 4, 2, 16, 4, seed=8 + window)
+    want = reference.paged_attention(q, kc, vc, tables, seq_lens, qsl, 0.25, 1, sinks=sinks, window=window)
     for parts in (1, 3):
-        out = torch.full_like(sub[0], float("nan"))
-        meta = attention_kernels._meta(sub[0], kc, 0.0, window, sinks)
-        attention_kernels._decode(sub[0], kc, vc, sub[1], sub[2], sub[3], 0.25 * attention_kernels.LOG2E, out,
-                                  meta, parts=parts, sinks=attention_kernels._sink_logits(sinks))
+        out = torch.full_like(q, float("nan"))
+        meta = attention_kernels._meta(q, kc, 0.0, window, sinks)
+        attention_kernels._decode(q, kc, vc, tables, seq_lens, qsl, 0.25 * attention_kernels.LOG2E, out, meta,
+                                  parts=parts, sinks=attention_kernels._sink_logits(sinks))
         torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
 
 
@@ -283,7 +285,8 @@ def gptq_gpt_oss(tmp_path_factory):
     """(float folder, `infer quantize`'s GPTQ checkpoint of it: GPTQModel's gpt_oss definition, every expert's
     projections apart with their biases, the router float)."""
     root = tmp_path_factory.mktemp("gptoss_gptq")
-    build(root / "f")
+    # (norms and biases moved by N(0, 0.3): `shifted`'s biases of N(0, 1) leave the quantized model one token)
+    save_random_model(root / "f", "gpt_oss", "GptOssForCausalLM", SMALL, 0, norms_and_biases_shifted)
     res = CliRunner().invoke(app, ["quantize", str(root / "f"), "-o", str(root / "q"), "--group-size", "32",
                                    "--num-samples", "8", "--seq-len", "32"])
     assert res.exit_code == 0, res.output
@@ -295,15 +298,21 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load(gptq_g
     """GPTQModel stores each expert's gate_up as two halves of transformers' interleaved columns (its defuser's
     gate_proj and up_proj): infer stacks them back into that order, and its tokens equal GPTQModel's own load."""
     from safetensors.torch import load_file
-    _, out = gptq_gpt_oss
+    src, out = gptq_gpt_oss
     tensors = load_file(out / "model.safetensors")
+    floats = load_file(src / "model.safetensors")
     assert {"model.layers.0.mlp.experts.3.gate_proj.qweight", "model.layers.0.mlp.experts.3.up_proj.bias",
             "model.layers.1.self_attn.o_proj.qweight", "model.layers.0.mlp.router.bias"} <= set(tensors)
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(out), block_size=4, dtype="float32") as llm:
-        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        model = llm.engine.runner.model
+        assert model.layers[0].self_attn.qkv_proj.qweight is not None
+        for i, layer in enumerate(model.layers):  # each expert's gate and up biases back in transformers' order
+            torch.testing.assert_close(layer.mlp.experts.b13, floats[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"],
+                                       atol=1e-3, rtol=0)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
     assert got == gptqmodel_greedy(out, prompts, 8, every_float=True)
+    assert len({t for tokens in got for t in tokens}) > 6  # (varied tokens: the comparison means something)
 
 
 @needs_gptqmodel
