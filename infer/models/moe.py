@@ -1,5 +1,13 @@
 """Mixture-of-experts members of the Llama family: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B,
-8x22B) and Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B).
+8x22B), Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and OpenAI's gpt-oss (gpt-oss-20b, 120b).
+
+gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
+denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
+its sparse layer a router with a bias whose softmax is over the top k logits (`SparseMoeBlock.route`), experts with
+biases and a clamped SwiGLU (kernels.reference.OaiExperts) whose w13 rows keep transformers' interleaved gate/up
+order. Its checkpoints: transformers' stacked bf16 layout, the hub's MXFP4 experts (dequantized at load:
+`mxfp4_dequantize`), GPTQModel's per-expert GPTQ layers (with their biases). Adapters of its experts are refused
+(lora.adapter).
 
 Attention, norms and rope are their dense family's (`BASE`: Qwen3's q/k norms, Mistral's, Qwen2's q/k/v biases);
 the MLP of a sparse layer is a `SparseMoeBlock`: a router (a linear [E, H] of the hidden state, softmax in float32
