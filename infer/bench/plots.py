@@ -68,13 +68,21 @@ def _bars(ax, groups: list[str], series: list[tuple[str, list]]) -> None:
     ax.legend(loc="upper center", ncol=len(series))
 
 
+def _pooling(results: list[dict]) -> bool:
+    """Whether these are a pooling run's levels (--runner pooling: embeddings, no token generated)."""
+    return any("embedding_throughput" in r for r in results)
+
+
 def throughput_figure(results: list[dict]):
-    """Output tokens/s and reply characters/s against concurrency, ours and the baseline."""
+    """Output tokens/s and reply characters/s against concurrency, ours and the baseline (a pooling run's:
+    embeddings/s and input tokens/s, as it generates no token)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     levels = _levels(results)
     ours, base = _names(results)
-    for ax, key, label in ((axes[0], "output_throughput", "output tokens / s"), (axes[1], "chars_per_s", "chars / s")):
+    keys = (("embedding_throughput", "embeddings / s"), ("input_throughput", "input tokens / s")) \
+        if _pooling(results) else (("output_throughput", "output tokens / s"), ("chars_per_s", "chars / s"))
+    for ax, (key, label) in zip(axes, keys):
         if len(levels) == 1:
             series = [(name, _series(results, key, is_base)[1]) for is_base, name in ((False, ours), (True, base))]
             _bars(ax, [f"concurrency {levels[0]}"], [(n, v) for n, v in series if v])
@@ -96,12 +104,14 @@ def throughput_figure(results: list[dict]):
 
 
 def latency_figure(results: list[dict]):
-    """Median / p90 / p99 of TTFT, TPOT, ITL and E2EL against concurrency (ours solid, baseline dotted)."""
+    """Median / p90 / p99 of TTFT, TPOT, ITL and E2EL against concurrency (ours solid, baseline dotted); a pooling
+    run's E2EL only (an embedding has no token times)."""
     plt = _plt()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    pooling = _pooling(results)
+    fig, axes = plt.subplots(1, 1, figsize=(6, 4), squeeze=False) if pooling else plt.subplots(2, 2, figsize=(11, 7))
     levels = _levels(results)
     ours, base = _names(results)
-    for ax, name in zip(axes.flat, LATENCY_METRICS):
+    for ax, name in zip(axes.flat, ("e2el",) if pooling else LATENCY_METRICS):
         if len(levels) == 1:
             series = [(who, [(_series(results, f"{s}_{name}_ms", is_base)[1] or [None])[0] for s in STATS])
                       for is_base, who in ((False, ours), (True, base))]

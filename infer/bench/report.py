@@ -245,14 +245,18 @@ def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str
     """Column titles and formatted rows of the "throughput" table (with baseline and ratio columns when there
     is a baseline, and a partial flag) or of the "latency" table."""
     based = any("baseline" in r for r in results)
+    goodput = any("request_goodput" in r for r in results)
     if any("embedding_throughput" in r for r in results):  # a pooling run: no token is generated
-        cols = (EMBED_LATENCY_COLUMNS + (EMBED_LATENCY_RATIO_COLUMNS if based else [])) if which == "latency" else \
-            (EMBED_COLUMNS + (EMBED_RATIO_COLUMNS if based else []))
+        if which == "latency":
+            cols = EMBED_LATENCY_COLUMNS + (EMBED_LATENCY_RATIO_COLUMNS if based else [])
+        else:  # (with --goodput e2el:MS: its completed requests within it per second, after emb/s)
+            cols = EMBED_COLUMNS[:4] + [GOODPUT_COLUMN] * goodput + EMBED_COLUMNS[4:]
+            cols += EMBED_RATIO_COLUMNS if based else []
     elif which == "latency":
         cols = LATENCY_COLUMNS + (LATENCY_RATIO_COLUMNS if based else [])
     else:
         cols = list(THROUGHPUT_COLUMNS)
-        if any("request_goodput" in r for r in results):
+        if goodput:
             cols.insert(4, GOODPUT_COLUMN)
         cols += SPEC_COLUMNS if any("spec_decode_acceptance_rate" in r for r in results) else []
         cols += RATIO_COLUMNS if based else []

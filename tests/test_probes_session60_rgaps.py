@@ -1,0 +1,48 @@
+"""A review of the embeddings runner's bench and run lines: a pooling bench's plots draw its own figures
+(embeddings/s, input tokens/s, E2EL), not a generation's zeros, and its table shows --goodput e2el:MS's goodput."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.bench import plots
+from infer.bench.report import table_rows
+
+from test_probes_session60_gaps import _bench
+
+
+@pytest.fixture(scope="module")
+def pooled_bench(tmp_path_factory):
+    """`infer bench --runner pooling -c 1,2 --baseline hf --goodput e2el:600000`: (its results, its folder)."""
+    tmp = tmp_path_factory.mktemp("rgaps")
+    code, output, results = _bench(tmp, "--runner", "pooling", "--block-size", "4", "-c", "1,2", "--num-prompts",
+                                   "3", "--input-len", "6", "--baseline", "hf", "--goodput", "e2el:600000")
+    assert code == 0, output
+    return results, tmp / "bench"
+
+
+def test_pooling_bench_plots_its_own_figures(pooled_bench):
+    """throughput.png: embeddings/s and input tokens/s, ours and the baseline's at each level (a pooling run's
+    output tokens/s and characters/s are all zero); latency.png: E2EL alone (no TTFT, TPOT or ITL exists)."""
+    results, _ = pooled_bench
+    tput, inputs = plots.throughput_figure(results).axes
+    for ax, key, label in ((tput, "embedding_throughput", "embeddings / s"),
+                           (inputs, "input_throughput", "input tokens / s")):
+        assert ax.get_ylabel() == label
+        ours, base = ax.get_lines()
+        assert list(ours.get_ydata()) == [r[key] for r in results] and all(r[key] > 0 for r in results)
+        assert list(base.get_ydata()) == [r["baseline"][key] for r in results]
+    (e2el,) = plots.latency_figure(results).axes
+    assert e2el.get_title() == "E2EL (ms)"
+    assert list(e2el.get_lines()[0].get_ydata()) == [r["median_e2el_ms"] for r in results]
+
+
+def test_pooling_bench_table_shows_the_goodput(pooled_bench):
+    """--goodput e2el:MS (the one objective a pooling run takes) adds its good req/s column, as a generation's."""
+    results, out = pooled_bench
+    titles, rows = table_rows(results)
+    col = titles.index("good req/s")
+    assert titles[col - 1] == "emb/s"
+    assert [row[col] for row in rows] == [f"{r['request_goodput']:.2f}" for r in results]
+    assert all(r["request_goodput"] == pytest.approx(r["embedding_throughput"]) for r in results)  # all within
+    assert "good req/s" in (out / "report.md").read_text()
