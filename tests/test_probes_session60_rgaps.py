@@ -46,3 +46,14 @@ def test_pooling_bench_table_shows_the_goodput(pooled_bench):
     assert [row[col] for row in rows] == [f"{r['request_goodput']:.2f}" for r in results]
     assert all(r["request_goodput"] == pytest.approx(r["embedding_throughput"]) for r in results)  # all within
     assert "good req/s" in (out / "report.md").read_text()
+
+
+def test_pooling_bench_baseline_note_with_adapters_names_automodel(pooled_bench):
+    """With adapters the baseline is labelled hf (base, no adapters): its note says what that baseline ran, the
+    pooled AutoModel, not transformers generate (which a pooling run never runs)."""
+    from infer.bench.plan import BASE_NO_ADAPTERS
+    from infer.bench.report import baseline_note
+    results, _ = pooled_bench
+    labelled = [{**r, "baseline": {**r["baseline"], "label": BASE_NO_ADAPTERS}} for r in results]
+    note = baseline_note(labelled)
+    assert "AutoModel last_hidden_state pooled as ours on the base model" in note and "generate" not in note, note

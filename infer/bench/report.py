@@ -292,9 +292,9 @@ def baseline_note(results: list[dict]) -> str | None:
     if base is None:
         return None
     label = baseline_label(results)
+    hf = "transformers AutoModel last_hidden_state pooled as ours" if "embedding_throughput" in base else \
+        "transformers generate"
     if label is None:  # the x columns' direction was said nowhere on the terminal
-        hf = "transformers AutoModel last_hidden_state pooled as ours" if "embedding_throughput" in base else \
-            "transformers generate"
         what = f": {hf} on static batches of size = concurrency;" if base.get("backend") == "hf" else ";"
         return (f"baseline = {base.get('label') or base.get('backend')}{what} x = ours / baseline: above 1 on a "
                 "throughput, below 1 on a latency, ours is better")
@@ -302,7 +302,7 @@ def baseline_note(results: list[dict]) -> str | None:
         return (f"baseline = {label}: the same engine and options without --speculative-config, run after ours "
                 "with ours' engine freed first (one engine in memory at a time, so each peak is its own); "
                 "x = ours (speculative) / baseline, a latency x below 1 is faster")
-    return (f"baseline = {label}: transformers generate on the base model, without the adapters ours ran; "
+    return (f"baseline = {label}: {hf} on the base model, without the adapters ours ran; "
             "x = ours (with adapters) / baseline")
 
 
