@@ -57,3 +57,16 @@ def test_pooling_bench_baseline_note_with_adapters_names_automodel(pooled_bench)
     labelled = [{**r, "baseline": {**r["baseline"], "label": BASE_NO_ADAPTERS}} for r in results]
     note = baseline_note(labelled)
     assert "AutoModel last_hidden_state pooled as ours on the base model" in note and "generate" not in note, note
+
+
+def test_run_line_body_error_names_no_input(tmp_path):
+    """A line of several inputs refused for its body (dimensions on a model without matryoshka: every input alike)
+    is not blamed on body.input[0], as the server names the field; one bad input among good ones is still named."""
+    from helpers import infer_run_records
+    from test_probes_session59_embed import _line
+    lines = [_line("dims", {"input": ["x", "y"], "dimensions": 3}), _line("mixed", {"input": ["x", [10 ** 6]]})]
+    recs, _ = infer_run_records(tmp_path, lines, "--runner", "pooling", "--block-size", "4", "--output-format",
+                                "openai", key="custom_id")
+    dims = recs["dims"]["error"]["message"]
+    assert "does not support matryoshka" in dims and "body.input" not in dims, dims
+    assert "body.input[1]: a token id is outside the vocabulary" in recs["mixed"]["error"]["message"]

@@ -407,13 +407,16 @@ def _validate_lines(engine, lines: list) -> None:
     """Each line's request checked by `engine.validate`: one that can never run becomes that line's error."""
     for item in lines:
         prompts = (inputs_of(item.request) or [item.request.prompt_token_ids]) if item.request is not None else []
-        for i, prompt in enumerate(prompts):  # (an embeddings line's inputs: each, named as the server names it)
+        bad = []  # (input, its reason): an embeddings line's inputs each checked, named as the server names them
+        for i, prompt in enumerate(prompts):
             try:
                 engine.validate(prompt, item.request.params, item.request.lora)
             except RequestError as e:
-                which = f"body.input[{i}]: " if len(prompts) > 1 else ""
-                item.request, item.error = None, f"line {item.line_no}: {which}{line_reason(e)}"
-                break
+                bad.append((i, line_reason(e)))
+        if bad:  # (one reason for every input is the body's, not an input's: dimensions, the model's adapter...)
+            i, reason = bad[0]
+            which = f"body.input[{i}]: " if len(bad) < len(prompts) or len({r for _, r in bad}) > 1 else ""
+            item.request, item.error = None, f"line {item.line_no}: {which}{reason}"
 
 
 def line_reason(e: RequestError | str) -> str:
