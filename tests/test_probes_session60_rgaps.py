@@ -13,10 +13,12 @@ from test_probes_session60_gaps import _bench
 
 @pytest.fixture(scope="module")
 def pooled_bench(tmp_path_factory):
-    """`infer bench --runner pooling -c 1,2 --baseline hf --goodput e2el:600000`: (its results, its folder)."""
+    """`infer bench --runner pooling -c 1,2 --baseline hf --goodput e2el:600000 --random-range-ratio 0.5`: (its
+    results, its folder)."""
     tmp = tmp_path_factory.mktemp("rgaps")
     code, output, results = _bench(tmp, "--runner", "pooling", "--block-size", "4", "-c", "1,2", "--num-prompts",
-                                   "3", "--input-len", "6", "--baseline", "hf", "--goodput", "e2el:600000")
+                                   "3", "--input-len", "6", "--random-range-ratio", "0.5", "--baseline", "hf",
+                                   "--goodput", "e2el:600000")
     assert code == 0, output
     return results, tmp / "bench"
 
@@ -70,3 +72,13 @@ def test_run_line_body_error_names_no_input(tmp_path):
     dims = recs["dims"]["error"]["message"]
     assert "does not support matryoshka" in dims and "body.input" not in dims, dims
     assert "body.input[1]: a token id is outside the vocabulary" in recs["mixed"]["error"]["message"]
+
+
+def test_pooling_bench_config_says_no_output_length(pooled_bench):
+    """A pooling run generates no token: its workload and config name no output length (the plan's placeholder of
+    1, or --random-range-ratio's range of it), only the prompts' lengths drawn."""
+    results, out = pooled_bench
+    for entry in results:
+        assert entry["config"]["workload"] == "random: 3 prompts of 3-9 tokens (uniform, range ratio 0.5)"
+        assert entry["config"]["output_len"] is None
+    assert "output tokens" not in (out / "report.md").read_text()

@@ -64,9 +64,10 @@ class Workload:
 
 def load_workload(spec: str, tokenizer, *, num_prompts: int | None = None, input_len: int = 128,
                   output_len: int = 128, seed: int = 0, ignore_eos: bool | None = None,
-                  range_ratio: float = 0.0) -> Workload:
+                  range_ratio: float = 0.0, pooling: bool = False) -> Workload:
     """Build the workload named by `spec` (see the module docstring). `ignore_eos=None` keeps the workload's
-    default (random, liteqwen: True; jsonl, sharegpt: False). `range_ratio` applies to random only."""
+    default (random, liteqwen: True; jsonl, sharegpt: False). `range_ratio` applies to random only. `pooling`
+    (embeddings: no token generated): a random workload's description says no output length."""
     if range_ratio and spec != "random":
         raise ConfigError(f"a range ratio of {range_ratio} applies to the random dataset, not {spec!r}",
                           "drop --random-range-ratio, or use --dataset random")
@@ -74,10 +75,11 @@ def load_workload(spec: str, tokenizer, *, num_prompts: int | None = None, input
         reqs = random_requests(tokenizer, num_prompts or 100, input_len, output_len, seed, range_ratio=range_ratio)
         if range_ratio:
             (ilo, ihi), (olo, ohi) = length_range(input_len, range_ratio), length_range(output_len, range_ratio)
-            desc = (f"random: {len(reqs)} prompts of {ilo}-{ihi} tokens, {olo}-{ohi} output tokens (uniform, "
-                    f"range ratio {range_ratio:g})")
+            out = "" if pooling else f", {olo}-{ohi} output tokens"
+            desc = f"random: {len(reqs)} prompts of {ilo}-{ihi} tokens{out} (uniform, range ratio {range_ratio:g})"
         else:
-            desc = f"random: {len(reqs)} prompts of {input_len} tokens, {output_len} output tokens"
+            desc = f"random: {len(reqs)} prompts of {input_len} tokens" + \
+                ("" if pooling else f", {output_len} output tokens")
         wl = Workload("random", reqs, desc)
     elif spec == "liteqwen":
         wl = liteqwen_workload(tokenizer, num_prompts, seed)

@@ -143,6 +143,8 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     cfg["request_rate"] = None if math.isinf(plan.rate) else plan.rate
     del cfg["rate"]
     cfg["workload"] = description
+    if plan.pooling:  # (an embedding generates no token: the plan's output length is unused)
+        cfg["output_len"] = None
     if plan.engine is not None:
         cfg["engine"] = {k: v for k, v in asdict(plan.engine).items() if k != "loras"}
     if plan.baseline == NO_SPEC:
@@ -413,7 +415,7 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     _check_fits(plan)
     workload = load_workload(plan.dataset, tokenizer, num_prompts=plan.num_prompts,
                              input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed,
-                             range_ratio=plan.range_ratio)
+                             range_ratio=plan.range_ratio, pooling=plan.pooling)
     _note_short_dataset(plan, workload)
     own = any(r.lora for r in workload.requests)  # a jsonl line's "lora" is its own: --lora only registers it
     if own:
