@@ -82,3 +82,16 @@ def test_pooling_bench_config_says_no_output_length(pooled_bench):
         assert entry["config"]["workload"] == "random: 3 prompts of 3-9 tokens (uniform, range ratio 0.5)"
         assert entry["config"]["output_len"] is None
     assert "output tokens" not in (out / "report.md").read_text()
+
+
+def test_run_line_id_holding_nul_cannot_take_another_lines_input(tmp_path):
+    """A line of several inputs runs them as id NUL inputI: a later line whose custom_id is one of those names
+    (JSON carries \\u0000) stopped the whole run ("already running"), no record written; it is that line's error,
+    and the other line's record holds every vector."""
+    from helpers import infer_run_records
+    from test_probes_session59_embed import _line
+    lines = [_line("x", {"input": ["a b", "c d"]}), _line("x\0input1", {"input": "e f"})]
+    recs, printed = infer_run_records(tmp_path, lines, "--runner", "pooling", "--block-size", "4", "--output-format",
+                                      "openai", key="custom_id")
+    assert recs["x"]["response"]["status_code"] == 200 and len(recs["x"]["response"]["body"]["data"]) == 2, printed
+    assert "'custom_id' holds a NUL character" in recs["x\0input1"]["error"]["message"]

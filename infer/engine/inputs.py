@@ -705,6 +705,9 @@ def request_id(value: Any, field: str) -> str:
     if not is_request_id(value):
         raise RequestError(f"field {field!r} must be a string or an integer, got {type(value).__name__}",
                            'e.g. "id": "q1" (every record carries its request\'s id)')
+    if isinstance(value, str) and "\0" in value:  # (a line of several engine requests names them id + NUL + ...)
+        raise RequestError(f"field {field!r} holds a NUL character (\\u0000), which infer keeps for the ids of the "
+                           "requests a line of several inputs or a beam search makes", "remove it from the id")
     return str(value)
 
 
