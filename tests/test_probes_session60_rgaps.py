@@ -81,7 +81,8 @@ def test_pooling_bench_config_says_no_output_length(pooled_bench):
     for entry in results:
         assert entry["config"]["workload"] == "random: 3 prompts of 3-9 tokens (uniform, range ratio 0.5)"
         assert entry["config"]["output_len"] is None
-    assert "output tokens" not in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "output tokens" not in md and "TTFT" not in md and "E2EL: from a request's send to its vector" in md
 
 
 def test_run_line_id_holding_nul_cannot_take_another_lines_input(tmp_path):

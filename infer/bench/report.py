@@ -347,8 +347,12 @@ def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
     lines += _replica_lines(results)
     lines += _details_lines(results)
-    lines += ["", "Latency figures follow vLLM's benchmark_serving definitions (TTFT, TPOT excluding the first "
-              "token, ITL between consecutive chunks, E2EL); x = ours / baseline.", ""]
+    if any("embedding_throughput" in r for r in results):  # (an embedding has no token times)
+        lines += ["", "E2EL: from a request's send to its vector; emb/s: completed requests (one vector each) per "
+                  "second; in tok/s: their prompt tokens per second; x = ours / baseline.", ""]
+    else:
+        lines += ["", "Latency figures follow vLLM's benchmark_serving definitions (TTFT, TPOT excluding the first "
+                  "token, ITL between consecutive chunks, E2EL); x = ours / baseline.", ""]
     lines += [f"![{name}]({p.name})" for name, p in plots.items()]
     return "\n".join(lines) + "\n"
 
