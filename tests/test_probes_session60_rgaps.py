@@ -96,3 +96,12 @@ def test_run_line_id_holding_nul_cannot_take_another_lines_input(tmp_path):
                                       "openai", key="custom_id")
     assert recs["x"]["response"]["status_code"] == 200 and len(recs["x"]["response"]["body"]["data"]) == 2, printed
     assert "'custom_id' holds a NUL character" in recs["x\0input1"]["error"]["message"]
+
+
+def test_pooling_bench_refuses_the_liteqwen_workload(tmp_path):
+    """liteqwen's figure of merit is reply characters per second, which a pooling run never makes: refused before
+    anything is measured, as --output-len is."""
+    code, output, results = _bench(tmp_path, "--runner", "pooling", "-c", "1", "--num-prompts", "1", "--dataset",
+                                   "liteqwen")
+    assert code == 2 and "--dataset liteqwen measures replies" in output, output
+    assert results is None

@@ -241,7 +241,8 @@ def check_no_spec(baseline: str | None, engine: EngineConfig) -> None:
                           "\"num_speculative_tokens\": 3}', or use --baseline hf")
 
 
-def check_runner(engine: EngineConfig, output_len: int | None, slos: dict | None, lora_policy: str) -> None:
+def check_runner(engine: EngineConfig, output_len: int | None, slos: dict | None, lora_policy: str,
+                 dataset: str = "random") -> None:
     """--runner pooling benches embeddings (each request a prompt in, its vector out): what only a generation has
     (an output length, a TTFT or TPOT objective, the split policy's generation driver) is refused, not ignored."""
     if not engine.pooling():
@@ -256,6 +257,10 @@ def check_runner(engine: EngineConfig, output_len: int | None, slos: dict | None
     if lora_policy != "mixed":
         raise ConfigError("--lora-policy split benches generation; --runner pooling runs the adapters mixed",
                           "drop --lora-policy")
+    if dataset == "liteqwen":  # (its figure of merit is reply characters per second)
+        raise ConfigError("--dataset liteqwen measures replies (characters per second); --runner pooling generates "
+                          "none", "use --dataset random (--input-len sets the prompts' length), jsonl:PATH or "
+                          "sharegpt:PATH")
 
 
 def check_range_ratio(ratio: float, dataset: str) -> None:
@@ -496,7 +501,7 @@ def bench(
     check_lengths(dataset, input_len, output_len)
     check_url_engine_options(url)
     check_no_spec(baseline, engine)
-    check_runner(engine, output_len, slos, lora_policy)
+    check_runner(engine, output_len, slos, lora_policy, dataset)
     input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
         (1 if engine.pooling() else DEFAULT_OUTPUT_LEN) if output_len is None else output_len  # (pooling: unused)
     made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
