@@ -8,6 +8,7 @@ import pytest
 from infer.bench import plots
 from infer.bench.report import table_rows
 
+from test_probes_parallel_bench_s35 import local_ray  # noqa: F401  (--data-parallel 2 in this process)
 from test_probes_session60_gaps import _bench
 
 
@@ -105,3 +106,41 @@ def test_pooling_bench_refuses_the_liteqwen_workload(tmp_path):
                                    "liteqwen")
     assert code == 2 and "--dataset liteqwen measures replies" in output, output
     assert results is None
+
+
+def test_strict_refuses_a_line_its_output_format_cannot_hold(tmp_path, monkeypatch):
+    """--strict checks every line before the model loads: a line of several inputs with infer's own records (one
+    vector a record) is refused then, as a bad line is, not written as an error record after the load."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.engine import llm_engine
+    from test_probes_session59_embed import _line
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not load when --strict finds bad lines")
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in (_line("a", {"input": ["a b", "c"]}),
+                                                                 _line("b", {"input": "d"}))))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "--runner", "pooling", "--strict"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "1 of 2 input lines are invalid (--strict)" in text, res.output
+    assert "line 1: body.input holds 2 inputs, answered with one vector each" in text and not out.exists()
+
+
+def test_data_parallel_strict_refuses_a_line_of_several_inputs(tmp_path, local_ray):  # noqa: F811
+    """--data-parallel runs one line's requests on one replica each, so a line of several inputs is not run: its
+    error record says so (the other lines run), and with --strict it is refused before anything is generated."""
+    from helpers import infer_run_records
+    from test_probes_session59_embed import _line
+    lines = [_line("many", {"input": ["a b", "c"]}), _line("one", {"input": "d"})]
+    args = ("--runner", "pooling", "--block-size", "4", "--output-format", "openai", "--data-parallel", "2")
+    recs, printed = infer_run_records(tmp_path, lines, *args, key="custom_id")
+    assert "inputs, which are not run with --data-parallel" in recs["many"]["error"]["message"], printed
+    assert recs["one"]["response"]["status_code"] == 200
+    (tmp_path / "out.jsonl").unlink()
+    with pytest.raises(FileNotFoundError):
+        infer_run_records(tmp_path, lines, *args, "--strict", key="custom_id")

@@ -528,9 +528,16 @@ class Records:
                 "error": e.body()["error"]}
 
 
-def check_format(lines: list[InputLine], fmt: str) -> None:
+def check_format(lines: list[InputLine], fmt: str, parallel: bool = False) -> None:
     """--output-format openai answers OpenAI batch lines: a line of infer's own format gets an error record (it has no
-    custom_id an OpenAI batch output line could carry), and an input without any batch line is refused whole."""
+    custom_id an OpenAI batch output line could carry), and an input without any batch line is refused whole. A
+    line of several engine requests (a beam search, an embeddings body of several inputs) that infer's own records
+    cannot hold, or that `parallel` (--data-parallel, Ray: one line's requests on several replicas) cannot run, is
+    an error now, so that --strict refuses it before anything runs."""
+    for item in lines:
+        reason = _unrunnable(item.request, fmt, parallel) if item.request is not None else None
+        if reason:
+            item.request, item.error = None, f"line {item.line_no}: {reason}"
     if fmt != "openai":
         return
     plain = [item for item in lines if item.request is not None and item.request.openai is None]
@@ -538,6 +545,25 @@ def check_format(lines: list[InputLine], fmt: str) -> None:
         raise _no_batch_line(plain[0].line_no)
     for item in plain:
         item.request, item.error = None, f"line {item.line_no}: {NOT_A_BATCH_LINE}"
+
+
+def _unrunnable(request, fmt: str, parallel: bool) -> str | None:
+    """Why a line of several engine requests cannot run here (None: it can)."""
+    from .beam_lines import is_beam_line
+    from .embed_lines import inputs_of, is_many_inputs_line
+    if is_beam_line(request) and parallel:  # (its steps would go to any replica: one engine runs it)
+        return ("body.use_beam_search is not run with --data-parallel or Ray: run the file without them (or send the "
+                "lines to infer serve)")
+    if is_many_inputs_line(request) and parallel:  # (its inputs would go to several replicas)
+        return (f"body.input holds {len(inputs_of(request))} inputs, which are not run with --data-parallel or Ray: "
+                "write one line per input, or run the file without them (or send the body to infer serve)")
+    if is_beam_line(request) and fmt != "openai":
+        return "body.use_beam_search answers n choices, which infer's own records do not hold: run with " \
+               "--output-format openai"
+    if is_many_inputs_line(request) and fmt != "openai":
+        return (f"body.input holds {len(inputs_of(request))} inputs, answered with one vector each, which infer's own "
+                "records do not hold: run with --output-format openai (or write one line per input)")
+    return None
 
 
 def check_batch_lines(path: Path, fmt: str) -> None:

@@ -491,14 +491,7 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
     failed = 0
     pending = {}
     beams: dict = {}  # a use_beam_search line's step request id -> its search (cli/beam_lines.py)
-    for item in todo:
-        if not item.error and is_beam_line(item.request) and records.fmt != "openai":
-            item.error = (f"line {item.line_no}: body.use_beam_search answers n choices, which infer's own records do "
-                          "not hold: run with --output-format openai")
-        if not item.error and is_many_inputs_line(item.request) and records.fmt != "openai":
-            item.error = (f"line {item.line_no}: body.input holds {len(inputs_of(item.request))} inputs, answered "
-                          "with one vector each, which infer's own records do not hold: run with --output-format "
-                          "openai (or write one line per input)")
+    for item in todo:  # (a line its format cannot hold is an error already: check_format)
         if item.error:
             writer.write(records.error(item.id, item.error, status=item.status))
             failed += 1

@@ -16,8 +16,6 @@ from ..parallel.runtime import (PLACEMENT_TIMEOUT_S, ReplicaError, check_local_r
                                 ray_runtime, require_ray, start_replicas)
 from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
-from .beam_lines import is_beam_line
-from .embed_lines import inputs_of, is_many_inputs_line
 from .entry import terminate_as_interrupt
 from .run import _prechecked_lines, _strict_exit, exit_interrupted, line_reason, model_id, open_output
 
@@ -56,7 +54,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             # is refused untokenized, with one engine's message
             lines = read_inputs(input, tokenizer, defaults, model_names(engine, options.get("served_model_name")),
                                 infos[0]["max_model_len"])
-            check_format(lines, output_format)
+            check_format(lines, output_format, parallel=True)
             _check_lines(ray, handles, lines, strict)
             note = unused_adapters_note(engine.loras, lines)
             if note and not quiet:
@@ -107,14 +105,7 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
               records: Records | None = None, pooling: bool = False) -> int:
     records = records or Records("infer", tokenizer)
     failed, work = 0, []
-    for item in todo:
-        if not item.error and is_beam_line(item.request):  # (its steps would go to any replica: one engine runs it)
-            item.error = (f"line {item.line_no}: body.use_beam_search is not run with --data-parallel or Ray: run the "
-                          "file without them (or send the lines to infer serve)")
-        if not item.error and is_many_inputs_line(item.request):  # (its inputs would go to several replicas)
-            item.error = (f"line {item.line_no}: body.input holds {len(inputs_of(item.request))} inputs, which are "
-                          "not run with --data-parallel or Ray: write one line per input, or run the file without "
-                          "them (or send the body to infer serve)")
+    for item in todo:  # (a line of several engine requests is an error already: check_format, parallel)
         if item.error:
             writer.write(records.error(item.id, item.error, status=item.status))
             failed += 1
