@@ -453,7 +453,7 @@ class Records:
         text where they are special tokens (the split needs them). Before the lines are generated."""
         from dataclasses import replace
         from ..serve.reasoning import reasoning_request, tags_are_skipped
-        skipped = tags_are_skipped(self.tokenizer)
+        skipped = tags_are_skipped(self.tokenizer, parser)
         for req_id, request in self.requests.items():
             if request.openai is None or not request.openai["chat"]:
                 continue

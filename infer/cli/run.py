@@ -70,7 +70,8 @@ def run(
     reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", help="With --output-format openai: "
                                                             "split a chat line's reasoning from its answer into the "
                                                             "message's `reasoning`, as infer serve's option (and "
-                                                            "vllm run-batch's): deepseek_r1 | qwen3.")] = None,
+                                                            "vllm run-batch's): deepseek_r1 | qwen3 | "
+                                                            "seed_oss.")] = None,
     enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
                                                                help="With --output-format openai: each body's usage "
                                                                     "reports prompt_tokens_details.cached_tokens, "

@@ -467,7 +467,8 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
     prompt = _render_chat(tokenizer, clean, template, max_tokens)
     _expect(body, "include_reasoning", (bool,), "a boolean")
     req.reasoning = reasoning_request(reasoning_parser, body, prompt, tokenizer, req.params.structured_outputs)
-    if req.reasoning is not None and not req.reasoning.ended and tags_are_skipped(tokenizer):
+    if req.reasoning is not None and not req.reasoning.ended and tags_are_skipped(tokenizer,
+                                                                                req.reasoning.parser):
         req.params = replace(req.params, skip_special_tokens=False)  # the think tags stay in the text to split it
     req.prompts = _choices(req, [prompt])
     return req

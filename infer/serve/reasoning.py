@@ -6,6 +6,8 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
   with the tag is reasoning from its first character; a reply without </think> (cut short) is all reasoning.
 - qwen3: the same rules (Qwen3.5 and the thinking releases open the block in the prompt too), except that with
   `chat_template_kwargs: {"enable_thinking": false}` the reply is all content (the template closed the block).
+  SmolLM3's <think> block splits so too (its template reads enable_thinking; with thinking off it closes the block).
+- seed_oss: deepseek_r1's rules with Seed-OSS's tags, <seed:think> and </seed:think> (vLLM's SeedOSSReasoningParser).
 A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the
 reply all content too, with either parser (vLLM's prompt_is_reasoning_end), and so does a reply constrained to
 JSON or a choice (response_format, structured_outputs, a named or "required" tool_choice): the constraint holds from
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from ..engine.structured import StructuredOutputsParams
 
-THINK_START, THINK_END = "<think>", "</think>"
+THINK_START, THINK_END = "<think>", "</think>"  # the tags of every parser but seed_oss
 PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is read for a think block it opens or closes
 
 
@@ -32,28 +34,37 @@ class ReasoningRequest:
     include: bool = True  # vLLM's include_reasoning: false leaves the reasoning out (the content is split from it)
 
 
-# --reasoning-parser: the parsers vLLM names so, and whether chat_template_kwargs.enable_thinking false turns
-# thinking off (vLLM's qwen3 reads it; deepseek_r1 does not)
-PARSERS = {"deepseek_r1": {"reads_enable_thinking": False}, "qwen3": {"reads_enable_thinking": True}}
+# --reasoning-parser: the parsers vLLM names so, whether chat_template_kwargs.enable_thinking false turns thinking
+# off (vLLM's qwen3 reads it; deepseek_r1 and seed_oss do not), and the tags that open and close the block
+PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END)},
+           "qwen3": {"reads_enable_thinking": True, "tags": (THINK_START, THINK_END)},
+           "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")}}
 
 
-def prompt_ends_reasoning(prompt_ids: list[int], tokenizer) -> bool:
-    """Whether the prompt's last think tag closes the block (Qwen3's template with thinking off writes
-    "<think>\\n\\n</think>\\n\\n" where the reply starts): the model then writes no reasoning."""
+def tags(parser: str) -> tuple[str, str]:
+    """The (opening, closing) tags of the reasoning block `parser` splits."""
+    return PARSERS[parser]["tags"]
+
+
+def prompt_ends_reasoning(prompt_ids: list[int], tokenizer, parser: str = "deepseek_r1") -> bool:
+    """Whether the prompt's last think tag (the parser's) closes the block (Qwen3's template with thinking off
+    writes "<think>\\n\\n</think>\\n\\n" where the reply starts): the model then writes no reasoning."""
+    start, end = tags(parser)
     tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return tail.rfind(THINK_END) > tail.rfind(THINK_START)
+    return tail.rfind(end) > tail.rfind(start)
 
 
-def tags_are_skipped(tokenizer) -> bool:
-    """Whether the tokenizer's <think> or </think> is a special token, which the reply's text (skip_special_tokens)
-    leaves out: the split could not see where the block ends (a fine-tune's tokenizer that added them as special)."""
+def tags_are_skipped(tokenizer, parser: str = "deepseek_r1") -> bool:
+    """Whether the tokenizer's opening or closing tag (the parser's: <think>, </think>) is a special token, which
+    the reply's text (skip_special_tokens) leaves out: the split could not see where the block ends (a fine-tune's
+    tokenizer that added them as special)."""
     named = set(getattr(tokenizer, "all_special_tokens", ()) or ())
     try:
         named.update(t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
                      if getattr(t, "special", False))
     except Exception:  # no added-token table to read: the named special tokens
         pass
-    return THINK_START in named or THINK_END in named
+    return any(tag in named for tag in tags(parser))
 
 
 def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tokenizer,
@@ -71,11 +82,11 @@ def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tok
     off = PARSERS[parser]["reads_enable_thinking"] and not thinking
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
-    ended = off or prompt_ends_reasoning(prompt_ids, tokenizer) or continues_content(body)
+    ended = off or prompt_ends_reasoning(prompt_ids, tokenizer, parser) or continues_content(body, parser)
     return ReasoningRequest(parser, ended=ended, include=include)
 
 
-def continues_content(body: dict) -> bool:
+def continues_content(body: dict, parser: str = "deepseek_r1") -> bool:
     """Whether the reply continues a final assistant message's content (continue_final_message; a Responses
     `incomplete` message sent back): content written, no think block left open in it, means the reasoning is over
     (a template that leaves the message's reasoning out shows no closing tag for prompt_ends_reasoning to see), so
@@ -91,7 +102,8 @@ def continues_content(body: dict) -> bool:
         content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     if not isinstance(content, str) or not content.strip():
         return False
-    return content.rfind(THINK_START) <= content.rfind(THINK_END)
+    start, end = tags(parser)
+    return content.rfind(start) <= content.rfind(end)
 
 
 def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str, str]:
@@ -100,16 +112,17 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
     closing one ("</th"), held back as stop strings are; each part only grows as the text does."""
     if req.ended:
         return "", text
-    if text.startswith(THINK_START):
-        text = text[len(THINK_START):]
-    elif not finished and THINK_START.startswith(text):
+    start, end = tags(req.parser)
+    if text.startswith(start):
+        text = text[len(start):]
+    elif not finished and start.startswith(text):
         return "", ""
-    at = text.find(THINK_END)
+    at = text.find(end)
     if at >= 0:
-        return text[:at], text[at + len(THINK_END):]
+        return text[:at], text[at + len(end):]
     if not finished:
-        for k in range(min(len(THINK_END) - 1, len(text)), 0, -1):
-            if THINK_END.startswith(text[-k:]):
+        for k in range(min(len(end) - 1, len(text)), 0, -1):
+            if end.startswith(text[-k:]):
                 return text[:-k], ""
     return text, ""  # no closing tag (yet, or the reply was cut short): all reasoning
 

@@ -1,0 +1,88 @@
+"""Session 60 (review of famA: SmolLM3, Seed-OSS, ERNIE 4.5 dense): what a vLLM user deploying them meets beyond the
+forward that tests/test_probes_session60_famA.py checks against transformers. Seed-OSS's reasoning block is
+<seed:think>...</seed:think> (vLLM's `--reasoning-parser seed_oss`, SeedOSSReasoningParser: deepseek_r1's rules with
+those tags); SmolLM3's is <think>...</think>, which deepseek_r1 and qwen3 already split."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, reasoning_request, split
+
+from helpers import TOOLS_TEMPLATE, forced_chat_body, joined_deltas, streamed_chat_choices, tiny_llama_with_template
+
+SEED = ReasoningRequest("seed_oss")
+
+
+# ------------------------------------------------------------------------------------ Seed-OSS's reasoning parser
+@pytest.mark.parametrize("text,want", [
+    ("<seed:think>abc</seed:think>xyz", ("abc", "xyz")),
+    ("abc</seed:think>xyz", ("abc", "xyz")),  # no opening tag: reasoning from the start (BaseThinkingReasoningParser)
+    ("<seed:think>abc", ("abc", None)),  # cut short in the block: all reasoning
+    ("<seed:think>a</think>b</seed:think>c", ("a</think>b", "c")),  # <think> tags are text to this parser
+    ("</seed:think>xyz", ("", "xyz")),
+])
+def test_seed_oss_splits_a_whole_reply_by_its_own_tags(text, want):
+    assert split(SEED, text) == want
+    assert split(ReasoningRequest("deepseek_r1"), "<think>a</think>b") == ("a", "b")  # the others' tags unchanged
+
+
+@pytest.mark.parametrize("text", ["<seed:think>abc</seed:think>xyz", "<seed:th", "ab</seed:thi", "<seed:think>x</se"])
+def test_a_seed_oss_stream_holds_back_its_partial_tags_and_adds_up(text):
+    sent = ("", "")
+    for k in range(len(text) + 1):
+        now = parts(SEED, text[:k], finished=k == len(text))
+        assert now[0].startswith(sent[0]) and now[1].startswith(sent[1]), (text[:k], sent, now)
+        sent = now
+    whole = split(SEED, text)
+    assert sent == (whole[0] or "", whole[1] or "")
+    assert parts(SEED, "<seed:th", finished=False) == ("", "")
+    assert parts(SEED, "<seed:think>ab</seed:th", finished=False) == ("ab", "")
+
+
+def test_a_prompt_that_closes_the_seed_oss_block_ends_the_reasoning():
+    from infer.engine.setup import load_tokenizer
+    from infer.models.tiny import ensure_builtin
+    tok = load_tokenizer(str(ensure_builtin("tiny-llama")))
+    closed = tok.encode("user: hi\nassistant: <seed:think>\n</seed:think>\n")
+    opened = tok.encode("user: hi\nassistant: <seed:think>\n")
+    assert prompt_ends_reasoning(closed, tok, "seed_oss") and not prompt_ends_reasoning(opened, tok, "seed_oss")
+    assert reasoning_request("seed_oss", {}, closed, tok).ended
+    assert not reasoning_request("seed_oss", {}, opened, tok).ended
+    # as vLLM's seed_oss, it reads no enable_thinking
+    assert not reasoning_request("seed_oss", {"chat_template_kwargs": {"enable_thinking": False}}, opened, tok).ended
+
+
+def test_the_cli_takes_seed_oss():
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.cli.serve import _reasoning_parser
+    assert _reasoning_parser("seed_oss") == "seed_oss"
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--reasoning-parser", "granite"])
+    assert res.exit_code != 0 and "deepseek_r1 | qwen3 | seed_oss" in res.output
+
+
+def test_a_server_with_seed_oss_splits_the_reasoning_whole_and_streamed(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("xgrammar")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    model = str(tiny_llama_with_template(tmp_path / "tiny-seed", TOOLS_TEMPLATE))
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=4))
+    messages = [{"role": "user", "content": "think, then answer"}]
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-seed", reasoning_parser="seed_oss")) as base:
+        for reply, reasoning, content in [("<seed:think>abc</seed:think>xyz", "abc", "xyz"),
+                                          ("abc</seed:think>", "abc", None)]:
+            body = forced_chat_body(messages, reply, 160)
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]
+            assert (message["reasoning"], message["content"]) == (reasoning, content), reply
+            deltas = streamed_chat_choices(base, body)
+            assert joined_deltas(deltas, "reasoning") == reasoning
+            assert joined_deltas(deltas, "content") == (content or "")
+            assert not any("think>" in (d["delta"].get("content") or "") + (d["delta"].get("reasoning") or "")
+                           for d in deltas)
