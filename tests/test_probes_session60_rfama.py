@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from infer import LLM
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, reasoning_request, split
 
-from helpers import TOOLS_TEMPLATE, forced_chat_body, joined_deltas, streamed_chat_choices, tiny_llama_with_template
+from helpers import (TOOLS_TEMPLATE, forced_chat_body, greedy_each, joined_deltas, random_prompts,
+                     streamed_chat_choices, tiny_llama_with_template)
+from test_probes_session60_famA import build, generate
 
 SEED = ReasoningRequest("seed_oss")
 
@@ -53,6 +56,18 @@ def test_a_prompt_that_closes_the_seed_oss_block_ends_the_reasoning():
     assert not reasoning_request("seed_oss", {"chat_template_kwargs": {"enable_thinking": False}}, opened, tok).ended
 
 
+def test_seed_oss_tags_that_are_special_tokens_stay_in_the_text():
+    """Where the tokenizer holds <seed:think> and </seed:think> as special tokens, the reply keeps them
+    (skip_special_tokens off) so that seed_oss can split it; <think> tags are what the other parsers look for."""
+    from infer.engine.setup import load_tokenizer
+    from infer.models.tiny import ensure_builtin
+    from infer.serve.reasoning import tags_are_skipped
+    tok = load_tokenizer(str(ensure_builtin("tiny-llama")))
+    assert not tags_are_skipped(tok, "seed_oss")
+    tok.add_special_tokens({"additional_special_tokens": ["<seed:think>", "</seed:think>"]})
+    assert tags_are_skipped(tok, "seed_oss") and not tags_are_skipped(tok, "deepseek_r1")
+
+
 def test_the_cli_takes_seed_oss():
     from typer.testing import CliRunner
 
@@ -86,3 +101,21 @@ def test_a_server_with_seed_oss_splits_the_reasoning_whole_and_streamed(tmp_path
             assert joined_deltas(deltas, "content") == (content or "")
             assert not any("think>" in (d["delta"].get("content") or "") + (d["delta"].get("reasoning") or "")
                            for d in deltas)
+
+
+# ------------------------------------------------------------------------------ a stray sliding_window in config.json
+@pytest.mark.parametrize("family", ["seed_oss", "ernie4_5"])
+def test_a_stray_sliding_window_caps_the_context_and_slides_no_layer(tmp_path, family):
+    """Seed-OSS's and ERNIE 4.5's attention (transformers') never slides, while generate()'s cache keeps only the
+    last sliding_window keys of a config that has the key and no layer_types: as a Llama's, their context is capped
+    at the window, every layer attending fully (infer slid every layer over it, which neither of transformers' ways
+    computes), and within it the tokens are transformers'."""
+    from infer.errors import ConfigError
+    hf = build(tmp_path, family, sliding_window=16)
+    with pytest.raises(ConfigError, match=rf"limit of 16 \(its sliding_window: a {family} model's attention is full"):
+        LLM(str(tmp_path), block_size=4, max_model_len=64)
+    prompts = random_prompts(512, (5, 10), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert llm.engine.max_model_len == 16
+        assert [layer.self_attn.window for layer in llm.engine.runner.model.layers] == [0] * 4
+        assert generate(llm, prompts, 6) == greedy_each(hf, prompts, 6)

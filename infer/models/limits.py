@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from .rope import rope_max_positions
 
+# the families whose transformers attention ignores a sliding_window (no layer of theirs slides) while generate()'s
+# cache keeps only the last sliding_window keys (cache_utils.get_layer_types_and_kwargs: a config with the key and no
+# layer_types): a stray sliding_window in their config.json (a fine-tune's tooling) caps the context, never slides
+WINDOW_IGNORED = ("llama", "granite", "olmo2", "glm", "glm4", "gemma", "seed_oss", "ernie4_5")
+
 
 def sliding_window(model_config) -> int | None:
     """The attention window of the layers that slide, if any does. Mistral and Phi-3 slide on every layer; Qwen2 and
@@ -17,7 +22,7 @@ def sliding_window(model_config) -> int | None:
     window = getattr(model_config, "sliding_window", None)
     if not window:
         return None
-    if getattr(model_config, "model_type", None) in ("mistral", "llama", "phi3", "mixtral", "qwen3_moe"):
+    if getattr(model_config, "model_type", None) in ("mistral", *WINDOW_IGNORED, "phi3", "mixtral", "qwen3_moe"):
         return int(window)
     types = getattr(model_config, "layer_types", None)
     if types is not None:
@@ -37,7 +42,7 @@ def layer_window(model_config, layer: int) -> int:
     blocks wholly before a query's window and mask the rest."""
     window = getattr(model_config, "sliding_window", None)
     model_type = getattr(model_config, "model_type", None)
-    if not window or model_type == "llama":
+    if not window or model_type in WINDOW_IGNORED:
         return 0
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # (Qwen3-MoE: sliding_window set only where
         return int(window)  # use_sliding_window is, and then on every layer, as transformers runs it)
@@ -85,12 +90,12 @@ def context_limit(model_config) -> tuple[int, str]:
     (models.rope.rope_max_positions)."""
     positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
     rope_limit = rope_max_positions(model_config)
-    window = sliding_window(model_config) if getattr(model_config, "model_type", None) == "llama" else None
+    window = sliding_window(model_config) if getattr(model_config, "model_type", None) in WINDOW_IGNORED else None
     if window and window < positions and not (rope_limit and rope_limit < window):
         # the window named: "the model's limit of 4096" of a model whose max_position_embeddings is 32768 read as
         # a wrong number
-        return window, (f"its sliding_window: a Llama's attention is full, which equals transformers' generate() "
-                        f"(its cache of the last sliding_window keys) only up to the window; "
+        return window, (f"its sliding_window: a {model_config.model_type} model's attention is full, which equals "
+                        f"transformers' generate() (its cache of the last sliding_window keys) only up to the window; "
                         f"max_position_embeddings is {positions}")
     if rope_limit and rope_limit < positions:
         return rope_limit, (f"its longrope rope_parameters' original_max_position_embeddings: past it transformers "
