@@ -119,3 +119,33 @@ def test_a_stray_sliding_window_caps_the_context_and_slides_no_layer(tmp_path, f
         assert llm.engine.max_model_len == 16
         assert [layer.self_attn.window for layer in llm.engine.runner.model.layers] == [0] * 4
         assert generate(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+
+
+# ------------------------------------------------------------------------------- SmolLM3's long context (YaRN)
+def test_smollm3_with_yarn_equals_transformers_past_the_original_context(tmp_path):
+    """SmolLM3-3B's 128k context is YaRN over its 64k (rope_scaling in config.json): the rope layers rotate by the
+    scaled table (its attention factor in cos and sin), the NoPE layers by none; prompts past
+    original_max_position_embeddings give transformers' tokens and logprobs."""
+    from helpers import check_equal_transformers
+    from infer import SamplingParams
+    hf = build(tmp_path, "smollm3", max_position_embeddings=256,
+               rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32})
+    assert hf.model.rotary_emb.attention_scaling != 1.0
+    prompts = random_prompts(512, (60, 100), seed=5)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, "smollm3-yarn")
+
+
+@pytest.mark.parametrize("option", ["--hf-overrides", "--rope-scaling", "--rope-theta"])
+@pytest.mark.parametrize("command", ["serve", "run"])
+def test_vllms_config_overrides_say_to_edit_config_json(tmp_path, command, option):
+    """vLLM's --hf-overrides / --rope-scaling (how SmolLM3-3B's card turns YaRN on) are refused naming config.json's
+    rope_scaling, not with click's guess."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    args = ["serve", "tiny-smollm3"] if command == "serve" else ["run", "tiny-smollm3", str(tmp_path / "in.jsonl")]
+    res = CliRunner().invoke(app, [*args, option, '{"rope_type": "yarn"}'], env={"COLUMNS": "250"})
+    assert res.exit_code != 0 and f"{option} is vLLM's option" in res.output
+    assert "config.json" in res.output and '"rope_scaling": {"rope_type": "yarn"' in res.output

@@ -12,6 +12,9 @@ _ONE_GPU = ("infer runs each model on one GPU; use --data-parallel N for N repli
 _TLS = "infer serve speaks plain HTTP; put a TLS-terminating proxy (nginx, Caddy) in front of it"
 _NO_REQUEST_LOG = ("infer serve logs no request contents or per-request lines of its own; drop the option "
                    "(--log-level info shows uvicorn's access log)")
+_CONFIG_EDIT = ("infer reads the model's config as MODEL's config.json has it: set the field there, in a copy of the "
+                "folder (e.g. a 128k context by YaRN: \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": "
+                "2.0, \"original_max_position_embeddings\": 65536} and \"max_position_embeddings\": 131072)")
 _CHUNKS = ("infer splits a long prefill into steps of at most --max-num-batched-tokens tokens beside the decodes; "
            "lower --max-num-batched-tokens for shorter chunks")
 
@@ -39,6 +42,10 @@ VLLM_HINTS = {
     "--quantization": "the quantization is read from MODEL's config.json (GPTQ int4/int8, AWQ int4, or a float "
                       "model), --quantization awq or gptq included; drop the option (infer quantize makes a GPTQ "
                       "checkpoint)",
+    # a longer context by YaRN (SmolLM3-3B's 128k, Qwen3's) or another rope: vLLM overrides the config, infer reads it
+    "--hf-overrides": _CONFIG_EDIT,
+    "--rope-scaling": _CONFIG_EDIT,
+    "--rope-theta": _CONFIG_EDIT,
     "--calculate-kv-scales": "infer's fp8 KV cache (--kv-cache-dtype fp8) stores K and V with scale 1.0, vLLM's "
                              "default; drop the option",
     "--model": "MODEL is the command's first argument, e.g. `infer serve ./my-model --port 8000`",
