@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from infer import LLM
+from infer import LLM, SamplingParams
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, reasoning_request, split
 
-from helpers import (TOOLS_TEMPLATE, forced_chat_body, greedy_each, joined_deltas, random_prompts,
-                     streamed_chat_choices, tiny_llama_with_template)
+from helpers import (TOOLS_TEMPLATE, check_equal_transformers, forced_chat_body, greedy_each, joined_deltas,
+                     random_prompts, streamed_chat_choices, tiny_llama_with_template)
 from test_probes_session60_famA import build, generate
 
 SEED = ReasoningRequest("seed_oss")
@@ -126,8 +126,6 @@ def test_smollm3_with_yarn_equals_transformers_past_the_original_context(tmp_pat
     """SmolLM3-3B's 128k context is YaRN over its 64k (rope_scaling in config.json): the rope layers rotate by the
     scaled table (its attention factor in cos and sin), the NoPE layers by none; prompts past
     original_max_position_embeddings give transformers' tokens and logprobs."""
-    from helpers import check_equal_transformers
-    from infer import SamplingParams
     hf = build(tmp_path, "smollm3", max_position_embeddings=256,
                rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32})
     assert hf.model.rotary_emb.attention_scaling != 1.0
@@ -149,3 +147,27 @@ def test_vllms_config_overrides_say_to_edit_config_json(tmp_path, command, optio
     res = CliRunner().invoke(app, [*args, option, '{"rope_type": "yarn"}'], env={"COLUMNS": "250"})
     assert res.exit_code != 0 and f"{option} is vLLM's option" in res.output
     assert "config.json" in res.output and '"rope_scaling": {"rope_type": "yarn"' in res.output
+
+
+# ------------------------------------------------------------------------------- the real checkpoints' configs
+HUB = {  # the fields of SmolLM3-3B's, Seed-OSS-36B's and ERNIE-4.5-0.3B-PT's config.json, at small sizes
+    "smollm3": dict(no_rope_layers=[1, 1, 1, 0], no_rope_layer_interval=4, rope_scaling=None, rope_theta=5000000.0,
+                    sliding_window=None, use_sliding_window=False, max_window_layers=28, attention_dropout=0.0,
+                    pretraining_tp=2, tie_word_embeddings=True),
+    "seed_oss": dict(rope_scaling={"rope_type": "default"}, rope_theta=10000000.0, attention_dropout=0.1,
+                     residual_dropout=0.1, head_dim=128, attention_bias=True, attention_out_bias=False, mlp_bias=False),
+    "ernie4_5": dict(head_dim=128, rope_theta=500000, tie_word_embeddings=True, use_bias=False, use_cache=False),
+}
+
+
+@pytest.mark.parametrize("family", HUB)
+def test_the_real_checkpoints_config_fields_equal_transformers(tmp_path, family):
+    """Their config.json fields as the hub has them (Seed-OSS's and ERNIE's head_dim of 128 apart from hidden_size /
+    heads, their dropouts, rope_theta 5e6 / 1e7 / 5e5, tied heads, SmolLM3's Qwen2-style window fields with
+    use_sliding_window false): transformers' tokens and logprobs."""
+    hf = build(tmp_path, family, **HUB[family])
+    prompts = random_prompts(512, (5, 40), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert all(layer.self_attn.window == 0 for layer in llm.engine.runner.model.layers)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 8, family)
