@@ -25,16 +25,16 @@ from helpers import forced_chat_body, joined_deltas, streamed_chat_choices  # no
 MESSAGES = [{"role": "user", "content": "think, then answer"}]
 
 
-def _think_model(path, special: bool) -> str:
-    """tiny-llama with <think> and </think> added to its tokenizer (ids past its vocabulary: the embedding and the
-    head get zero rows for them)."""
+def _think_model(path, special: bool, tags=("<think>", "</think>")) -> str:
+    """tiny-llama with <think> and </think> (or other `tags`) added to its tokenizer (ids past its vocabulary: the
+    embedding and the head get zero rows for them)."""
     import torch
     from safetensors.torch import load_file, save_file
     shutil.copytree(ensure_builtin("tiny-llama"), path)
     tok = json.loads((path / "tokenizer.json").read_text())
     cfg = json.loads((path / "config.json").read_text())
     first = max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])]) + 1
-    for k, tag in enumerate(["<think>", "</think>"]):
+    for k, tag in enumerate(tags):
         tok["added_tokens"].append(dict(id=first + k, content=tag, single_word=False, lstrip=False, rstrip=False,
                                         normalized=False, special=special))
     (path / "tokenizer.json").write_text(json.dumps(tok))

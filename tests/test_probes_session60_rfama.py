@@ -68,6 +68,41 @@ def test_seed_oss_tags_that_are_special_tokens_stay_in_the_text():
     assert tags_are_skipped(tok, "seed_oss") and not tags_are_skipped(tok, "deepseek_r1")
 
 
+def test_seed_oss_tags_held_as_special_tokens_split_served_and_batch_replies(tmp_path):
+    """A tokenizer whose <seed:think> and </seed:think> are special tokens (left out of a reply's text): the server's
+    chat reply and `infer run`'s OpenAI batch line keep them to split the reply, whole and streamed."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("xgrammar")
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    from test_probes_session43_reasoning import _think_model
+    model = _think_model(tmp_path / "seed-special", True, ("<seed:think>", "</seed:think>"))
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=4))
+    messages = [{"role": "user", "content": "think, then answer"}]
+    body = forced_chat_body(messages, "<seed:think>abc</seed:think>xyz", 40)
+    with serve_in_thread(Server(AsyncEngine(engine), "seed", reasoning_parser="seed_oss")) as base:
+        message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("abc", "xyz")
+        deltas = streamed_chat_choices(base, body)
+        assert (joined_deltas(deltas, "reasoning"), joined_deltas(deltas, "content")) == ("abc", "xyz")
+    engine.close()
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
+    res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(tmp_path / "out.jsonl"), "-q", "--output-format",
+                                   "openai", "--reasoning-parser", "seed_oss"])
+    assert res.exit_code == 0, res.output
+    [record] = map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())
+    message = record["response"]["body"]["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("abc", "xyz")
+
+
 def test_the_cli_takes_seed_oss():
     from typer.testing import CliRunner
 
