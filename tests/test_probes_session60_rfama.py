@@ -206,3 +206,28 @@ def test_the_real_checkpoints_config_fields_equal_transformers(tmp_path, family)
         assert all(layer.self_attn.window == 0 for layer in llm.engine.runner.model.layers)
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
     check_equal_transformers(hf, prompts, outs, 8, family)
+
+
+# ------------------------------------------------------------------------------------- EAGLE-3 on these targets
+@pytest.mark.parametrize("family", ["smollm3", "ernie4_5"])
+def test_an_eagle3_head_drives_a_smollm3_or_ernie_target(tmp_path, monkeypatch, family):
+    """vLLM runs EAGLE-3 on SmolLM3 (its Llama) and ERNIE 4.5 (its Llama subclass); infer refused them ("needs a
+    target of the Llama family"). The head's drafts equal the independent reference over transformers' hidden states
+    of the target (NoPE layers, interleaved rotary), and greedy output equals a run without speculation."""
+    from test_probes_session56_eagle import (LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts, save_eagle3,
+                                             spec)
+
+    from helpers import save_random_model
+    arch = {"smollm3": "SmolLM3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}[family]
+    hf = save_random_model(tmp_path / "t", family, arch, TARGET, seed=3)
+    t = save_eagle3(tmp_path / "h", seed=7)
+    seen = _record(monkeypatch)
+    prompts = random_prompts(VOCAB, (9, 14), seed=4)
+    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    with LLM(str(tmp_path / "t"), speculative_config=spec(tmp_path / "h"), **kw) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    assert len(seen) >= 10
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens
+    with LLM(str(tmp_path / "t"), **kw) as llm:
+        assert got == [o.token_ids for o in llm.generate(prompts, greedy(10))]

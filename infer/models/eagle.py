@@ -37,7 +37,9 @@ from .llama import MLP, Attention, RMSNorm, _DecodeConsumer
 from .rope import build_cos_sin_cache, rope_layer_types
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the dense Llama-family forwards that expose aux states
+# the dense Llama-family forwards that expose aux states (vLLM's SupportsEagle3 models among those infer runs: its
+# Llama serves SmolLM3, its Ernie4_5ForCausalLM is its Llama)
+TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "ernie4_5")
 HINT = "use an EAGLE-3 head trained for this target model (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B for Llama 3.1 8B)"
 
 
