@@ -210,12 +210,13 @@ def test_the_real_checkpoints_config_fields_equal_transformers(tmp_path, family)
 
 # ------------------------------------------------------------------------------------- EAGLE-3 on these targets
 @pytest.mark.parametrize("family", ["smollm3", "ernie4_5"])
-def test_an_eagle3_head_drives_a_smollm3_or_ernie_target(tmp_path, monkeypatch, family):
+def test_eagle_heads_drive_a_smollm3_or_ernie_target(tmp_path, monkeypatch, family):
     """vLLM runs EAGLE-3 on SmolLM3 (its Llama) and ERNIE 4.5 (its Llama subclass); infer refused them ("needs a
     target of the Llama family"). The head's drafts equal the independent reference over transformers' hidden states
-    of the target (NoPE layers, interleaved rotary), and greedy output equals a run without speculation."""
-    from test_probes_session56_eagle import (LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts, save_eagle3,
-                                             spec)
+    of the target (NoPE layers, interleaved rotary), and greedy output equals a run without speculation; an EAGLE-1
+    head's drafts equal its reference too."""
+    from test_probes_session56_eagle import (LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts,
+                                             reference_eagle1, save_eagle1, save_eagle3, spec)
 
     from helpers import save_random_model
     arch = {"smollm3": "SmolLM3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}[family]
@@ -231,3 +232,10 @@ def test_an_eagle3_head_drives_a_smollm3_or_ernie_target(tmp_path, monkeypatch, 
         assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens
     with LLM(str(tmp_path / "t"), **kw) as llm:
         assert got == [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    t1, seen[:] = save_eagle1(tmp_path / "h1", seed=11), []  # an EAGLE-1 head (the target's last hidden state)
+    with LLM(str(tmp_path / "t"), speculative_config={"method": "eagle", "model": str(tmp_path / "h1"),
+                                                      "num_speculative_tokens": 3}, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == got
+    assert len(seen) >= 6
+    for tokens, drafts in seen:
+        assert drafts == reference_eagle1(hf, t1, tokens, len(drafts)), tokens
