@@ -31,6 +31,19 @@ def score_rows(model, pooled: dict, pooler: Pooler) -> dict:
     return dict(zip(keys, logits))
 
 
+def pooled_prompt(ids: list[int], pooler: Pooler) -> list[int]:
+    """The tokens a classifier runs of a prompt (LAST pooling): transformers' *ForSequenceClassification scores the
+    last token that is not config.json's pad_token_id (the first token when every one is), so the prompt runs
+    without its trailing pad tokens (a causal decoder's state at a token does not depend on those after it); the
+    prompt as it is for an embedding model, another pooling type or a model without a pad token."""
+    pad, end = pooler.pad_token_id, len(ids)
+    if pooler.task != "classify" or pooler.pooling_type != "LAST" or pad is None:
+        return ids
+    while end > 1 and ids[end - 1] == pad:
+        end -= 1
+    return ids[:end]
+
+
 def activated(logits: torch.Tensor, pooler: Pooler, params: PoolingParams) -> torch.Tensor:
     """The request's probabilities (vLLM's classify activation) or its raw logits (use_activation false, or a
     regression model's)."""

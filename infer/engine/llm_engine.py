@@ -27,7 +27,7 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .classify import NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput, ClassificationRequestOutput
+from .classify import NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput, ClassificationRequestOutput, pooled_prompt
 from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
                       PoolingParams, finish_vector, resolve_pooler)
 from .sampler import NOT_FINITE
@@ -429,8 +429,10 @@ class LLMEngine:
         else:
             name, key = lora, self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
-        seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key,
+        run_ids = prompt_token_ids if pooling is None else pooled_prompt(list(prompt_token_ids), self.pooler)
+        seq = Sequence(request_id, list(run_ids), params, lora, max_total_len=cap, lora_key=key,
                        **({} if arrival_time is None else {"arrival_time": arrival_time}))
+        seq.given_prompt_ids = list(prompt_token_ids)  # (what its output shows and counts: the prompt as given)
         seq.lora_name = name
         seq.lora_request = self.lora_request_of(name)
         seq.pooling = pooling

@@ -87,6 +87,7 @@ class Pooler:
     labels: tuple[str, ...] = ()
     use_activation: bool = True
     problem_type: str | None = None
+    pad_token_id: int | None = None  # a classifier's config.json pad_token_id (engine.classify.pooled_prompt)
 
     @property
     def caches_prefixes(self) -> bool:
@@ -139,7 +140,8 @@ def resolve_pooler(folder: Path, hidden_size: int, override: dict | None, model_
                               "give use_activation (false: the raw logits) instead")
         spec = {"pooling_type": "LAST", "use_activation": True, **(override or {})}
         return Pooler(spec["pooling_type"], False, hidden_size, None, "classify", tuple(labels(model_config)),
-                      spec["use_activation"], getattr(model_config, "problem_type", None))
+                      spec["use_activation"], getattr(model_config, "problem_type", None),
+                      getattr(model_config, "pad_token_id", None))
     if "use_activation" in (override or {}):
         raise ConfigError("--pooler-config use_activation is for a classifier (a *ForSequenceClassification "
                           "model): this model makes embeddings", "give normalize instead")
@@ -230,7 +232,8 @@ class EmbeddingRequestOutput:
     first_token_time = None
 
     def __init__(self, seq, outputs: EmbeddingOutput):
-        self.request_id, self.outputs, self.prompt_token_ids = seq.request_id, outputs, seq.prompt_token_ids
+        self.request_id, self.outputs = seq.request_id, outputs
+        self.prompt_token_ids = getattr(seq, "given_prompt_ids", seq.prompt_token_ids)  # (LLMEngine.add_request's)
         self.lora, self.lora_request, self.num_cached_tokens = seq.lora_name, seq.lora_request, seq.num_cached_tokens
         self.arrival_time, self.first_scheduled_time = seq.arrival_time, seq.first_scheduled_time
 

@@ -1,0 +1,42 @@
+"""Review of classification, scoring and reranking (session 60): a classifier pools where transformers does (the
+last token that is not the pad token), keeps no vocabulary-sized head, converts with its score head, and the
+commands that cannot do a classifier (bench, lora-validate's numeric check) say so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from infer import LLM
+
+from helpers import random_prompts
+from test_probes_session60_classify import build_classifier, check_close, hf_logits, probs
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """A tiny Llama classifier of three labels whose config.json keeps pad_token_id 0 (the built-in tokenizer's)."""
+    path, hf = build_classifier("tiny-llama", tmp_path_factory.mktemp("rcls") / "padded", 3, seed=7)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "pad_token_id": 0}))
+    hf.config.pad_token_id = 0
+    return path, hf
+
+
+def test_classify_pools_the_last_token_that_is_not_the_pad_token(padded):
+    """transformers scores the last non-pad token of a prompt (its first token when all are pad): prompts that end
+    in pad tokens, whole and in chunks of 4; each output keeps the prompt as given."""
+    path, hf = padded
+    body = random_prompts(hf.config.vocab_size, (9, 5, 3), seed=8)
+    body = [[t or 1 for t in p] for p in body]  # (no pad token inside the text)
+    prompts = [body[0] + [0, 0, 0], body[1] + [0], body[2], [0, 0, 0, 0, 0, 0], body[1][:2] + [0] + body[2] + [0]]
+    want = [torch.softmax(hf_logits(hf, p), -1) for p in prompts]
+    assert not torch.allclose(want[0], torch.softmax(hf.score(hf.model(torch.tensor([prompts[0]]))
+                                                              .last_hidden_state[0, -1]), -1).detach(), atol=1e-3)
+    for tokens in (4, 64):
+        with LLM(str(path), block_size=4, max_num_batched_tokens=tokens, max_num_seqs=4) as llm:
+            outs = llm.classify(prompts)
+            check_close(probs(outs), want)
+            assert [o.prompt_token_ids for o in outs] == prompts
