@@ -8,8 +8,10 @@ import json
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from infer import LLM
+from infer.cli.main import app
 
 from helpers import random_prompts
 from test_probes_session60_classify import build_classifier, check_close, hf_logits, probs
@@ -40,3 +42,23 @@ def test_classify_pools_the_last_token_that_is_not_the_pad_token(padded):
             outs = llm.classify(prompts)
             check_close(probs(outs), want)
             assert [o.prompt_token_ids for o in outs] == prompts
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_classifier_holds_and_is_estimated_without_a_vocabulary_head(padded, tmp_path, tied):
+    """A classifier has its score head, no output head over the vocabulary: the CPU engine prepacks no copy of the
+    embeddings as one (tied or not in config.json), and `infer warmup --estimate` counts the weights as loaded."""
+    from infer.memory.sizes import weights_bytes
+    path, _ = padded
+    if tied:
+        import shutil
+        path = shutil.copytree(path, tmp_path / "tied")
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    res = CliRunner().invoke(app, ["warmup", str(path), "--estimate", "--json", "--max-length", "64"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(path), max_model_len=64) as llm:
+        model = llm.engine.runner.model
+        assert model.packed_head is None and not hasattr(model, "lm_head")
+        assert plan["weights_bytes"] == weights_bytes(model)

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..kernels import cpu_gemm
+from ..models.classifier import is_classifier
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -91,6 +92,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     # name alone (safetensors' save_model): the loader makes it the embeddings (models.loader.place_weights)
     stored = {name for header in headers for name in header}
     head_only = not {"model.embed_tokens.weight", "embed_tokens.weight"} & stored
+    # the embeddings' prepacked copy as the output head (tied), which a classifier has not (models.classifier)
+    ties = getattr(model_config, "tie_word_embeddings", False) and not is_classifier(model_config)
     for header in headers:
         for name, info in header.items():
             numel = 1
@@ -131,7 +134,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             # (a mixture of experts' experts are stacked and never prepacked: models.moe)
             if prepacks and is_float and (_LINEAR.search(name) and ".experts." not in name or name == "lm_head.weight"):
                 total += size
-            if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
+            if prepacks and name == "model.embed_tokens.weight" and ties:
                 total += size
     per_input = 4 + (8 if act_order and device.type == "cuda" else 0)  # g_idx (int32), act_perm (int64)
     # the experts' g_idx, and Int4Stack.perm (int32) of those sorted by group

@@ -470,8 +470,8 @@ class LlamaForCausalLM(nn.Module):
 
     def finish_loading(self) -> None:
         """After the weights are in: the CPU matmul layout of a float output head (layers pack their own)."""
-        if not self.quantized_head:
-            self.packed_head = cpu_gemm.prepack(self._head_weight().data)
+        if not self.quantized_head and getattr(self, "score", None) is None:  # (a classifier's score head instead
+            self.packed_head = cpu_gemm.prepack(self._head_weight().data)  # of a vocabulary's: models.classifier)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
