@@ -62,3 +62,16 @@ def test_a_classifier_holds_and_is_estimated_without_a_vocabulary_head(padded, t
         model = llm.engine.runner.model
         assert model.packed_head is None and not hasattr(model, "lm_head")
         assert plan["weights_bytes"] == weights_bytes(model)
+
+
+def test_convert_keeps_a_classifiers_score_head(padded, tmp_path):
+    """`infer convert` of a classifier writes it as one (transformers' *ForSequenceClassification, its score head):
+    the copy classifies as transformers does on the source."""
+    path, hf = padded
+    res = CliRunner().invoke(app, ["convert", str(path), "-o", str(tmp_path / "copy")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "copy" / "config.json").read_text())["architectures"] == \
+        ["LlamaForSequenceClassification"]
+    prompts = random_prompts(hf.config.vocab_size, (7, 2), seed=9)
+    with LLM(str(tmp_path / "copy")) as llm:
+        check_close(probs(llm.classify(prompts)), [torch.softmax(hf_logits(hf, p), -1) for p in prompts])

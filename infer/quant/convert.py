@@ -460,12 +460,11 @@ def _check_adapter(adapter: Path) -> None:
 def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int,
                 check_weights: Callable[[Path], None] | None = None, named: str | None = None) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
     unsupported = _check_tensors(src, check_weights)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
     try:  # mismatched sizes come back in the report (refused below) instead of as transformers' RuntimeError
-        model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, device_map="cpu",
-                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+        model, info = _auto_class(src).from_pretrained(src, dtype=torch_dtype, device_map="cpu",
+                                                       output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:
         check_weight_files(src)  # a corrupted or truncated weight file (SafetensorError, ...): named, exit 2
         if unsupported is not None:  # (a hidden_act 'frob': transformers' KeyError 'frob'; infer names the field)
@@ -493,6 +492,14 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
     keep_source_config(src, out, {"_name_or_path": named, **({"dtype": saved_dtype(out)} if dtype else {}),
                                   **({"tie_word_embeddings": False} if untied else {})})
     copy_tokenizer_files(src, out, EXTRA_FILES)
+
+
+def _auto_class(src: Path):
+    """transformers' auto class of the model: a *ForSequenceClassification (its score head kept) or a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLS
+    archs = getattr(AutoConfig.from_pretrained(src, local_files_only=True), "architectures", None) or []
+    return AutoModelForSequenceClassification if set(archs) & set(CLS.values()) else AutoModelForCausalLM
 
 
 def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> Exception | None:
