@@ -75,3 +75,22 @@ def test_convert_keeps_a_classifiers_score_head(padded, tmp_path):
     prompts = random_prompts(hf.config.vocab_size, (7, 2), seed=9)
     with LLM(str(tmp_path / "copy")) as llm:
         check_close(probs(llm.classify(prompts)), [torch.softmax(hf_logits(hf, p), -1) for p in prompts])
+
+
+def test_bench_refuses_a_classifier_in_process_and_at_a_url(padded):
+    """infer bench's pooling runner times embeddings: a classifier folder (runner auto or pooling) is refused before
+    loading, and so is a classifier server at --url (it was an AttributeError after the run, and a server taken
+    for a generation one)."""
+    from contextlib import contextmanager
+
+    from infer.cli.bench import check_embeds
+    from infer.errors import ConfigError
+    from test_probes_session60_classify import _serve
+    path, _ = padded
+    for runner in ([], ["--runner", "pooling"]):
+        res = CliRunner().invoke(app, ["bench", str(path), "--num-prompts", "2", "--input-len", "4", *runner])
+        assert res.exit_code == 2 and "is a classifier" in res.output and "benches embeddings" in res.output, \
+            res.output
+    with contextmanager(_serve)(path) as base:
+        with pytest.raises(ConfigError, match="'cls' at .* is a classifier .* benches embeddings"):
+            check_embeds(base, "cls", {})

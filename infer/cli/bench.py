@@ -184,10 +184,20 @@ def _probe_error(base: str, route: str, body: dict, headers: dict) -> dict:
     return error if isinstance(error, dict) else {}
 
 
+CLASSIFIER_BENCH = ("{model} is a classifier (a *ForSequenceClassification model, run on the pooling runner): "
+                    "infer bench's pooling runner benches embeddings (POST /v1/embeddings), which a classifier does "
+                    "not make")
+CLASSIFIER_HINT = ("bench an embedding model; a classifier's classes and scores (LLM.classify, POST /classify, "
+                   "/score, /rerank) are not benched by infer bench")
+
+
 def check_embeds(base: str, model_id: str, headers: dict) -> None:
-    """--runner pooling with --url: refuse a server that runs its model for text generation (every embeddings
-    request would fail after the whole run), asked with one short input to embed."""
+    """--runner pooling with --url: refuse a server that runs its model for text generation or as a classifier
+    (every embeddings request would fail after the whole run), asked with one short input to embed."""
+    from ..engine.classify import NOT_EMBEDDER
     error = _probe_error(base, "/v1/embeddings", {"model": model_id, "input": "Hi"}, headers)
+    if NOT_EMBEDDER in str(error.get("message")):
+        raise ConfigError(CLASSIFIER_BENCH.format(model=f"{model_id!r} at {base}"), CLASSIFIER_HINT)
     if error.get("code") == "model_not_supported" or "does not support Embeddings API" in str(error.get("message")):
         raise ConfigError(f"{base} serves {model_id!r} for text generation, and --runner pooling benches embeddings "
                           "(POST /v1/embeddings): every request would fail",
@@ -247,6 +257,9 @@ def check_runner(engine: EngineConfig, output_len: int | None, slos: dict | None
     (an output length, a TTFT or TPOT objective, the split policy's generation driver) is refused, not ignored."""
     if not engine.pooling():
         return
+    from ..engine.pooling import classifier_folder
+    if classifier_folder(engine.model):  # (its outputs are classes: no embeddings to time, no baseline to pool)
+        raise ConfigError(CLASSIFIER_BENCH.format(model=engine.model), CLASSIFIER_HINT)
     if output_len is not None:
         raise ConfigError("--output-len: --runner pooling benches embeddings, which generate no token",
                           "drop --output-len (--input-len sets the prompts' length)")
