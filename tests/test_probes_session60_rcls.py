@@ -94,3 +94,19 @@ def test_bench_refuses_a_classifier_in_process_and_at_a_url(padded):
     with contextmanager(_serve)(path) as base:
         with pytest.raises(ConfigError, match="'cls' at .* is a classifier .* benches embeddings"):
             check_embeds(base, "cls", {})
+
+
+def test_lora_validate_on_a_classifier_base_refuses_the_numeric_check(padded, tmp_path):
+    """lora-validate's numeric check compares generated tokens' logits: on a classifier base it is refused by name
+    (it was the engine's "LLM.generate() is only supported for generative models"), --steps 0 checks statically."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from infer.models.tiny import ensure_builtin
+    path, _ = padded
+    base = AutoModelForCausalLM.from_pretrained(ensure_builtin("tiny-llama"))
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "ad")
+    res = CliRunner().invoke(app, ["lora-validate", str(path), str(tmp_path / "ad")])
+    assert res.exit_code == 2 and "is a classifier" in res.output and "--steps 0" in res.output, res.output
+    res = CliRunner().invoke(app, ["lora-validate", str(path), str(tmp_path / "ad"), "--steps", "0", "--json"])
+    assert res.exit_code == 0, res.output
