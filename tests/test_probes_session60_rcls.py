@@ -14,7 +14,8 @@ from infer import LLM
 from infer.cli.main import app
 
 from helpers import random_prompts
-from test_probes_session60_classify import build_classifier, check_close, hf_logits, probs
+from test_probes_session60_classify import DOCS, _post, build_classifier, check_close, hf_logits, probs
+from test_probes_session60_classify import qwen_ce, served_cross_encoder  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +111,14 @@ def test_lora_validate_on_a_classifier_base_refuses_the_numeric_check(padded, tm
     assert res.exit_code == 2 and "is a classifier" in res.output and "--steps 0" in res.output, res.output
     res = CliRunner().invoke(app, ["lora-validate", str(path), str(tmp_path / "ad"), "--steps", "0", "--json"])
     assert res.exit_code == 0, res.output
+
+
+def test_rerank_usage_counts_the_prompt_tokens(served_cross_encoder, qwen_ce):  # noqa: F811 (fixtures)
+    """POST /rerank's usage is vLLM's RerankUsage: prompt_tokens and total_tokens, the pairs' tokens (it had
+    total_tokens alone)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(qwen_ce[0])
+    status, body = _post(served_cross_encoder, "/v1/rerank", {"query": "where is the cat", "documents": DOCS})
+    assert status == 200, body
+    tokens = sum(len(tok("where is the cat", d)["input_ids"]) for d in DOCS)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}

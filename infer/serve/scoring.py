@@ -168,7 +168,8 @@ async def rerank(server, request, raw: bytes, arrival: float):
     keep = body.get("return_documents", True)
     results = [{"index": i, "relevance_score": got[0][i], **({"document": {"text": docs[i]}} if keep else {})}
                for i in order]
-    return {"id": "rerank-" + _hex(), "model": body.get("model") or server.model_id, "usage": {"total_tokens": got[1]},
+    usage = {"prompt_tokens": got[1], "total_tokens": got[1]}  # (vLLM's RerankUsage)
+    return {"id": "rerank-" + _hex(), "model": body.get("model") or server.model_id, "usage": usage,
             "results": results}
 
 
