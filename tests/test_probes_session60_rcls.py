@@ -122,3 +122,31 @@ def test_rerank_usage_counts_the_prompt_tokens(served_cross_encoder, qwen_ce):  
     assert status == 200, body
     tokens = sum(len(tok("where is the cat", d)["input_ids"]) for d in DOCS)
     assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def test_truncated_pairs_keep_the_query_as_transformers_truncates_them(served_cross_encoder, qwen_ce):  # noqa: F811
+    """truncate_prompt_tokens on a cross-encoder's pair cuts it as vLLM's tokenizer call (transformers' truncation,
+    longest first: the longer text's end), through LLM.score and POST /score, not the joined prompt's last tokens
+    (which dropped the query); token-id pairs are cut alike; fewer tokens than the special ones is refused."""
+    from transformers import AutoTokenizer
+
+    from infer.errors import RequestError
+    path, hf = qwen_ce
+    tok = AutoTokenizer.from_pretrained(path)
+    query, docs = "where is the cat now", ["the cat sat on the mat " * 4, "a dog", "hello world, again and again"]
+    cut = [tok(query, d, truncation=True, max_length=9)["input_ids"] for d in docs]
+    assert all(c[:3] == tok(query)["input_ids"][:3] for c in cut)  # (the query's start kept)
+    want = [torch.sigmoid(hf_logits(hf, c))[0].item() for c in cut]
+    status, body = _post(served_cross_encoder, "/score", {"text_1": query, "text_2": docs,
+                                                          "truncate_prompt_tokens": 9})
+    assert status == 200, body
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), torch.tensor(want),
+                               atol=1e-5, rtol=1e-4)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, cut))
+    ids = [tok(query, add_special_tokens=False)["input_ids"], tok(docs[0], add_special_tokens=False)["input_ids"]]
+    with LLM(str(path), block_size=4) as llm:
+        outs = llm.score(query, docs, truncate_prompt_tokens=9)
+        assert [o.prompt_token_ids for o in outs] == cut
+        assert llm.score([ids[0]], [ids[1]], truncate_prompt_tokens=9)[0].prompt_token_ids == cut[0]
+        with pytest.raises(RequestError, match="truncate_prompt_tokens 1 leaves no room"):
+            llm.score(query, docs, truncate_prompt_tokens=1)

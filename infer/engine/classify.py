@@ -139,21 +139,44 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def pair_ids(tokenizer, first, second, max_tokens: int | None) -> list[int]:
+def pair_ids(tokenizer, first, second, max_model_len: int, truncate: int | None = None) -> list[int]:
     """A cross-encoder's prompt of a pair: its tokenizer's pair encoding (special tokens, separators and, where the
     tokenizer has them, token type ids left out as vLLM's decoder cross-encoders do); RequestError when longer than
-    `max_tokens`."""
+    `max_model_len`. `truncate` (truncate_prompt_tokens; -1: max_model_len) cuts the pair to that many tokens as
+    vLLM's tokenizer call does (transformers' truncation, longest first: the texts' ends, never the special tokens
+    nor the first text's start), not the prompt's last tokens kept (which would drop the query)."""
+    keep = None if truncate is None else max_model_len if truncate == -1 else truncate
+    if keep is not None and keep < sum(map(len, _pair_frame(tokenizer))):
+        raise RequestError(f"truncate_prompt_tokens {truncate} leaves no room for the pair's texts beside its "
+                           f"{sum(map(len, _pair_frame(tokenizer)))} special tokens", "give a larger value")
     if isinstance(first, str) and isinstance(second, str):
-        ids = tokenizer(first, second)["input_ids"]
+        cut = {} if keep is None else {"truncation": True, "max_length": keep}
+        ids = tokenizer(first, second, **cut)["input_ids"]
     else:  # token ids: framed by the special tokens the tokenizer puts around and between a pair of texts
         one = first if isinstance(first, list) else tokenizer(first, add_special_tokens=False)["input_ids"]
         two = second if isinstance(second, list) else tokenizer(second, add_special_tokens=False)["input_ids"]
         before, between, after = _pair_frame(tokenizer)
+        if keep is not None:
+            one, two = _longest_first(list(one), list(two), keep - len(before) - len(between) - len(after))
         ids = [*before, *one, *between, *two, *after]
-    if max_tokens is not None and len(ids) > max_tokens:
-        raise RequestError(f"the pair has {len(ids)} tokens, more than the model's context of {max_tokens} tokens",
-                           "shorten the texts, or give truncate_prompt_tokens")
+    if keep is None and len(ids) > max_model_len:
+        raise RequestError(f"the pair has {len(ids)} tokens, more than the model's context of {max_model_len} "
+                           "tokens", "shorten the texts, or give truncate_prompt_tokens")
     return list(ids)
+
+
+def _longest_first(one: list, two: list, room: int) -> tuple[list, list]:
+    """Two token lists cut to `room` tokens together as the tokenizers library's longest_first truncation: the
+    shorter kept whole when the longer can take the rest, else each cut to about half (the longer gets the odd
+    token); each keeps its start."""
+    if len(one) + len(two) <= room:
+        return one, two
+    short, long = sorted((len(one), len(two)))
+    long = short if short > room else max(short, room - short)
+    if short + long > room:
+        short, long = room // 2, room // 2 + room % 2
+    n1, n2 = (long, short) if len(one) > len(two) else (short, long)
+    return one[:n1], two[:n2]
 
 
 def _pair_frame(tokenizer) -> tuple[list[int], list[int], list[int]]:

@@ -541,8 +541,8 @@ class LLM:
         pairs = score_pairs(data_1, data_2, "data_1", "data_2")
         if engine.pooler is not None and engine.pooler.task == "classify":
             check_cross_encoder(engine.pooler)
-            room = None if truncate_prompt_tokens is not None else engine.max_model_len
-            prompts = [pair_ids(engine.tokenizer, a, b, room) for a, b in pairs]
+            PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens).checked()  # (checked before a pair is cut)
+            prompts = [pair_ids(engine.tokenizer, a, b, engine.max_model_len, truncate_prompt_tokens) for a, b in pairs]
             outs = self._pool("classify", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens,
                                 priority)
             return [ScoringRequestOutput(o.request_id, o.outputs.probs[0], o.prompt_token_ids) for o in outs]
