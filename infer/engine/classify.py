@@ -146,16 +146,17 @@ def pair_ids(tokenizer, first, second, max_model_len: int, truncate: int | None 
     vLLM's tokenizer call does (transformers' truncation, longest first: the texts' ends, never the special tokens
     nor the first text's start), not the prompt's last tokens kept (which would drop the query)."""
     keep = None if truncate is None else max_model_len if truncate == -1 else truncate
-    if keep is not None and keep < sum(map(len, _pair_frame(tokenizer))):
+    texts = isinstance(first, str) and isinstance(second, str)
+    before, between, after = _pair_frame(tokenizer) if keep is not None or not texts else ((), (), ())
+    if keep is not None and keep < len(before) + len(between) + len(after):
         raise RequestError(f"truncate_prompt_tokens {truncate} leaves no room for the pair's texts beside its "
-                           f"{sum(map(len, _pair_frame(tokenizer)))} special tokens", "give a larger value")
-    if isinstance(first, str) and isinstance(second, str):
+                           f"{len(before) + len(between) + len(after)} special tokens", "give a larger value")
+    if texts:
         cut = {} if keep is None else {"truncation": True, "max_length": keep}
         ids = tokenizer(first, second, **cut)["input_ids"]
     else:  # token ids: framed by the special tokens the tokenizer puts around and between a pair of texts
         one = first if isinstance(first, list) else tokenizer(first, add_special_tokens=False)["input_ids"]
         two = second if isinstance(second, list) else tokenizer(second, add_special_tokens=False)["input_ids"]
-        before, between, after = _pair_frame(tokenizer)
         if keep is not None:
             one, two = _longest_first(list(one), list(two), keep - len(before) - len(between) - len(after))
         ids = [*before, *one, *between, *two, *after]
