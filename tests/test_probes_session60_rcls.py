@@ -150,3 +150,9 @@ def test_truncated_pairs_keep_the_query_as_transformers_truncates_them(served_cr
         assert llm.score([ids[0]], [ids[1]], truncate_prompt_tokens=9)[0].prompt_token_ids == cut[0]
         with pytest.raises(RequestError, match="truncate_prompt_tokens 1 leaves no room"):
             llm.score(query, docs, truncate_prompt_tokens=1)
+
+
+def test_classify_route_names_its_own_task_for_an_empty_text(served_cross_encoder):  # noqa: F811 (fixtures)
+    status, body = _post(served_cross_encoder, "/classify", {"input": ["a", ""]})
+    assert status == 400 and "input[1] is an empty string: there is nothing to classify" in \
+        body["error"]["message"], body

@@ -266,9 +266,9 @@ def _is_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
-def embedding_inputs(value, name: str = "input") -> list:
+def embedding_inputs(value, name: str = "input", verb: str = "embed") -> list:
     """An embeddings body's `input` (OpenAI's four forms) as a list of prompts, each text or a list of token ids;
-    RequestError naming the item otherwise."""
+    RequestError naming the item otherwise (an empty text: nothing to `verb`, the route's task)."""
     if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
         value = [value]
     if not isinstance(value, list):
@@ -277,7 +277,7 @@ def embedding_inputs(value, name: str = "input") -> list:
         raise RequestError(f"{name} is an empty list", _INPUT_FORMS)
     for i, item in enumerate(value):
         if isinstance(item, str) and not item:
-            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to embed", "remove it")
+            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to {verb}", "remove it")
         if isinstance(item, list) and not item:
             raise RequestError(f"{name}[{i}] is an empty list of token ids", "remove it")
         if not isinstance(item, str) and not (isinstance(item, list) and all(_is_id(t) for t in item)):

@@ -82,7 +82,7 @@ async def classify(server, request, raw: bytes, arrival: float):
             room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
             prompts = [list(map(int, item)) if isinstance(item, list) else
                        encode_prompt(server.tokenizer, prompt=item, max_tokens=room)
-                       for item in embedding_inputs(body["input"])]
+                       for item in embedding_inputs(body["input"], verb="classify")]
         except RequestError as e:
             raise _refused(e) from None
         return EmbeddingRequest(body.get("model"), prompts, params)
