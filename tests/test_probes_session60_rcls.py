@@ -156,3 +156,20 @@ def test_classify_route_names_its_own_task_for_an_empty_text(served_cross_encode
     status, body = _post(served_cross_encoder, "/classify", {"input": ["a", ""]})
     assert status == 400 and "input[1] is an empty string: there is nothing to classify" in \
         body["error"]["message"], body
+
+
+def test_request_id_names_the_classify_score_and_rerank_responses(served_cross_encoder):  # noqa: F811
+    """vLLM's request_id field (and the X-Request-Id header, first): the response's id is classify-, score- or
+    rerank- and it; a request_id that is not a string is refused by name."""
+    import httpx
+    for route, body, prefix in (("/classify", {"input": "hi"}, "classify-"),
+                                ("/score", {"text_1": "a", "text_2": "b"}, "score-"),
+                                ("/rerank", {"query": "a", "documents": ["b"]}, "rerank-")):
+        status, reply = _post(served_cross_encoder, route, {**body, "request_id": "job-7"})
+        assert status == 200 and reply["id"] == prefix + "job-7", reply
+        r = httpx.post(served_cross_encoder + route, json={**body, "request_id": "job-7"},
+                       headers={"X-Request-Id": "hdr-1"}, timeout=60)
+        assert r.json()["id"] == prefix + "hdr-1", r.text
+        status, reply = _post(served_cross_encoder, route, {**body, "request_id": 7})
+        assert status == 400 and reply["error"]["param"] == "request_id" and \
+            f"{prefix}job-7" in reply["error"]["message"], reply

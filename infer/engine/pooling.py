@@ -338,13 +338,13 @@ def embedding_fields(body: dict, prefix: str = "", chat: bool = False) -> tuple[
     return params, fmt
 
 
-def embedding_request_id(body: dict, prefix: str = "") -> str | None:
-    """An embeddings body's request_id (vLLM's field: the response's id is embd- and it, else a uuid); "" is none
-    given, as vLLM's; RequestError otherwise."""
+def embedding_request_id(body: dict, prefix: str = "", id_prefix: str = "embd-") -> str | None:
+    """An embeddings body's request_id (vLLM's field: the response's id is `id_prefix` and it, else a uuid); "" is
+    none given, as vLLM's; RequestError otherwise."""
     rid = body.get("request_id")
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"{prefix}request_id must be a string, got {type(rid).__name__}",
-                           'e.g. "request_id": "job-7" (the response\'s id is then embd-job-7)')
+                           f'e.g. "request_id": "job-7" (the response\'s id is then {id_prefix}job-7)')
     return rid or None
 
 

@@ -14,7 +14,7 @@ import uuid
 
 from ..engine.classify import NOT_CLASSIFIER, check_cross_encoder, cosine, pair_ids, score_pairs
 from ..engine.inputs import encode_prompt
-from ..engine.pooling import PoolingParams, embedding_inputs
+from ..engine.pooling import PoolingParams, embedding_inputs, embedding_request_id
 from ..errors import RequestError
 from . import protocol as p
 from .embeddings import EmbeddingRequest, pooled
@@ -22,7 +22,7 @@ from .embeddings import EmbeddingRequest, pooled
 NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} needs the server started with --runner "
                       "pooling (a classifier, or an embedding model for scores)")
 _FIELDS = ("input", "model", "text_1", "text_2", "query", "documents", "top_n", "return_documents",
-           "truncate_prompt_tokens", "use_activation", "priority")
+           "truncate_prompt_tokens", "use_activation", "priority", "request_id")
 
 
 def _body(raw: bytes, needs: tuple[str, ...]) -> dict:
@@ -75,6 +75,7 @@ async def classify(server, request, raw: bytes, arrival: float):
         raise p.ApiError(400, f"The model does not support Classification API: {NOT_CLASSIFIER}",
                          code="model_not_supported")
     body = _body(raw, ("input",))
+    rid = _response_id(request, body, "classify-")
 
     def parse() -> EmbeddingRequest:
         try:
@@ -93,7 +94,7 @@ async def classify(server, request, raw: bytes, arrival: float):
         return None
     data = [{"index": i, "label": pooler.labels[int(v.argmax())], "probs": v.tolist(), "num_classes": len(v)}
             for i, v in enumerate(got[0])]
-    return {"id": "classify-" + _hex(), "object": "list",
+    return {"id": rid, "object": "list",
             "created": p.now(), "model": req.model or server.model_id, "data": data, "usage": _usage(got[1])}
 
 
@@ -132,12 +133,13 @@ async def score(server, request, raw: bytes, arrival: float):
     """POST /score and /v1/score: vLLM's ScoreResponse, one score per pair of text_1 and text_2."""
     _pooler(server, "Score")
     body = _body(raw, ("text_1", "text_2"))
+    rid = _response_id(request, body, "score-")
     got = await _scores(server, request, body, body["text_1"], body["text_2"], ("text_1", "text_2"), "score-",
                         arrival)
     if got is None:
         return None
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(got[0])]
-    return {"id": "score-" + _hex(), "object": "list", "created": p.now(), "model": body.get("model") or
+    return {"id": rid, "object": "list", "created": p.now(), "model": body.get("model") or
             server.model_id, "data": data, "usage": _usage(got[1])}
 
 
@@ -146,6 +148,7 @@ async def rerank(server, request, raw: bytes, arrival: float):
     first top_n (0 or none: all), each with its index in documents and (return_documents) its text."""
     _pooler(server, "Rerank")
     body = _body(raw, ("query", "documents"))
+    rid = _response_id(request, body, "rerank-")
     query, docs, top_n = body["query"], body["documents"], body.get("top_n")
     try:
         if not isinstance(query, str) or not query:
@@ -170,9 +173,16 @@ async def rerank(server, request, raw: bytes, arrival: float):
     results = [{"index": i, "relevance_score": got[0][i], **({"document": {"text": docs[i]}} if keep else {})}
                for i in order]
     usage = {"prompt_tokens": got[1], "total_tokens": got[1]}  # (vLLM's RerankUsage)
-    return {"id": "rerank-" + _hex(), "model": body.get("model") or server.model_id, "usage": usage,
+    return {"id": rid, "model": body.get("model") or server.model_id, "usage": usage,
             "results": results}
 
 
-def _hex() -> str:
-    return uuid.uuid4().hex
+def _response_id(request, body: dict, prefix: str) -> str:
+    """The response's id, as vLLM's: `prefix` and the client's X-Request-Id header, else the body's request_id,
+    else a fresh uuid."""
+    try:
+        rid = embedding_request_id(body, id_prefix=prefix)
+    except RequestError as e:
+        raise _refused(e) from None
+    given = request.headers.get("x-request-id") if request is not None else None
+    return prefix + (given or rid or uuid.uuid4().hex)
