@@ -61,7 +61,8 @@ def test_the_moe_table_is_its_own_section_of_the_gptq_config_files(moe_cache):
     gptq_configs.save("GPU_X", {"4096,4096": {1: {"kernel": "dequant"}}})  # the dense table, its own file
     path = gptq_configs.save("GPU_X", {key: {64: {"BLOCK_M": 64, "BLOCK_N": 128}, 2: {"BLOCK_M": 16}}}, moe.SECTION)
     assert path == moe_cache / "cache" / "kernels" / "moe" / "GPU_X.json"
-    assert json.loads(path.read_text()) == {key: {"2": {"BLOCK_M": 16}, "64": {"BLOCK_M": 64, "BLOCK_N": 128}}}
+    assert json.loads(path.read_text()) == {key: {"2": {"BLOCK_M": 16}, "64": {"BLOCK_M": 64, "BLOCK_N": 128}},
+                                        gptq_configs.FORMAT_KEY: gptq_configs.FORMAT[moe.SECTION]}
     for fresh in (False, True):  # the table saved into, and a restart's read of the files
         if fresh:
             gptq_configs.load.cache_clear()
@@ -258,7 +259,8 @@ def test_the_tuner_picks_the_fastest_saves_it_and_a_restart_does_not_tune_again(
     quick = [moe_tune.candidates(t, moe_tune.layer_shape(w13, w2, k, torch.float32), True) for t in (1, 2)]
     assert timed == quick[0] + quick[1]  # every candidate of both buckets, once
     path = gptq_configs.cache_file("GPU_X", moe.SECTION)
-    assert json.loads(path.read_text()) == {key: {"1": FASTEST, "2": FASTEST}}
+    assert json.loads(path.read_text()) == {key: {"1": FASTEST, "2": FASTEST},
+                                            gptq_configs.FORMAT_KEY: gptq_configs.FORMAT[moe.SECTION]}
     use_table(monkeypatch, "GPU_X")
     seen = record(monkeypatch, "_moe_gemm_int4")
     x = torch.randn(2, h)

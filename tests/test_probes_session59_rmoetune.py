@@ -84,7 +84,8 @@ def test_the_tuner_measures_an_invalid_entry_again_and_writes_over_it(moe_cache,
         return 1.0 if cfg == FASTEST else 5.0
     assert moe_tune.tune_model(FakeModel(w13, w2, k), 2, torch.device("cpu"), timer=timer, name="GPU_X",
                                quick=True)[0] == 1
-    assert json.loads(path.read_text()) == {key: {"1": FASTEST, "2": FASTEST}}
+    assert json.loads(path.read_text()) == {key: {"1": FASTEST, "2": FASTEST},
+                                            gptq_configs.FORMAT_KEY: gptq_configs.FORMAT[moe.SECTION]}
 
 
 def test_a_cache_that_cannot_be_written_keeps_the_configs_for_the_process(moe_cache, monkeypatch, caplog):
@@ -129,7 +130,8 @@ def test_engines_saving_the_same_cache_file_at_once_keep_each_others_entries(moe
     one.join(10)
     two.join(10)
     assert calls == [path, path]
-    assert json.loads(path.read_text()) == {KEY: {"1": FASTEST, "2": FASTEST}}
+    assert json.loads(path.read_text()) == {KEY: {"1": FASTEST, "2": FASTEST},
+                                            gptq_configs.FORMAT_KEY: gptq_configs.FORMAT[moe.SECTION]}
     assert [p.name for p in path.parent.iterdir() if p.suffix == ".tmp"] == []  # (no temporary file left)
 
 
@@ -241,6 +243,7 @@ def test_reload_weights_tunes_a_new_experts_layout_and_warms_its_tuned_configs(t
         new = list(moe_tune.moe_layers(engine.runner.model))
         assert len(tuned_keys) == 2 and tuned_keys[1:] == new and new[0] != tuned_keys[0]
         table = json.loads(gptq_configs.cache_file("GPU_X", moe.SECTION).read_text())
+        assert table.pop(gptq_configs.FORMAT_KEY) == gptq_configs.FORMAT[moe.SECTION]
         assert sorted(table) == sorted(tuned_keys)
         assert {cfg for *_, cfg in launched} == {tuple(sorted((k, v) for k, v in FASTEST.items() if k != "BLOCK_M"))}
         engine.reload_weights()

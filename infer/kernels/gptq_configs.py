@@ -25,6 +25,15 @@ from pathlib import Path
 import torch
 
 MAX_BUCKET = 4096
+# The table files' format, by section: the revision of the kernels their entries were tuned for. `save` writes it
+# (FORMAT_KEY, beside the shapes); a file that holds another (another infer's, or one from before a kernel change
+# that alters what an entry launches: bump it then) is skipped with a warning, its shapes tuned again. A file
+# without the field (those before it, the shipped ones) is of format 1. vLLM's tuned fused_moe files are keyed by
+# the device name and the shapes alone (a folder per Triton version at most): a stale entry there is launched.
+FORMAT = {"": 1, "moe": 1}
+FORMAT_KEY = "_format"
+KERNELS = ("gemv", "mma", "mmat", "dequant")
+FLAGS = ("FIELD", "SCALE_W", "PAIRS", "INPLACE", "BYTES", "BYTE_DOTS", "SYNC_MMA", "AHEAD")  # true / false
 SHIPPED = Path(__file__).parent / "configs"
 log = logging.getLogger("infer")
 
@@ -76,6 +85,11 @@ def tuned_folder() -> Path | None:
     if not value:
         return None
     path = Path(value).expanduser()
+    if path.is_file():
+        from ..errors import ConfigError
+        raise ConfigError(f"{FOLDER_VAR}={value!r} is a file, not a folder of tables",
+                          f"point it at the folder that holds it ({str(path.parent)!r}, where its name is the GPU's: "
+                          "<GPU name>.json, moe/<GPU name>.json), or unset it")
     if not path.is_dir():
         from ..errors import ConfigError
         raise ConfigError(f"{FOLDER_VAR}={value!r} is no folder",
@@ -86,10 +100,11 @@ def tuned_folder() -> Path | None:
 
 def _read(path: Path, section: str = "") -> dict:
     """{shape: {bucket (a string): config}} of the table file `path`, {} where there is none. What is no such table
-    (a corrupt, truncated or hand-edited file: not JSON, not objects of objects, a bucket that is no integer) and
-    an entry of a section whose check refuses it (`_check`: the fused MoE's launch configs) are skipped with a
-    warning naming the file, never raised at an engine start or launched: the tuner measures those buckets again
-    and its `save` writes over them."""
+    (a corrupt, truncated or hand-edited file: not JSON, not objects of objects, a bucket that is no power of two),
+    a file of another format (FORMAT_KEY: another revision of the kernels) or of the other section (the MoE tables
+    where the GPTQ matmul's belong, or the reverse: a $INFER_TUNED_CONFIG_FOLDER that names the moe/ folder) and an
+    entry that `_check` refuses are skipped with a warning naming the file (and the entry), never raised at an
+    engine start or launched: the tuner measures those buckets again and its `save` writes over them."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -101,13 +116,25 @@ def _read(path: Path, section: str = "") -> dict:
         log.warning("ignoring the kernel config table %s: not a JSON object of shapes (delete it: the tuner "
                     "writes it again)", path)
         return {}
+    fmt, want = data.pop(FORMAT_KEY, 1), FORMAT.get(section, 1)
+    if type(fmt) is not int or fmt != want:
+        log.warning("ignoring the kernel config table %s: written for another revision of the kernels (%s %s, "
+                    "this infer reads %s): its shapes are tuned again", path, FORMAT_KEY, json.dumps(fmt), want)
+        return {}
+    other = _other_section(data, section)
+    if other:
+        log.warning("ignoring the kernel config table %s: it holds %s (such as %r), not %s: %s", path, *other)
+        return {}
     out: dict = {}
     for shape, by_m in data.items():
         if not isinstance(by_m, dict):
             log.warning("ignoring %s's entry %s: not a JSON object of buckets (it is tuned again)", path, shape)
             continue
+        if section == "" and not DENSE_SHAPE.fullmatch(shape):
+            log.warning("ignoring %s's entry %s: no shape \"N,K\" of a GPTQ layer (it is tuned again)", path, shape)
+            continue
         for b, cfg in by_m.items():
-            why = _check(b, cfg, section)
+            why = _check(shape, b, cfg, section)
             if why:
                 log.warning("ignoring %s's entry %s / %s: %s (it is tuned again)", path, shape, b, why)
             else:
@@ -115,17 +142,75 @@ def _read(path: Path, section: str = "") -> dict:
     return out
 
 
-def _check(b: str, cfg, section: str) -> str | None:
-    """Why a table entry (bucket `b`, `cfg`) cannot be used, or None."""
+DENSE_SHAPE = re.compile(r"[1-9][0-9]*,[1-9][0-9]*")  # a GPTQ matmul table's key: "N,K"
+MOE_SHAPE = re.compile(r"[0-9]+,[0-9]+,[0-9]+,[0-9]+,.+")  # a fused MoE table's (moe.layer_key): "E,H,I,top_k,kind"
+
+
+def _other_section(data: dict, section: str) -> tuple | None:
+    """(what the table holds, a key of it, what it should hold, the fix) where every shape of `data` is a key of the
+    other section's tables (the fused MoE's in a GPTQ matmul table, or the reverse), else None."""
+    if not data:
+        return None
+    if section == "" and all(MOE_SHAPE.fullmatch(k) for k in data):
+        return ("fused MoE tables", next(iter(data)), "GPTQ matmul tables",
+                "those belong in moe/<GPU name>.json (a $" + FOLDER_VAR + " names the folder above moe/)")
+    if section == "moe" and all(DENSE_SHAPE.fullmatch(k) for k in data):
+        return ("GPTQ matmul tables", next(iter(data)), "fused MoE tables",
+                "those belong in the folder above moe/ (a $" + FOLDER_VAR + " names that folder, not moe/)")
+    return None
+
+
+def _check(shape: str, b: str, cfg, section: str) -> str | None:
+    """Why a table entry (layer `shape`, bucket `b`, `cfg`) cannot be used, or None."""
     if not isinstance(cfg, dict):
         return f"{json.dumps(cfg)} is no JSON object of launch parameters"
     try:
-        int(b)
+        m = int(b)
     except ValueError:
         return f"the bucket {b!r} is no count of tokens"
+    if not 1 <= m <= MAX_BUCKET or m & (m - 1):
+        return f"the bucket {b!r} is no power of two from 1 to {MAX_BUCKET} (no step looks it up)"
     if section == "moe":
         from .moe import config_error
-        return config_error(cfg)
+        from .moe_tune import entry_error
+        return config_error(cfg) or entry_error(shape, cfg)
+    if section == "":
+        return dense_error(shape, cfg)
+    return None
+
+
+def dense_error(shape: str, cfg: dict) -> str | None:
+    """Why `cfg` cannot be a tuned entry of the GPTQ matmul of the layer shape "N,K" (gptq_gemm), or None: a kernel
+    of KERNELS (a `dequant` takes CHUNK_N alone, at least 32 columns); the fused kernels' tile sizes powers of two
+    within their limits (BLOCK_M 16 to 256 on the tensor-core tiles, 1 to 16 rows on gemv; BLOCK_N 16 to 256;
+    BLOCK_K 16 to 128, the largest K step block_k_limit allows: the launch caps it to the layer's group layout and
+    interleave), num_warps 1 to 16, 1 to 8 stages, SPLIT_K a count from 1 to the most K steps of 16 (16 at least:
+    the candidates'; the launch rounds it to whole K steps), GROUP_M 1 to 64, the FLAGS true or false."""
+    kind = cfg.get("kernel")
+    if kind not in KERNELS:
+        return f"the kernel {json.dumps(kind)} is none of {', '.join(KERNELS)}" if "kernel" in cfg \
+            else f"it names no kernel ({', '.join(KERNELS)})"
+    k = int(shape.split(",")[1])
+    bounds = {"BLOCK_M": (1, 16) if kind == "gemv" else (16, 256), "BLOCK_N": (16, 256), "BLOCK_K": (16, 128),
+              "num_warps": (1, 16), "num_stages": (1, 8), "SPLIT_K": (1, max(16, -(-k // 16))), "GROUP_M": (1, 64)}
+    known = {"kernel", "CHUNK_N"} if kind == "dequant" else {"kernel", *bounds, *FLAGS}
+    extra = sorted(set(cfg) - known)
+    if extra:
+        return f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} no key of a {kind} entry"
+    if kind == "dequant":
+        v = cfg.get("CHUNK_N", 32)
+        return None if type(v) is int and v >= 32 else f"CHUNK_N {json.dumps(v)} is no count of columns from 32"
+    required = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages") + (() if kind == "gemv" else ("BLOCK_M",))
+    missing = [key for key in required if key not in cfg]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    for name, v in cfg.items():
+        if name in FLAGS and type(v) is not bool:
+            return f"{name} {json.dumps(v)} is not true or false"
+        if name in bounds:
+            (lo, hi), pow2 = bounds[name], name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
+            if type(v) is not int or not lo <= v <= hi or (pow2 and v & (v - 1)):
+                return f"{name} {json.dumps(v)} is no {'power of two' if pow2 else 'integer'} from {lo} to {hi}"
     return None
 
 
@@ -141,6 +226,8 @@ def load(name: str, section: str = "") -> dict:
 def _load(name: str, section: str) -> dict:
     merged: dict = {}
     folder = tuned_folder()
+    if folder is not None:
+        _folder_note(folder, name)
     for path in (SHIPPED / section / f"{name}.json", cache_file(name, section)) + \
             ((folder / section / f"{name}.json",) if folder is not None else ()):
         for shape, by_m in _read(path, section).items():
@@ -148,7 +235,26 @@ def _load(name: str, section: str) -> dict:
     return merged
 
 
-load.cache_clear = _load.cache_clear  # (forget the tables read: a test's new files, a new $INFER_CACHE)
+@functools.lru_cache(maxsize=16)
+def _folder_note(folder: Path, name: str) -> None:
+    """One warning where $INFER_TUNED_CONFIG_FOLDER holds no table of GPU `name` (neither `<name>.json` nor
+    `moe/<name>.json`): tables are read by the GPU's name, so another GPU's (or a misnamed file) would be ignored
+    silently."""
+    if (folder / f"{name}.json").exists() or (folder / "moe" / f"{name}.json").exists():
+        return
+    held = sorted(str(p.relative_to(folder)) for p in (*folder.glob("*.json"), *folder.glob("moe/*.json")))
+    log.warning("%s=%s holds no table for this GPU (%s.json, moe/%s.json: tables are read by the GPU's name; it "
+                "holds %s): the shipped tables and the cache are used, the rest tuned at the engine start", FOLDER_VAR,
+                folder, name, name, ", ".join(held) if held else "no table")
+
+
+def _cache_clear() -> None:
+    """Forget the tables read (a test's new files, a new $INFER_CACHE) and the folder notes given."""
+    _load.cache_clear()
+    _folder_note.cache_clear()
+
+
+load.cache_clear = _cache_clear
 
 
 def table(device: torch.device, section: str = "") -> dict:
@@ -170,6 +276,7 @@ def save(name: str, tuned: dict, section: str = "") -> Path | None:
             data = _read(path, section)
             for shape, by_m in tuned.items():
                 data.setdefault(shape, {}).update({str(b): c for b, c in by_m.items()})
+            data[FORMAT_KEY] = FORMAT.get(section, 1)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
             try:
                 with os.fdopen(fd, "w") as f:

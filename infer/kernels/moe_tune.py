@@ -20,6 +20,7 @@ no user request waits for tuning), by `infer warmup` (its time reported) and by 
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -41,6 +42,31 @@ def _n_tiles(n13: int, n2: int) -> tuple[int, ...]:
 def fits(cfg: dict, layer: dict) -> bool:
     """Whether `cfg` fits sm_90's shared memory (moe.smem_bytes) in both matmuls of `layer` (`layer_shape`)."""
     return all(moe.smem_bytes(cfg, bk, layer["elem"], layer["int4"]) <= moe.SM90_SMEM for bk, _ in layer["steps"])
+
+
+KEY = re.compile(r"(\d+),(\d+),(\d+),(\d+),(?:int4-g(-?\d+)p?/(-?\d+)p?-)?(float32|float16|bfloat16)(?![a-z0-9])")
+ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def entry_error(key: str, cfg: dict) -> str | None:
+    """Why a table entry `cfg` (moe.config_error passed) of the layer `key` (moe.layer_key) cannot launch on sm_90:
+    its shared memory (moe.smem_bytes, BLOCK_N and num_stages the heuristics' where the entry has none) over
+    moe.SM90_SMEM in either matmul, as `candidates` never times such a config; None where it fits, or where the key
+    is not one this infer can read (no layer looks it up)."""
+    got = KEY.match(key)
+    if got is None or len(cfg) == 1:  # (BLOCK_M alone: the heuristics' tiles, which fit)
+        return None
+    _, hidden, inter, top_k, g13, g2, dtype = got.groups()
+    hidden, inter, top_k = int(hidden), int(inter), int(top_k)
+    int4 = g13 is not None
+    for (n, k), gs in (((2 * inter, hidden), g13), ((hidden, inter), g2)):
+        block_n, block_k = moe.int4_tiles(n, k, int(gs), top_k)[:2] if int4 else moe.tiles(n, k, top_k)
+        full = {**moe.launch_options(cfg["BLOCK_M"], int4), "BLOCK_N": block_n, **cfg}
+        need = moe.smem_bytes(full, block_k, ELEM[dtype], int4)
+        if need > moe.SM90_SMEM:
+            return (f"it takes {need} bytes of shared memory (BLOCK_K {block_k}), more than sm_90's {moe.SM90_SMEM}"
+                    f" (moe.smem_bytes: the tuner never times such a config)")
+    return None
 
 
 def layer_shape(w13, w2, top_k: int, dtype: torch.dtype) -> dict:
