@@ -260,4 +260,5 @@ def test_a_cache_on_a_file_system_without_flock_is_still_written(moe_cache, monk
         raise OSError(errno.ENOLCK, "no locks available")
     monkeypatch.setattr(fcntl, "flock", no_flock)
     path = gptq_configs.save("GPU_X", {KEY: {1: FASTEST}}, moe.SECTION)
-    assert path is not None and json.loads(path.read_text()) == {KEY: {"1": FASTEST}}
+    stamp = {gptq_configs.FORMAT_KEY: gptq_configs.FORMAT[moe.SECTION]}
+    assert path is not None and json.loads(path.read_text()) == {KEY: {"1": FASTEST}, **stamp}
