@@ -83,6 +83,8 @@ BAD = {
     "a dequant with tiles": dict(kernel="dequant", BLOCK_N=128),
     "CHUNK_N 16": dict(kernel="dequant", CHUNK_N=16),
     "CHUNK_N on a fused tile": dict(GOOD, CHUNK_N=4096),
+    "8 stages of 128 x 256": dict(GOOD, BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=8),
+    "5 stages of the transposed 256 x 128": dict(GOOD, kernel="mmat", BLOCK_M=256, num_warps=8, num_stages=5),
 }
 
 
@@ -130,6 +132,48 @@ def test_a_refused_dense_entry_is_tuned_again_and_saved_over(moe_cache, monkeypa
     gptq_configs.load.cache_clear()  # a restart: nothing left to tune
     asked.clear()
     assert gptq_tune.tune_model(None, 2, CPU, quick=True)[0] == 0 and asked == []
+
+
+def test_the_dense_shared_memory_floor_is_below_what_triton_takes_for_sm90():
+    """Compiled for sm_90 (the compile side of a driver, no GPU): for tiles of each kind and flag that changes what
+    the pipeline buffers (two fields per dot, mma.sync, the reshaped mma, the transposed tiles' many stages, the
+    gemv), gptq_configs.smem_floor is at most the shared memory Triton's kernel takes: the read check never refuses
+    an entry that fits."""
+    import textwrap
+
+    from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
+    tile = dict(kernel="mmat", BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=3,
+                FIELD=True, SCALE_W=True)
+    cfgs = [dict(tile, SYNC_MMA=True), dict(tile, BLOCK_M=16, SCALE_W=False, PAIRS=True),
+            dict(tile, BLOCK_M=128, num_stages=5), dict(tile, kernel="mma", GROUP_M=1, num_stages=4),
+            dict(GOOD, BLOCK_N=256, num_warps=8, num_stages=2, PAIRS=True),
+            dict(tile, kernel="mma", BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, FIELD=False),
+            dict(kernel="gemv", BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)]
+    script = COMPILE_ONLY_LAUNCHES + textwrap.dedent(f'''
+        from infer.kernels import gptq_configs, gptq_gemm
+        shared = []
+        real_compile = jit.JITFunction._do_compile
+        def grab(self, key, *a, **k):
+            kernel = real_compile(self, key, *a, **k)
+            shared.append(kernel.metadata.shared)
+            return kernel
+        jit.JITFunction._do_compile = grab
+        k = n = 4096
+        qw, qz = torch.zeros(k // 8, n, dtype=torch.int32), torch.zeros(k // 128, n // 8, dtype=torch.int32)
+        s, g = torch.zeros(k // 128, n, dtype=torch.float16), torch.zeros(k, dtype=torch.int32)
+        wp = gptq_configs.interleave_for(128, k, 8)
+        out = []
+        for cfg in {cfgs!r}:
+            x = torch.empty(cfg.get("BLOCK_M", 1), k, dtype=torch.float16)
+            gptq_gemm.gptq_matmul(x, qw, qz, s, g, 4, True, 128, wp, config=cfg, compile_only=True)
+            out.append([cfg, shared[-1]])
+        print(json.dumps(out))
+    ''')
+    got = run_compile_only(script, 600)
+    assert len(got) == len(cfgs)
+    for cfg, shared in got:
+        assert gptq_configs.smem_floor(cfg) <= shared, (cfg, shared)
+    assert max(gptq_configs.smem_floor(c) for c in cfgs) > 100_000  # (a floor that says something)
 
 
 # ------------------------------------------------------------------------------------- fused MoE entries

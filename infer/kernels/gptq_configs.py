@@ -8,7 +8,9 @@ and a folder the user names ($INFER_TUNED_CONFIG_FOLDER, laid out as the shipped
 A config is {"kernel": "gemv" | "mma" | "mmat" | "dequant", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M",
 "num_warps", "num_stages", "FIELD", "SCALE_W", "PAIRS", "INPLACE", "BYTES", "BYTE_DOTS", "SYNC_MMA", "AHEAD",
 "CHUNK_N"} (see
-gptq_gemm; absent keys take its defaults).
+gptq_gemm; absent keys take its defaults). Every entry is checked when read (`dense_error`; the MoE section's:
+moe.config_error and moe_tune.entry_error) and a file carries its format (FORMAT_KEY): what a launch cannot take,
+or another revision of the kernels wrote, is skipped with a warning and tuned again at the engine start.
 """
 
 from __future__ import annotations
@@ -211,7 +213,26 @@ def dense_error(shape: str, cfg: dict) -> str | None:
             (lo, hi), pow2 = bounds[name], name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")
             if type(v) is not int or not lo <= v <= hi or (pow2 and v & (v - 1)):
                 return f"{name} {json.dumps(v)} is no {'power of two' if pow2 else 'integer'} from {lo} to {hi}"
+    from .moe import SM90_SMEM
+    floor = smem_floor(cfg)
+    if floor > SM90_SMEM:
+        return (f"it takes at least {floor} bytes of shared memory, more than sm_90's {SM90_SMEM} (smem_floor: "
+                "fewer stages or smaller tiles)")
     return None
+
+
+def smem_floor(cfg: dict) -> int:
+    """Shared memory a GPTQ matmul entry takes at least on sm_90 (a floor, so an entry over it cannot launch and one
+    under it may still not: Triton's allocations add more, with no simple law): the tensor-core tiles (mma, mmat)
+    keep num_stages - 1 buffers of a K step's 4-bit words [BLOCK_K / 8, BLOCK_N] (int32) and, but on the mma's
+    two-fields-per-dot tiles (PAIRS: x's tile stays in registers), of x's tile [BLOCK_M, BLOCK_K] in 16 bits
+    (Triton 3.6 compile-only builds for sm_90 reported 0.3 to 52 KiB more; the mma PAIRS tiles less than with x
+    counted); the gemv pipelines nothing through shared memory (2 KiB at any stages): 0."""
+    if cfg.get("kernel") not in ("mma", "mmat"):
+        return 0
+    words = cfg["BLOCK_K"] // 8 * cfg["BLOCK_N"] * 4
+    x = 0 if cfg["kernel"] == "mma" and cfg.get("PAIRS") and cfg.get("FIELD") else cfg["BLOCK_M"] * cfg["BLOCK_K"] * 2
+    return (cfg["num_stages"] - 1) * (words + x)
 
 
 def load(name: str, section: str = "") -> dict:
