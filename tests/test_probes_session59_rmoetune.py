@@ -23,8 +23,8 @@ from test_probes_session59_moetune import FASTEST, FakeModel, interpreted, moe_c
 KEY = moe.layer_key(8, 64, 32, 2, torch.float32)
 
 
-def write_cache(name: str, data) -> Path:
-    path = gptq_configs.cache_file(name, moe.SECTION)
+def write_cache(name: str, data, section: str = moe.SECTION) -> Path:
+    path = gptq_configs.cache_file(name, section)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(data if isinstance(data, str) else json.dumps(data))
     return path

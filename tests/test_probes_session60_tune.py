@@ -27,13 +27,26 @@ GOOD = dict(kernel="mma", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, GROUP
 
 
 def write_dense(name: str, data) -> str:
-    path = gptq_configs.cache_file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
-    return str(path)
+    """The user's cache file of GPTQ matmul tables for GPU `name` holding `data`; its path."""
+    return str(write_cache(name, data, ""))
 
 
 # ------------------------------------------------------------------------------------- GPTQ matmul entries
+def stub_dense_tuning(monkeypatch, winner: dict) -> list:
+    """gptq_tune.tune_model on CPU for GPU_X's tables and one layer shape (64, 256): tune_shape stubbed, every
+    bucket it is asked won by `winner`. Returns the list of (N, K, buckets) it is asked."""
+    asked = []
+
+    def tune_shape(n, k, buckets, bits, gs, device, log=None, quick=True):
+        asked.append((n, k, list(buckets)))
+        return {b: (winner, 1.0) for b in buckets}
+    use_table(monkeypatch, "GPU_X")
+    monkeypatch.setattr(gptq_configs, "gpu_name", lambda device: "GPU_X")
+    monkeypatch.setattr(gptq_tune, "layer_shapes", lambda model: {(64, 256, 4, 128)})
+    monkeypatch.setattr(gptq_tune, "tune_shape", tune_shape)
+    return asked
+
+
 def test_every_shipped_entry_passes_the_checks(caplog):
     """The shipped tables (both sections) read whole, without a warning: the checks refuse nothing infer ships."""
     caplog.set_level(logging.WARNING, logger="infer")
@@ -117,15 +130,7 @@ def test_a_refused_dense_entry_is_tuned_again_and_saved_over(moe_cache, monkeypa
     """The engine start's tuning (gptq_tune.tune_model, tune_shape stubbed) measures the bucket whose entry was
     refused, and only it; its save writes the winner over the bad entry, the file stamped with its format."""
     path = write_dense("GPU_X", {SHAPE: {"1": dict(GOOD, BLOCK_K=256), "2": GOOD}})
-    asked = []
-
-    def tune_shape(n, k, buckets, bits, gs, device, log=None, quick=True):
-        asked.append((n, k, list(buckets)))
-        return {b: (GOOD, 1.0) for b in buckets}
-    use_table(monkeypatch, "GPU_X")
-    monkeypatch.setattr(gptq_configs, "gpu_name", lambda device: "GPU_X")
-    monkeypatch.setattr(gptq_tune, "layer_shapes", lambda model: {(64, 256, 4, 128)})
-    monkeypatch.setattr(gptq_tune, "tune_shape", tune_shape)
+    asked = stub_dense_tuning(monkeypatch, GOOD)
     assert gptq_tune.tune_model(None, 2, CPU, quick=True)[0] == 1
     assert asked == [(64, 256, [1])]
     assert json.loads(open(path).read()) == {SHAPE: {"1": GOOD, "2": GOOD}, gptq_configs.FORMAT_KEY: 1}
@@ -247,18 +252,10 @@ def test_a_kernel_revision_bump_tunes_the_older_tables_again(moe_cache, monkeypa
     assert gptq_configs.load("GPU_X")[SHAPE] == {1: GOOD, 2: GOOD}
     gptq_configs.load.cache_clear()
     monkeypatch.setattr(gptq_configs, "FORMAT", {"": 2, moe.SECTION: 1})
-    asked = []
-
-    def tune_shape(n, k, buckets, bits, gs, device, log=None, quick=True):
-        asked.append(list(buckets))
-        return {b: (dict(GOOD, SPLIT_K=2), 1.0) for b in buckets}
-    use_table(monkeypatch, "GPU_X")
-    monkeypatch.setattr(gptq_configs, "gpu_name", lambda device: "GPU_X")
-    monkeypatch.setattr(gptq_tune, "layer_shapes", lambda model: {(64, 256, 4, 128)})
-    monkeypatch.setattr(gptq_tune, "tune_shape", tune_shape)
-    assert gptq_tune.tune_model(None, 2, CPU, quick=True)[0] == 1
-    assert asked == [[1, 2]] and path in caplog.text
     new = dict(GOOD, SPLIT_K=2)
+    asked = stub_dense_tuning(monkeypatch, new)
+    assert gptq_tune.tune_model(None, 2, CPU, quick=True)[0] == 1
+    assert asked == [(64, 256, [1, 2])] and path in caplog.text
     assert json.loads(open(path).read()) == {SHAPE: {"1": new, "2": new}, gptq_configs.FORMAT_KEY: 2}
     assert gptq_configs.load("GPU_X", moe.SECTION) == {}  # (the other section's format unchanged: nothing read)
 
