@@ -169,6 +169,56 @@ def check_chunked_prefill_and_prefix_caching(folder, hf) -> None:
         assert llm.engine.stats()["prefix_cache_hits"] > 0
 
 
+def check_builtin_runs_and_warmup_sizes_it(name: str, arch: str, nope: bool) -> None:
+    """The built-in model `name` (architecture `arch`) equals transformers and writes varied tokens; `infer warmup
+    --estimate` counts its weights as the loaded engine holds them (a NoPE table with its rope table where `nope`:
+    models.llama._NoPE)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer import LLM, SamplingParams
+    from infer.cli.main import app
+    from infer.memory.sizes import weights_bytes
+    from infer.models.tiny import ensure_builtin
+    path = ensure_builtin(name)
+    assert json.loads((path / "config.json").read_text())["architectures"] == [arch]
+    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    prompts = random_prompts(512, (6, 40), seed=1)
+    with LLM(name, max_model_len=256) as llm:
+        model = llm.engine.runner.model
+        assert (getattr(model, "nope_cos_sin", None) is not None) == nope
+        assert plan["weights_bytes"] == weights_bytes(model)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == greedy_each(hf_model(str(path)), prompts, 6)
+    assert all(len(set(tokens)) > 2 for tokens in got)
+
+
+def check_run_and_bench_builtin(tmp_path, name: str) -> None:
+    """`infer run` of the built-in model `name` writes transformers' greedy tokens of a token prompt; `infer bench`
+    completes its requests."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.models.tiny import ensure_builtin
+    prompt = random_prompts(512, (9,), seed=2)[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
+                                                   "ignore_eos": True}) + "\n")
+    res = CliRunner().invoke(app, ["run", name, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-q"])
+    assert res.exit_code == 0, res.output
+    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["token_ids"] == greedy_each(hf_model(str(ensure_builtin(name))), [prompt], 6)[0]
+    res = CliRunner().invoke(app, ["bench", name, "--out", str(tmp_path / "b"), "-c", "2", "--num-prompts", "2",
+                                   "--input-len", "8", "--output-len", "6", "-q"])
+    assert res.exit_code == 0, res.output
+    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert report["completed"] == 2
+
+
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -24,9 +24,9 @@ from transformers import AutoConfig
 from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
-from infer.models.tiny import ensure_builtin
 
-from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
+from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
+                     check_equal_transformers, check_run_and_bench_builtin, greedy_each,
                      norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text)
 from lora_helpers import (ALL, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           check_mixed_adapters_gpu_path_equal_peft, hf_float)
@@ -261,38 +261,12 @@ TINY = {"tiny-smollm3": "SmolLM3ForCausalLM", "tiny-seed-oss": "SeedOssForCausal
 
 @pytest.mark.parametrize("name", TINY)
 def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
-    """The built-in model equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights
-    as the loaded engine holds them (SmolLM3's NoPE table with its rope table)."""
-    path = ensure_builtin(name)
-    assert json.loads((path / "config.json").read_text())["architectures"] == [TINY[name]]
-    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM(name, max_model_len=256) as llm:
-        from infer.memory.sizes import weights_bytes
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        assert (getattr(llm.engine.runner.model, "nope_cos_sin", None) is not None) == (name == "tiny-smollm3")
-        prompts = random_prompts(512, (6, 40), seed=1)
-        got = generate(llm, prompts, 6)
-    assert got == greedy_each(hf_float(path), prompts, 6)
-    assert all(len(set(tokens)) > 2 for tokens in got)
+    check_builtin_runs_and_warmup_sizes_it(name, TINY[name], name == "tiny-smollm3")
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
-    """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
-    prompt = random_prompts(512, (9,), seed=2)[0]
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
-                                                   "ignore_eos": True}) + "\n")
-    res = CliRunner().invoke(app, ["run", name, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-q"])
-    assert res.exit_code == 0, res.output
-    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert record["token_ids"] == greedy_each(hf_float(ensure_builtin(name)), [prompt], 6)[0]
-    res = CliRunner().invoke(app, ["bench", name, "--out", str(tmp_path / "b"), "-c", "2", "--num-prompts", "2",
-                                   "--input-len", "8", "--output-len", "6", "-q"])
-    assert res.exit_code == 0, res.output
-    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert report["completed"] == 2
+    check_run_and_bench_builtin(tmp_path, name)
 
 
 @pytest.mark.parametrize("model_type, arch, what", [
