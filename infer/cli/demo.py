@@ -100,8 +100,13 @@ def _check_args(out: Path, model: str) -> Path:
         raise ConfigError(f"--model {model!r} is not a built-in model",
                           f"choose one of: {', '.join(BUILTIN_MODELS)}")
     from ..models.moe import BASE as MOE_TYPES
+    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, "starcoder2")]
+    if BUILTIN_MODELS[model].arch == "starcoder2":  # (no adapters on it: lora.adapter refuses them)
+        raise ConfigError(f"--model {model} is a StarCoder2, to which infer applies no LoRA adapters, and the demo's "
+                          "chain trains and serves adapters",
+                          f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
+                          f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)
-        dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in MOE_TYPES]
         raise ConfigError(f"--model {model} is a mixture of experts, which the demo's chain does not take: its "
                           "adapter 'legal' targets the MLPs (LoRA on an MoE model may target the attention projections "
                           "only), and its checks and bench compare with transformers, which does not read GPTQ "

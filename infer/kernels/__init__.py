@@ -41,6 +41,12 @@ def rms_norm(x, weight, eps, residual=None, lora=None, unit_offset=False, float_
     return reference.rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset, float_weight))
 
 
+def layer_norm(x, weight, eps, bias=None):
+    if use_triton(x):
+        return _triton("fused").layer_norm(x, weight, eps, bias)
+    return reference.layer_norm(x, weight, eps, bias)
+
+
 def _unit(unit_offset: bool, float_weight: bool = False) -> dict:
     """rms_norm's Gemma and OLMo switches, passed only where set (the other families' calls as they were)."""
     return {**({"unit_offset": True} if unit_offset else {}), **({"float_weight": True} if float_weight else {})}

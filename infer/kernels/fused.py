@@ -177,6 +177,40 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
     return y, h
 
 
+# ----------------------------------------------------------------------------------------------- layer_norm
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, eps, s_x, s_y, W_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """One row normed over its n columns (mean subtracted), weighted by weight row (row % W_ROWS), in float32."""
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    xf = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.where(mask, xf - tl.sum(xf, 0) / n, 0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(d * d, 0) / n + eps)
+    wrow = (row % W_ROWS) * n
+    y = d * inv * tl.load(w_ptr + wrow + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + wrow + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * s_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None):
+    """Triton version of reference.layer_norm (weight [n], or [H, n] for x [..., H * n]: each head by its row)."""
+    n = weight.shape[-1]
+    x2 = _rows(x, n)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, block = x2.shape[0], next_power_of_2(n)
+    if rows:
+        w = weight.contiguous()
+        _layer_norm_kernel[(rows,)](x2, w, w if bias is None else bias.contiguous(), y.view(-1, n), n, float(eps),
+                                    x2.stride(0), n, W_ROWS=w.numel() // n, HAS_BIAS=bias is not None, BLOCK=block,
+                                    num_warps=max(1, min(16, block // 512)), PDL=pdl.on(x.device),
+                                    **pdl.launch(x.device))
+    return y
+
+
 # ----------------------------------------------------------------------------------------------- rotary
 @triton.jit
 def _rotate_heads(src, dst, cos, sin, heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,

@@ -42,6 +42,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return y if residual is None else (y, residual)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None):
+    """Semantics (transformers' CohereLayerNorm, and nn.LayerNorm in float32): over x's last dim,
+    y = weight * (x - mean) / sqrt(var + eps) (+ bias), all in float32, rounded to x's dtype once. weight is [n], or
+    [H, n] for x [..., H * n] (Cohere's q and k norms: each head by its own row)."""
+    n = weight.shape[-1]
+    xf = x.float().reshape(-1, weight.numel() // n, n)
+    xf = xf - xf.mean(-1, keepdim=True)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float().reshape(-1, n)
+    if bias is not None:
+        y = y + bias.float().reshape(-1, n)
+    return y.to(x.dtype).reshape(x.shape)
+
+
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
     """Semantics: h = table[ids] (the tokens' embedding rows, [T, hidden]); returns (rms_norm(h, weight, eps), h):
     the first decoder layer's input norm and the first residual."""

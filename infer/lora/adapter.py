@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LoRAError
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts
-from ..models.registry import GLM
+from ..models.registry import COHERE, GLM
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
@@ -78,10 +78,10 @@ _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
-# phi3, granite, olmo2, olmo3, glm, glm4, smollm3, seed_oss or ernie4_5 entry, and peft refuses such an adapter on those
-# bases ("Please specify `target_modules`")
+# phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, smollm3, seed_oss or ernie4_5 entry, and peft
+# refuses such an adapter on those bases ("Please specify `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
-PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, "smollm3", "seed_oss", "ernie4_5")
+PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4", "smollm3", "seed_oss", "ernie4_5")
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -165,6 +165,10 @@ class LoRAAdapter:
 
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
+        if getattr(base_config, "model_type", None) == "starcoder2":
+            return [Problem("infer does not apply LoRA adapters to a StarCoder2 base (Starcoder2ForCausalLM, whose "
+                            "MLP is c_fc and c_proj)", "serve the base without adapters, or merge the adapter into "
+                            "it with peft (merge_and_unload, then save_pretrained) and serve the merged model")]
         moe = [f"adapts {m}" for m in _moe_unmapped(self, base_config)]  # named by _moe_problems, not as absent
         problems = [p for p in _no_default_targets(self, base_config)
                     if not (p.message.startswith(tuple(moe)) and _ABSENT in p.message)]
@@ -333,12 +337,16 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     model_type = getattr(base_config, "model_type", "")
     phi3 = model_type == "phi3"  # transformers' Phi3MLP names its activation activation_fn; its layers have dropouts
     # (and so does Glm4MLP)
-    olmo = model_type in ("olmo2", "olmo3")  # (no input_layernorm: its norms come after the attention and the MLP)
+    # (no input_layernorm: OLMo's and EXAONE 4's norms come after the attention and the MLP)
+    olmo = model_type in ("olmo2", "olmo3", "exaone4")
     per_layer = ["", ".self_attn", ".mlp", ".mlp.activation_fn" if phi3 or model_type in GLM else ".mlp.act_fn",
-                 *([] if olmo else [".input_layernorm"]), ".post_attention_layernorm"]
+                 *([] if olmo else [".input_layernorm"]),
+                 *([] if model_type in COHERE else [".post_attention_layernorm"])]
+    if model_type == "cohere" and getattr(base_config, "use_qk_norm", False):  # (Cohere: its one norm a layer)
+        per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     if phi3:
         per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
-    if model_type in ("qwen3", "gemma3_text", "olmo2", "olmo3"):
+    if model_type in ("qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4"):
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     if model_type in ("gemma2", "gemma3_text"):  # their four norms a layer
         per_layer += [".pre_feedforward_layernorm", ".post_feedforward_layernorm"]

@@ -16,7 +16,8 @@ from ..models.classifier import is_classifier
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
-_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)\.weight$")
+_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
+                     r"|c_fc|c_proj)\.weight$")  # (c_fc, c_proj: StarCoder2's MLP)
 
 
 def safetensors_header(path: Path) -> dict:

@@ -1,7 +1,9 @@
 """The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3,
 Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below), Granite,
 OLMo 2 and OLMo 3 (GraniteForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM below), SmolLM3 (SmolLM3ForCausalLM below),
-Seed-OSS and ERNIE 4.5 (Llama's class: biases and an interleaved rotary are config switches of Attention and MLP).
+Seed-OSS and ERNIE 4.5 (Llama's class: biases and an interleaved rotary are config switches of Attention and MLP),
+Cohere's Command R/R+ and R7B/A, EXAONE 4 and StarCoder2 (CohereForCausalLM, Exaone4ForCausalLM,
+Starcoder2ForCausalLM below).
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
 (Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
@@ -23,7 +25,7 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, activation
+from .registry import COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, POST_ONLY, activation
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, rope_layer_types
 from .shapes import ModelShapes
 
@@ -60,11 +62,37 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual, lora)
 
 
+class LayerNorm(nn.Module):
+    """Cohere's LayerNorm (transformers' CohereLayerNorm: the mean subtracted, no bias, in float32, rounded once):
+    `size` an int, or (heads, head_dim) for Cohere's q and k norms, each head by its own weights; with `bias`,
+    StarCoder2's (nn.LayerNorm)."""
+
+    def __init__(self, size, eps: float, dtype: torch.dtype, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return kernels.layer_norm(x, self.weight, self.eps, self.bias)
+
+
 def norm_for(cfg):
-    """The RMSNorm class of the family: Gemma's weights by 1 + weight, OLMo's by weight in float32 (transformers'
+    """The norm class of the family: Gemma's RMSNorm weights by 1 + weight, OLMo's by weight in float32 (transformers'
     Olmo2RMSNorm and Olmo3RMSNorm: (weight * normed).to(dtype), where Llama's rounds the normed row first; gpt-oss's
-    GptOssRMSNorm too)."""
+    GptOssRMSNorm too); Cohere's is a LayerNorm."""
+    if cfg.model_type in COHERE:
+        return LayerNorm
+    if cfg.model_type == "starcoder2":
+        return functools.partial(LayerNorm, bias=True)
     return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA, float_weight=cfg.model_type in FLOAT_NORMS)
+
+
+def norm_eps(cfg) -> float:
+    """The norms' epsilon: rms_norm_eps, Cohere's layer_norm_eps or StarCoder2's norm_epsilon."""
+    if cfg.model_type == "starcoder2":
+        return float(cfg.norm_epsilon)
+    return float(cfg.layer_norm_eps if cfg.model_type in COHERE else cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -92,8 +120,10 @@ class Attention(nn.Module):
         # config says; Seed-OSS's attention_bias is q, k and v's, attention_out_bias o's; ERNIE 4.5's use_bias all four
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
-                                                                             *OLMO, "smollm3", "seed_oss") \
+                                                                             *COHERE, *OLMO, "smollm3", "seed_oss") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
+        if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
+            declared = bool(getattr(cfg, "use_bias", True))
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
             or declared or (kind in GLM and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
@@ -102,20 +132,24 @@ class Attention(nn.Module):
         o_bias = bool(getattr(cfg, "attention_out_bias", False)) if kind == "seed_oss" else declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO)  # Gemma 3's by 1 + w
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4")  # Gemma 3's by 1 + w
         # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
         self.qk_norm_whole = kind in OLMO
-        if self.qk_norm:
+        if kind == "cohere" and getattr(cfg, "use_qk_norm", False):  # Command R+: a LayerNorm per head, each its own
+            self.qk_norm = self.qk_norm_whole = True  # weights (over the whole projection, a row of weights a head)
+            self.q_norm = LayerNorm((self.num_heads, self.head_dim), norm_eps(cfg), dtype)
+            self.k_norm = LayerNorm((self.num_kv_heads, self.head_dim), norm_eps(cfg), dtype)
+        elif self.qk_norm:
             widths = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
-            self.q_norm = norm_for(cfg)(widths[0], cfg.rms_norm_eps, dtype)
-            self.k_norm = norm_for(cfg)(widths[1], cfg.rms_norm_eps, dtype)
+            self.q_norm = norm_for(cfg)(widths[0], norm_eps(cfg), dtype)
+            self.k_norm = norm_for(cfg)(widths[1], norm_eps(cfg), dtype)
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
-        # GLM-4 and ERNIE 4.5 rotate interleaved pairs (dims 2i, 2i + 1: transformers' glm4 and ernie4_5
-        # apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after (`_deinterleaved`), and
-        # every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their products, the attention,
-        # unchanged)
-        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5")  # (ERNIE 4.5's: over the whole head)
+        # GLM-4, ERNIE 4.5 and Cohere rotate interleaved pairs (dims 2i, 2i + 1: transformers' glm4, ernie4_5 and
+        # cohere apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after
+        # (`_deinterleaved`), and every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their
+        # products, the attention, unchanged); ERNIE 4.5's and Cohere's over the whole head
+        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5") or cfg.model_type in COHERE
         if not self.qk_norm and not self.rope_interleaved:  # a decode step's qkv LoRA expand may be left to
             # decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
@@ -148,13 +182,13 @@ class Attention(nn.Module):
         qkv, delta = self.qkv_proj.forward_deferred(x, ctx) if deferred else (self.qkv_proj(x, ctx), None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        if self.rope_interleaved:
-            q, k = self._deinterleaved(q, self.num_heads), self._deinterleaved(k, self.num_kv_heads)
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        if self.rope_interleaved:  # (after the norms: Cohere's weights are by dim, in the checkpoint's order)
+            q, k = self._deinterleaved(q, self.num_heads), self._deinterleaved(k, self.num_kv_heads)
         return (q, k, v, delta) if deferred else (q, k, v)
 
     def _deinterleaved(self, x, heads: int):
@@ -241,27 +275,50 @@ class MLP(nn.Module):
         return self.down_proj.forward_deferred(act, ctx)
 
 
+class GeluMLP(nn.Module):
+    """StarCoder2's MLP (transformers' Starcoder2MLP): c_proj(gelu_tanh(c_fc(x))), biases where use_bias says; no
+    gate. The activation is torch's (gelu_pytorch_tanh) on the CPU and the GPU alike."""
+
+    def __init__(self, cfg, prefix: str, method_for, dtype):
+        super().__init__()
+        bias = bool(getattr(cfg, "use_bias", True))
+        names = [f"{prefix}.c_fc"], [f"{prefix}.c_proj"]
+        self.c_fc = MergedLinear(cfg.hidden_size, [cfg.intermediate_size], names[0], bias, method_for(names[0]), dtype)
+        self.c_proj = MergedLinear(cfg.intermediate_size, [cfg.hidden_size], names[1], bias, method_for(names[1]),
+                                   dtype)
+
+    def forward(self, x, ctx):
+        """(the MLP's output, None: no LoRA delta left to the next norm)."""
+        h = torch.nn.functional.gelu(self.c_fc(x, ctx), approximate="tanh")
+        return self.c_proj(h, ctx), None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, i: int, method_for, dtype):
         super().__init__()
         p = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
-        if is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
+        if cfg.model_type == "starcoder2":
+            self.mlp = GeluMLP(cfg, f"{p}.mlp", method_for, dtype)
+        elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
             moe = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
             self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
         norm = norm_for(cfg)
-        if cfg.model_type not in OLMO:  # (OLMo's layers norm the attention's and the MLP's outputs only)
-            self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.model_type in COHERE:  # one norm, whose output the attention and the MLP both read
+            self.input_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
+            return
+        if cfg.model_type not in POST_ONLY:  # (OLMo's and EXAONE 4's norm the attention's and MLP's outputs only)
+            self.input_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
+        self.post_attention_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # four norms: the attention's output and the MLP's in and out as well
-            self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
         if cfg.model_type in POST_NORMS and cfg.model_type != "glm4":  # (OLMo: the MLP's output normed, none before)
-            self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
         if cfg.model_type == "glm4":  # GLM-4's names: post_attention_layernorm is the MLP's input norm
-            self.post_self_attn_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            self.post_mlp_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_self_attn_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
+            self.post_mlp_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
         # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
         # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
 
@@ -282,7 +339,7 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     """The lora_consumer of o_proj and down_proj: the rms_norm after them (by 1 + w for Gemma; without the residual
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
-    if cfg.model_type == "granite":
+    if cfg.model_type in ("granite", *COHERE):  # (Cohere: the outputs go to the residual, no norm after them)
         return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)
@@ -358,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _uninitialized(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = norm_for(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = norm_for(cfg)(cfg.hidden_size, norm_eps(cfg), dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         head = method_for(["lm_head"])  # a GPTQ head (GPTQModel's lm_head=True; stored on its own, tied or not)
         self.quantized_head = head is not None
@@ -443,8 +500,8 @@ class LlamaForCausalLM(nn.Module):
         return self.layers[i].self_attn.query(positions, x, ctx, self._rope(i)), residual
 
     def _rope(self, i: int) -> torch.Tensor:
-        """Layer i's rotary table (Gemma 3's and OLMo 3's differ by layer type, SmolLM3's NoPE layers rotate by
-        none)."""
+        """Layer i's rotary table (Gemma 3's and OLMo 3's differ by layer type: _RopePerLayerType; the NoPE layers of
+        SmolLM3, Cohere 2 and EXAONE 4 rotate by none: _NoPE)."""
         return self.cos_sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -663,13 +720,13 @@ class Glm4ForCausalLM(Gemma2ForCausalLM):
         return layer.post_mlp_layernorm(x, None, delta), residual
 
 
-class SmolLM3ForCausalLM(LlamaForCausalLM):
-    """Hugging Face's SmolLM3 (transformers' SmolLM3ForCausalLM: SmolLM3-3B): Llama's layers and checkpoint names,
-    with no rotary on the layers no_rope_layers marks 0 (NoPE: every 4th layer in SmolLM3-3B). Those layers rotate by
-    `nope_cos_sin`, a table of one pair of dims whose cos is 1 and sin 0 (`rope.nope_layers`): q and k pass every
-    rotary kernel unchanged, bit for bit, and the fused decode and prefill kernels need no variant of their own. A
-    sliding window (use_sliding_window: on the NoPE layers, as transformers lists them in layer_types) is
-    Attention.window's."""
+class _NoPE:
+    """A model some of whose layers rotate q and k by no rope (NoPE, `rope.nope_layers`: SmolLM3's no_rope_layers,
+    Cohere 2's full layers, EXAONE 4's full layers where sliding_window is set). Those layers rotate by `nope_cos_sin`
+    (`rope.identity_cos_sin`), a table of one pair of dims whose cos is 1 and sin 0, their rot_dim set to its width:
+    q and k pass every rotary kernel unchanged, bit for bit (the head's other dims passed as a partial rotary's are),
+    and the fused decode and prefill kernels need no variant of their own; `_rope(i)`: layer i's table. Put before
+    the model class it extends."""
 
     def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
         super().__init__(cfg, dtype, method_for, max_positions)
@@ -682,3 +739,108 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
 
     def _rope(self, i: int) -> torch.Tensor:
         return self.nope_cos_sin if self.nope[i] else self.cos_sin
+
+
+class SmolLM3ForCausalLM(_NoPE, LlamaForCausalLM):
+    """Hugging Face's SmolLM3 (transformers' SmolLM3ForCausalLM: SmolLM3-3B): Llama's layers and checkpoint names,
+    with no rotary on the layers no_rope_layers marks 0 (NoPE: _NoPE; every 4th layer in SmolLM3-3B). A sliding
+    window (use_sliding_window: on the NoPE layers, as transformers lists them in layer_types) is Attention.window's."""
+
+
+class CohereForCausalLM(_NoPE, LlamaForCausalLM):
+    """Cohere's Command R, R+ (transformers' CohereForCausalLM) and Command R7B, A (Cohere2ForCausalLM): a layer of
+    one LayerNorm (no bias: LayerNorm), whose output both the attention and the MLP read, their outputs added to the
+    residual together; Llama's projections (biases where attention_bias says); a rotary of interleaved pairs
+    (Attention.rope_interleaved); Command R+'s q and k LayerNorms per head (use_qk_norm); the logits scaled by
+    logit_scale; a tied head by default. Cohere 2: a sliding window on the layers layer_types names
+    "sliding_attention" (Attention.window, KV layer groups) and no rotary on the others (NoPE: _NoPE)."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.logit_scale = float(getattr(cfg, "logit_scale", 1.0))
+
+    def embed_and_norm(self, input_ids: torch.Tensor):
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        return self.layers[0].input_layernorm(h), h
+
+    def _with_mlp(self, i: int, x, h, ctx: ForwardContext):
+        """The residual stream h plus layer i's MLP of its normed input x (the attention's output still to add)."""
+        mlp, _ = self.layers[i].mlp(x, ctx)  # (no delta left to a norm: _norm_consumer)
+        return h + mlp
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, h = self.embed_and_norm(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i:
+                x = layer.input_layernorm(h)
+            o, _ = layer.self_attn(positions, x, ctx, self._rope(i))
+            h = self._with_mlp(i, x, h, ctx)
+            x = None
+            h = h + o
+            o = None
+        return self.norm(h)
+
+    def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
+        """LlamaForCausalLM.piece of Cohere's layers: the residual carried between pieces is the stream plus the MLP's
+        output of the layer whose attention runs between them."""
+        if i == 0:
+            x, h = self.embed_and_norm(input_ids)
+        else:
+            o, _ = self.layers[i - 1].self_attn.o_proj.forward_deferred(o, ctx)
+            h = residual + o
+            o = residual = None
+            if i == len(self.layers):
+                return self.norm(h), None
+            x = self.layers[i].input_layernorm(h)
+        q = self.layers[i].self_attn.query(positions, x, ctx, self._rope(i))
+        return q, self._with_mlp(i, x, h, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden) * self.logit_scale
+
+
+class Exaone4ForCausalLM(_NoPE, Olmo2ForCausalLM):
+    """LG's EXAONE 4.0 (transformers' Exaone4ForCausalLM): OLMo 2's layers (norms after the attention and the MLP,
+    none before), with q and k normed per head (as Qwen3's) and Llama's RMSNorm; where sliding_window is set, a
+    sliding window on the layers layer_types names "sliding_attention" (3 of every 4: Attention.window, KV layer
+    groups) and no rotary on the others (NoPE: _NoPE)."""
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    """BigCode's StarCoder2 (transformers' Starcoder2ForCausalLM): Llama's layer of two norms as LayerNorms with biases
+    (nn.LayerNorm, norm_epsilon), biases on every projection (use_bias), an MLP without gate (GeluMLP: c_fc, gelu's
+    tanh approximation, c_proj), a sliding window on every layer where sliding_window is set (as Mistral's), a tied
+    head by default. The norms add no residual (a LayerNorm kernel of its own): its loop adds the outputs itself."""
+
+    def embed_and_norm(self, input_ids: torch.Tensor):
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        return self.layers[0].input_layernorm(h), h
+
+    def _mlp_added(self, layer, h, ctx: ForwardContext):
+        """The stream h plus the layer's MLP of its post-attention norm of h."""
+        x, _ = layer.mlp(layer.post_attention_layernorm(h), ctx)
+        return h + x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, h = self.embed_and_norm(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i:
+                x = layer.input_layernorm(h)
+            x, _ = layer.self_attn(positions, x, ctx, self._rope(i))
+            h = self._mlp_added(layer, h + x, ctx)
+            x = None
+        return self.norm(h)
+
+    def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
+        """LlamaForCausalLM.piece of StarCoder2's layers (the residual: the stream before the attention's output)."""
+        if i == 0:
+            x, h = self.embed_and_norm(input_ids)
+        else:
+            done = self.layers[i - 1]
+            o, _ = done.self_attn.o_proj.forward_deferred(o, ctx)
+            h = self._mlp_added(done, residual + o, ctx)
+            o = residual = None
+            if i == len(self.layers):
+                return self.norm(h), None
+            x = self.layers[i].input_layernorm(h)
+        return self.layers[i].self_attn.query(positions, x, ctx, self._rope(i)), h

@@ -25,6 +25,10 @@ SUPPORTED = {
     "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (attention_bias) and o's apart (attention_out_bias)
     "Ernie4_5ForCausalLM": "ernie4_5",  # Llama with a rotary of interleaved pairs (GLM-4's), use_bias on every layer
     "GptOssForCausalLM": "gpt_oss",  # OpenAI's gpt-oss-20b / 120b: a mixture of experts (models.moe)
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
+    "Exaone4ForCausalLM": "exaone4",
+    "Starcoder2ForCausalLM": "starcoder2",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -34,13 +38,22 @@ GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
 # and down_proj add no residual): Gemma 2's and 3's, and OLMo 2's and 3's (those two norms only: no input norms)
 OLMO = ("olmo2", "olmo3")  # OLMo 3: OLMo 2's layers, sliding windows on the layers layer_types names
 # GLM-4's (GLM-4-0414, GLM-Z1) too: its post_self_attn_layernorm and post_mlp_layernorm
-POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4")
+POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4", "exaone4")
+# the families whose layers norm the attention's and the MLP's outputs only (no input norms): OLMo 2's and 3's, and
+# LG's EXAONE 4 (Exaone4ForCausalLM: OLMo 2's layer with q and k normed per head, Llama's RMSNorm, sliding windows on
+# the layers layer_types names and no rotary on the others where sliding_window is set)
+POST_ONLY = (*OLMO, "exaone4")
 # GLM-4's attention and MLP: q, k and v biases (attention_bias) and none on o, a partial rotary of interleaved pairs,
 # gate|up stored as one mlp.gate_up_proj; the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf, model_type glm) has
 # them in Llama's layer of two norms, GLM-4-0414 (Glm4ForCausalLM) in a layer of four
 GLM = ("glm", "glm4")
 # the families whose RMSNorm weights the normed row in float32 and rounds once: OLMo 2's and 3's, gpt-oss's
 FLOAT_NORMS = (*OLMO, "gpt_oss")
+# Cohere's Command R and R+ (CohereForCausalLM) and Command R7B and A (Cohere2ForCausalLM): one LayerNorm (no bias)
+# a layer whose output both the attention and the MLP read (their outputs added to the residual together), the
+# logits scaled by logit_scale, a rotary of interleaved pairs; Command R+'s q and k LayerNorms per head (use_qk_norm);
+# Cohere 2's sliding window on 3 layers of 4 (layer_types) and no rotary on the full layers (NoPE)
+COHERE = ("cohere", "cohere2")
 
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
@@ -50,6 +63,11 @@ _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4) and
         "model_type glm): use one of those")
 _ERNIE = ("infer runs ERNIE 4.5's dense models (Ernie4_5ForCausalLM, model_type ernie4_5: ERNIE-4.5-0.3B): use one "
           "of those")
+_COHERE = ("infer runs Cohere's dense Command R, R+ (CohereForCausalLM, model_type cohere), R7B and A "
+           "(Cohere2ForCausalLM, model_type cohere2): use one of those")
+_EXAONE = "infer runs LG's EXAONE 4.0 (Exaone4ForCausalLM, model_type exaone4): use an EXAONE 4.0 checkpoint"
+_STARCODER = ("infer runs BigCode's StarCoder2 (Starcoder2ForCausalLM, model_type starcoder2): use a StarCoder2 "
+              "checkpoint")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
     "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
@@ -69,6 +87,16 @@ NEAR_FAMILIES = {
                         _ERNIE),
     "ernie": ("the first ERNIE (ErnieModel: ERNIE 1.0 to 3.0), a BERT-style encoder, not a causal language model",
               _ERNIE),
+    "cohere2_vision": ("Command A Vision, Cohere 2's multimodal model (Cohere2VisionForConditionalGeneration)",
+                       _COHERE),
+    "cohere2_moe": ("Cohere 2's mixture of experts (Cohere2MoeForCausalLM)", _COHERE),
+    "cohere_compass": ("Cohere Compass, an embedding model (model_type cohere_compass)", _COHERE),
+    "exaone": ("EXAONE 3 and 3.5 (ExaoneForCausalLM, model_type exaone: their own code, another layout)", _EXAONE),
+    "exaone_moe": ("EXAONE's mixture of experts (K-EXAONE: model_type exaone_moe)", _EXAONE),
+    "exaone4_5": ("EXAONE 4.5, a vision-language model (model_type exaone4_5)", _EXAONE),
+    "gpt_bigcode": ("the first StarCoder and SantaCoder (GPTBigCodeForCausalLM: multi-query attention, learned "
+                    "position embeddings)", _STARCODER),
+    "aya_vision": ("Aya Vision, Cohere's multimodal model (AyaVisionForConditionalGeneration)", _COHERE),
 }
 
 
@@ -101,6 +129,8 @@ def check_supported(cfg) -> str:
     check_activation(cfg)
     if model_type in GEMMA:
         check_gemma(cfg)
+    if model_type in COHERE:
+        check_cohere(cfg)
     from .moe import check_moe
     check_moe(cfg)
     return arch
@@ -111,6 +141,12 @@ def activation(cfg) -> str:
     transformers' gelu_pytorch_tanh, which Gemma reads from hidden_act and Gemma 2 and 3 from hidden_activation);
     anything else is an UnsupportedModelError naming the field."""
     model_type = getattr(cfg, "model_type", None)
+    if model_type == "starcoder2":  # (its MLP is not gated: c_fc, the activation, c_proj)
+        act = getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported for starcoder2",
+                                        "StarCoder2's MLP uses gelu_pytorch_tanh (gelu's tanh approximation)")
+        return "gelu_tanh"
     if model_type in GEMMA:
         field = "hidden_act" if model_type == "gemma" else "hidden_activation"
         act = getattr(cfg, field, None) or "gelu_pytorch_tanh"
@@ -137,14 +173,28 @@ def check_gemma(cfg) -> None:
                                     "infer runs Gemma causal language models (use_bidirectional_attention unset)")
 
 
+def check_cohere(cfg) -> None:
+    """What a Cohere config may ask that infer cannot do, refused up front: Cohere 2 layers of a type other than
+    sliding_attention and full_attention."""
+    if cfg.model_type == "cohere2":
+        other = sorted({t for t in (getattr(cfg, "layer_types", None) or [])
+                        if t not in ("sliding_attention", "full_attention")})
+        if other:
+            raise UnsupportedModelError(f"cohere2 layer_types {other} are not supported",
+                                        "Cohere 2's layers are sliding_attention or full_attention")
+
+
 def model_class(cfg):
     check_supported(cfg)
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class()
-    from .llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM,
-                        LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)
+    from .llama import (CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM,
+                        Glm4ForCausalLM, GraniteForCausalLM, LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM,
+                        Phi3ForCausalLM, SmolLM3ForCausalLM, Starcoder2ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
             "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
-            "glm4": Glm4ForCausalLM, "smollm3": SmolLM3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "glm4": Glm4ForCausalLM, "smollm3": SmolLM3ForCausalLM, "cohere": CohereForCausalLM,
+            "cohere2": CohereForCausalLM, "exaone4": Exaone4ForCausalLM,
+            "starcoder2": Starcoder2ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

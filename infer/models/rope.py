@@ -23,11 +23,17 @@ def rope_layer_types(cfg) -> list[str | None]:
 
 def nope_layers(cfg) -> list[bool]:
     """Which decoder layers rotate q and k by no rope (NoPE): SmolLM3's, where its no_rope_layers has a 0 (1: rope;
-    transformers' SmolLM3Config fills it, every no_rope_layer_interval-th layer 0, when config.json has none); every
-    other family rotates every layer. A list shorter than the layers, or of values other than 0 and 1, is an
+    transformers' SmolLM3Config fills it, every no_rope_layer_interval-th layer 0, when config.json has none);
+    Cohere 2's full_attention layers (every layer layer_types does not name "sliding_attention"), and EXAONE 4's where
+    sliding_window is set (transformers' Exaone4Attention rotates every layer when it is not); every other family
+    rotates every layer. A SmolLM3 list shorter than the layers, or of values other than 0 and 1, is an
     UnsupportedModelError (transformers fails building the model, or reads any true value as rope)."""
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    if getattr(cfg, "model_type", None) != "smollm3":
+    model_type = getattr(cfg, "model_type", None)
+    if model_type == "cohere2" or (model_type == "exaone4" and getattr(cfg, "sliding_window", None)):
+        types = list(getattr(cfg, "layer_types", None) or [])
+        return [i < len(types) and types[i] != "sliding_attention" for i in range(layers)]
+    if model_type != "smollm3":
         return [False] * layers
     flags = getattr(cfg, "no_rope_layers", None)
     if not isinstance(flags, (list, tuple)) or len(flags) < layers or any(f not in (0, 1) for f in flags):

@@ -91,11 +91,23 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-ernie4_5": TinySpec("ernie4_5", 20, config=dict(_TINY, head_dim=16)),
     # gpt-oss: attention sinks, q/k/v/o biases, alternate sliding layers (a window of 64: prompts pass it), yarn rope,
     # 8 experts of width 32 (top-2) with biases and the clamped SwiGLU (limit 1: the clamp reached), a biased router
-    "tiny-gpt-oss": TinySpec("gpt_oss", 21, config=dict(
+    "tiny-gpt-oss": TinySpec("gpt_oss", 19, config=dict(
         _TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=64, swiglu_limit=1.0,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1024})),
+    # Cohere's Command R+: one LayerNorm a layer read by the attention and the MLP, q and k LayerNorms per head, the
+    # logits scaled by logit_scale (0.0625), a rotary of interleaved pairs. Untied head (as Gemma's above)
+    "tiny-cohere": TinySpec("cohere", 18, config=dict(_TINY, use_qk_norm=True, tie_word_embeddings=False)),
+    # Cohere 2 (Command R7B): 3 sliding layers of 4 (a window of 64: prompts pass it), no rotary on the full layer
+    "tiny-cohere2": TinySpec("cohere2", 19, config=dict(_TINY, num_hidden_layers=4, sliding_window=64,
+                                                        tie_word_embeddings=False)),
+    # EXAONE 4 (32B's shape): OLMo 2's post-norms, q and k normed per head, 3 sliding layers of 4 (a window of 64:
+    # prompts pass it) and no rotary on the full layer
+    "tiny-exaone4": TinySpec("exaone4", 20, config=dict(_TINY, num_hidden_layers=4, sliding_window=64)),
+    # StarCoder2: LayerNorms with biases, biases everywhere, a gelu MLP without gate (c_fc, c_proj), a sliding window
+    # on every layer (as long as the context here). Untied head (as Gemma's above)
+    "tiny-starcoder2": TinySpec("starcoder2", 21, config=dict(_TINY, sliding_window=4096, tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -191,7 +203,10 @@ def _build(spec: TinySpec, out: Path) -> None:
                           "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
                           "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                           "ernie4_5": "Ernie4_5ForCausalLM",
-                          "gpt_oss": "GptOssForCausalLM"}[spec.arch]]
+                          "gpt_oss": "GptOssForCausalLM",
+                          "cohere": "CohereForCausalLM",
+                          "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+                          "starcoder2": "Starcoder2ForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
