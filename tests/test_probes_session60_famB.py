@@ -3,7 +3,7 @@ and the MLP both read, the logits scaled by logit_scale, a rotary of interleaved
 head) and Command R7B and A (Cohere2ForCausalLM: sliding windows on 3 layers of 4, no rotary on the full layers), LG's
 EXAONE 4 (Exaone4ForCausalLM: OLMo 2's post-norms, q and k normed per head, sliding windows and NoPE full layers as
 Cohere 2's where sliding_window is set) and BigCode's StarCoder2 (Starcoder2ForCausalLM: LayerNorms with biases,
-biases everywhere, a gelu MLP c_fc/c_proj without gate, a sliding window; LoRA adapters on it refused), end to end on
+biases everywhere, a gelu MLP c_fc/c_proj without gate, a sliding window; LoRA on c_fc and c_proj too), end to end on
 tiny random models built from their configs (float32), each against the real thing: greedy tokens and logprobs equal
 transformers' (GQA and MHA, biases, tied and untied heads), the GPU code path (Triton interpreted, emulated CUDA
 graphs and piecewise graphs), chunked prefill and prefix caching; GPTQ checkpoints from `infer quantize` equal to
@@ -234,10 +234,10 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
             "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"])}
 
 
-@pytest.fixture(scope="module", params=[f for f in FAMILIES if f != "starcoder2"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family_lora(request, tmp_path_factory):
     """(family, base folder, transformers' model, {name: adapter}) of ADAPTERS on a base of the family (Cohere's
-    with q and k LayerNorms)."""
+    with q and k LayerNorms; StarCoder2's MLP modules c_fc and c_proj for gate/up and down: base_targets)."""
     root = tmp_path_factory.mktemp(request.param)
     build(root / "base", request.param, attention_bias=True, use_qk_norm=request.param == "cohere")
     adapters = {name: {**kw, "target_modules": base_targets(request.param, kw["target_modules"])}
@@ -260,12 +260,13 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
 
     def check_model(model):
         for layer in model.layers:
-            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                if family in COHERES:
+            for proj in (layer.self_attn.o_proj, getattr(layer.mlp, "c_proj", None) or layer.mlp.down_proj):
+                if family in (*COHERES, "starcoder2"):
                     assert proj.lora_consumer is None
                 else:  # EXAONE 4's: its residual-free post-norms (Llama's RMSNorm)
                     assert not proj.lora_consumer.residual and proj.lora_consumer.unit == {}
-            assert layer.self_attn.qkv_proj.lora_consumer is None
+            # (StarCoder2's qkv delta left to decode_attention: no q/k norm, no interleaved pairs)
+            assert (layer.self_attn.qkv_proj.lora_consumer is None) == (family != "starcoder2")
     check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
 
 
@@ -273,14 +274,16 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
 def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_path, monkeypatch):
     """A GPTQ checkpoint of the base with the adapters mixed: the int4 kernels (interpreted), their silu in gate_up's
     epilogue, give the CPU path's tokens."""
-    _, base, _, paths = family_lora
-    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
+    family, base, _, paths = family_lora
+    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"],
+                                           family != "starcoder2")  # (StarCoder2: no gate_up, its gelu after c_fc)
 
 
 def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_a_norm(family_lora, tmp_path):
     """lora-validate accepts an adapter of every projection; a target_modules regex that selects a q_norm, Cohere's
-    one input_layernorm a layer or EXAONE 4's post_attention_layernorm (not Linear layers: peft refuses such an
-    adapter) is refused; one that names a norm the family's layers lack selects nothing more and is accepted."""
+    one input_layernorm a layer, EXAONE 4's post_attention_layernorm or StarCoder2's mlp.act (not Linear layers: peft
+    refuses such an adapter) is refused; one that names a norm the family's layers lack selects nothing more and is
+    accepted."""
     import shutil
 
     from infer.lora.adapter import adapter_problems
@@ -293,7 +296,10 @@ def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_a_norm(f
     if family == "exaone4":  # OLMo 2's norms: after the attention and the MLP only
         cases = [(r".*(v_proj|input_layernorm)", None), (r".*(v_proj|post_attention_layernorm)",
                                                          "post_attention_layernorm")]
-    if family != "cohere2":
+    if family == "starcoder2":  # Llama's two norms a layer, and the MLP's activation module act
+        cases = [(r".*(v_proj|input_layernorm)", "input_layernorm"), (r".*(c_fc|mlp\.act)", "mlp.act"),
+                 (r".*(v_proj|post_attention_layernorm)", "post_attention_layernorm")]
+    if family not in ("cohere2", "starcoder2"):
         cases.append((r".*\.(q_proj|q_norm)", "self_attn.q_norm"))
     for regex, module in cases:
         (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": regex}))
@@ -323,35 +329,28 @@ def test_adapter_without_target_modules_is_refused_as_peft_does(family_lora, tmp
         LLM(str(base), loras={"a": str(path)})
 
 
-def test_starcoder2_adapters_are_refused_and_the_base_serves(tmp_path):
-    """infer does not apply adapters to a StarCoder2 base: an adapter of its attention (which peft loads) is refused
-    by the engine and lora-validate, naming the base and what to do; the base itself serves transformers' text."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer
+def test_starcoder2_lora_target_modules_are_its_own():
+    """--lora-target-modules on a StarCoder2 takes its MLP's c_fc and c_proj (their adapter slots), and refuses
+    Llama's gate_proj, which it has no layer of, naming the ones it has."""
+    from transformers import Starcoder2Config
 
-    from infer.errors import LoRAError
-    from infer.lora.adapter import adapter_problems
-    hf = build(tmp_path / "base", "starcoder2")
-    peft = get_peft_model(hf_float(tmp_path / "base"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    peft.save_pretrained(tmp_path / "a")
-    [problem] = adapter_problems("a", tmp_path / "a", hf.config)
-    assert "infer does not apply LoRA adapters to a StarCoder2 base" in str(problem) and "merge_and_unload" in str(
-        problem)
-    with pytest.raises(LoRAError, match="infer does not apply LoRA adapters to a StarCoder2 base"):
-        LLM(str(tmp_path / "base"), loras={"a": str(tmp_path / "a")})
-    prompt = random_prompts(512, (20,), seed=8)[0]
-    assert served_completion_text(tmp_path / "base", "sc2", prompt, 5) == \
-        AutoTokenizer.from_pretrained(tmp_path / "base").decode(greedy_each(hf, [prompt], 5)[0])
+    from infer.errors import ConfigError
+    from infer.lora.targets import check_target_modules, model_target_names
+    cfg = Starcoder2Config(**SMALL, **FAMILIES["starcoder2"][2])
+    assert model_target_names(cfg)[-2:] == ["c_fc", "c_proj"] and "down_proj" not in model_target_names(cfg)
+    assert check_target_modules(["c_proj", "o_proj"], cfg) == {"c_proj", "o_proj"}
+    with pytest.raises(ConfigError, match="gate_proj: no layer of this model .*c_fc, c_proj"):
+        check_target_modules(["gate_proj", "c_fc"], cfg)
 
 
 def test_the_demo_refuses_tiny_starcoder2_before_any_step(tmp_path, monkeypatch):
-    """The demo's chain trains and serves adapters, which infer does not apply to a StarCoder2: `infer demo --model
-    tiny-starcoder2` is refused up front, naming the built-ins it runs on and the command that runs the model."""
+    """The demo's chain is not set up for StarCoder2: `infer demo --model tiny-starcoder2` is refused up front,
+    naming the built-ins it runs on and the command that runs the model."""
     from infer.cli import demo as demo_module
     monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
     res = CliRunner().invoke(app, ["demo", "--model", "tiny-starcoder2", "--out", str(tmp_path / "d")])
     assert res.exit_code == 2, res.output
-    assert "--model tiny-starcoder2 is a StarCoder2, to which infer applies no LoRA adapters" in res.output
+    assert "--model tiny-starcoder2 is a StarCoder2, which the demo's chain does not take" in res.output
     assert "tiny-cohere" in res.output and "infer run tiny-starcoder2 examples/prompts.jsonl" in res.output
     assert not (tmp_path / "d").exists()
 

@@ -101,9 +101,8 @@ def _check_args(out: Path, model: str) -> Path:
                           f"choose one of: {', '.join(BUILTIN_MODELS)}")
     from ..models.moe import BASE as MOE_TYPES
     dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, "starcoder2")]
-    if BUILTIN_MODELS[model].arch == "starcoder2":  # (no adapters on it: lora.adapter refuses them)
-        raise ConfigError(f"--model {model} is a StarCoder2, to which infer applies no LoRA adapters, and the demo's "
-                          "chain trains and serves adapters",
+    if BUILTIN_MODELS[model].arch == "starcoder2":  # (its chain's steps are not checked on StarCoder2's MLP)
+        raise ConfigError(f"--model {model} is a StarCoder2, which the demo's chain does not take",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)

@@ -28,7 +28,9 @@ LLAMA_PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": A
                      "gate_proj": MLP, "up_proj": MLP, "down_proj": MLP}
 # Phi-3's checkpoints (and so its adapters) have q|k|v as one qkv_proj and gate|up as one gate_up_proj
 PHI3_PROJECTIONS = {"qkv_proj": ATTN, "o_proj": ATTN, "gate_up_proj": MLP, "down_proj": MLP}
-PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS}  # every module name an adapter of some base may adapt
+# StarCoder2's MLP (transformers' Starcoder2MLP): c_fc, then c_proj, no gate
+STARCODER2_PROJECTIONS = {"c_fc": MLP, "c_proj": MLP}
+PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS}  # every name some base adapts
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -36,7 +38,10 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
-    gate/up), each once."""
+    gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down), each once."""
+    if model_type == "starcoder2":
+        mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
+        return list(dict.fromkeys(mlp.get(t, t) for t in targets))
     if model_type in GLM:
         return list(dict.fromkeys("gate_up_proj" if t in ("gate_proj", "up_proj") else t for t in targets))
     if model_type != "phi3":
@@ -75,13 +80,14 @@ _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj":
 # (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs')
 V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
-                 "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
+                 "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
-# phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, smollm3, seed_oss or ernie4_5 entry, and peft
-# refuses such an adapter on those bases ("Please specify `target_modules`")
+# phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, starcoder2, smollm3, seed_oss or ernie4_5 entry,
+# and peft refuses such an adapter on those bases ("Please specify `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
-PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4", "smollm3", "seed_oss", "ernie4_5")
+PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4", "starcoder2", "smollm3", "seed_oss",
+                   "ernie4_5")
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -165,10 +171,6 @@ class LoRAAdapter:
 
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
-        if getattr(base_config, "model_type", None) == "starcoder2":
-            return [Problem("infer does not apply LoRA adapters to a StarCoder2 base (Starcoder2ForCausalLM, whose "
-                            "MLP is c_fc and c_proj)", "serve the base without adapters, or merge the adapter into "
-                            "it with peft (merge_and_unload, then save_pretrained) and serve the merged model")]
         moe = [f"adapts {m}" for m in _moe_unmapped(self, base_config)]  # named by _moe_problems, not as absent
         problems = [p for p in _no_default_targets(self, base_config)
                     if not (p.message.startswith(tuple(moe)) and _ABSENT in p.message)]
@@ -339,7 +341,9 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     # (and so does Glm4MLP)
     # (no input_layernorm: OLMo's and EXAONE 4's norms come after the attention and the MLP)
     olmo = model_type in ("olmo2", "olmo3", "exaone4")
-    per_layer = ["", ".self_attn", ".mlp", ".mlp.activation_fn" if phi3 or model_type in GLM else ".mlp.act_fn",
+    act = ".mlp.activation_fn" if phi3 or model_type in GLM else ".mlp.act" if model_type == "starcoder2" else \
+        ".mlp.act_fn"  # (StarCoder2's Starcoder2MLP: act)
+    per_layer = ["", ".self_attn", ".mlp", act,
                  *([] if olmo else [".input_layernorm"]),
                  *([] if model_type in COHERE else [".post_attention_layernorm"])]
     if model_type == "cohere" and getattr(base_config, "use_qk_norm", False):  # (Cohere: its one norm a layer)
@@ -366,7 +370,7 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
 
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every projection of a Llama-family base model (a HF config): Phi-3's fused
-    qkv_proj and gate_up_proj in place of q/k/v and gate/up."""
+    qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's."""
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
     if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
@@ -385,6 +389,9 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
+    if getattr(base_config, "model_type", None) == "starcoder2":  # c_fc, c_proj: its MLP without gate
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
     if getattr(base_config, "model_type", None) in GLM:  # q, k and v apart, gate|up one module
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}

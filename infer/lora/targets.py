@@ -1,6 +1,7 @@
 """--lora-target-modules (vLLM's LoRAConfig.target_modules): which of a model's layers get adapter slots.
 
-Names are the checkpoint's (peft's target_modules) projection names, q_proj .. down_proj, or infer's fused layers:
+Names are the checkpoint's (peft's target_modules) projection names, q_proj .. down_proj (StarCoder2's MLP: c_fc,
+c_proj), or infer's fused layers:
 qkv_proj (q_proj, k_proj and v_proj, which infer computes as one layer whose slots hold all three), gate_up_proj
 (gate_proj and up_proj); `experts` is a mixture of experts' stacked experts (peft's target_parameters
 mlp.experts.gate_up_proj / down_proj: one unit of slots), `shared_expert` Qwen2-MoE's shared expert (its three layers;
@@ -18,7 +19,8 @@ EXPERTS, SHARED = "experts", "shared_expert"
 FLAG = "--lora-target-modules"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
-ALL_NAMES = (*ATTENTION, *MLP, EXPERTS, SHARED)  # every name some model takes
+STARCODER2_MLP = ("c_fc", "c_proj")  # StarCoder2's MLP (no gate)
+ALL_NAMES = (*ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)  # every name some model takes
 
 
 def parse_target_modules(value) -> list[str] | None:
@@ -44,6 +46,8 @@ def model_target_names(model_config) -> list[str]:
     sparse = [is_sparse(model_config, i) for i in layers]
     shared = model_config.model_type == "qwen2_moe" and any(sparse)
     names = list(ATTENTION)
+    if model_config.model_type == "starcoder2":
+        return names + list(STARCODER2_MLP)
     if not all(sparse) or shared:
         names += MLP
     if any(sparse):

@@ -339,8 +339,8 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     """The lora_consumer of o_proj and down_proj: the rms_norm after them (by 1 + w for Gemma; without the residual
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
-    if cfg.model_type in ("granite", *COHERE):  # (Cohere: the outputs go to the residual, no norm after them)
-        return None
+    if cfg.model_type in ("granite", *COHERE, "starcoder2"):  # (Cohere, StarCoder2: the outputs go to the residual,
+        return None  # no norm with a residual after them)
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)
 
