@@ -417,6 +417,31 @@ def forced_chat_body(messages: list[dict], reply: str, max_tokens: int, **extra)
             **extra}
 
 
+def tiny_llama_with_added_tokens(path, tokens: list[str], special: bool) -> str:
+    """tiny-llama copied to `path` with `tokens` (think tags, harmony's markers) added to its tokenizer, `special` or
+    not (ids past its vocabulary: the embedding and the head get zero rows for them)."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from infer.models.tiny import ensure_builtin
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    cfg = json.loads((path / "config.json").read_text())
+    first = max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])]) + 1
+    for k, tag in enumerate(tokens):
+        tok["added_tokens"].append(dict(id=first + k, content=tag, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=special))
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    weights = load_file(str(path / "model.safetensors"))
+    for name, w in list(weights.items()):
+        if w.dim() == 2 and w.shape[0] == cfg["vocab_size"]:
+            weights[name] = torch.cat([w, w.new_zeros(first + len(tokens) - w.shape[0], w.shape[1])]).contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg["vocab_size"] = first + len(tokens)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
 def joined_deltas(deltas: list[dict], key: str) -> str:
     """The streamed choices' `delta[key]` pieces joined."""
     return "".join(d["delta"].get(key) or "" for d in deltas)

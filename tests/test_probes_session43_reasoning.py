@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 
 import pytest
 
@@ -16,41 +15,19 @@ pytest.importorskip("xgrammar")
 
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
-from helpers import forced_chat_body, joined_deltas, streamed_chat_choices  # noqa: E402
+from helpers import (forced_chat_body, joined_deltas, streamed_chat_choices,  # noqa: E402
+                     tiny_llama_with_added_tokens)
 
 MESSAGES = [{"role": "user", "content": "think, then answer"}]
 
 
-def _think_model(path, special: bool, tags=("<think>", "</think>")) -> str:
-    """tiny-llama with <think> and </think> (or other `tags`) added to its tokenizer (ids past its vocabulary: the
-    embedding and the head get zero rows for them)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    tok = json.loads((path / "tokenizer.json").read_text())
-    cfg = json.loads((path / "config.json").read_text())
-    first = max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])]) + 1
-    for k, tag in enumerate(tags):
-        tok["added_tokens"].append(dict(id=first + k, content=tag, single_word=False, lstrip=False, rstrip=False,
-                                        normalized=False, special=special))
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    weights = load_file(str(path / "model.safetensors"))
-    for name, w in list(weights.items()):
-        if w.dim() == 2 and w.shape[0] == cfg["vocab_size"]:
-            weights[name] = torch.cat([w, w.new_zeros(first + 2 - w.shape[0], w.shape[1])]).contiguous()
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    cfg["vocab_size"] = first + 2
-    (path / "config.json").write_text(json.dumps(cfg))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def special_model(tmp_path_factory):
-    return _think_model(tmp_path_factory.mktemp("s43") / "think-special", special=True)
+    return tiny_llama_with_added_tokens(tmp_path_factory.mktemp("s43") / "think-special", ["<think>", "</think>"],
+                                        special=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from infer import LLM, SamplingParams
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, reasoning_request, split
 
 from helpers import (TOOLS_TEMPLATE, check_equal_transformers, forced_chat_body, greedy_each, joined_deltas,
-                     random_prompts, streamed_chat_choices, tiny_llama_with_template)
+                     random_prompts, streamed_chat_choices, tiny_llama_with_added_tokens, tiny_llama_with_template)
 from test_probes_session60_famA import build, generate
 
 SEED = ReasoningRequest("seed_oss")
@@ -82,8 +82,7 @@ def test_seed_oss_tags_held_as_special_tokens_split_served_and_batch_replies(tmp
     from infer.engine.llm_engine import LLMEngine
     from infer.serve.app import Server, serve_in_thread
     from infer.serve.async_engine import AsyncEngine
-    from test_probes_session43_reasoning import _think_model
-    model = _think_model(tmp_path / "seed-special", True, ("<seed:think>", "</seed:think>"))
+    model = tiny_llama_with_added_tokens(tmp_path / "seed-special", ["<seed:think>", "</seed:think>"], special=True)
     engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=4))
     messages = [{"role": "user", "content": "think, then answer"}]
     body = forced_chat_body(messages, "<seed:think>abc</seed:think>xyz", 40)

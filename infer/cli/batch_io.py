@@ -452,8 +452,8 @@ class Records:
         """Each chat line's ReasoningRequest, read from its body as the server reads it; the think tags stay in the
         text where they are special tokens (the split needs them). Before the lines are generated."""
         from dataclasses import replace
-        from ..serve.reasoning import reasoning_request, tags_are_skipped
-        skipped = tags_are_skipped(self.tokenizer, parser)
+        from ..serve.reasoning import keeps_special_tokens, reasoning_request
+        skipped = keeps_special_tokens(parser, self.tokenizer)
         for req_id, request in self.requests.items():
             if request.openai is None or not request.openai["chat"]:
                 continue

@@ -101,8 +101,9 @@ def serve(
     reasoning_parser: Annotated[Optional[str], _server(
         "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "
-        "QwQ, SmolLM3; reads chat_template_kwargs enable_thinking) or seed_oss (Seed-OSS's "
-        "<seed:think>...</seed:think>). Tool calls are read from the answer only.")] = None,
+        "QwQ, SmolLM3; reads chat_template_kwargs enable_thinking), seed_oss (Seed-OSS's "
+        "<seed:think>...</seed:think>) or openai_gptoss (gpt-oss: its harmony analysis channel is the reasoning, the "
+        "final channel the answer). Tool calls are read from the answer only.")] = None,
     trust_request_chat_template: Annotated[bool, _server(
         "--trust-request-chat-template", help="Let a chat request's own chat_template field render its messages (the "
         "template runs on the server: only for clients you trust).")] = False,

@@ -114,9 +114,9 @@ VLLM_HINTS = {
     "--response-role": "a chat reply's role is always \"assistant\"; drop the option",
     # vLLM's tool-calling and reasoning options (click guessed --tool-call-parser or --enable-lora for them)
     "--enable-reasoning": "infer serve splits the reasoning whenever --reasoning-parser is given (deepseek_r1 | "
-                          "qwen3 | seed_oss), as later vLLM releases do: drop the option",
+                          "qwen3 | seed_oss | openai_gptoss), as later vLLM releases do: drop the option",
     "--reasoning-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): "
-                                 "--reasoning-parser deepseek_r1 | qwen3 | seed_oss",
+                                 "--reasoning-parser deepseek_r1 | qwen3 | seed_oss | openai_gptoss",
     "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
                             "hermes | llama3_json | pythonic | mistral (and vLLM's llama4_json, llama4_pythonic)",
     "--exclude-tools-when-tool-choice-none": "infer serve renders the tools of a tool_choice \"none\" request in "
@@ -194,7 +194,8 @@ _BY_COMMAND: dict[str, dict[str, str | None]] = {
         "--enable-log-outputs": _RUN_NO_LOG,
         "--model": "MODEL is the command's first argument, e.g. `infer run ./my-model prompts.jsonl -o out.jsonl`",
         "--enable-reasoning": "infer run splits the reasoning of --output-format openai records whenever "
-                              "--reasoning-parser is given (deepseek_r1 | qwen3 | seed_oss): drop the option",
+                              "--reasoning-parser is given (deepseek_r1 | qwen3 | seed_oss | openai_gptoss): "
+                              "drop the option",
     },
     "infer serve": {
         "--disable-tqdm": "infer serve shows no progress bar; drop the option",

@@ -19,7 +19,7 @@ from ..engine.prompt_size import PromptTooLongError
 from ..engine.sampling_params import MAX_TOKENS
 from ..engine.structured import from_openai
 from ..errors import RequestError
-from .reasoning import ReasoningRequest, reasoning_request, split as reasoning_split, tags_are_skipped
+from .reasoning import ReasoningRequest, keeps_special_tokens, reasoning_request, split as reasoning_split
 from .tools import ToolRequest, parse_tools, split as split_tools
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
@@ -467,9 +467,9 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
     prompt = _render_chat(tokenizer, clean, template, max_tokens)
     _expect(body, "include_reasoning", (bool,), "a boolean")
     req.reasoning = reasoning_request(reasoning_parser, body, prompt, tokenizer, req.params.structured_outputs)
-    if req.reasoning is not None and not req.reasoning.ended and tags_are_skipped(tokenizer,
-                                                                                req.reasoning.parser):
-        req.params = replace(req.params, skip_special_tokens=False)  # the think tags stay in the text to split it
+    if req.reasoning is not None and not req.reasoning.ended and keeps_special_tokens(req.reasoning.parser,
+                                                                                    tokenizer):
+        req.params = replace(req.params, skip_special_tokens=False)  # the tags (markers) stay in the text to split it
     req.prompts = _choices(req, [prompt])
     return req
 

@@ -15,6 +15,11 @@ its first token (vLLM's waits for the end of the reasoning), so it is all answer
 think block itself and is split as any reply. The opening tag is read at the start of
 the reply only, so that the streamed deltas add up to the whole reply's fields (vLLM's whole-reply parsers also drop
 whatever came before a <think> found further on).
+- openai_gptoss: gpt-oss's harmony format, whose reply is messages on channels rather than a think block:
+  `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...` (the template's
+  prompt ends with `<|start|>assistant`). The analysis channel's text is the reasoning (several analysis messages
+  joined by a newline, as vLLM joins them), the other channels' the content; its markers are special tokens, which
+  stay in the text with this parser (the split reads them). A reply cut short in a message keeps what it wrote.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 from ..engine.structured import StructuredOutputsParams
 
-THINK_START, THINK_END = "<think>", "</think>"  # the tags of every parser but seed_oss
+THINK_START, THINK_END = "<think>", "</think>"  # the tags of deepseek_r1 and qwen3
 PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is read for a think block it opens or closes
 
 
@@ -34,21 +39,62 @@ class ReasoningRequest:
     include: bool = True  # vLLM's include_reasoning: false leaves the reasoning out (the content is split from it)
 
 
+# harmony's markers (openai_gptoss): a message's header opens with <|start|> (the role) or <|channel|>, its text follows
+# <|message|> and ends at <|end|> (or the reply's last token: <|return|>, a tool call's <|call|>)
+_H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+_H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_H_MARKERS = (_H_START, _H_CHANNEL, _H_MESSAGE, "<|constrain|>", *_H_ENDS)
+
+
+def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of a harmony reply: each message's text by its channel (analysis: reasoning; the
+    others: content); text outside any message (no header) is content. Not `finished`: a tail that may still
+    become a marker ("<|en") held back, a header not yet closed by <|message|> left out."""
+    if not finished:
+        for k in range(min(max(map(len, _H_MARKERS)) - 1, len(text)), 0, -1):
+            if any(m.startswith(text[-k:]) for m in _H_MARKERS):
+                text = text[:-k]
+                break
+    reasoning, content, at = [], [], 0
+    while at < len(text):
+        if text.startswith((_H_START, _H_CHANNEL), at):
+            head = text.find(_H_MESSAGE, at)
+            if head < 0:
+                break  # a header without its text (yet)
+            header = text[at:head]
+            channel = header.split(_H_CHANNEL, 1)[1] if _H_CHANNEL in header else ""
+            channel = channel.split("<|", 1)[0].strip().split(" ", 1)[0]  # (" to=functions.f", <|constrain|>)
+            at = head + len(_H_MESSAGE)
+            into = reasoning if channel == "analysis" else content
+        else:
+            into = content  # text outside a message
+        stop = min((i for i in (text.find(m, at) for m in (*_H_ENDS, _H_START, _H_CHANNEL)) if i >= 0),
+                   default=len(text))
+        into.append(text[at:stop])
+        at = stop + next((len(m) for m in _H_ENDS if text.startswith(m, stop)), 0)
+    return "\n".join(reasoning), "".join(content)
+
+
 # --reasoning-parser: the parsers vLLM names so, whether chat_template_kwargs.enable_thinking false turns thinking
-# off (vLLM's qwen3 reads it; deepseek_r1 and seed_oss do not), and the tags that open and close the block
+# off (vLLM's qwen3 reads it; the others do not), and the tags that open and close the block; a parser of no think
+# block (tags None) has its own split of the reply (text, finished) -> (reasoning, content), which reads markers that
+# are special tokens (kept in the text with it): openai_gptoss, gpt-oss's harmony channels
 PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END)},
            "qwen3": {"reads_enable_thinking": True, "tags": (THINK_START, THINK_END)},
-           "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")}}
+           "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")},
+           "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts}}
 
 
-def tags(parser: str) -> tuple[str, str]:
-    """The (opening, closing) tags of the reasoning block `parser` splits."""
+def tags(parser: str) -> tuple[str, str] | None:
+    """The (opening, closing) tags of the reasoning block `parser` splits (None: a parser of no think block)."""
     return PARSERS[parser]["tags"]
 
 
 def prompt_ends_reasoning(prompt_ids: list[int], tokenizer, parser: str = "deepseek_r1") -> bool:
     """Whether the prompt's last think tag (the parser's) closes the block (Qwen3's template with thinking off
     writes "<think>\\n\\n</think>\\n\\n" where the reply starts): the model then writes no reasoning."""
+    if tags(parser) is None:
+        return False  # no think block (harmony: the template closes each message of an earlier turn)
     start, end = tags(parser)
     tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
     return tail.rfind(end) > tail.rfind(start)
@@ -65,6 +111,12 @@ def tags_are_skipped(tokenizer, parser: str = "deepseek_r1") -> bool:
     except Exception:  # no added-token table to read: the named special tokens
         pass
     return any(tag in named for tag in tags(parser))
+
+
+def keeps_special_tokens(parser: str, tokenizer) -> bool:
+    """Whether the reply's text must keep its special tokens for `parser` to split it: harmony's markers always
+    (they are gpt-oss's special tokens), think tags where the tokenizer made them special (`tags_are_skipped`)."""
+    return tags(parser) is None or tags_are_skipped(tokenizer, parser)
 
 
 def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tokenizer,
@@ -102,6 +154,8 @@ def continues_content(body: dict, parser: str = "deepseek_r1") -> bool:
         content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     if not isinstance(content, str) or not content.strip():
         return False
+    if tags(parser) is None:
+        return True  # no think block to leave open: content written is the answer
     start, end = tags(parser)
     return content.rfind(start) <= content.rfind(end)
 
@@ -112,6 +166,9 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
     closing one ("</th"), held back as stop strings are; each part only grows as the text does."""
     if req.ended:
         return "", text
+    own = PARSERS[req.parser].get("split")
+    if own is not None:
+        return own(text, finished)
     start, end = tags(req.parser)
     if text.startswith(start):
         text = text[len(start):]
@@ -133,4 +190,4 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     if req.ended:
         return None, text
     reasoning, content = parts(req, text)
-    return reasoning, content or None
+    return (reasoning or None) if tags(req.parser) is None else reasoning, content or None

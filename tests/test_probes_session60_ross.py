@@ -1,0 +1,98 @@
+"""Session 60 review of gpt-oss (p60ross): its harmony replies split by `--reasoning-parser openai_gptoss` (vLLM's
+name) as vLLM's gpt-oss reasoning parser splits them, in infer serve (whole and streamed) and infer run's OpenAI
+batch lines, on a tokenizer whose harmony markers are special tokens as gpt-oss's o200k_harmony tokenizer's are."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("xgrammar")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+from infer.serve.reasoning import ReasoningRequest, parts, split  # noqa: E402
+
+from helpers import (forced_chat_body, infer_run_records, joined_deltas, streamed_chat_choices,  # noqa: E402
+                     tiny_llama_with_added_tokens)
+
+MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+HARMONY = ReasoningRequest("openai_gptoss")
+# replies as gpt-oss writes them after its chat template's prompt (which ends with <|start|>assistant)
+ANSWER = "<|channel|>analysis<|message|>The user asks 2+2.<|end|><|start|>assistant<|channel|>final<|message|>4."
+TWO_THOUGHTS = ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+                "<|start|>assistant<|channel|>final<|message|>c<|return|>")
+TOOL = ("<|channel|>analysis<|message|>call it<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+        "<|constrain|>json<|message|>{\"x\": 1}<|call|>")
+MESSAGES = [{"role": "user", "content": "2+2?"}]
+
+
+@pytest.mark.parametrize("text,want", [
+    (ANSWER, ("The user asks 2+2.", "4.")),
+    (TWO_THOUGHTS, ("a\nb", "c")),  # analysis messages joined by a newline (vLLM's parse_chat_output)
+    ("<|channel|>analysis<|message|>still thinking", ("still thinking", None)),  # cut short in the analysis
+    ("<|channel|>analysis<|message|>done<|end|>", ("done", None)),
+    ("<|channel|>final<|message|>xyz", (None, "xyz")),  # no analysis (reasoning_effort low may skip it)
+    (TOOL, ("call it", "{\"x\": 1}")),  # a commentary channel's text is content
+    ("plain text", (None, "plain text")),  # no harmony markers: all content
+])
+def test_a_harmony_reply_splits_by_channel(text, want):
+    assert split(HARMONY, text) == want
+
+
+@pytest.mark.parametrize("text", [ANSWER, TWO_THOUGHTS, TOOL])
+def test_a_streamed_harmony_reply_only_grows_and_ends_as_the_whole(text):
+    """Each prefix of the reply (a stream's text so far, cut anywhere, in a marker too): both parts only grow, no
+    marker's text leaks into either, and the last equals the whole reply's split."""
+    seen = ("", "")
+    for n in range(len(text) + 1):
+        now = parts(HARMONY, text[:n], finished=False)
+        assert now[0].startswith(seen[0]) and now[1].startswith(seen[1]), (text[:n], now, seen)
+        assert not any("<|" in p for p in now), (text[:n], now)
+        seen = now
+    assert seen == parts(HARMONY, text)
+
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory):
+    return tiny_llama_with_added_tokens(tmp_path_factory.mktemp("ross") / "harmony", MARKERS, special=True)
+
+
+_body = functools.partial(forced_chat_body, MESSAGES, max_tokens=60)  # _body(reply, **extra)
+
+
+def test_infer_serve_splits_a_harmony_reply(harmony_model):
+    """--reasoning-parser openai_gptoss was "not available": a gpt-oss chat reply's content was its channels' text
+    run together without the (special) markers ("analysisThe user asks 2+2.assistantfinal4."). Now the analysis
+    channel is the message's reasoning, the final channel its content, whole and streamed; without the parser the
+    text is as before."""
+    engine = LLMEngine(EngineConfig(harmony_model, block_size=4, max_num_seqs=4))
+    channel = engine.tokenizer.convert_tokens_to_ids("<|channel|>")
+    with serve_in_thread(Server(AsyncEngine(engine), "gpt-oss", reasoning_parser="openai_gptoss")) as base:
+        for reply, want in [(ANSWER, ("The user asks 2+2.", "4.")), (TWO_THOUGHTS, ("a\nb", "c"))]:
+            r = httpx.post(f"{base}/v1/chat/completions", json=_body(reply, return_token_ids=True), timeout=120)
+            assert r.status_code == 200, r.text
+            assert channel in r.json()["choices"][0]["token_ids"]  # the markers are the reply's special tokens
+            message = r.json()["choices"][0]["message"]
+            assert (message["reasoning"], message["content"]) == want, reply
+            deltas = streamed_chat_choices(base, _body(reply))
+            assert (joined_deltas(deltas, "reasoning"), joined_deltas(deltas, "content")) == want, reply
+    with serve_in_thread(Server(AsyncEngine(engine), "gpt-oss")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body(ANSWER), timeout=120)
+        message = r.json()["choices"][0]["message"]
+        assert "reasoning" not in message and message["content"].startswith("analysisThe user asks 2+2."), message
+
+
+def test_infer_run_splits_harmony_batch_lines(harmony_model, tmp_path):
+    """infer run --output-format openai --reasoning-parser openai_gptoss: each chat line's message split as the
+    server's (the markers kept in the text for the split, as the server keeps them)."""
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": _body(ANSWER)}
+    recs, printed = infer_run_records(tmp_path, [line], "--output-format", "openai", "--reasoning-parser",
+                                      "openai_gptoss", key="custom_id", model=harmony_model)
+    message = recs["a"]["response"]["body"]["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("The user asks 2+2.", "4."), printed
