@@ -1,25 +1,30 @@
 """Session 60 review of gpt-oss (p60ross): its harmony replies split by `--reasoning-parser openai_gptoss` (vLLM's
 name) as vLLM's gpt-oss reasoning parser splits them, in infer serve (whole and streamed) and infer run's OpenAI
-batch lines, on a tokenizer whose harmony markers are special tokens as gpt-oss's o200k_harmony tokenizer's are."""
+batch lines, on a tokenizer whose harmony markers are special tokens as gpt-oss's o200k_harmony tokenizer's are;
+`infer convert` of the hub's MXFP4 layout."""
 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
+from infer import LLM, SamplingParams  # noqa: E402
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, split  # noqa: E402
 
-from helpers import (forced_chat_body, infer_run_records, joined_deltas, streamed_chat_choices,  # noqa: E402
-                     tiny_llama_with_added_tokens)
+from helpers import (check_equal_transformers, forced_chat_body, infer_run_records, joined_deltas,  # noqa: E402
+                     random_prompts, streamed_chat_choices, tiny_llama_with_added_tokens)
+from test_probes_session60_gptoss import build, to_mxfp4  # noqa: E402
 
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 HARMONY = ReasoningRequest("openai_gptoss")
@@ -96,3 +101,29 @@ def test_infer_run_splits_harmony_batch_lines(harmony_model, tmp_path):
                                       "openai_gptoss", key="custom_id", model=harmony_model)
     message = recs["a"]["response"]["body"]["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == ("The user asks 2+2.", "4."), printed
+
+
+def test_infer_convert_of_an_mxfp4_checkpoint_writes_the_float_model(tmp_path):
+    """`infer convert` of the hub's gpt-oss layout (MXFP4 experts) failed: transformers' load fetched its MXFP4
+    kernels from the hub ("could not verify publisher trust status", or no network). It now dequantizes them as
+    `infer run` does and writes the float model without the quantization_config (transformers and vLLM load it as
+    float): its tokens and logprobs are transformers' of the MXFP4 folder dequantized."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    src, out = tmp_path / "mxfp4", tmp_path / "float"
+    build(src, hidden_size=64, intermediate_size=64)
+    to_mxfp4(src)
+    res = CliRunner().invoke(app, ["convert", str(src), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    hf.generation_config.eos_token_id = None
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # (float: no quantizer)
+    assert torch.equal(converted.model.layers[1].mlp.experts.down_proj, hf.model.layers[1].mlp.experts.down_proj)
+    prompts = random_prompts(512, (5, 13), seed=3)
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0))
+    check_equal_transformers(hf, prompts, outs, 8, "converted")

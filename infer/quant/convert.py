@@ -460,11 +460,18 @@ def _check_adapter(adapter: Path) -> None:
 def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int,
                 check_weights: Callable[[Path], None] | None = None, named: str | None = None) -> None:
     import torch
+    from .config import dequantized_at_load
     unsupported = _check_tensors(src, check_weights)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
+    # the hub's gpt-oss (MXFP4 experts): dequantized as `infer run` loads it (transformers would fetch its MXFP4
+    # kernels from the hub otherwise), saved as the float model it is, without the quantization_config
+    mxfp4 = dequantized_at_load(read_config_json(src))
+    if mxfp4:
+        from transformers import Mxfp4Config
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}
     try:  # mismatched sizes come back in the report (refused below) instead of as transformers' RuntimeError
         model, info = _auto_class(src).from_pretrained(src, dtype=torch_dtype, device_map="cpu",
-                                                       output_loading_info=True, ignore_mismatched_sizes=True)
+                                                       output_loading_info=True, ignore_mismatched_sizes=True, **extra)
     except Exception as e:
         check_weight_files(src)  # a corrupted or truncated weight file (SafetensorError, ...): named, exit 2
         if unsupported is not None:  # (a hidden_act 'frob': transformers' KeyError 'frob'; infer names the field)
@@ -490,7 +497,8 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
                             "scaling); check the adapter, or merge into a float32 copy of the model")
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     keep_source_config(src, out, {"_name_or_path": named, **({"dtype": saved_dtype(out)} if dtype else {}),
-                                  **({"tie_word_embeddings": False} if untied else {})})
+                                  **({"tie_word_embeddings": False} if untied else {}),
+                                  **({"quantization_config": None} if mxfp4 else {})})
     copy_tokenizer_files(src, out, EXTRA_FILES)
 
 
