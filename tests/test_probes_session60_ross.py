@@ -127,3 +127,27 @@ def test_infer_convert_of_an_mxfp4_checkpoint_writes_the_float_model(tmp_path):
     with LLM(str(out), block_size=4, dtype="float32") as llm:
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=0))
     check_equal_transformers(hf, prompts, outs, 8, "converted")
+
+
+@pytest.mark.parametrize("key,value", [("swiglu_limit", 2.5), ("num_experts_per_tok", 3)])
+def test_reload_weights_refuses_another_expert_config(tmp_path, key, value):
+    """gpt-oss's swiglu_limit (the experts' clamp) and the routing's top k are read when the layers are built: a
+    reload_weights whose config.json changed them kept the old values (tokens of neither model). Refused naming
+    the field; the engine runs on."""
+    import shutil
+
+    from infer.errors import ModelLoadError
+    from infer.models.tiny import ensure_builtin
+    src = ensure_builtin("tiny-gpt-oss")
+    shutil.copytree(src, tmp_path / "engine")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(100, (5, 9), seed=1)
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        cfg = json.loads((src / "config.json").read_text())
+        assert cfg.get(key) != value
+        (tmp_path / "engine" / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelLoadError, match=f"config.json's {key} is {value} in the new checkpoint") as e:
+            llm.collective_rpc("reload_weights")
+        assert "start a new engine" in e.value.hint
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want

@@ -1724,7 +1724,9 @@ class LLMEngine:
 _SAME_CONFIG = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "sliding_window", "layer_types",
                 "hidden_act", "hidden_activation", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "partial_rotary_factor",
-                "use_sliding_window", "max_window_layers")
+                "use_sliding_window", "max_window_layers",
+                # a mixture of experts' routing (top k, Qwen's renormalized weights) and gpt-oss's clamped SwiGLU
+                "num_experts_per_tok", "norm_topk_prob", "swiglu_limit", "swiglu_alpha")
 
 
 def _check_reloadable(model, fresh, path) -> None:
