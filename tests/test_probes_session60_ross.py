@@ -1,7 +1,8 @@
 """Session 60 review of gpt-oss (p60ross): its harmony replies split by `--reasoning-parser openai_gptoss` (vLLM's
 name) as vLLM's gpt-oss reasoning parser splits them, in infer serve (whole and streamed) and infer run's OpenAI
 batch lines, on a tokenizer whose harmony markers are special tokens as gpt-oss's o200k_harmony tokenizer's are;
-`infer convert` of the hub's MXFP4 layout."""
+`infer convert`, `infer lora-validate` and the bench's transformers baseline of the hub's MXFP4 layout; reload_weights
+of another experts' config."""
 
 from __future__ import annotations
 
@@ -151,3 +152,26 @@ def test_reload_weights_refuses_another_expert_config(tmp_path, key, value):
             llm.collective_rpc("reload_weights")
         assert "start a new engine" in e.value.hint
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_lora_validate_and_the_hf_baseline_load_an_mxfp4_base(tmp_path):
+    """`infer lora-validate` of an attention adapter on the hub's gpt-oss layout (MXFP4 experts) died with
+    transformers' traceback (its peft reference loaded the base with the hub's MXFP4 kernels, which it could not
+    fetch), and so did the bench's transformers baseline (load_hf). Both now load it dequantized, as infer does:
+    the adapter agrees with peft's."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from infer.bench.hf_baseline import load_hf
+    from infer.cli.main import app
+    from lora_helpers import save_adapters
+    hf = build(tmp_path / "float", hidden_size=64, intermediate_size=64)
+    adapter = save_adapters(hf, tmp_path, {"att": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                              "o_proj"])})["att"]
+    shutil.copytree(tmp_path / "float", tmp_path / "mxfp4")
+    to_mxfp4(tmp_path / "mxfp4")
+    res = CliRunner().invoke(app, ["lora-validate", str(tmp_path / "mxfp4"), str(adapter), "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    loaded = load_hf(str(tmp_path / "mxfp4"), dtype="float32", device="cpu")
+    assert type(loaded.model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"  # (dequantized)

@@ -99,7 +99,9 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
         torch_dtype = getattr(torch, dtype)
     hf_logging.disable_progress_bar()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True)
+        from ..quant.config import hf_load_options  # (the hub's gpt-oss: its MXFP4 experts dequantized, as infer's)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True,
+                                                           **hf_load_options(path))
         model = model.to(dev).eval()
         model.generation_config = plain_generation_config(model.generation_config)  # greedy, as the engine
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -103,7 +103,9 @@ def oracle_model(base_path: Path, gptq: bool, engine_model=None):
     config whose weights are the engine's dequantized int4 weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if not gptq:
-        return AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, local_files_only=True).eval()
+        from ..quant.config import hf_load_options  # (the hub's gpt-oss: its MXFP4 experts dequantized, as infer's)
+        return AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, local_files_only=True,
+                                                    **hf_load_options(base_path)).eval()
     cfg = copy.deepcopy(AutoConfig.from_pretrained(base_path, local_files_only=True))
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config

@@ -23,6 +23,20 @@ def dequantized_at_load(config: dict) -> bool:
         str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
+def hf_load_options(model_dir) -> dict:
+    """transformers' from_pretrained options that load the model in `model_dir` as infer loads it: the hub's gpt-oss
+    MXFP4 experts dequantized (Mxfp4Config(dequantize=True); transformers otherwise fetches its MXFP4 kernels from
+    the hub, and fails without them); {} for any other model (or an unreadable config.json: transformers says)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not dequantized_at_load(config):
+        return {}
+    from transformers import Mxfp4Config
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
 @dataclass(frozen=True)
 class GPTQConfig:
     bits: int = 4

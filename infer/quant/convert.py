@@ -460,15 +460,13 @@ def _check_adapter(adapter: Path) -> None:
 def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int,
                 check_weights: Callable[[Path], None] | None = None, named: str | None = None) -> None:
     import torch
-    from .config import dequantized_at_load
+    from .config import hf_load_options
     unsupported = _check_tensors(src, check_weights)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
-    # the hub's gpt-oss (MXFP4 experts): dequantized as `infer run` loads it (transformers would fetch its MXFP4
-    # kernels from the hub otherwise), saved as the float model it is, without the quantization_config
-    mxfp4 = dequantized_at_load(read_config_json(src))
-    if mxfp4:
-        from transformers import Mxfp4Config
-    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}
+    # the hub's gpt-oss (MXFP4 experts): dequantized as `infer run` loads it, saved as the float model it is,
+    # without the quantization_config
+    extra = hf_load_options(src)
+    mxfp4 = bool(extra)
     try:  # mismatched sizes come back in the report (refused below) instead of as transformers' RuntimeError
         model, info = _auto_class(src).from_pretrained(src, dtype=torch_dtype, device_map="cpu",
                                                        output_loading_info=True, ignore_mismatched_sizes=True, **extra)
