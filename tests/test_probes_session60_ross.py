@@ -175,3 +175,16 @@ def test_lora_validate_and_the_hf_baseline_load_an_mxfp4_base(tmp_path):
     assert res.exit_code == 0, (res.output, res.exception)
     loaded = load_hf(str(tmp_path / "mxfp4"), dtype="float32", device="cpu")
     assert type(loaded.model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"  # (dequantized)
+
+
+def test_infer_quantize_of_an_mxfp4_checkpoint_names_the_convert_step(tmp_path):
+    """`infer quantize` of the hub's gpt-oss (MXFP4) said "quantize the float model it came from", which OpenAI does
+    not publish: the refusal now names `infer convert`, which writes that float model (test above)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    build(tmp_path / "m", hidden_size=64, intermediate_size=64)
+    to_mxfp4(tmp_path / "m")
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "m"), "-o", str(tmp_path / "q")], env={"COLUMNS": "250"})
+    assert res.exit_code == 2, res.output
+    assert "already quantized (quant_method 'mxfp4')" in res.output and "infer convert" in res.output
