@@ -194,6 +194,12 @@ def _tool_parser(enable: bool, parser: str | None) -> str | None:
     if enable and parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser",
                           f"name the model family's tool-call syntax: {' | '.join(PARSERS)}")
+    if parser == "openai":  # vLLM's parser of gpt-oss's harmony tool calls
+        raise ConfigError("--tool-call-parser 'openai' (gpt-oss's harmony tool calls) is not available",
+                          "infer does not read harmony's calls (a commentary message to=functions.NAME) into "
+                          "tool_calls: serve gpt-oss without --enable-auto-tool-choice (a named or \"required\" "
+                          "tool_choice still constrains the reply to a call); with --reasoning-parser openai_gptoss a "
+                          "call's arguments are the message's content")
     if parser is not None and parser not in PARSERS:
         raise ConfigError(f"--tool-call-parser {parser!r} is not available", f"infer reads: {' | '.join(PARSERS)} "
                           f"(and vLLM's {', '.join(f'{a} as {b}' for a, b in PARSER_ALIASES.items())})")
