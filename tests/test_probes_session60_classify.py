@@ -209,8 +209,8 @@ def _serve(path, **kw):
     from infer.engine.llm_engine import LLMEngine
     from infer.serve.app import Server, serve_in_thread
     from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig(str(path), max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8,
-                                    block_size=4, **kw))
+    kw = {"max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 8, "block_size": 4, **kw}
+    engine = LLMEngine(EngineConfig(str(path), **kw))
     with serve_in_thread(Server(AsyncEngine(engine), "cls")) as base:
         yield base
 

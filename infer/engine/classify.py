@@ -139,14 +139,27 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def pair_ids(tokenizer, first, second, max_model_len: int, truncate: int | None = None) -> list[int]:
+def pair_ids(tokenizer, first, second, max_model_len: int, truncate: int | None = None,
+             joined: bool = False) -> list[int]:
     """A cross-encoder's prompt of a pair: its tokenizer's pair encoding (special tokens, separators and, where the
     tokenizer has them, token type ids left out as vLLM's decoder cross-encoders do); RequestError when longer than
     `max_model_len`. `truncate` (truncate_prompt_tokens; -1: max_model_len) cuts the pair to that many tokens as
     vLLM's tokenizer call does (transformers' truncation, longest first: the texts' ends, never the special tokens
-    nor the first text's start), not the prompt's last tokens kept (which would drop the query)."""
+    nor the first text's start), not the prompt's last tokens kept (which would drop the query). `joined` (an LLM
+    reranker's, Pooler.joins_pair_text): the pair is one text, text_1 + text_2, as vLLM runs it (a pair of token
+    ids: the two lists one after the other), cut as the tokenizer cuts one text."""
     keep = None if truncate is None else max_model_len if truncate == -1 else truncate
     texts = isinstance(first, str) and isinstance(second, str)
+    if joined:
+        cut = {} if keep is None else {"truncation": True, "max_length": keep}
+        if texts:
+            ids = list(tokenizer(first + second, **cut)["input_ids"])
+        else:
+            ids = [t for x in (first, second) for t in (x if isinstance(x, list) else
+                                                       tokenizer(x, add_special_tokens=False)["input_ids"])]
+            if keep is not None and len(ids) > keep:
+                ids = ids[-keep:] if tokenizer.truncation_side == "left" else ids[:keep]
+        return _fits(ids, keep, max_model_len)
     before, between, after = _pair_frame(tokenizer) if keep is not None or not texts else ((), (), ())
     if keep is not None and keep < len(before) + len(between) + len(after):
         raise RequestError(f"truncate_prompt_tokens {truncate} leaves no room for the pair's texts beside its "
@@ -160,10 +173,14 @@ def pair_ids(tokenizer, first, second, max_model_len: int, truncate: int | None 
         if keep is not None:
             one, two = _longest_first(list(one), list(two), keep - len(before) - len(between) - len(after))
         ids = [*before, *one, *between, *two, *after]
+    return _fits(list(ids), keep, max_model_len)
+
+
+def _fits(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     if keep is None and len(ids) > max_model_len:
         raise RequestError(f"the pair has {len(ids)} tokens, more than the model's context of {max_model_len} "
                            "tokens", "shorten the texts, or give truncate_prompt_tokens")
-    return list(ids)
+    return ids
 
 
 def _longest_first(one: list, two: list, room: int) -> tuple[list, list]:

@@ -542,7 +542,8 @@ class LLM:
         if engine.pooler is not None and engine.pooler.task == "classify":
             check_cross_encoder(engine.pooler)
             PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens).checked()  # (checked before a pair is cut)
-            prompts = [pair_ids(engine.tokenizer, a, b, engine.max_model_len, truncate_prompt_tokens) for a, b in pairs]
+            prompts = [pair_ids(engine.tokenizer, a, b, engine.max_model_len, truncate_prompt_tokens,
+                                engine.pooler.joins_pair_text) for a, b in pairs]
             outs = self._pool("classify", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens,
                                 priority)
             return [ScoringRequestOutput(o.request_id, o.outputs.probs[0], o.prompt_token_ids) for o in outs]

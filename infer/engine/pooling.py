@@ -88,6 +88,7 @@ class Pooler:
     use_activation: bool = True
     problem_type: str | None = None
     pad_token_id: int | None = None  # a classifier's config.json pad_token_id (engine.classify.pooled_prompt)
+    joins_pair_text: bool = False  # a score's pair run as text_1 + text_2 (vLLM's use_pad_token false: LLM rerankers)
 
     @property
     def caches_prefixes(self) -> bool:
@@ -133,15 +134,19 @@ def classifier_folder(model) -> bool:
 def resolve_pooler(folder: Path, hidden_size: int, override: dict | None, model_config=None) -> Pooler:
     """The model's Pooler: --pooler-config's keys, else the sentence-transformers files', else LAST, normalized; a
     classifier's (`model_config` of a ForSequenceClassification): LAST, its logits through the activation."""
-    from ..models.classifier import is_classifier, labels
+    from ..models.classifier import is_classifier, labels, token_head
     if model_config is not None and is_classifier(model_config):
         if "normalize" in (override or {}):
             raise ConfigError("--pooler-config normalize is for an embedding model: this model is a classifier",
                               "give use_activation (false: the raw logits) instead")
         spec = {"pooling_type": "LAST", "use_activation": True, **(override or {})}
+        # a classifier of lm_head's rows of tokens (an LLM reranker, vLLM's): the causal LM's last token, the pair
+        # as one text unless config.json's use_pad_token (vLLM's) says to join it as the tokenizer joins a pair
+        tokens = token_head(model_config) is not None
         return Pooler(spec["pooling_type"], False, hidden_size, None, "classify", tuple(labels(model_config)),
                       spec["use_activation"], getattr(model_config, "problem_type", None),
-                      getattr(model_config, "pad_token_id", None))
+                      None if tokens else getattr(model_config, "pad_token_id", None),
+                      tokens and getattr(model_config, "use_pad_token", False) is not True)
     if "use_activation" in (override or {}):
         raise ConfigError("--pooler-config use_activation is for a classifier (a *ForSequenceClassification "
                           "model): this model makes embeddings", "give normalize instead")

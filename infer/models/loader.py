@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
-from .classifier import add_score_head, is_classifier
+from .classifier import add_score_head, is_classifier, set_token_head, token_head
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .registry import check_supported, model_class
 from .rope import check_rope
@@ -46,6 +46,9 @@ def load_config(path: Path):
     check_supported(cfg)
     check_shapes(cfg)
     check_rope(cfg)  # refused here, not only when the model is built: warmup --estimate never builds it
+    head = token_head(cfg)  # (a classifier of lm_head's rows of tokens: one label for vLLM's from_2_way_softmax)
+    if head is not None:
+        cfg.num_labels = 1 if head[0] == "from_2_way_softmax" else len(head[1])
     return cfg
 
 
@@ -188,15 +191,18 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
         log.warning(f"config.json's dtype is {_dtype_name(stored)}: infer has no float8 weights and computes in "
                     f"{_dtype_name(dtype)}")
     load_weights(model, iter_tensors(files), dtype)
+    if token_head(cfg) is not None:
+        set_token_head(model, cfg, path)
     model.finish_loading()
     model.eval()
     return model, cfg
 
 
 def _build(cfg, dtype: torch.dtype, method_for, max_positions: int | None):
-    """The model of `cfg`, on the current device; a ForSequenceClassification's with its score head."""
+    """The model of `cfg`, on the current device; a ForSequenceClassification's with its score head (one built from
+    lm_head's rows of tokens keeps lm_head to load: set_token_head replaces it)."""
     model = model_class(cfg)(cfg, dtype, method_for, max_positions)
-    if is_classifier(cfg):
+    if is_classifier(cfg) and token_head(cfg) is None:
         add_score_head(model, cfg, dtype)
     return model
 
@@ -219,6 +225,8 @@ def check_weights(path: Path, device: torch.device | None = None):
     for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in
         if isinstance(layer, MergedLinear) and hasattr(layer.method, "check_complete"):
             layer.method.check_complete(layer)
+    if token_head(cfg) is not None:  # (the tokens are looked up in the tokenizer, as a load does)
+        set_token_head(model, cfg, path)
     return model
 
 

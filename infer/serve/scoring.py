@@ -110,8 +110,8 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
             room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
             if pooler.task == "classify":
                 check_cross_encoder(pooler)
-                prompts = [pair_ids(server.tokenizer, a, b, server.engine.max_model_len, params.truncate_prompt_tokens)
-                           for a, b in pairs]
+                prompts = [pair_ids(server.tokenizer, a, b, server.engine.max_model_len, params.truncate_prompt_tokens,
+                                    pooler.joins_pair_text) for a, b in pairs]
             else:
                 prompts = [t if isinstance(t, list) else encode_prompt(server.tokenizer, prompt=t, max_tokens=room)
                            for pair in pairs for t in pair]
