@@ -12,11 +12,12 @@ import shutil
 import pytest
 import torch
 
-from infer import LLM
+from infer import LLM, SamplingParams
 from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
+from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
 from test_probes_session60_classify import _post, _serve, check_close, probs
 
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
@@ -32,6 +33,17 @@ def reranker_folder(folder, tied: bool = False, **config):
     """tiny-qwen3 with "no" and "yes" added to its tokenizer (their embedding and head rows drawn at random), saved as
     a causal LM, then config.json edited as RERANKER updated with `config`; returns (folder, transformers' causal LM
     in float32, the tokenizer)."""
+    folder, hf, tok = causal_folder(folder, tied)
+    as_reranker(folder, **config)
+    return folder, hf, tok
+
+
+def as_reranker(folder, **config) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **RERANKER, **config}))
+
+
+def causal_folder(folder, tied: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     src = ensure_builtin("tiny-qwen3")
     tok = AutoTokenizer.from_pretrained(src)
@@ -41,15 +53,13 @@ def reranker_folder(folder, tied: bool = False, **config):
     if tied:
         hf.config.tie_word_embeddings = True
         hf.lm_head.weight = hf.model.embed_tokens.weight
-    hf.resize_token_embeddings(len(tok))
+    hf.resize_token_embeddings(len(tok), pad_to_multiple_of=64)  # (as real vocabularies: GPTQ packs the rows)
     assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
     with torch.no_grad():
         for p in {id(p): p for p in (hf.get_input_embeddings().weight, hf.get_output_embeddings().weight)}.values():
-            p[-2:].normal_(0, 1.0)
+            p[tok.convert_tokens_to_ids(["no", "yes"])] = torch.randn(2, p.shape[1])
     hf.save_pretrained(folder)
     tok.save_pretrained(folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, **RERANKER, **config}))
     return folder, hf.eval(), tok
 
 
@@ -159,3 +169,27 @@ def test_bad_reranker_configs_are_refused(reranker, tmp_path, change, error, mes
     (path / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(error, match=message):
         LLM(str(path))
+
+
+@needs_gptqmodel
+def test_a_gptq_reranker_with_a_quantized_head_scores_from_its_dequantized_rows(tmp_path):
+    """A GPTQ checkpoint of the causal LM, its lm_head quantized too (GPTQModel's lm_head=True, 8 bits), made a
+    reranker by config.json: each score is sigmoid(yes - no) of the next-token logprobs the same checkpoint gives as a
+    causal LM (its quantized head through the GPTQ path, the logprobs of the whole vocabulary)."""
+    src, _, tok = causal_folder(tmp_path / "float")
+    out = make_gptqmodel_checkpoint(src, tmp_path / "gptq", lm_head=True)
+    tok.save_pretrained(out)
+    causal = shutil.copytree(out, tmp_path / "causal")
+    as_reranker(out)
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    prompts = [tok(QUERY + d)["input_ids"] for d in DOCS]
+    with LLM(str(causal), max_model_len=256, dtype="float32", max_logprobs=-1) as llm:
+        assert llm.engine.runner.model.quantized_head
+        records = [o.outputs[0].logprobs[0]["top_logprobs"] for o in
+                   llm.generate(prompts, SamplingParams(max_new_tokens=1, logprobs=-1))]
+    tops = [{r["token_id"]: r["logprob"] for r in rec} for rec in records]
+    want = [torch.sigmoid(torch.tensor(t[yes] - t[no])).item() for t in tops]
+    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
+        got = [o.outputs.score for o in llm.score(QUERY, DOCS)]
+    assert max(want) - min(want) > 1e-3
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
