@@ -193,3 +193,20 @@ def test_a_gptq_reranker_with_a_quantized_head_scores_from_its_dequantized_rows(
         got = [o.outputs.score for o in llm.score(QUERY, DOCS)]
     assert max(want) - min(want) > 1e-3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
+
+
+def test_hf_overrides_hint_names_the_rerankers_config_fields(reranker):
+    """vLLM's --hf-overrides for Qwen3-Reranker is refused with the config.json fields to set; `infer warmup
+    --estimate` of the converted reranker counts the weights a load keeps (the score head, no vocabulary head)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.memory.sizes import weights_bytes
+    res = CliRunner().invoke(app, ["serve", str(reranker[0]), "--hf-overrides", json.dumps(RERANKER)],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code != 0 and '"classifier_from_token": ["no", "yes"]' in res.output, res.output
+    res = CliRunner().invoke(app, ["warmup", str(reranker[0]), "--estimate", "--json", "--max-length", "64"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(reranker[0]), max_model_len=64) as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)

@@ -43,7 +43,9 @@ VLLM_HINTS = {
                       "model), --quantization awq or gptq included; drop the option (infer quantize makes a GPTQ "
                       "checkpoint)",
     # a longer context by YaRN (SmolLM3-3B's 128k, Qwen3's) or another rope: vLLM overrides the config, infer reads it
-    "--hf-overrides": _CONFIG_EDIT,
+    "--hf-overrides": _CONFIG_EDIT[:-1] + "; an LLM reranker such as Qwen3-Reranker: \"architectures\": "
+                      "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
+                      "\"is_original_qwen3_reranker\": true)",
     "--rope-scaling": _CONFIG_EDIT,
     "--rope-theta": _CONFIG_EDIT,
     "--calculate-kv-scales": "infer's fp8 KV cache (--kv-cache-dtype fp8) stores K and V with scale 1.0, vLLM's "

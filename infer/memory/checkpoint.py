@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..kernels import cpu_gemm
-from ..models.classifier import is_classifier
+from ..models.classifier import is_classifier, token_head
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -95,8 +95,15 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     head_only = not {"model.embed_tokens.weight", "embed_tokens.weight"} & stored
     # the embeddings' prepacked copy as the output head (tied), which a classifier has not (models.classifier)
     ties = getattr(model_config, "tie_word_embeddings", False) and not is_classifier(model_config)
+    # a score head made of lm_head's rows of tokens (an LLM reranker): lm_head read, then dropped for the float32
+    # score head (models.classifier.set_token_head)
+    drops_head = token_head(model_config) is not None
+    if drops_head:
+        total += model_config.num_labels * model_config.hidden_size * 4
     for header in headers:
         for name, info in header.items():
+            if drops_head and name.startswith("lm_head."):
+                continue
             numel = 1
             for d in info["shape"]:
                 numel *= d
