@@ -87,8 +87,9 @@ def card_scores(hf, tok, query: str, docs: list[str]) -> list[float]:
 @pytest.mark.parametrize("tokens", [4, 64])
 def test_qwen3_reranker_scores_equal_the_model_cards_yes_no(reranker, tokens):
     """LLM.score: the card's score of query + document (whole, or in chunks of 4 tokens), one query against each
-    document and pairwise; LLM.classify of token ids: the same of the prompt; one label, a float32 head of the
-    difference of the rows, no vocabulary head kept."""
+    document and pairwise; LLM.classify of token ids: the same of the prompt (trailing pad tokens kept, unlike a
+    *ForSequenceClassification's pooling); one label, a float32 head of the difference of the rows, no vocabulary
+    head kept."""
     path, hf, tok = reranker
     want = card_scores(hf, tok, QUERY, DOCS)
     assert max(want) - min(want) > 1e-2  # (the documents score apart)
@@ -102,6 +103,8 @@ def test_qwen3_reranker_scores_equal_the_model_cards_yes_no(reranker, tokens):
         assert [o.prompt_token_ids for o in outs] == [tok(QUERY + d)["input_ids"] for d in DOCS]
         pairwise = llm.score([QUERY + "x", QUERY], DOCS[:2])
         prompts = random_prompts(hf.config.vocab_size, (9, 1, 5), seed=12)
+        assert hf.config.pad_token_id == 0  # (the causal LM's last token, a pad token too: vLLM's, the card's)
+        prompts.append(prompts[0] + [0, 0])
         classified = llm.classify(prompts)
     torch.testing.assert_close(torch.tensor([o.outputs.score for o in outs]), torch.tensor(want), atol=1e-5,
                                rtol=1e-4)
