@@ -213,3 +213,14 @@ def test_hf_overrides_hint_names_the_rerankers_config_fields(reranker):
     plan = json.loads(res.stdout.strip().splitlines()[-1])
     with LLM(str(reranker[0]), max_model_len=64) as llm:
         assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+
+
+def test_a_causal_lm_with_a_method_field_still_generates(tmp_path):
+    """`method` alone in a causal LM's config.json (another model's field of that name) is not a reranker's: it loads
+    and generates as before."""
+    path = shutil.copytree(ensure_builtin("tiny-qwen3"), tmp_path / "causal")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "method": "from_2_way_softmax"}))
+    with LLM(str(path)) as llm:
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0].outputs[0]
+                   .token_ids) == 2

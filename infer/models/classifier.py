@@ -67,8 +67,8 @@ def token_head(cfg) -> tuple[str, list[str]] | None:
     method, tokens = get("method"), get("classifier_from_token")
     if method is None and get("is_original_qwen3_reranker") is True:
         method = "from_2_way_softmax"
-    if method is None and tokens is None:
-        return None
+    if method is None and tokens is None or tokens is None and not is_classifier(cfg):
+        return None  # (a causal LM's config of a field named method: not vLLM's, which reads it of classifiers)
     if not is_classifier(cfg):
         raise UnsupportedModelError("config.json gives method/classifier_from_token (a score head from the output "
                                     "head's rows of tokens) but its architectures are not a *ForSequenceClassification",
