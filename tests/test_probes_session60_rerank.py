@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.errors import ModelLoadError, UnsupportedModelError
+from infer.errors import ModelLoadError, UnknownOptionError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
@@ -208,6 +208,10 @@ def test_hf_overrides_hint_names_the_rerankers_config_fields(reranker):
     res = CliRunner().invoke(app, ["serve", str(reranker[0]), "--hf-overrides", json.dumps(RERANKER)],
                              env={"COLUMNS": "250"})
     assert res.exit_code != 0 and '"classifier_from_token": ["no", "yes"]' in res.output, res.output
+    res = CliRunner().invoke(app, ["serve", str(reranker[0]), "--convert", "classify"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0 and "*ForSequenceClassification" in res.output and "classifier_from_token" in res.output
+    with pytest.raises(UnknownOptionError, match=r"convert only as .*\*ForSequenceClassification.*classifier_from"):
+        LLM(str(reranker[0]), convert="classify")
     res = CliRunner().invoke(app, ["warmup", str(reranker[0]), "--estimate", "--json", "--max-length", "64"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout.strip().splitlines()[-1])

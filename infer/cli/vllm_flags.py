@@ -5,6 +5,8 @@ vLLM's spellings with the same meaning are taken as they are (`--enforce-eager`,
 
 from __future__ import annotations
 
+from ..models.classifier import CONVERT_CLASSIFY
+
 _LOCAL = ("MODEL is a local folder (infer downloads nothing); fetch the revision first, e.g. `hf download "
           "ID --revision REV --local-dir DIR`, and pass DIR")
 _ONE_GPU = ("infer runs each model on one GPU; use --data-parallel N for N replicas (infer run and infer serve), or a "
@@ -43,6 +45,7 @@ VLLM_HINTS = {
                       "model), --quantization awq or gptq included; drop the option (infer quantize makes a GPTQ "
                       "checkpoint)",
     # a longer context by YaRN (SmolLM3-3B's 128k, Qwen3's) or another rope: vLLM overrides the config, infer reads it
+    "--convert": CONVERT_CLASSIFY + " (vLLM's --convert embed: --runner pooling)",
     "--hf-overrides": _CONFIG_EDIT[:-1] + "; an LLM reranker such as Qwen3-Reranker: \"architectures\": "
                       "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], "
                       "\"is_original_qwen3_reranker\": true)",

@@ -15,6 +15,7 @@ from dataclasses import fields as dataclass_fields, replace
 from typing import Iterator, Sequence as Seq
 
 from ..errors import ClosedError, PauseError, RequestError, SleepModeError, UnknownOptionError
+from ..models.classifier import CONVERT_CLASSIFY
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, text_only
@@ -94,8 +95,8 @@ _VLLM_NOOPS = {
                                       "drop the keyword"),
     "task": (("auto", "generate", "embed"), "infer runs text generation (vLLM's generate) and embeddings (task="
                                             "\"embed\", now runner=\"pooling\") only; drop the keyword"),
-    "convert": (("auto", "none", "embed"), "infer converts a decoder to an embedding model only (convert=\"embed\", "
-                                           "with runner=\"pooling\"); drop the keyword"),
+    "convert": (("auto", "none", "embed"), "infer converts a decoder to an embedding model (convert=\"embed\", with "
+                                           "runner=\"pooling\"); a classifier: " + CONVERT_CLASSIFY),
     "cpu_offload_gb": ((0, 0.0), "infer holds every weight on the device; run an int4 model (infer quantize) or a "
                                  "smaller one"),
     "hf_overrides": ((None,), "infer reads the model's config.json as it is; edit it in a copy of the folder"),

@@ -9,6 +9,11 @@ import torch
 from torch import nn
 
 SEQ_CLS = "ForSequenceClassification"
+# what vLLM's convert="classify" (--convert classify) is in infer: config.json edited (cli.vllm_flags, engine.llm)
+CONVERT_CLASSIFY = ("infer reads a classifier from MODEL's config.json (runner auto pools it): in a copy of the folder "
+                    "set \"architectures\" to the family's *ForSequenceClassification; an LLM reranker (a score head "
+                    "from lm_head's rows of tokens) also \"method\" (from_2_way_softmax or no_post_processing) and "
+                    "\"classifier_from_token\", the fields vLLM's --hf-overrides sets")
 
 
 _CAUSAL = {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}  # (Gemma 3's text model: model_type gemma3_text)
