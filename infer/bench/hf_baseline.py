@@ -209,7 +209,7 @@ def run_hf_embed(model: str | HFModel, requests: list[BenchRequest], batch_size:
 def _embed_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], pooler) -> list[RequestRecord]:
     prompts = [r.prompt_token_ids or tok.encode(r.prompt, add_special_tokens=False) for _, r in batch]
     start = time.perf_counter()
-    vectors = hf_embeddings(model, prompts, pooler, device)
+    hf_embeddings(model, prompts, pooler, device)  # (the vectors: timed, not kept)
     end = time.perf_counter()
     return [RequestRecord(i, len(prompt), send_time=start, lora=req.lora, finish_reason="stop", end_time=end,
                           success=True) for (i, req), prompt in zip(batch, prompts)]
