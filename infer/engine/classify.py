@@ -18,6 +18,13 @@ NOT_CLASSIFIER = ("this model makes embeddings, not classes: classification (LLM
                   "*ForSequenceClassification model")
 NOT_EMBEDDER = ("this model is a classifier (a *ForSequenceClassification model): it gives class probabilities "
                 "(LLM.classify, POST /classify) and scores (LLM.score, POST /score, /rerank), not embeddings")
+# a classifier's refusals of generation (a server's generation routes; LLM.generate), as pooling's for embedders
+CLASSIFIER_NOT_GENERATING = ("this server runs the model as a classifier (a *ForSequenceClassification model, on the "
+                             "pooling runner): it answers /classify, /score and /rerank, not text generation")
+GENERATE_NOT_CLASSIFIER = ("LLM.generate() is only supported for generative models: this engine runs the model as a "
+                           "classifier (a *ForSequenceClassification model), which gives class probabilities and "
+                           "scores, not text")
+CLASSIFY_INSTEAD = "classify or score instead (LLM.classify, LLM.score, POST /classify, /score, /rerank)"
 
 
 def score_rows(model, pooled: dict, pooler: Pooler) -> dict:

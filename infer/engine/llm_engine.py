@@ -27,7 +27,8 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .classify import NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput, ClassificationRequestOutput, pooled_prompt
+from .classify import (CLASSIFY_INSTEAD, GENERATE_NOT_CLASSIFIER, NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput,
+                       ClassificationRequestOutput, pooled_prompt)
 from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
                       PoolingParams, finish_vector, resolve_pooler)
 from .sampler import NOT_FINITE
@@ -461,6 +462,8 @@ class LLMEngine:
                 raise RequestError(NOT_POOLING, 'start the engine with --runner pooling (LLM(MODEL, runner="pooling"))')
             return None, params
         if params is not None and not isinstance(params, PoolingParams):
+            if self.pooler.task == "classify":
+                raise RequestError(GENERATE_NOT_CLASSIFIER, CLASSIFY_INSTEAD)
             raise RequestError(NOT_GENERATING, EMBED_INSTEAD)
         pooling = (params or PoolingParams()).checked()
         if pooling.task not in (None, self.pooler.task):  # (an embeddings line of infer run on a classifier...)

@@ -18,7 +18,7 @@ import torch
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
     embedding_inputs, embedding_request_id
-from ..engine.classify import NOT_EMBEDDER
+from ..engine.classify import CLASSIFIER_NOT_GENERATING, NOT_EMBEDDER
 from ..errors import RequestError
 from . import protocol as p
 from .body import DEFAULT_MAX_JSON_DEPTH, check_values, load_json
@@ -127,8 +127,10 @@ def _encoded(vec, fmt: Encoding):
 
 def generation_refusal(server, api: str) -> None:
     """A pooling server's answer to a generation route (vLLM's: the model does not support that API)."""
-    if getattr(server.engine, "pooler", None) is not None:
-        raise p.ApiError(400, f"The model does not support {api} API: {GENERATE_ONLY}",
+    pooler = getattr(server.engine, "pooler", None)
+    if pooler is not None:
+        why = CLASSIFIER_NOT_GENERATING if pooler.task == "classify" else GENERATE_ONLY
+        raise p.ApiError(400, f"The model does not support {api} API: {why}",
                          code="model_not_supported")
 
 

@@ -1,0 +1,38 @@
+"""The README's classification section read by a newcomer: a classifier's server and LLM refuse text generation
+naming what a classifier answers (/classify, /score, /rerank; LLM.classify, LLM.score), not embeddings, which it
+refuses too."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.errors import RequestError
+
+from test_probes_session60_classify import _post, _serve, llama3  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def served(llama3):  # noqa: F811
+    yield from _serve(llama3[0])
+
+
+@pytest.mark.parametrize("route,body,api", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "Completions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "Chat Completions"),
+])
+def test_classifier_server_refuses_generation_naming_its_routes(served, route, body, api):
+    status, reply = _post(served, route, body)
+    msg = reply["error"]["message"]
+    assert status == 400 and msg.startswith(f"The model does not support {api} API: "), reply
+    assert "/classify, /score and /rerank" in msg and "/v1/embeddings" not in msg, msg
+    status, reply = _post(served, "/v1/embeddings", {"input": "hi"})  # (which the old message pointed to)
+    assert status == 400 and "is a classifier" in reply["error"]["message"], reply
+
+
+def test_classifier_llm_generate_points_to_classify(llama3):  # noqa: F811
+    llm = LLM(str(llama3[0]), max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8, block_size=4)
+    with pytest.raises(RequestError) as e:
+        llm.generate(["hi"], SamplingParams(max_tokens=2))
+    text = str(e.value)
+    assert "classifier" in text and "LLM.classify" in text and "embed instead" not in text, text
