@@ -36,3 +36,21 @@ def test_classifier_llm_generate_points_to_classify(llama3):  # noqa: F811
         llm.generate(["hi"], SamplingParams(max_tokens=2))
     text = str(e.value)
     assert "classifier" in text and "LLM.classify" in text and "embed instead" not in text, text
+
+
+def test_run_summary_escapes_an_id_holding_a_nul(tmp_path):
+    """The README's NUL id (`\\u0000`) is that line's error, and the summary names the id as its record writes it,
+    not with a raw NUL written to the terminal."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    line = {"custom_id": "c\u0000", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps(line) + "\n")
+    res = CliRunner().invoke(app, ["run", "tiny-qwen3", str(inp), "-o", str(out), "--runner", "pooling",
+                                   "--output-format", "openai"])
+    assert res.exit_code == 1, res.output
+    assert "first error (id c\\u0000): line 1: field 'custom_id' holds a NUL" in res.output, res.output
+    assert "\x00" not in res.output

@@ -352,7 +352,9 @@ class RecordWriter:
         if self.first_error is None:
             return None
         where = "stdout" if self.path is None else str(self.path)
-        return f"infer: first error (id {self.first_error[0]}): {self.first_error[1]} [every failed line has an " \
+        rec_id = self.first_error[0]  # (an id of control characters, e.g. a NUL, shown escaped as its record has it)
+        shown = rec_id if rec_id.isprintable() else json.dumps(rec_id, ensure_ascii=False)[1:-1]
+        return f"infer: first error (id {shown}): {self.first_error[1]} [every failed line has an " \
                f"error record in {where}]"
 
     def close(self) -> None:
