@@ -54,3 +54,18 @@ def test_run_summary_escapes_an_id_holding_a_nul(tmp_path):
     assert res.exit_code == 1, res.output
     assert "first error (id c\\u0000): line 1: field 'custom_id' holds a NUL" in res.output, res.output
     assert "\x00" not in res.output
+
+
+@pytest.mark.parametrize("command", ["serve", "run", "warmup"])
+def test_pooler_config_help_names_use_activation(command, monkeypatch):
+    """--pooler-config's help lists the classifier's key the README documents (use_activation), beside the
+    embedding keys."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    monkeypatch.setenv("COLUMNS", "250")
+    res = CliRunner().invoke(app, [command, "--help"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    start = text.index("--pooler-config")
+    assert "use_activation" in text[start:start + 400], text[start:start + 400]

@@ -217,7 +217,9 @@ class EngineConfig:
                                  "generate.")
     pooler_config: dict | None = option(None, "--runner pooling: how to pool, as JSON, e.g. '{\"pooling_type\": "
                                               "\"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS; default: the "
-                                              "model's sentence-transformers modules.json, else LAST, normalized).",
+                                              "model's sentence-transformers modules.json, else LAST, normalized); "
+                                              "a classifier's '{\"use_activation\": false}' gives its raw logits "
+                                              "instead of probabilities.",
                                         cli_type=str, metavar="JSON")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
