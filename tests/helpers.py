@@ -131,6 +131,27 @@ def norms_and_biases_shifted(name, p):
         p.add_(torch.randn_like(p) * 0.3)
 
 
+def family_builder(small: dict, families: dict):
+    """`build(folder, family, seed=0, **config)` for a test file's `families` ({family: (model_type, architecture,
+    config)}) over its `small` config: a random model folder of `family` (float32; norm weights and biases moved off
+    their constant init) with the tiny-llama tokenizer, config the three merged; returns transformers' model (eager
+    attention)."""
+    def build(folder, family: str, seed: int = 0, **config):
+        model_type, arch, extra = families[family]
+        return save_random_model(folder, model_type, arch, {**small, **extra, **config}, seed,
+                                 norms_and_biases_shifted)
+    return build
+
+
+def check_served_completion_equals_transformers(base, served_name: str, hf) -> None:
+    """`infer serve` of the model in `base` completes a random prompt of 20 tokens with transformers' (`hf`) 5 greedy
+    tokens, decoded."""
+    from transformers import AutoTokenizer
+    prompt = random_prompts(512, (20,), seed=8)[0]
+    assert served_completion_text(base, served_name, prompt, 5) == \
+        AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
+
+
 def greedy_each(hf, prompts, n: int) -> list[list[int]]:
     """transformers' greedy continuation of n tokens of each prompt alone."""
     with torch.no_grad():

@@ -167,3 +167,26 @@ def finish_all(engine) -> dict[str, list[int]]:
             if out.finished:
                 done[out.request_id] = list(out.token_ids)
     return done
+
+
+def check_no_target_modules_refused_as_peft(base, adapter, folder, family: str):
+    """A copy (in `folder`) of `adapter` without target_modules, on a base of `family` peft has no default for:
+    PeftModel.from_pretrained refuses it ("Please specify `target_modules`") and so does infer's engine, naming the
+    family. Returns the copy's path."""
+    import json
+    import shutil
+
+    import pytest
+    from peft import PeftModel
+
+    from infer import LLM
+    from infer.errors import LoRAError
+    path = shutil.copytree(adapter, folder)
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["target_modules"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Please specify `target_modules`"):
+        PeftModel.from_pretrained(hf_float(base), str(path))
+    with pytest.raises(LoRAError, match=f"peft has no default for a {family} base"):
+        LLM(str(base), loras={"a": str(path)})
+    return path

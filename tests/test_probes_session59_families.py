@@ -17,7 +17,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 from transformers import AutoConfig
 
@@ -25,14 +24,14 @@ from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.lora.adapter import base_targets
-from infer.models.tiny import ensure_builtin
 
-from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
-                     norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text)
+from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
+                     check_equal_transformers, check_run_and_bench_builtin, check_served_completion_equals_transformers,
+                     family_builder, greedy_each, random_prompts)
 from lora_helpers import (ALL, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, hf_float)
-from quant_helpers import (check_gpu_path_interpreted, check_int4_kernels_with_mixed_adapters, gptqmodel_greedy,
-                           needs_gptqmodel, split_gate_up)
+                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft)
+from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
+                           check_int4_kernels_with_mixed_adapters, needs_gptqmodel, split_gate_up)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -52,15 +51,7 @@ YARN = {FULL: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embedd
         SL: {"rope_type": "default", "rope_theta": 5e5}}
 
 
-def build(folder, family: str, seed: int = 0, **config):
-    """A random model folder of `family` (float32; norm weights and biases moved off their constant init) with the
-    tiny-llama tokenizer; returns transformers' model (eager attention)."""
-    model_type, arch, extra = FAMILIES[family]
-    return save_random_model(folder, model_type, arch, {**SMALL, **extra, **config}, seed, norms_and_biases_shifted)
-
-
-def generate(llm, prompts, n: int, **kw) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True), **kw)]
+build = family_builder(SMALL, FAMILIES)
 
 
 CONFIGS = {
@@ -156,25 +147,15 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
     """GLM-4's checkpoint stores gate|up as the one mlp.gate_up_proj that transformers and vLLM load (GPTQModel
     quantizes them apart): infer's tokens equal transformers' load of it and GPTQModel's of its split layout."""
     build(tmp_path / "f", family)
-    out = tmp_path / "q"
-    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
-                                   "--num-samples", "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
-    tensors = load_file(out / "model.safetensors")
-    mlp = "gate_up_proj" if family == "glm4" else "gate_proj"
-    assert f"model.layers.0.mlp.{mlp}.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
-    prompts = random_prompts(512, (4, 11, 23), seed=11)
-    with LLM(str(out), block_size=4) as llm:
-        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
-        got = generate(llm, prompts, 8)
-    if family == "glm4":
-        from test_gptq_engine import hf_gptq_greedy
+    if family != "glm4":
+        check_infer_quantize_and_convert(tmp_path / "f", tmp_path)
+        return
+    from test_gptq_engine import hf_gptq_greedy
+
+    def also(out, prompts, got):
         assert got == hf_gptq_greedy(out, prompts, 8)
-    assert got == gptqmodel_greedy(split_gate_up(out, tmp_path / "split") if family == "glm4" else out, prompts, 8)
-    res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
-    assert res.exit_code == 0, res.output
-    with LLM(str(tmp_path / "c"), block_size=4) as llm:
-        assert generate(llm, prompts, 8) == got
+    check_infer_quantize_and_convert(tmp_path / "f", tmp_path, mlp="gate_up_proj", also=also,
+                                     gptqmodel_view=lambda out: split_gate_up(out, tmp_path / "split"))
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
@@ -255,31 +236,18 @@ def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_
     """peft has no default target_modules for these bases (its mapping names none of granite, olmo2, olmo3, glm4):
     PeftModel.from_pretrained refuses a config without them ("Please specify `target_modules`"), and so do infer's
     engine and lora-validate, naming the base's modules (GLM-4's gate_up_proj)."""
-    from infer.errors import LoRAError
     from infer.lora.adapter import adapter_problems
     family, base, _, paths = family_lora
-    path = shutil.copytree(paths["all8"], tmp_path / "a")
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    del cfg["target_modules"]
-    (path / "adapter_config.json").write_text(json.dumps(cfg))
-    from peft import PeftModel
-    with pytest.raises(ValueError, match="Please specify `target_modules`"):
-        PeftModel.from_pretrained(hf_float(base), str(path))
+    path = check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", family)
     [problem] = adapter_problems("a", path, AutoConfig.from_pretrained(base))
     assert f"peft has no default for a {family} base" in str(problem)
     assert ("gate_up_proj" in str(problem)) == (family == "glm4")
-    with pytest.raises(LoRAError, match=f"peft has no default for a {family} base"):
-        LLM(str(base), loras={"a": str(path)})
 
 
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
 def test_serve_completions(family_lora):
-    from transformers import AutoTokenizer
-
     family, base, hf, _ = family_lora
-    prompt = random_prompts(512, (20,), seed=8)[0]
-    assert served_completion_text(base, family, prompt, 5) == \
-        AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
+    check_served_completion_equals_transformers(base, family, hf)
 
 
 @pytest.mark.parametrize("name, arch", [("tiny-granite", "GraniteForCausalLM"), ("tiny-olmo2", "Olmo2ForCausalLM"),
@@ -287,32 +255,10 @@ def test_serve_completions(family_lora):
 def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
     """The built-in model equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights
     as the loaded engine holds them."""
-    path = ensure_builtin(name)
-    assert json.loads((path / "config.json").read_text())["architectures"] == [arch]
-    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM(name, max_model_len=256) as llm:
-        from infer.memory.sizes import weights_bytes
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        prompts = random_prompts(512, (6, 40), seed=1)
-        got = generate(llm, prompts, 6)
-    assert got == greedy_each(hf_float(path), prompts, 6)
-    assert all(len(set(tokens)) > 2 for tokens in got)
+    check_builtin_runs_and_warmup_sizes_it(name, arch, False)
 
 
 @pytest.mark.parametrize("name", ["tiny-granite", "tiny-olmo2", "tiny-olmo3", "tiny-glm4"])
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
     """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
-    prompt = random_prompts(512, (9,), seed=2)[0]
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
-                                                   "ignore_eos": True}) + "\n")
-    res = CliRunner().invoke(app, ["run", name, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-q"])
-    assert res.exit_code == 0, res.output
-    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert record["token_ids"] == greedy_each(hf_float(ensure_builtin(name)), [prompt], 6)[0]
-    res = CliRunner().invoke(app, ["bench", name, "--out", str(tmp_path / "b"), "-c", "2", "--num-prompts", "2",
-                                   "--input-len", "8", "--output-len", "6", "-q"])
-    assert res.exit_code == 0, res.output
-    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert report["completed"] == 2
+    check_run_and_bench_builtin(tmp_path, name)

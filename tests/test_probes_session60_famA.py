@@ -13,11 +13,9 @@ their near neighbours (ERNIE 4.5's mixtures of experts) refused naming what they
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 from transformers import AutoConfig
 
@@ -26,12 +24,12 @@ from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_equal_transformers, check_run_and_bench_builtin, greedy_each,
-                     norms_and_biases_shifted, random_prompts, save_random_model, served_completion_text)
+                     check_equal_transformers, check_run_and_bench_builtin, check_served_completion_equals_transformers,
+                     family_builder, greedy_each, random_prompts)
 from lora_helpers import (ALL, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, hf_float)
-from quant_helpers import (check_gpu_path_interpreted, check_int4_kernels_with_mixed_adapters, gptqmodel_greedy,
-                           needs_gptqmodel)
+                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft)
+from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
+                           check_int4_kernels_with_mixed_adapters, needs_gptqmodel)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -43,15 +41,7 @@ FAMILIES = {"smollm3": ("smollm3", "SmolLM3ForCausalLM", {}),  # layer 3 NoPE (t
 SL, FULL = "sliding_attention", "full_attention"
 
 
-def build(folder, family: str, seed: int = 0, **config):
-    """A random model folder of `family` (float32; norm weights and biases moved off their constant init) with the
-    tiny-llama tokenizer; returns transformers' model (eager attention)."""
-    model_type, arch, extra = FAMILIES[family]
-    return save_random_model(folder, model_type, arch, {**SMALL, **extra, **config}, seed, norms_and_biases_shifted)
-
-
-def generate(llm, prompts, n: int, **kw) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True), **kw)]
+build = family_builder(SMALL, FAMILIES)
 
 
 CONFIGS = {
@@ -160,22 +150,8 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
     """GPTQModel quantizes each as Llama (its smollm3 and seed_oss map to LlamaQModel, its Ernie4_5QModel is one):
     infer's tokens of the checkpoint equal GPTQModel's own load of it, and `infer convert`'s output gives them too."""
     build(tmp_path / "f", family, **BIASES[family])
-    out = tmp_path / "q"
-    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
-                                   "--num-samples", "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
-    tensors = load_file(out / "model.safetensors")
-    assert "model.layers.0.mlp.gate_proj.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
+    tensors = check_infer_quantize_and_convert(tmp_path / "f", tmp_path)
     assert "model.layers.0.self_attn.q_proj.bias" in tensors
-    prompts = random_prompts(512, (4, 11, 23), seed=11)
-    with LLM(str(out), block_size=4) as llm:
-        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
-        got = generate(llm, prompts, 8)
-    assert got == gptqmodel_greedy(out, prompts, 8)
-    res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
-    assert res.exit_code == 0, res.output
-    with LLM(str(tmp_path / "c"), block_size=4) as llm:
-        assert generate(llm, prompts, 8) == got
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
@@ -229,30 +205,17 @@ def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_
     """peft has no default target_modules for these bases (its mapping names none of smollm3, seed_oss, ernie4_5):
     PeftModel.from_pretrained refuses a config without them ("Please specify `target_modules`"), and so do infer's
     engine and lora-validate."""
-    from infer.errors import LoRAError
     from infer.lora.adapter import adapter_problems
     family, base, _, paths = family_lora
-    path = shutil.copytree(paths["all8"], tmp_path / "a")
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    del cfg["target_modules"]
-    (path / "adapter_config.json").write_text(json.dumps(cfg))
-    from peft import PeftModel
-    with pytest.raises(ValueError, match="Please specify `target_modules`"):
-        PeftModel.from_pretrained(hf_float(base), str(path))
+    path = check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", family)
     [problem] = adapter_problems("a", path, AutoConfig.from_pretrained(base))
     assert f"peft has no default for a {family} base" in str(problem)
-    with pytest.raises(LoRAError, match=f"peft has no default for a {family} base"):
-        LLM(str(base), loras={"a": str(path)})
 
 
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
 def test_serve_completions(family_lora):
-    from transformers import AutoTokenizer
-
     family, base, hf, _ = family_lora
-    prompt = random_prompts(512, (20,), seed=8)[0]
-    assert served_completion_text(base, family, prompt, 5) == \
-        AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
+    check_served_completion_equals_transformers(base, family, hf)
 
 
 TINY = {"tiny-smollm3": "SmolLM3ForCausalLM", "tiny-seed-oss": "SeedOssForCausalLM",
