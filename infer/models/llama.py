@@ -472,8 +472,11 @@ class LlamaForCausalLM(nn.Module):
         return kernels.embed_rms_norm(input_ids, self.embed_tokens.weight, norm.weight, norm.eps)
 
     def _scaled_embed_and_norm(self, input_ids: torch.Tensor, factor: float):
-        """embed_and_norm of the embeddings scaled by `factor` (Gemma's normalizer, Granite's embedding_multiplier)."""
-        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight) * factor
+        """embed_and_norm of the embeddings scaled by `factor` (Gemma's normalizer, Granite's embedding_multiplier), the
+        first layer's norm its own module (not embed_rms_norm's RMSNorm: gpt-oss's, Cohere's and StarCoder2's)."""
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
+        if factor != 1.0:
+            h = h * factor
         return self.layers[0].input_layernorm(h), h
 
     def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
@@ -759,9 +762,8 @@ class CohereForCausalLM(_NoPE, LlamaForCausalLM):
         super().__init__(cfg, dtype, method_for, max_positions)
         self.logit_scale = float(getattr(cfg, "logit_scale", 1.0))
 
-    def embed_and_norm(self, input_ids: torch.Tensor):
-        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
-        return self.layers[0].input_layernorm(h), h
+    def embed_and_norm(self, input_ids: torch.Tensor):  # (a LayerNorm: not embed_rms_norm's)
+        return self._scaled_embed_and_norm(input_ids, 1.0)
 
     def _with_mlp(self, i: int, x, h, ctx: ForwardContext):
         """The residual stream h plus layer i's MLP of its normed input x (the attention's output still to add)."""
@@ -812,9 +814,8 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     tanh approximation, c_proj), a sliding window on every layer where sliding_window is set (as Mistral's), a tied
     head by default. The norms add no residual (a LayerNorm kernel of its own): its loop adds the outputs itself."""
 
-    def embed_and_norm(self, input_ids: torch.Tensor):
-        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight)
-        return self.layers[0].input_layernorm(h), h
+    def embed_and_norm(self, input_ids: torch.Tensor):  # (a LayerNorm: not embed_rms_norm's)
+        return self._scaled_embed_and_norm(input_ids, 1.0)
 
     def _mlp_added(self, layer, h, ctx: ForwardContext):
         """The stream h plus the layer's MLP of its post-attention norm of h."""
