@@ -170,6 +170,18 @@ def check_equal_transformers(hf, prompts, outs, n: int, name) -> None:
             assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
 
 
+def check_greedy_and_logprobs_equal_transformers(folder, hf, name, check_model) -> None:
+    """The model in `folder` (blocks of 4), which `check_model(model)` checks first, generates 10 tokens of prompts of
+    5, 13 and 30 tokens, batched: transformers' (`hf`) greedy tokens, the logprobs within 1e-4
+    (check_equal_transformers)."""
+    from infer import LLM, SamplingParams
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(folder), block_size=4) as llm:
+        check_model(llm.engine.runner.model)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, name)
+
+
 def check_chunked_prefill_and_prefix_caching(folder, hf) -> None:
     """The model in `folder` (blocks of 4) gives transformers' (`hf`) greedy tokens (6) of prompts of 30 and 41 tokens
     and of one sharing the second's first 32, in steps of 12 tokens (prompts cut into chunks), and with prefix

@@ -49,6 +49,23 @@ def base_and_adapters(root, adapters: dict):
     return root / "base", hf, save_adapters(hf, root, adapters)
 
 
+# an adapter of every projection and one of some, in Llama's names (family_base_and_adapters: base_targets maps them)
+FAMILY_ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+                   "qv4": dict(r=4, lora_alpha=4,
+                               target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"])}
+
+
+def family_base_and_adapters(tmp_path_factory, build, family: str, **config):
+    """(family, base folder, transformers' model, {name: adapter}) of FAMILY_ADAPTERS (their target_modules the
+    family's modules: base_targets) on a base of `family` that `build(folder, family, **config)` writes."""
+    from infer.lora.adapter import base_targets
+    root = tmp_path_factory.mktemp(family)
+    build(root / "base", family, **config)
+    adapters = {name: {**kw, "target_modules": base_targets(family, kw["target_modules"])}
+                for name, kw in FAMILY_ADAPTERS.items()}
+    return (family, *base_and_adapters(root, adapters))
+
+
 def check_lora_validate_ok(base, adapter) -> None:
     """`infer lora-validate BASE ADAPTER --json` (two steps) reports the adapter fits, its shapes too."""
     import json

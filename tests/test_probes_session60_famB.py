@@ -19,16 +19,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
-from infer.lora.adapter import base_targets
 
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_equal_transformers, check_run_and_bench_builtin, check_served_completion_equals_transformers,
-                     family_builder, greedy_each, interpreted_module, random_prompts)
-from lora_helpers import (ALL, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft)
+                     check_greedy_and_logprobs_equal_transformers, check_run_and_bench_builtin,
+                     check_served_completion_equals_transformers, family_builder, greedy_each, interpreted_module,
+                     random_prompts)
+from lora_helpers import (check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft,
+                          family_base_and_adapters)
 from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
                            check_int4_kernels_with_mixed_adapters, needs_gptqmodel)
 
@@ -105,9 +106,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
     """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
     family, config = CONFIGS[name]
     hf = build(tmp_path, family, **config)
-    prompts = random_prompts(512, (5, 13, 30), seed=3)
-    with LLM(str(tmp_path), block_size=4) as llm:
-        model = llm.engine.runner.model
+
+    def check_model(model):
         attn = model.layers[0].self_attn
         assert attn.rope_interleaved == (family in COHERES)
         if family in COHERES:
@@ -125,8 +125,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
             assert [layer.self_attn.window for layer in model.layers] == [8 if t == SL else 0 for t in types]
             assert [model._rope(i) is model.nope_cos_sin for i in range(len(types))] == \
                 [t == FULL and window is not None for t in types]
-        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
-    check_equal_transformers(hf, prompts, outs, 10, name)
+    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
 
 
 @pytest.mark.parametrize("family", ["cohere2", "exaone4"])
@@ -205,19 +204,14 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
-ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
-            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"])}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_lora(request, tmp_path_factory):
-    """(family, base folder, transformers' model, {name: adapter}) of ADAPTERS on a base of the family (Cohere's
+    """(family, base folder, transformers' model, {name: adapter}) of FAMILY_ADAPTERS on a base of the family (Cohere's
     with q and k LayerNorms; StarCoder2's MLP modules c_fc and c_proj for gate/up and down: base_targets)."""
-    root = tmp_path_factory.mktemp(request.param)
-    build(root / "base", request.param, attention_bias=True, use_qk_norm=request.param == "cohere")
-    adapters = {name: {**kw, "target_modules": base_targets(request.param, kw["target_modules"])}
-                for name, kw in ADAPTERS.items()}
-    return (request.param, *base_and_adapters(root, adapters))
+    return family_base_and_adapters(tmp_path_factory, build, request.param, attention_bias=True,
+                                    use_qk_norm=request.param == "cohere")
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
