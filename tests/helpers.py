@@ -152,6 +152,12 @@ def check_served_completion_equals_transformers(base, served_name: str, hf) -> N
         AutoTokenizer.from_pretrained(base).decode(greedy_each(hf, [prompt], 5)[0])
 
 
+def greedy_tokens(llm, prompts, n: int, **kw) -> list[list[int]]:
+    """The LLM's n greedy tokens (ignore_eos) of each prompt, batched; `kw`: more of LLM.generate's arguments."""
+    from infer import SamplingParams
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True), **kw)]
+
+
 def greedy_each(hf, prompts, n: int) -> list[list[int]]:
     """transformers' greedy continuation of n tokens of each prompt alone."""
     with torch.no_grad():
@@ -250,6 +256,19 @@ def check_run_and_bench_builtin(tmp_path, name: str) -> None:
     assert res.exit_code == 0, res.output
     [report] = json.loads((tmp_path / "b" / "results.json").read_text())
     assert report["completed"] == 2
+
+
+def check_stream_adds_up(req, text: str) -> None:
+    """Streamed `text` of a reply (reasoning parser `req`), at every length: each part (reasoning, content) only
+    grows, and the last ones are the whole reply's."""
+    from infer.serve.reasoning import parts, split
+    sent = ("", "")
+    for k in range(len(text) + 1):
+        now = parts(req, text[:k], finished=k == len(text))
+        assert now[0].startswith(sent[0]) and now[1].startswith(sent[1]), (text[:k], sent, now)
+        sent = now
+    whole = split(req, text)
+    assert sent == (whole[0] or "", whole[1] or "")
 
 
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:

@@ -195,6 +195,18 @@ def check_gpu_path_interpreted(folder, monkeypatch, prompts, want) -> dict:
         return llm.engine.stats()
 
 
+def infer_quantize(src, out):
+    """`infer quantize` of the model `src` (a folder or a built-in's name) into `out`: groups of 32, 8 random
+    samples of 32 tokens. Returns `out`."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(out), "--group-size", "32", "--num-samples", "8",
+                                   "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
 def check_infer_quantize_and_convert(src, tmp_path, mlp: str = "gate_proj", gptqmodel_view=None, also=None) -> dict:
     """`infer quantize` of the float model in `src` (groups of 32, 8 samples of 32 tokens) into tmp_path/q writes
     layer 0's mlp.`mlp` and layer 1's o_proj quantized; infer runs it with int4 weights in the fused qkv and gives
@@ -204,29 +216,23 @@ def check_infer_quantize_and_convert(src, tmp_path, mlp: str = "gate_proj", gptq
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from helpers import random_prompts
-    from infer import LLM, SamplingParams
+    from helpers import greedy_tokens, random_prompts
+    from infer import LLM
     from infer.cli.main import app
-
-    def generate(llm, prompts):
-        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
-    out = tmp_path / "q"
-    res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(out), "--group-size", "32",
-                                   "--num-samples", "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
+    out = infer_quantize(src, tmp_path / "q")
     tensors = load_file(out / "model.safetensors")
     assert f"model.layers.0.mlp.{mlp}.qweight" in tensors and "model.layers.1.self_attn.o_proj.qweight" in tensors
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(out), block_size=4) as llm:
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
-        got = generate(llm, prompts)
+        got = greedy_tokens(llm, prompts, 8)
     if also is not None:
         also(out, prompts, got)
     assert got == gptqmodel_greedy(gptqmodel_view(out) if gptqmodel_view else out, prompts, 8)
     res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     with LLM(str(tmp_path / "c"), block_size=4) as llm:
-        assert generate(llm, prompts) == got
+        assert greedy_tokens(llm, prompts, 8) == got
     return tensors
 
 

@@ -212,16 +212,10 @@ def test_vllm_task_embed_keyword_is_the_pooling_runner():
 
 def test_gptq_int4_model_equals_transformers_on_its_dequantized_weights(tmp_path):
     """A GPTQ int4 checkpoint (infer quantize) pools transformers' last_hidden_state of its dequantized weights."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    from quant_helpers import dequantized_float_model, has_gptqmodel
+    from quant_helpers import dequantized_float_model, has_gptqmodel, infer_quantize
     if not has_gptqmodel():
         pytest.skip("needs the quantize extra (gptqmodel)")
-    out = tmp_path / "tiny-llama-gptq"
-    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32", "--num-samples",
-                                   "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
+    out = infer_quantize("tiny-llama", tmp_path / "tiny-llama-gptq")
     hf = dequantized_float_model(ensure_builtin("tiny-llama"), out)
     prompts = random_prompts(hf.config.vocab_size, LENGTHS, seed=12)
     with LLM(str(out), runner="pooling", pooler_config={"pooling_type": "MEAN"}, block_size=4,

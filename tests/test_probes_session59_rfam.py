@@ -17,9 +17,9 @@ from infer import LLM, SamplingParams
 from infer.lora.adapter import base_targets
 
 from helpers import check_equal_transformers, greedy_each, norms_and_biases_shifted, random_prompts, save_random_model
-from lora_helpers import base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft
+from lora_helpers import FAMILY_ADAPTERS, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft
 from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel, split_gate_up
-from test_probes_session59_families import ADAPTERS, SMALL, build
+from test_probes_session59_families import SMALL, build
 
 
 @pytest.mark.parametrize("family", ["olmo2", "olmo3"])
@@ -139,7 +139,7 @@ def test_glm_peft_adapters_equal_peft_alone_and_mixed_and_lora_validate_accepts_
     GLM) and of some, mixed with a base-only row: peft's tokens; lora-validate accepts them."""
     build_glm(tmp_path / "base")
     adapters = {name: {**kw, "target_modules": base_targets("glm", kw["target_modules"])}
-                for name, kw in ADAPTERS.items()}
+                for name, kw in FAMILY_ADAPTERS.items()}
     assert "gate_up_proj" in adapters["all8"]["target_modules"]
     base, hf, paths = base_and_adapters(tmp_path, adapters)
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])

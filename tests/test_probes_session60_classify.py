@@ -355,15 +355,12 @@ def test_gptq_classifier_equals_transformers_on_dequantized_weights(tmp_path, ll
     from typer.testing import CliRunner
 
     from infer.cli.main import app
-    from quant_helpers import dequantized_float_model, has_gptqmodel
+    from quant_helpers import dequantized_float_model, has_gptqmodel, infer_quantize
     res = CliRunner().invoke(app, ["quantize", str(llama3[0]), "-o", str(tmp_path / "no")])
     assert res.exit_code != 0 and "is a classifier (LlamaForSequenceClassification)" in res.output, res.output
     if not has_gptqmodel():
         pytest.skip("needs the quantize extra (gptqmodel)")
-    out = tmp_path / "gptq"
-    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32", "--num-samples",
-                                   "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
+    out = infer_quantize("tiny-llama", tmp_path / "gptq")
     hf = dequantized_float_model(ensure_builtin("tiny-llama"), out)
     score = llama3[1].score.weight.detach().clone()
     weights = load_file(out / "model.safetensors")

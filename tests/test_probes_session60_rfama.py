@@ -10,9 +10,10 @@ import pytest
 from infer import LLM, SamplingParams
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, reasoning_request, split
 
-from helpers import (TOOLS_TEMPLATE, check_equal_transformers, forced_chat_body, greedy_each, joined_deltas,
-                     random_prompts, streamed_chat_choices, tiny_llama_with_added_tokens, tiny_llama_with_template)
-from test_probes_session60_famA import build, generate
+from helpers import (TOOLS_TEMPLATE, check_equal_transformers, check_stream_adds_up, forced_chat_body, greedy_each,
+                     greedy_tokens, joined_deltas, random_prompts, streamed_chat_choices,
+                     tiny_llama_with_added_tokens, tiny_llama_with_template)
+from test_probes_session60_famA import build
 
 SEED = ReasoningRequest("seed_oss")
 
@@ -32,13 +33,7 @@ def test_seed_oss_splits_a_whole_reply_by_its_own_tags(text, want):
 
 @pytest.mark.parametrize("text", ["<seed:think>abc</seed:think>xyz", "<seed:th", "ab</seed:thi", "<seed:think>x</se"])
 def test_a_seed_oss_stream_holds_back_its_partial_tags_and_adds_up(text):
-    sent = ("", "")
-    for k in range(len(text) + 1):
-        now = parts(SEED, text[:k], finished=k == len(text))
-        assert now[0].startswith(sent[0]) and now[1].startswith(sent[1]), (text[:k], sent, now)
-        sent = now
-    whole = split(SEED, text)
-    assert sent == (whole[0] or "", whole[1] or "")
+    check_stream_adds_up(SEED, text)
     assert parts(SEED, "<seed:th", finished=False) == ("", "")
     assert parts(SEED, "<seed:think>ab</seed:th", finished=False) == ("ab", "")
 
@@ -152,7 +147,7 @@ def test_a_stray_sliding_window_caps_the_context_and_slides_no_layer(tmp_path, f
     with LLM(str(tmp_path), block_size=4) as llm:
         assert llm.engine.max_model_len == 16
         assert [layer.self_attn.window for layer in llm.engine.runner.model.layers] == [0] * 4
-        assert generate(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
 
 
 # ------------------------------------------------------------------------------- SmolLM3's long context (YaRN)

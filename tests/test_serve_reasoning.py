@@ -24,8 +24,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, split  # noqa: E402
 
-from helpers import (TOOLS_TEMPLATE, forced_chat_body, joined_deltas, streamed_chat_choices,  # noqa: E402
-                     tiny_llama_with_template)
+from helpers import (TOOLS_TEMPLATE, check_stream_adds_up, forced_chat_body, joined_deltas,  # noqa: E402
+                     streamed_chat_choices, tiny_llama_with_template)
 
 R1, QWEN3 = ReasoningRequest("deepseek_r1"), ReasoningRequest("qwen3")
 
@@ -81,13 +81,7 @@ def test_which_requests_end_their_reasoning_before_the_reply(model):
                                   "abc", "<thin", "</think>", "ab</thi", "<think>x</think>"])
 def test_a_stream_adds_up_to_the_whole_reply(req, text):
     """At every length, each part only grows, and the last one is the whole reply's."""
-    sent = ("", "")
-    for k in range(len(text) + 1):
-        now = parts(req, text[:k], finished=k == len(text))
-        assert now[0].startswith(sent[0]) and now[1].startswith(sent[1]), (text[:k], sent, now)
-        sent = now
-    whole = split(req, text)
-    assert sent == (whole[0] or "", whole[1] or "")
+    check_stream_adds_up(req, text)
 
 
 def test_a_stream_holds_back_a_partial_tag():
