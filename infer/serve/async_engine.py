@@ -519,6 +519,10 @@ class AsyncEngine:
     def _step(self) -> None:
         stepping = self._busy()
         try:
+            if stepping:  # another thread's pause, sleep... (LLMEngine's controls) first: the lock is not first come,
+                yielding = getattr(self.engine, "yield_to_controls", None)  # first served, and this loop would take it
+                if yielding is not None:  # again at once, the control waiting until every request ended
+                    yielding()
             outputs = self.engine.step() if stepping else []
         except Exception as e:
             self._step_failed(e)
