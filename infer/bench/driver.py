@@ -135,7 +135,8 @@ class _Run:
                 rec.chunk_times.append(t)
             if o.finished:
                 del self.inflight[o.request_id]
-                vector = hasattr(getattr(o, "outputs", None), "embedding")  # a pooling request's: its prompt's vector, no token
+                # a pooling request's: its prompt's vector, no token
+                vector = hasattr(getattr(o, "outputs", None), "embedding")
                 rec.output_tokens, rec.text = (0, "") if vector else (len(o.token_ids), o.text)
                 rec.finish_reason, rec.cached_tokens = o.finish_reason, o.num_cached_tokens
                 made = vector or rec.output_tokens > 0
