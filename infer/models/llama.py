@@ -25,7 +25,8 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, POST_ONLY, activation
+from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, POST_ONLY, UNGATED,
+                       activation)
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, rope_layer_types
 from .shapes import ModelShapes
 
@@ -65,16 +66,18 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """Cohere's LayerNorm (transformers' CohereLayerNorm: the mean subtracted, no bias, in float32, rounded once):
     `size` an int, or (heads, head_dim) for Cohere's q and k norms, each head by its own weights; with `bias`,
-    StarCoder2's (nn.LayerNorm)."""
+    StarCoder2's (nn.LayerNorm); with `unit_offset` too, Nemotron's (transformers' NemotronLayerNorm1P: weighted by
+    1 + weight, that sum in the model's dtype)."""
 
-    def __init__(self, size, eps: float, dtype: torch.dtype, bias: bool = False):
+    def __init__(self, size, eps: float, dtype: torch.dtype, bias: bool = False, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False) if bias else None
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x):
-        return kernels.layer_norm(x, self.weight, self.eps, self.bias)
+        return kernels.layer_norm(x, self.weight + 1.0 if self.unit_offset else self.weight, self.eps, self.bias)
 
 
 def norm_for(cfg):
@@ -83,15 +86,17 @@ def norm_for(cfg):
     GptOssRMSNorm too); Cohere's is a LayerNorm."""
     if cfg.model_type in COHERE:
         return LayerNorm
-    if cfg.model_type == "starcoder2":
-        return functools.partial(LayerNorm, bias=True)
+    if cfg.model_type in ("starcoder2", "nemotron"):  # (Nemotron's LayerNorm1P: by 1 + weight)
+        return functools.partial(LayerNorm, bias=True, unit_offset=cfg.model_type == "nemotron")
     return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA, float_weight=cfg.model_type in FLOAT_NORMS)
 
 
 def norm_eps(cfg) -> float:
-    """The norms' epsilon: rms_norm_eps, Cohere's layer_norm_eps or StarCoder2's norm_epsilon."""
+    """The norms' epsilon: rms_norm_eps, Cohere's layer_norm_eps, StarCoder2's norm_epsilon or Nemotron's norm_eps."""
     if cfg.model_type == "starcoder2":
         return float(cfg.norm_epsilon)
+    if cfg.model_type == "nemotron":
+        return float(cfg.norm_eps)
     return float(cfg.layer_norm_eps if cfg.model_type in COHERE else cfg.rms_norm_eps)
 
 
@@ -120,7 +125,8 @@ class Attention(nn.Module):
         # config says; Seed-OSS's attention_bias is q, k and v's, attention_out_bias o's; ERNIE 4.5's use_bias all four
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
-                                                                             *COHERE, *OLMO, "smollm3", "seed_oss") \
+                                                                             *COHERE, *OLMO, "smollm3", "seed_oss",
+                                                                             "arcee", "nemotron", "apertus") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -132,7 +138,7 @@ class Attention(nn.Module):
         o_bias = bool(getattr(cfg, "attention_out_bias", False)) if kind == "seed_oss" else declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4")  # Gemma 3's by 1 + w
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus")  # Gemma 3's by 1 + w
         # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
         self.qk_norm_whole = kind in OLMO
         if kind == "cohere" and getattr(cfg, "use_qk_norm", False):  # Command R+: a LayerNorm per head, each its own
@@ -275,22 +281,67 @@ class MLP(nn.Module):
         return self.down_proj.forward_deferred(act, ctx)
 
 
-class GeluMLP(nn.Module):
-    """StarCoder2's MLP (transformers' Starcoder2MLP): c_proj(gelu_tanh(c_fc(x))), biases where use_bias says; no
-    gate. The activation is torch's (gelu_pytorch_tanh) on the CPU and the GPU alike."""
+class XIELU(nn.Module):
+    """Apertus's activation (transformers' XIELUActivation, its Python path): with learned scalars alpha_p, alpha_n
+    (stored before softplus) and the constants beta and eps of the checkpoint, x > 0: softplus(alpha_p) x² + beta x,
+    else (expm1(min(x, eps)) - x)(beta + softplus(alpha_n)) + beta x, in the model's dtype; torch's ops on the CPU and
+    the GPU alike."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        for name in ("alpha_p", "alpha_n"):
+            setattr(self, name, nn.Parameter(torch.zeros(1, dtype=dtype), requires_grad=False))
+        for name in ("beta", "eps"):
+            setattr(self, name, nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False))
+
+    def forward(self, x):
+        alpha_p = torch.nn.functional.softplus(self.alpha_p)
+        alpha_n = self.beta + torch.nn.functional.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+
+class UngatedMLP(nn.Module):
+    """An MLP without gate: down(act(up(x))). StarCoder2's (transformers' Starcoder2MLP: c_fc, gelu's tanh
+    approximation, c_proj, biases where use_bias says), Arcee's and Nemotron's (up_proj, relu(x)², down_proj, biases
+    where mlp_bias says) and Apertus's (up_proj, xIELU of the layer's learned act_fn parameters, down_proj). The
+    layers are registered under the checkpoint's names (`proj_names`); the activation is torch's on the CPU and the GPU
+    alike; down's LoRA delta may be left to the rms_norm after it (Arcee's, Apertus's: _norm_consumer)."""
 
     def __init__(self, cfg, prefix: str, method_for, dtype):
         super().__init__()
-        bias = bool(getattr(cfg, "use_bias", True))
-        names = [f"{prefix}.c_fc"], [f"{prefix}.c_proj"]
-        self.c_fc = MergedLinear(cfg.hidden_size, [cfg.intermediate_size], names[0], bias, method_for(names[0]), dtype)
-        self.c_proj = MergedLinear(cfg.intermediate_size, [cfg.hidden_size], names[1], bias, method_for(names[1]),
-                                   dtype)
+        self.act = activation(cfg)
+        if cfg.model_type == "starcoder2":
+            bias, self.proj_names = bool(getattr(cfg, "use_bias", True)), ("c_fc", "c_proj")
+        else:  # (Apertus's have none, whatever its config says)
+            bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type != "apertus"
+            self.proj_names = ("up_proj", "down_proj")
+        widths = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size)
+        for i, proj in enumerate(self.proj_names):
+            names = [f"{prefix}.{proj}"]
+            self.add_module(proj, MergedLinear(widths[i], [widths[i + 1]], names, bias, method_for(names), dtype))
+        self.down.lora_consumer = _norm_consumer(cfg, dtype)
+        if self.act == "xielu":
+            self.act_fn = XIELU(dtype)
+
+    @property
+    def up(self) -> MergedLinear:
+        return getattr(self, self.proj_names[0])
+
+    @property
+    def down(self) -> MergedLinear:
+        return getattr(self, self.proj_names[1])
 
     def forward(self, x, ctx):
-        """(the MLP's output, None: no LoRA delta left to the next norm)."""
-        h = torch.nn.functional.gelu(self.c_fc(x, ctx), approximate="tanh")
-        return self.c_proj(h, ctx), None
+        """(the MLP's output, the down projection's LoRA delta that the next rms_norm adds, or None)."""
+        h = self.up(x, ctx)
+        if self.act == "gelu_tanh":
+            h = torch.nn.functional.gelu(h, approximate="tanh")
+        elif self.act == "relu2":
+            h = torch.square(torch.relu(h))
+        else:
+            h = self.act_fn(h)
+        return self.down.forward_deferred(h, ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -298,8 +349,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         p = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
-        if cfg.model_type == "starcoder2":
-            self.mlp = GeluMLP(cfg, f"{p}.mlp", method_for, dtype)
+        if cfg.model_type in UNGATED:
+            self.mlp = UngatedMLP(cfg, f"{p}.mlp", method_for, dtype)
         elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
             moe = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
             self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
@@ -308,6 +359,12 @@ class DecoderLayer(nn.Module):
         norm = norm_for(cfg)
         if cfg.model_type in COHERE:  # one norm, whose output the attention and the MLP both read
             self.input_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
+            return
+        if cfg.model_type == "apertus":  # Llama's two norms, under Apertus's names (input_layernorm and
+            self.attention_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)  # post_attention_layernorm
+            self.feedforward_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)  # for the model's loop: not
+            object.__setattr__(self, "input_layernorm", self.attention_layernorm)  # registered twice)
+            object.__setattr__(self, "post_attention_layernorm", self.feedforward_layernorm)
             return
         if cfg.model_type not in POST_ONLY:  # (OLMo's and EXAONE 4's norm the attention's and MLP's outputs only)
             self.input_layernorm = norm(cfg.hidden_size, norm_eps(cfg), dtype)
@@ -339,8 +396,8 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     """The lora_consumer of o_proj and down_proj: the rms_norm after them (by 1 + w for Gemma; without the residual
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
-    if cfg.model_type in ("granite", *COHERE, "starcoder2"):  # (Cohere, StarCoder2: the outputs go to the residual,
-        return None  # no norm with a residual after them)
+    if cfg.model_type in ("granite", *COHERE, "starcoder2", "nemotron"):  # (Cohere, StarCoder2, Nemotron: the outputs
+        return None  # go to the residual, no norm with a residual after them)
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)
 
@@ -810,7 +867,7 @@ class Exaone4ForCausalLM(_NoPE, Olmo2ForCausalLM):
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     """BigCode's StarCoder2 (transformers' Starcoder2ForCausalLM): Llama's layer of two norms as LayerNorms with biases
-    (nn.LayerNorm, norm_epsilon), biases on every projection (use_bias), an MLP without gate (GeluMLP: c_fc, gelu's
+    (nn.LayerNorm, norm_epsilon), biases on every projection (use_bias), an MLP without gate (UngatedMLP: c_fc, gelu's
     tanh approximation, c_proj), a sliding window on every layer where sliding_window is set (as Mistral's), a tied
     head by default. The norms add no residual (a LayerNorm kernel of its own): its loop adds the outputs itself."""
 
@@ -845,3 +902,31 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
                 return self.norm(h), None
             x = self.layers[i].input_layernorm(h)
         return self.layers[i].self_attn.query(positions, x, ctx, self._rope(i)), h
+
+
+class _Ungated:
+    """A model whose MLP has no gate (UngatedMLP) under Llama's names up_proj and down_proj: its checkpoint's up_proj
+    is a layer of its own, not gate_up_proj's second shard (the loader routes a tensor by packed_modules_mapping). Put
+    before the model class it extends."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+
+class ArceeForCausalLM(_Ungated, LlamaForCausalLM):
+    """Arcee's AFM (transformers' ArceeForCausalLM: AFM-4.5B): Llama's layers and checkpoint names (biases where
+    attention_bias and mlp_bias say, its yarn rope), with an MLP without gate: down_proj(relu(up_proj(x))²)
+    (UngatedMLP)."""
+
+
+class ApertusForCausalLM(_Ungated, LlamaForCausalLM):
+    """Swiss AI's Apertus (transformers' ApertusForCausalLM: Apertus-8B, 70B): Llama's layer of two RMSNorms under the
+    names attention_layernorm and feedforward_layernorm (DecoderLayer), q and k normed per head (as Qwen3's), an MLP
+    without gate or biases: down_proj(xIELU(up_proj(x))), the xIELU of each layer's learned alpha_p and alpha_n
+    (mlp.act_fn: XIELU), its llama3 rope."""
+
+
+class NemotronForCausalLM(_Ungated, Starcoder2ForCausalLM):
+    """NVIDIA's Nemotron-4 and Minitron (transformers' NemotronForCausalLM): StarCoder2's loop of two LayerNorms with
+    biases a layer, each weighting by 1 + weight (LayerNorm1P: LayerNorm's unit_offset; norm_eps), biases where
+    attention_bias and mlp_bias say, an MLP without gate: down_proj(relu(up_proj(x))²) (UngatedMLP), a partial rotary
+    (partial_rotary_factor, 0.5 by default: rope.partial_rotary), no sliding window."""

@@ -29,6 +29,9 @@ SUPPORTED = {
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Starcoder2ForCausalLM": "starcoder2",
+    "ArceeForCausalLM": "arcee",  # Arcee's AFM: Llama with an MLP without gate (up, relu², down)
+    "NemotronForCausalLM": "nemotron",  # NVIDIA's Nemotron-4 / Minitron: LayerNorm1P, relu² MLP without gate
+    "ApertusForCausalLM": "apertus",  # Swiss AI's Apertus: xIELU MLP without gate, q/k norms
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -54,6 +57,12 @@ FLOAT_NORMS = (*OLMO, "gpt_oss")
 # logits scaled by logit_scale, a rotary of interleaved pairs; Command R+'s q and k LayerNorms per head (use_qk_norm);
 # Cohere 2's sliding window on 3 layers of 4 (layer_types) and no rotary on the full layers (NoPE)
 COHERE = ("cohere", "cohere2")
+# the families whose MLP has no gate (models.llama.UngatedMLP: down(act(up(x)))): StarCoder2's (c_fc, gelu, c_proj),
+# Arcee's and Nemotron's (up_proj, relu², down_proj), Apertus's (up_proj, xIELU of learned parameters, down_proj)
+UNGATED = ("starcoder2", "arcee", "nemotron", "apertus")
+# the activation each ungated family's hidden_act must name (transformers' ACT2FN name) and infer's name for it
+UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu2", "relu2"),
+               "nemotron": ("relu2", "relu2"), "apertus": ("xielu", "xielu")}
 
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
@@ -68,6 +77,10 @@ _COHERE = ("infer runs Cohere's dense Command R, R+ (CohereForCausalLM, model_ty
 _EXAONE = "infer runs LG's EXAONE 4.0 (Exaone4ForCausalLM, model_type exaone4): use an EXAONE 4.0 checkpoint"
 _STARCODER = ("infer runs BigCode's StarCoder2 (Starcoder2ForCausalLM, model_type starcoder2): use a StarCoder2 "
               "checkpoint")
+_ARCEE = "infer runs Arcee's dense AFM (ArceeForCausalLM, model_type arcee: AFM-4.5B): use an AFM checkpoint"
+_NEMOTRON = ("infer runs NVIDIA's dense Nemotron-4 and Minitron (NemotronForCausalLM, model_type nemotron): use one "
+             "of those")
+_APERTUS = "infer runs Swiss AI's Apertus text models (ApertusForCausalLM, model_type apertus: Apertus-8B, 70B)"
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
     "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
@@ -96,6 +109,15 @@ NEAR_FAMILIES = {
     "exaone4_5": ("EXAONE 4.5, a vision-language model (model_type exaone4_5)", _EXAONE),
     "gpt_bigcode": ("the first StarCoder and SantaCoder (GPTBigCodeForCausalLM: multi-query attention, learned "
                     "position embeddings)", _STARCODER),
+    "afmoe": ("Arcee's Trinity, a mixture of experts (AfmoeForCausalLM)", _ARCEE),
+    "nemotron_h": ("Nemotron-H, NVIDIA's hybrid of Mamba-2 and attention layers (NemotronHForCausalLM)", _NEMOTRON),
+    "nemotron-nas": ("Llama-Nemotron's neural-architecture-searched layers (DeciLMForCausalLM: Llama-3.1-Nemotron "
+                     "Nano/Super/Ultra), layers of differing shapes", _NEMOTRON),
+    "nemotron_h_omni": ("Nemotron-H's multimodal model (model_type nemotron_h_omni)", _NEMOTRON),
+    "apertus1p5": ("Apertus 1.5's multimodal model (a vision tower and a language model)",
+                   _APERTUS + ": use an Apertus text checkpoint"),
+    "apertus1p5_text": ("Apertus 1.5's language model (model_type apertus1p5_text: its own layout)",
+                        _APERTUS + ": use one of those"),
     "aya_vision": ("Aya Vision, Cohere's multimodal model (AyaVisionForConditionalGeneration)", _COHERE),
 }
 
@@ -138,15 +160,17 @@ def check_supported(cfg) -> str:
 
 def activation(cfg) -> str:
     """The MLP's activation as infer computes it: "silu" (the Llama family), or "gelu_tanh" (Gemma's GeGLU:
-    transformers' gelu_pytorch_tanh, which Gemma reads from hidden_act and Gemma 2 and 3 from hidden_activation);
+    transformers' gelu_pytorch_tanh, which Gemma reads from hidden_act and Gemma 2 and 3 from hidden_activation;
+    StarCoder2's MLP without gate), "relu2" (relu(x)², Arcee's and Nemotron's) or "xielu" (Apertus's);
     anything else is an UnsupportedModelError naming the field."""
     model_type = getattr(cfg, "model_type", None)
-    if model_type == "starcoder2":  # (its MLP is not gated: c_fc, the activation, c_proj)
-        act = getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"
-        if act != "gelu_pytorch_tanh":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported for starcoder2",
-                                        "StarCoder2's MLP uses gelu_pytorch_tanh (gelu's tanh approximation)")
-        return "gelu_tanh"
+    if model_type in UNGATED:  # (an MLP without gate: up, the activation, down; StarCoder2's c_fc, c_proj)
+        name, ours = UNGATED_ACT[model_type]
+        act = getattr(cfg, "hidden_act", None) or name
+        if act != name:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported for {model_type}",
+                                        f"{model_type}'s MLP uses {name}, the only activation infer computes for it")
+        return ours
     if model_type in GEMMA:
         field = "hidden_act" if model_type == "gemma" else "hidden_activation"
         act = getattr(cfg, field, None) or "gelu_pytorch_tanh"
@@ -189,12 +213,14 @@ def model_class(cfg):
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class()
-    from .llama import (CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM,
-                        Glm4ForCausalLM, GraniteForCausalLM, LlamaForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM,
-                        Phi3ForCausalLM, SmolLM3ForCausalLM, Starcoder2ForCausalLM)
+    from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
+                        Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
+                        NemotronForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
+                        Starcoder2ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
             "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
             "glm4": Glm4ForCausalLM, "smollm3": SmolLM3ForCausalLM, "cohere": CohereForCausalLM,
             "cohere2": CohereForCausalLM, "exaone4": Exaone4ForCausalLM,
-            "starcoder2": Starcoder2ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "starcoder2": Starcoder2ForCausalLM, "arcee": ArceeForCausalLM, "nemotron": NemotronForCausalLM,
+            "apertus": ApertusForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

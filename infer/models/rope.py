@@ -93,9 +93,9 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
 def partial_rotary(cfg) -> bool:
     """Whether the family's attention rotates only the first rotary dims of each head (the rope table's width) and
     passes the rest: transformers' Phi-3 and GLM-4 (apply_rotary_pos_emb slices q and k at the width of cos), whose
-    partial_rotary_factor (Phi-4-mini: 0.75, GLM-4: 0.5) sets that width. Llama, Mistral, Qwen and Gemma rotate
-    whole heads."""
-    return getattr(cfg, "model_type", None) in ("phi3", "glm", "glm4")
+    partial_rotary_factor (Phi-4-mini: 0.75, GLM-4: 0.5, Nemotron: 0.5 by default) sets that width. Llama, Mistral,
+    Qwen and Gemma rotate whole heads."""
+    return getattr(cfg, "model_type", None) in ("phi3", "glm", "glm4", "nemotron")
 
 
 def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
@@ -161,7 +161,8 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
     if width != head_dim and not (partial_rotary(cfg) and width < head_dim):
         # transformers' Llama-family attention rotates whole heads (it fails here); Phi-3's rotates the first
         # `width` dims and passes the rest (every rotary kernel does: the table's width), never more than the head
-        hint = ("partial_rotary_factor must be at most 1: Phi-3 and GLM-4 rotate part of each head, never more than "
+        hint = ("partial_rotary_factor must be at most 1: Phi-3, GLM-4 and Nemotron rotate part of each head, never "
+                "more than "
                 "all of it"
                 if partial_rotary(cfg) else "remove partial_rotary_factor from the rope parameters: Llama, Mistral, "
                 "Qwen and Gemma rotate the whole head")
