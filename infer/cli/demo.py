@@ -100,9 +100,13 @@ def _check_args(out: Path, model: str) -> Path:
         raise ConfigError(f"--model {model!r} is not a built-in model",
                           f"choose one of: {', '.join(BUILTIN_MODELS)}")
     from ..models.moe import BASE as MOE_TYPES
-    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, "starcoder2")]
-    if BUILTIN_MODELS[model].arch == "starcoder2":  # (its chain's steps are not checked on StarCoder2's MLP)
-        raise ConfigError(f"--model {model} is a StarCoder2, which the demo's chain does not take",
+    from ..models.registry import UNGATED
+    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, *UNGATED)]
+    if BUILTIN_MODELS[model].arch in UNGATED:  # (its chain's steps are not checked on an MLP without gate)
+        what = {"starcoder2": "StarCoder2", "arcee": "Arcee AFM", "nemotron": "Nemotron",
+                "apertus": "Apertus"}[BUILTIN_MODELS[model].arch]
+        raise ConfigError(f"--model {model} is a{'n' if what[0] == 'A' else ''} {what}, which the demo's chain does not "
+                          "take (its MLP has no gate)",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)

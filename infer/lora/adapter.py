@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LoRAError
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts
-from ..models.registry import COHERE, GLM
+from ..models.registry import COHERE, GLM, UNGATED
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
@@ -38,10 +38,13 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
-    gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down), each once."""
+    gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down; an MLP without gate's up_proj in place of
+    gate/up), each once."""
     if model_type == "starcoder2":
         mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
         return list(dict.fromkeys(mlp.get(t, t) for t in targets))
+    if model_type in UNGATED:  # (Arcee, Nemotron, Apertus: up_proj, down_proj)
+        return list(dict.fromkeys("up_proj" if t == "gate_proj" else t for t in targets))
     if model_type in GLM:
         return list(dict.fromkeys("gate_up_proj" if t in ("gate_proj", "up_proj") else t for t in targets))
     if model_type != "phi3":
@@ -80,14 +83,16 @@ _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj":
 # (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs')
 V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
-                 "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj)")
+                 "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
+                 "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
-# phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, starcoder2, smollm3, seed_oss or ernie4_5 entry,
+# phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, starcoder2, smollm3, seed_oss, ernie4_5, arcee,
+# nemotron or apertus entry,
 # and peft refuses such an adapter on those bases ("Please specify `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
 PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4", "starcoder2", "smollm3", "seed_oss",
-                   "ernie4_5")
+                   "ernie4_5", "arcee", "nemotron", "apertus")
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -344,8 +349,10 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     act = ".mlp.activation_fn" if phi3 or model_type in GLM else ".mlp.act" if model_type == "starcoder2" else \
         ".mlp.act_fn"  # (StarCoder2's Starcoder2MLP: act)
     per_layer = ["", ".self_attn", ".mlp", act,
-                 *([] if olmo else [".input_layernorm"]),
-                 *([] if model_type in COHERE else [".post_attention_layernorm"])]
+                 *([] if olmo or model_type == "apertus" else [".input_layernorm"]),
+                 *([] if model_type in (*COHERE, "apertus") else [".post_attention_layernorm"])]
+    if model_type == "apertus":  # (Llama's two norms under its names; q and k normed per head)
+        per_layer += [".attention_layernorm", ".feedforward_layernorm", ".self_attn.q_norm", ".self_attn.k_norm"]
     if model_type == "cohere" and getattr(base_config, "use_qk_norm", False):  # (Cohere: its one norm a layer)
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     if phi3:
@@ -392,6 +399,9 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     if getattr(base_config, "model_type", None) == "starcoder2":  # c_fc, c_proj: its MLP without gate
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
+    if getattr(base_config, "model_type", None) in UNGATED:  # up_proj, down_proj: an MLP without gate
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
     if getattr(base_config, "model_type", None) in GLM:  # q, k and v apart, gate|up one module
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}

@@ -24,6 +24,7 @@ import torch
 from ..errors import LoRAError, LoRANameError, OutOfMemoryError
 from ..models.layers import MergedLinear
 from ..models.moe import SparseMoeBlock
+from ..models.registry import UNGATED
 from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
 from .experts import ExpertLoRA, expert_names
@@ -232,7 +233,8 @@ class LoRAManager:
         if missing:
             raise LoRAError(f"LoRA adapter {name!r} ({path}): adapts {missing[0]}, which the loaded model lacks",
                             "the adapter was trained for another architecture")
-        check_adapter_targets(name, adapter.modules, self._chosen, self.target_modules)
+        check_adapter_targets(name, adapter.modules, self._chosen, self.target_modules,
+                              self.base_config.model_type in UNGATED)
         return adapter
 
     def _cache(self, adapter: LoRAAdapter) -> None:

@@ -1,7 +1,8 @@
 """--lora-target-modules (vLLM's LoRAConfig.target_modules): which of a model's layers get adapter slots.
 
 Names are the checkpoint's (peft's target_modules) projection names, q_proj .. down_proj (StarCoder2's MLP: c_fc,
-c_proj), or infer's fused layers:
+c_proj; an MLP without gate, Arcee's, Nemotron's and Apertus's: up_proj and down_proj, each a layer of its own), or
+infer's fused layers:
 qkv_proj (q_proj, k_proj and v_proj, which infer computes as one layer whose slots hold all three), gate_up_proj
 (gate_proj and up_proj); `experts` is a mixture of experts' stacked experts (peft's target_parameters
 mlp.experts.gate_up_proj / down_proj: one unit of slots), `shared_expert` Qwen2-MoE's shared expert (its three layers;
@@ -20,6 +21,10 @@ FLAG = "--lora-target-modules"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 STARCODER2_MLP = ("c_fc", "c_proj")  # StarCoder2's MLP (no gate)
+UNGATED_MLP = ("up_proj", "down_proj")  # Arcee's, Nemotron's and Apertus's MLP (no gate)
+# the names whose layers memory.sizes counts as a dense MLP's gate_up_proj and down_proj (an MLP without gate's up
+# and down layers: within those widths)
+_SLOTS_AS = {"gate_up_proj": ("gate_up_proj", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
 ALL_NAMES = (*ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)  # every name some model takes
 
 
@@ -45,9 +50,12 @@ def model_target_names(model_config) -> list[str]:
     layers = range(int(model_config.num_hidden_layers))
     sparse = [is_sparse(model_config, i) for i in layers]
     shared = model_config.model_type == "qwen2_moe" and any(sparse)
+    from ..models.registry import UNGATED
     names = list(ATTENTION)
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
+    if model_config.model_type in UNGATED:
+        return names + list(UNGATED_MLP)
     if not all(sparse) or shared:
         names += MLP
     if any(sparse):
@@ -72,6 +80,9 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
                           f"{', '.join(valid)})", f"name modules among {', '.join(valid)}, or leave {FLAG} out for "
                           "all of them")
     chosen = set(targets)
+    from ..models.registry import UNGATED
+    if model_config.model_type in UNGATED:  # (no fused MLP: up_proj a layer of its own)
+        return frozenset(chosen)
     for fused, parts in FUSED.items():
         named = [p for p in parts if p in chosen]
         if fused in chosen:
@@ -102,11 +113,23 @@ def selects(chosen: frozenset[str] | None, proj: str) -> bool:
     return leaf in chosen or (head == SHARED and SHARED in chosen)
 
 
-def target_name(proj: str) -> str:
-    """The --lora-target-modules name that selects `proj` (the fused layer's, for a fused projection)."""
+def selects_as(chosen: frozenset[str] | None, proj: str) -> bool:
+    """selects(chosen, proj), where an MLP without gate's layers count as the dense MLP's (memory.sizes: a selected
+    up_proj or c_fc as gate_up_proj, c_proj as down_proj), for the sizes of their slots and temporaries."""
+    if chosen is None or proj.rpartition(".")[2] not in _SLOTS_AS:
+        return selects(chosen, proj)
+    head = proj.rpartition(".")[0]
+    return any(selects(chosen, f"{head}.{p}" if head else p) for p in _SLOTS_AS[proj.rpartition(".")[2]])
+
+
+def target_name(proj: str, ungated: bool = False) -> str:
+    """The --lora-target-modules name that selects `proj` (the fused layer's, for a fused projection; `ungated`: of
+    a model whose MLP has no gate, whose up_proj is a layer of its own)."""
     head, _, leaf = proj.rpartition(".")
     if head == EXPERTS:
         return EXPERTS
+    if ungated:
+        return leaf
     return next((fused for fused, parts in FUSED.items() if leaf in parts), leaf)
 
 
@@ -118,16 +141,18 @@ def module_proj(name: str) -> str:
     return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2] in (SHARED, EXPERTS) else parts[-1]
 
 
-def check_adapter_targets(name: str, modules, chosen: frozenset[str] | None, given: list[str] | None) -> None:
+def check_adapter_targets(name: str, modules, chosen: frozenset[str] | None, given: list[str] | None,
+                          ungated: bool = False) -> None:
     """LoRAError when adapter `name` has weights (its `modules`: base module path -> module) on a layer the
-    selection gives no slots: served without them, it would compute other tokens than peft."""
+    selection gives no slots: served without them, it would compute other tokens than peft. `ungated`: the base's
+    MLP has no gate (target_name)."""
     outside = [m for m in modules if not selects(chosen, module_proj(m))]
     if not outside:
         return
     order = {n: i for i, n in enumerate(ALL_NAMES)}  # (the projections in the order the flag's help lists them)
     projs = sorted(dict.fromkeys(module_proj(m) for m in outside),
-                   key=lambda p: (order.get(target_name(p), 0), order.get(p.rpartition(".")[2], 0)))
-    names = list(dict.fromkeys(target_name(p) for p in projs))
+                   key=lambda p: (order.get(target_name(p, ungated), 0), order.get(p.rpartition(".")[2], 0)))
+    names = list(dict.fromkeys(target_name(p, ungated) for p in projs))
     raise LoRAError(f"LoRA adapter {name!r} has weights on {', '.join(projs)} ({len(outside)} module(s), e.g. "
                     f"{outside[0]}), which {FLAG} {','.join(given or [])} leaves without adapter slots",
                     f"add {', '.join(names)} to {FLAG}, or serve an adapter trained on those modules only")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, LoRAError
+from ..models.registry import UNGATED
 from .adapter import PROJECTIONS, Problem, expected_shapes, layer_count, module_scaling, read_adapter
 from .targets import check_adapter_targets, check_target_modules
 
@@ -131,7 +132,7 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None, base
         report.size_mismatch = size_mismatch_line(adapter, base_config, len(report.size_problems))
     try:
         check_adapter_targets(name, adapter.modules, check_target_modules(target_modules, base_config),
-                              target_modules)
+                              target_modules, getattr(base_config, "model_type", None) in UNGATED)
     except LoRAError as e:
         report.problems.append(Problem(e.message.removeprefix(f"LoRA adapter {name!r} "), e.hint or ""))
     cfg = adapter.config

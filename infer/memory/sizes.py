@@ -89,7 +89,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     its shared expert's (Qwen2-MoE, of its own width) and every expert's A and B of gate_up and down
     (lora.experts.ExpertLoRA). `target_modules` (--lora-target-modules, lora.targets): only the layers it selects."""
     from ..lora.experts import expert_slot_elements
-    from ..lora.targets import check_target_modules, selects
+    from ..lora.targets import check_target_modules, selects, selects_as
     from ..models.moe import expert_size, is_sparse, num_experts
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
@@ -97,8 +97,8 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     chosen = check_target_modules(target_modules, model_config)
 
     def mlp(width: int, prefix: str = "") -> int:  # gate_up's and down_proj's A widths + B heights
-        return (2 * h + 2 * width) * selects(chosen, prefix + "gate_up_proj") + \
-            (width + h) * selects(chosen, prefix + "down_proj")
+        return (2 * h + 2 * width) * selects_as(chosen, prefix + "gate_up_proj") + \
+            (width + h) * selects_as(chosen, prefix + "down_proj")  # (an MLP without gate's up, down: within these)
     per_rank = 0
     for layer in range(model_config.num_hidden_layers):
         per_rank += (3 * h + q + 2 * kv) * selects(chosen, "qkv_proj") + (q + h) * selects(chosen, "o_proj")
@@ -196,11 +196,11 @@ def _slotted_peak(model_config, chosen: frozenset[str] | None, base: int, qkv: i
     """`base` plus the largest of the four layers' terms among those `chosen` gives adapter slots (lora.targets;
     gate_up and down_proj: a dense MLP's, or Qwen2-MoE's shared expert's, which the terms' width bounds); 0 when
     none is chosen."""
-    from ..lora.targets import selects
+    from ..lora.targets import selects_as
     terms = {"qkv_proj": qkv, "o_proj": o, "gate_up_proj": gate_up, "down_proj": down}
     shared = model_config.model_type == "qwen2_moe"
     picked = [t for proj, t in terms.items()
-              if selects(chosen, proj) or (shared and proj in _MLP and selects(chosen, "shared_expert." + proj))]
+              if selects_as(chosen, proj) or (shared and proj in _MLP and selects_as(chosen, "shared_expert." + proj))]
     return base + max(picked) if picked else 0
 
 

@@ -108,6 +108,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # StarCoder2: LayerNorms with biases, biases everywhere, a gelu MLP without gate (c_fc, c_proj), a sliding window
     # on every layer (as long as the context here). Untied head (as Gemma's above)
     "tiny-starcoder2": TinySpec("starcoder2", 21, config=dict(_TINY, sliding_window=4096, tie_word_embeddings=False)),
+    # Arcee's AFM: Llama's layers with an MLP without gate (up_proj, relu², down_proj). Untied head (as Gemma's above)
+    "tiny-arcee": TinySpec("arcee", 22, config=dict(_TINY, tie_word_embeddings=False)),
+    # Nemotron (Minitron's shape): LayerNorm1P with biases (by 1 + w), the relu² MLP without gate, half of each head
+    # rotated (head_dim 16: 8 dims)
+    "tiny-nemotron": TinySpec("nemotron", 23, config=dict(_TINY, partial_rotary_factor=0.5)),
+    # Apertus: the xIELU MLP without gate (its learned parameters per layer), q and k RMSNorms per head, its llama3 rope
+    "tiny-apertus": TinySpec("apertus", 24, config=dict(_TINY)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -206,7 +213,8 @@ def _build(spec: TinySpec, out: Path) -> None:
                           "gpt_oss": "GptOssForCausalLM",
                           "cohere": "CohereForCausalLM",
                           "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                          "starcoder2": "Starcoder2ForCausalLM"}[spec.arch]]
+                          "starcoder2": "Starcoder2ForCausalLM", "arcee": "ArceeForCausalLM",
+                          "nemotron": "NemotronForCausalLM", "apertus": "ApertusForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
