@@ -17,7 +17,7 @@ from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
 from .classifier import add_score_head, is_classifier, set_token_head, token_head
 from .layers import MergedLinear, UnquantizedLinearMethod
-from .registry import check_supported, model_class
+from .registry import check_near_family, check_supported, model_class
 from .rope import check_rope
 from .shapes import check_config_values, check_shapes
 
@@ -38,7 +38,9 @@ def _dtype_name(d) -> str:
 def load_config(path: Path):
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json", "pass a Hugging Face model folder")
-    check_config_values(read_config_json(path))  # (bad JSON, a size of 0: said before transformers reads it)
+    raw = read_config_json(path)
+    check_config_values(raw)  # (bad JSON, a size of 0: said before transformers reads it)
+    check_near_family(raw.get("model_type"), raw.get("architectures") or [])  # (remote code transformers lacks)
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # an unknown model_type, a field of the wrong type, ...

@@ -140,10 +140,7 @@ def check_supported(cfg) -> str:
             "config.json of a MistralForCausalLM has layer_types, which makes transformers run it as Ministral "
             "(sliding attention on some layers only), an architecture infer does not run",
             "if every layer slides over sliding_window (Mistral), remove layer_types from config.json")
-    if model_type in NEAR_FAMILIES:  # (their architectures share a name with a supported family's)
-        what, hint = NEAR_FAMILIES[model_type]
-        raise UnsupportedModelError(f"{archs or model_type!r} (model_type {model_type!r}) is {what}, which infer "
-                                    "does not run", hint)
+    check_near_family(model_type, archs)
     if arch is None or model_type not in SUPPORTED.values():
         raise UnsupportedModelError(
             f"unsupported architecture {archs or model_type!r} (model_type {model_type!r})",
@@ -156,6 +153,16 @@ def check_supported(cfg) -> str:
     from .moe import check_moe
     check_moe(cfg)
     return arch
+
+
+def check_near_family(model_type, archs) -> None:
+    """Refuse a neighbour of a supported family that infer does not run (NEAR_FAMILIES), naming what it is; also
+    before transformers reads its config.json (models.loader: some, such as Llama-Nemotron's nemotron-nas, are remote
+    code that transformers does not know)."""
+    if model_type in NEAR_FAMILIES:  # (their architectures share a name with a supported family's)
+        what, hint = NEAR_FAMILIES[model_type]
+        raise UnsupportedModelError(f"{archs or model_type!r} (model_type {model_type!r}) is {what}, which infer "
+                                    "does not run", hint)
 
 
 def activation(cfg) -> str:
