@@ -105,8 +105,9 @@ def _check_args(out: Path, model: str) -> Path:
     if BUILTIN_MODELS[model].arch in UNGATED:  # (its chain's steps are not checked on an MLP without gate)
         what = {"starcoder2": "StarCoder2", "arcee": "Arcee AFM", "nemotron": "Nemotron",
                 "apertus": "Apertus"}[BUILTIN_MODELS[model].arch]
-        raise ConfigError(f"--model {model} is a{'n' if what[0] == 'A' else ''} {what}, which the demo's chain does not "
-                          "take (its MLP has no gate)",
+        article = "an" if what[0] == "A" else "a"
+        raise ConfigError(f"--model {model} is {article} {what}, which the demo's chain does not take (its MLP has "
+                          "no gate)",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)
