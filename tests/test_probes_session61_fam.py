@@ -323,3 +323,24 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
 @pytest.mark.parametrize("name", BUILTIN)
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
     check_run_and_bench_builtin(tmp_path, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_xielu_equals_transformers_bit_for_bit(dtype):
+    """Apertus's activation equals transformers' XIELUActivation (its Python path) bit for bit, over negative, zero and
+    positive inputs and learned parameters other than their init, in float32 and bfloat16."""
+    from transformers.activations import XIELUActivation
+
+    from infer.models.llama import XIELU
+    g = torch.Generator().manual_seed(0)
+    hf = XIELUActivation(dtype=dtype)
+    ours = XIELU(dtype)
+    with torch.no_grad():
+        hf.alpha_p.add_(0.3)
+        hf.alpha_n.sub_(0.2)
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            getattr(ours, name).copy_(getattr(hf, name))
+    x = (torch.randn(7, 96, generator=g) * 4).to(dtype)
+    x[0, :3] = 0
+    with torch.no_grad():
+        assert torch.equal(ours(x), hf._xielu_python(x))

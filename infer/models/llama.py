@@ -295,10 +295,15 @@ class XIELU(nn.Module):
             setattr(self, name, nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False))
 
     def forward(self, x):
+        """transformers' ops in its order (the same values, bit for bit), in place where they can be: beside x, no
+        more than three more tensors of its size (the MLP's peak of the memory plan's 4 * intermediate_size)."""
         alpha_p = torch.nn.functional.softplus(self.alpha_p)
         alpha_n = self.beta + torch.nn.functional.softplus(self.alpha_n)
-        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
-                           (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x)
+        pos = alpha_p * x
+        pos.mul_(x).add_(self.beta * x)
+        neg = torch.minimum(x, self.eps)
+        neg.expm1_().sub_(x).mul_(alpha_n).add_(self.beta * x)
+        return torch.where(x > 0, pos, neg, out=neg)
 
 
 class UngatedMLP(nn.Module):
@@ -337,8 +342,8 @@ class UngatedMLP(nn.Module):
         h = self.up(x, ctx)
         if self.act == "gelu_tanh":
             h = torch.nn.functional.gelu(h, approximate="tanh")
-        elif self.act == "relu2":
-            h = torch.square(torch.relu(h))
+        elif self.act == "relu2":  # (in place: up's output is this MLP's own)
+            h = torch.relu_(h).square_()
         else:
             h = self.act_fn(h)
         return self.down.forward_deferred(h, ctx)
