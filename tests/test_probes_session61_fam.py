@@ -24,7 +24,8 @@ from infer.errors import UnsupportedModelError
 
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
                      check_greedy_and_logprobs_equal_transformers, check_run_and_bench_builtin,
-                     check_served_completion_equals_transformers, greedy_each, norms_and_biases_shifted,
+                     check_served_completion_equals_transformers, greedy_each, greedy_tokens,
+                     norms_and_biases_shifted,
                      random_prompts, save_random_model)
 from lora_helpers import (check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft,
@@ -290,6 +291,20 @@ def test_an_adapter_outside_the_target_modules_names_up_proj(family_lora):
         with pytest.raises(LoRAError, match="has weights on up_proj") as e:
             llm.engine.add_lora("all8", paths["all8"])
     assert "add up_proj to --lora-target-modules" in e.value.hint
+
+
+def test_convert_merge_lora_gives_the_served_adapters_tokens(family_lora, tmp_path):
+    """`infer convert --merge-lora` of an adapter of every projection (up_proj and down_proj too: peft's merge) gives
+    the tokens infer serves with that adapter, other than the base's."""
+    _, base, _, paths = family_lora
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(tmp_path / "m"), "--merge-lora", str(paths["all8"])])
+    assert res.exit_code == 0, res.output
+    prompts = random_prompts(512, (5, 20), seed=9)
+    with LLM(str(tmp_path / "m"), block_size=4) as llm:
+        merged = greedy_tokens(llm, prompts, 6)
+    with LLM(str(base), loras={"a": str(paths["all8"])}, max_lora_rank=8, block_size=4) as llm:
+        assert greedy_tokens(llm, prompts, 6, lora=["a", "a"]) == merged
+        assert greedy_tokens(llm, prompts, 6) != merged
 
 
 @pytest.mark.parametrize("name", ["tiny-arcee", "tiny-nemotron", "tiny-apertus"])
