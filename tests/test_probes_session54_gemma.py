@@ -213,8 +213,9 @@ def test_lora_validate_accepts_a_gemma_adapter(gemma_lora):
 
 def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(gemma_lora, tmp_path, monkeypatch):
     """GPTQ Gemma / Gemma 2 with adapters beside a base-only row, through the Triton kernels (interpreted) and
-    emulated decode graphs: the GeGLU is never applied in the int4 gate_up kernel's (silu) epilogue, the adapters'
-    deltas go to gelu_tanh_and_mul, decode_attention (soft-capped) and the norms by 1 + w: the CPU path's tokens."""
+    emulated decode graphs: the GeGLU applied in the int4 gate_up kernel's epilogue in steps without adapters
+    (session 61: GATED 2), the adapters' deltas going to gelu_tanh_and_mul, decode_attention (soft-capped) and the
+    norms by 1 + w: the CPU path's tokens."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     pytest.importorskip("gptqmodel")
@@ -222,7 +223,7 @@ def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(ge
     if hf.config.model_type != "gemma2":  # (Gemma 2's run covers Gemma's GeGLU and norms, and adds soft-capping)
         pytest.skip("the Gemma 2 run covers it")
     check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"],
-                                           act_in_gate_up=False)
+                                           act_in_gate_up=True)
 
 
 # ---------------------------------------------------------------------------------------------- serve, warmup

@@ -246,10 +246,11 @@ class EngineConfig:
     # after its layer (two launches fewer per layer); False: those two launched after their matmuls (gpu_e2e
     # --compare-lora-fused runs the mixed adapters with every expand so)
     lora_expand_in_norm: bool = True
-    # API only: on the int4 kernel path (GPU), the MLP's SiLU-and-multiply applied by the gate_up matmul's epilogue
-    # in steps without adapters, in tiles of up to 32 rows (kernels.gptq_gemm.gated_fits): one launch fewer per
-    # layer, half the gate_up output written; False: silu_and_mul launched after the matmul (gpu_e2e --compare-silu
-    # runs both)
+    # API only: on the int4 kernel path (GPU), the MLP's SiLU-and-multiply (Gemma's GeGLU too: gelu_tanh_and_mul;
+    # the name kept from when silu was the only one) applied by the gate_up matmul's epilogue in steps without
+    # adapters, in tiles of up to 32 rows (kernels.gptq_gemm.gated_fits): one launch fewer per layer, half the
+    # gate_up output written; False: silu_and_mul / gelu_tanh_and_mul launched after the matmul (gpu_e2e
+    # --compare-silu runs both)
     silu_in_gate_up: bool = True
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes

@@ -244,7 +244,7 @@ class LLMEngine:
                 layer.fused_norm = config.lora_expand_in_norm
         draft_model = parts.draft.model if getattr(parts, "draft", None) is not None else None
         for mod in [*parts.model.modules(), *(draft_model.modules() if draft_model is not None else ())]:
-            if hasattr(mod, "act_in_gate_up"):  # silu_and_mul in the int4 gate_up kernel's epilogue
+            if hasattr(mod, "act_in_gate_up"):  # silu_and_mul (gelu_tanh_and_mul) in the int4 gate_up epilogue
                 mod.act_in_gate_up = config.silu_in_gate_up and mod.fuses_act()
         # a model whose every layer slides over one window frees each sequence's blocks behind it (kv_window)
         draft_parts = getattr(parts, "draft", None)

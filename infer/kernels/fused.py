@@ -80,6 +80,18 @@ def _embed_rms_norm_kernel(ids_ptr, t_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_t, s_y
     _norm_row(x, row, offs, mask, h_ptr, w_ptr, y_ptr, h_ptr, n, eps, 0, s_y, s_h, False)
 
 
+@triton.jit
+def gate_act(g, GELU: tl.constexpr):
+    """The gated MLP's activation of gate values g (float32), in float32, for the caller to round to its dtype as
+    torch's F.silu / F.gelu(approximate="tanh") round: silu, or with GELU gelu's tanh approximation (Gemma's GeGLU),
+    0.5 g (1 + tanh(u)) = g - g / (1 + exp(2u)). Shared by silu_and_mul's kernel and the int4 gate_up epilogue
+    (gptq_kernels._finish)."""
+    if GELU:
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g - g / (1.0 + tl.exp(2.0 * u))
+    return g / (1.0 + tl.exp(-g))
+
+
 @triton.jit(do_not_specialize=["sh_p"])  # (T * R: its divisibility by 16 follows T's parity at small ranks)
 def _rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
                           hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t, sr_s, sc_s,
@@ -365,12 +377,7 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, hp_ptr, lb_ptr, slot_ptr, ra
                                tl.sum(tl.where(pick, scal_g, 0.0), 0), offs, mask, n, BLOCK_R)
             up = _plus_delta(up, hu, b_g + tl.cast(S, tl.int64) * R * n, tl.sum(tl.where(pick, rank_u, 0), 0),
                              tl.sum(tl.where(pick, scal_u, 0.0), 0), offs, mask, n, BLOCK_R)
-    g = gate.to(tl.float32)
-    if GELU:  # 0.5 g (1 + tanh(u)) = g - g / (1 + exp(2u)), in float32, rounded to x's dtype as torch's F.gelu
-        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = (g - g / (1.0 + tl.exp(2.0 * u))).to(gate.dtype)
-    else:
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
+    act = gate_act(gate.to(tl.float32), GELU).to(gate.dtype)
     # the product in float32, rounded once: a product in x's dtype's bits, also under TRITON_INTERPRET (whose bf16
     # arithmetic is wrong: it multiplies the raw bits)
     tl.store(y_ptr + row * s_y + offs, (act.to(tl.float32) * up.to(tl.float32)).to(act.dtype), mask=mask)

@@ -148,6 +148,20 @@ def fuses_lora(kind: str, cfg: dict, lora) -> bool:
 
 
 GATED_MAX_ROWS = 32  # the tallest tile that applies silu_and_mul in its epilogue
+GATE_ACTS = {"silu": 1, "gelu_tanh": 2}  # a gated epilogue's activation: the kernels' GATED constexpr
+
+
+def gate_code(gated: bool | str) -> int:
+    """The kernels' GATED constexpr of `gptq_matmul`'s gated argument: 0 (False: no activation), 1 (True or
+    "silu"), 2 ("gelu_tanh": Gemma's GeGLU); anything else is refused."""
+    if gated is False or gated is None:
+        return 0
+    if gated is True:
+        return 1
+    if gated not in GATE_ACTS:
+        raise ValueError(f"gptq_matmul: gated={gated!r} is no activation of a gate|up layer: use True, 'silu' or "
+                         f"'gelu_tanh'")
+    return GATE_ACTS[gated]
 
 
 def gated_fits(kind: str, cfg: dict, n: int) -> bool:
@@ -232,11 +246,11 @@ def group_shift(group_size: int) -> int:
 
 
 def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
-            compile_only: bool = False, bias=None, lora=None, gated: bool = False) -> torch.Tensor:
+            compile_only: bool = False, bias=None, lora=None, gated: int = 0) -> torch.Tensor:
     """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
     the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued).
-    bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora). gated: y [m, n / 2] =
-    silu(gate) * up (`gated_fits` must hold; no lora)."""
+    bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora). gated (`gate_code`: 0 none, 1
+    silu, 2 gelu_tanh): y [m, n / 2] = act(gate) * up (`gated_fits` must hold; no lora)."""
     split = cfg["SPLIT_K"]
     k_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(k, k_split)
@@ -325,16 +339,18 @@ def lora_in_epilogue(m: int, n: int, k: int, bits: int, group_size: int | None, 
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 interleave: int = 1, config: dict | None = None, compile_only: bool = False,
-                bias: torch.Tensor | None = None, lora=None, gated: bool = False) -> torch.Tensor | None:
+                bias: torch.Tensor | None = None, lora=None, gated: bool | str = False) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
     FIELD, SCALE_W, INPLACE, PAIRS, AHEAD, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
     return None (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool).
     bias and lora (a `lora_reference.LoRADelta`) are added in the fused kernels' epilogue, so that neither costs a
     launch (the expand where `fuses_lora` says so); after dequantize + cuBLAS, by a bias add and an expand launch.
-    gated (a merged gate|up layer): silu(gate) * up, [..., n / 2], applied by the fused kernels' epilogue where
-    `gated_fits` holds and no lora is given (the MLP's silu_and_mul launch and half the output saved); otherwise
-    by `fused.silu_and_mul` after the matmul."""
+    gated (a merged gate|up layer): act(gate) * up, [..., n / 2], act silu (True or "silu") or gelu's tanh
+    approximation ("gelu_tanh": Gemma's GeGLU), applied by the fused kernels' epilogue where `gated_fits` holds and
+    no lora is given (the MLP's silu_and_mul / gelu_tanh_and_mul launch and half the output saved); otherwise by
+    `fused.silu_and_mul` (gelu=...) after the matmul."""
+    act = gate_code(gated)
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:
@@ -349,10 +365,10 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return None if compile_only else x.new_empty(*lead, n // 2 if gated else n)
+        return None if compile_only else x.new_empty(*lead, n // 2 if act else n)
     kind, cfg, fused = _choice(m, n, k, bits, group_size, interleave, config, x.device)
     epi_lora = lora if fused and fuses_lora(kind, cfg, lora) else None
-    epi_gated = gated and fused and lora is None and gated_fits(kind, cfg, n)
+    epi_gated = act if act and fused and lora is None and gated_fits(kind, cfg, n) else 0
     if fused:
         gs = k if group_size in (None, -1) else group_size
         y = _launch(kind, cfg, x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), bits, zeros_v1,
@@ -376,9 +392,9 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         y.add_(bias)
     if lora is not None and epi_lora is None:
         lora_ops.add_delta(lora, y)
-    if gated:
+    if act:
         from .fused import silu_and_mul
-        return silu_and_mul(y).reshape(*lead, n // 2)
+        return silu_and_mul(y, gelu=act == GATE_ACTS["gelu_tanh"]).reshape(*lead, n // 2)
     return y.reshape(*lead, n)
 
 

@@ -94,7 +94,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 INPLACE: tl.constexpr = False, ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
                 LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
                 LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False,
-                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False, AHEAD: tl.constexpr = False,
+                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = 0, AHEAD: tl.constexpr = False,
                 GS_LOG2: tl.constexpr = -1):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
@@ -145,7 +145,7 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0,
                      LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16,
-                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False,
+                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = 0,
                      GS_LOG2: tl.constexpr = -1):
     """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
     PACK: tl.constexpr = 32 // BITS

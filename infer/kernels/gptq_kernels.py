@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .fused import gate_act
 
 # a LoRADelta's number of partials follows the batch size, so it must not pick a variant (the shard bounds are
 # fixed per layer: specialized, they tell the compiler that B's rows are aligned, so its loads are vectorized)
@@ -231,8 +232,9 @@ def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp
             BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
     """Store the tile in y's dtype, after what the layer adds to the product, in the reference's order and
     roundings: the bias (in y's dtype), then the adapters' delta (`_lora_add`: added in float32, rounded once).
-    GATED (`gated_cols`; never with adapters): y [M, N / 2] = silu(gate) * up of the rounded tile, as
-    `fused.silu_and_mul` computes it from a stored gate|up output."""
+    GATED (`gated_cols`; never with adapters): y [M, N / 2] = act(gate) * up of the rounded tile, as
+    `fused.silu_and_mul` computes it from a stored gate|up output; act silu (GATED 1) or gelu's tanh approximation
+    (GATED 2: Gemma's GeGLU, as `fused.gelu_tanh_and_mul`)."""
     out = total.to(y_ptr.dtype.element_ty)
     if HAS_BIAS:
         # in float32, rounded once: the same bits as an add in y's dtype (float32 holds the exact sum of two fp16 or
@@ -243,8 +245,7 @@ def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp
     if GATED:
         H: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, H)), (0, 2, 1)))
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to y's dtype as torch's F.silu
+        act = gate_act(gate.to(tl.float32), GATED == 2).to(gate.dtype)  # in float32, rounded as torch's F.silu / gelu
         cols = tl.min(offs_n, 0) + tl.arange(0, H)
         tl.store(y_ptr + offs_m[:, None] * sy_m + cols[None, :], (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
                  mask=(offs_m < M)[:, None] & (cols < N // 2)[None, :])
@@ -586,7 +587,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
-               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = False,
+               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = 0,
                PRE_S: tl.constexpr = False, GS_LOG2: tl.constexpr = -1, SYNC: tl.constexpr = 0):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
@@ -596,9 +597,10 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     one dot per byte's two fields where they cover consecutive input rows (interleaved). Grouped tile
     order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
     with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait).
-    GATED: a gate|up layer's tile with SiLU-and-multiply in the epilogue (`gated_cols`). PRE_S: each K step's
-    scales loaded during the step before and carried in registers (`gptq_gemm.loads_ahead_for`; in their own step the
-    step waits a memory round trip for them, as the pipeliner does not stage them). SYNC (TRANS with FIELD_DOTS,
+    GATED: a gate|up layer's tile with its activation-and-multiply in the epilogue (`gated_cols`; 1: silu, 2:
+    gelu_tanh). PRE_S: each K step's scales loaded during the step before and carried in registers
+    (`gptq_gemm.loads_ahead_for`; in their own step the step waits a memory round trip for them, as the pipeliner
+    does not stage them). SYNC (TRANS with FIELD_DOTS,
     one dot per field): the fields' dots as mma.sync over SYNC column slices (`_dot_fields`), 0: off."""
     tl.static_assert(SYNC == 0 or (TRANS and FIELD_DOTS and not PAIRS and not BYTE_DOTS and BLOCK_N % SYNC == 0),
                      "SYNC: a transposed field tile with one dot per field")

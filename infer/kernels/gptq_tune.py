@@ -446,8 +446,10 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     from .lora_reference import LoRADelta
     jobs, deq, seen = [], [], set()
     rows = bucket_rows(max_tokens)
-    # gate|up layers whose kernel applies silu_and_mul (the MLP's act_in_gate_up): their gated variants
-    gated = {id(m.gate_up_proj) for m in model.modules() if getattr(m, "act_in_gate_up", False)}
+    # gate|up layers whose kernel applies silu_and_mul or Gemma's gelu_tanh_and_mul (the MLP's act_in_gate_up):
+    # their gated variants, by activation
+    gated = {id(m.gate_up_proj): "gelu_tanh" if getattr(m, "act", "silu") == "gelu_tanh" else "silu"
+             for m in model.modules() if getattr(m, "act_in_gate_up", False)}
     for mod in model.modules():
         if getattr(mod, "gptq_group_size", None) is None or getattr(mod, "weight", None) is not None \
                 or not hasattr(mod, "qweight"):
@@ -457,7 +459,7 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         hook = getattr(mod, "lora", None)
         # (lora, gated): an MLP's gate_up its gated variant, and the plain one unless it is gated and has no LoRA
         # hook (with a hook, steps with adapters take the plain or the LoRA variant); the LoRA epilogue's
-        variants = ([(None, True)] if id(mod) in gated else []) + ([(None, False)] if id(mod) not in gated
+        variants = ([(None, gated[id(mod)])] if id(mod) in gated else []) + ([(None, False)] if id(mod) not in gated
                                                                    or hook is not None else [])
         variants += [(hook, False)] if hook is not None and hook.epilogue is not False else []
         for lora, act in variants:

@@ -131,7 +131,7 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torc
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 interleave: int = 1, bias: torch.Tensor | None = None, lora=None,
-                gated: bool = False) -> torch.Tensor:
+                gated: bool | str = False) -> torch.Tensor:
     """Semantics: y = x @ W^T with W[o, i] = (q[i, o] - z[g_idx[i], o]) * scales[g_idx[i], o], where q and z are the
     `bits`-wide values packed in qweight [in/pack, out] (along the input) and qzeros [groups, out/pack] (along the
     output), z stored minus one when zeros_v1, the product rounded to the scales' dtype (fp16) as GPTQ runtimes do;
@@ -140,7 +140,8 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     `interleave` > 1: qweight's rows are in the interleaved layout of `packing.field_rows`. Then, in x's dtype,
     y += bias ([out]) when given, and y += the adapters' delta when `lora` (a `lora_reference.LoRADelta` of this
     batch; x [T, in]) is given (`lora_reference.add_delta`): a kernel adds both in its epilogue. `gated` (a merged
-    gate|up layer): silu_and_mul of that y, [..., out / 2], which a kernel computes in its epilogue."""
+    gate|up layer): silu_and_mul of that y (True or "silu"; "gelu_tanh": gelu_tanh_and_mul), [..., out / 2], which a
+    kernel computes in its epilogue."""
     from .lora_reference import add_delta
     from .packing import deinterleave_rows, dequantize
     qweight = deinterleave_rows(qweight, bits, interleave)
@@ -150,7 +151,9 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         y.add_(bias)
     if lora is not None:
         add_delta(lora, y.view(-1, y.shape[-1]))
-    return silu_and_mul(y) if gated else y
+    if not gated:
+        return y
+    return gelu_tanh_and_mul(y) if gated == "gelu_tanh" else silu_and_mul(y)
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

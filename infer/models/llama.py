@@ -258,23 +258,25 @@ class MLP(nn.Module):
         self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype, self.act == "gelu_tanh")
         self.down_proj.lora_consumer = _norm_consumer(cfg, dtype)
         # set by an engine (EngineConfig.silu_in_gate_up) where gate_up is an int4 kernel layer (`fuses_act`): in a
-        # step without adapters (or where the layer has no LoRA hook) its kernel applies silu_and_mul in its epilogue
+        # step without adapters (or where the layer has no LoRA hook) its kernel applies silu_and_mul (Gemma's
+        # gelu_tanh_and_mul) in its epilogue
         self.act_in_gate_up = False
 
     def fuses_act(self) -> bool:
-        """Whether gate_up's matmul can apply silu_and_mul itself: an int4 kernel layer (silu only: not Gemma's
-        GeGLU)."""
+        """Whether gate_up's matmul can apply the activation-and-multiply (silu, or Gemma's GeGLU) itself: an int4
+        kernel layer."""
         layer = self.gate_up_proj
-        if self.act != "silu":
+        if self.act not in ("silu", "gelu_tanh"):  # (the epilogue's activations: gptq_gemm.GATE_ACTS)
             return False
         return getattr(layer.method, "fuses_act", lambda _: False)(layer)
 
     def forward(self, x, ctx):
         """(the MLP's output, the down projection's LoRA delta that the next rms_norm adds, or None)."""
         if self.act_in_gate_up and (self.gate_up_proj.lora is None or getattr(ctx, "lora", None) is None):
-            # one launch: the int4 gate_up kernel's epilogue does silu_and_mul (no adapter delta to add before it)
-            return self.down_proj.forward_deferred(self.gate_up_proj.method.apply(self.gate_up_proj, x, gated=True),
-                                                   ctx)
+            # one launch: the int4 gate_up kernel's epilogue does silu_and_mul / gelu_tanh_and_mul (no adapter delta
+            # to add before it)
+            return self.down_proj.forward_deferred(self.gate_up_proj.method.apply(self.gate_up_proj, x,
+                                                                                  gated=self.act), ctx)
         gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
         act = kernels.silu_and_mul(gate_up, delta) if self.act == "silu" else kernels.gelu_tanh_and_mul(gate_up, delta)
         del gate_up, delta  # freed before the down projection, whose peak holds its input and output, not these too

@@ -203,8 +203,9 @@ class GPTQLinearMethod:
         return layer.weight is None
 
     def fuses_act(self, layer) -> bool:
-        """`apply(..., gated=True)` can leave the SiLU-and-multiply of a gate|up layer to the int4 kernel's
-        epilogue (the kernel path); the dequantized CPU path applies it after its matmul."""
+        """`apply(..., gated=True / "gelu_tanh")` can leave the activation-and-multiply of a gate|up layer (SiLU, or
+        Gemma's GeGLU) to the int4 kernel's epilogue (the kernel path); the dequantized CPU path applies it after
+        its matmul."""
         return layer.weight is None
 
     def kernel_key(self, layer) -> tuple:
@@ -219,13 +220,16 @@ class GPTQLinearMethod:
         return gptq_gemm.lora_in_epilogue(m, n, k, self.config.bits, layer.gptq_group_size, layer.gptq_interleave,
                                           lora, layer.qweight.device)
 
-    def apply(self, layer, x: torch.Tensor, lora=None, gated: bool = False) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor, lora=None, gated: bool | str = False) -> torch.Tensor:
         """y = x W^T + b; with `lora` (a kernels.lora_reference.LoRADelta of x, kernel path only) plus the
-        adapters' delta, which the int4 kernel adds in its epilogue with the bias. gated (a gate|up layer):
-        silu_and_mul(y), which the int4 kernel applies in its epilogue where it can (`gptq_gemm.gated_fits`)."""
+        adapters' delta, which the int4 kernel adds in its epilogue with the bias. gated (a gate|up layer: True or
+        "silu", or "gelu_tanh"): silu_and_mul(y) (gelu_tanh_and_mul(y)), which the int4 kernel applies in its
+        epilogue where it can (`gptq_gemm.gated_fits`)."""
         if layer.weight is not None:
             y = cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
-            return kernels.silu_and_mul(y) if gated else y
+            if not gated:
+                return y
+            return kernels.gelu_tanh_and_mul(y) if gated == "gelu_tanh" else kernels.silu_and_mul(y)
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)
         return kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
