@@ -26,10 +26,10 @@ def record_launches(monkeypatch) -> list:
     launched = []
     real = moe._gemm
 
-    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None):
+    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None, **epilogue):  # (bias, act: gpt-oss)
         launched.append((tuple(w.shape[1:]), aligned.block_m, row_div, weighted, a.dtype,
                          tuple(sorted((k, v) for k, v in (cfg or {}).items() if k != "BLOCK_M"))))
-        return real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg)
+        return real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg, **epilogue)
     monkeypatch.setattr(moe, "_gemm", gemm)
     return launched
 

@@ -23,11 +23,11 @@ def record_int4_launches(monkeypatch) -> list:
     launched = []
     real = moe._gemm_int4
 
-    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None):
+    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None, **epilogue):  # (bias, act: gpt-oss)
         launched.append((w.out_features, w.in_features, w.group_size, w.perm is None, bool(w.zeros_v1),
                          aligned.block_m, row_div, weighted, a.dtype,
                          tuple(sorted((k, v) for k, v in (cfg or {}).items() if k != "BLOCK_M"))))
-        return real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg)
+        return real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg, **epilogue)
     monkeypatch.setattr(moe, "_gemm_int4", gemm)
     return launched
 

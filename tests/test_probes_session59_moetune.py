@@ -275,8 +275,8 @@ def test_the_tuner_picks_the_fastest_saves_it_and_a_restart_does_not_tune_again(
     real = moe._gemm_int4
     broken = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
-    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None, compile_only=False):
-        real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg, compile_only)
+    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted, cfg=None, compile_only=False, **epilogue):
+        real(a, w, out, weights, aligned, top_k, row_div, weighted, cfg, compile_only, **epilogue)
         if cfg == broken:
             out.mul_(2)
     monkeypatch.setattr(moe, "_gemm_int4", gemm)

@@ -98,3 +98,105 @@ def test_an_unknown_gate_activation_is_refused(gemm):
     qw, qz, s, gi = make_weights(g, 4, 32, 128, 64, True, False)
     with pytest.raises(ValueError, match=r"gated='relu' is no activation of a gate\|up layer: use True, 'silu' or "):
         gemm.gptq_matmul(torch.randn(2, 128), qw, qz, s, gi, 4, True, 32, gated="relu")
+
+
+# ----------------------------------------------------------------------- gpt-oss's biases and SwiGLU in the MoE
+@pytest.fixture(scope="module")
+def moe():
+    yield from interpreted_module("infer.kernels.moe")
+
+
+def oai_case(int4: bool, dtype, t: int, seed: int, inter: int = 24):
+    """(x, w13, w2, weights, ids, oai) of 4 experts, top-2: float [E, N, K] experts or int4 ones, gate and up
+    interleaved (2I = 48: a ragged last column tile), biases of N(0, 1), limit 1.5 (the clamp reached on both
+    sides), alpha 1.702; routing weights in float32."""
+    from test_probes_session56_moeq import int4_experts
+    from test_probes_session60_gptoss import oai_experts
+    w13, w2, oai = oai_experts(e=4, h=32, inter=inter, seed=seed)
+    if int4:
+        w13, w2 = int4_experts(4, 32, 2 * inter, 16, False, False, True, seed), int4_experts(4, inter, 32, 8, False,
+                                                                                              True, False, seed + 1)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    oai = oai._replace(b13=oai.b13.to(dtype), b2=oai.b2.to(dtype))
+    g = torch.Generator().manual_seed(seed + 2)
+    x = torch.randn(t, 32, generator=g).to(dtype)
+    top, ids = torch.topk(torch.randn(t, 4, generator=g), 2, dim=-1)
+    return x, w13, w2, torch.softmax(top, dim=-1), ids, oai
+
+
+def on(device, obj):
+    """`obj`'s tensors on `device`, through tuples and NamedTuples (OaiExperts, Int4Experts)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        items = [on(device, o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return obj
+
+
+def apart(moe, x, w13, w2, weights, ids, oai, int4: bool):
+    """The fused MoE as session 60 ran gpt-oss's experts: the same matmul kernels without epilogue, the biases added
+    by index_select and the activation by reference.oai_swiglu's torch ops, the routing weight after."""
+    gemm = moe._gemm_int4 if int4 else moe._gemm
+    e = (w13.qweight if int4 else w13).shape[0]
+    n13, n2 = (w13.out_features, w2.out_features) if int4 else (w13.shape[1], w2.shape[1])
+    al = moe.aligned(ids, e)
+    fw = weights.reshape(-1).contiguous()
+    flat = ids.reshape(-1)
+    gate_up = torch.empty(ids.numel(), n13, dtype=x.dtype, device=x.device)
+    gemm(x, w13, gate_up, fw, al, ids.shape[1], True, False)
+    gate_up += oai.b13.index_select(0, flat)
+    act = ref.oai_swiglu(gate_up, n13 // 2, oai.alpha, oai.limit)
+    down = torch.empty(ids.numel(), n2, dtype=x.dtype, device=x.device)
+    gemm(act, w2, down, fw, al, ids.shape[1], False, False)
+    down += oai.b2.index_select(0, flat)
+    down.mul_(fw[:, None])
+    return down.view(ids.shape[0], ids.shape[1], -1).sum(dim=1)
+
+
+def check_oai_epilogue(moe, monkeypatch, int4: bool, dtype) -> None:
+    """gpt-oss's experts through the fused MoE: two matmul launches, the gate_up's adding its expert's bias and
+    computing the clamped SwiGLU (its output [pairs, I]), the down's adding its bias before the routing weight; no
+    torch op on the pairs in between. The same bits as the ops apart (half precision: every op's rounding restated),
+    the reference's values (at decode's few tokens and a prefill's)."""
+    from infer.kernels import reference
+    name = "_gemm_int4" if int4 else "_gemm"
+    real = getattr(moe, name)
+    launched = []
+    monkeypatch.setattr(moe, name, lambda *a, **kw: (launched.append(
+        (kw.get("bias") is not None, kw.get("act") is not None, a[7])), real(*a, **kw))[1])
+    for t in (3, 37):
+        case = oai_case(int4, dtype, t, seed=t)
+        x, w13, w2, weights, ids, oai = on(DEV, case)
+        launched.clear()
+        with monkeypatch.context() as mp:
+            mp.setattr(reference, "oai_swiglu", lambda *a: pytest.fail("oai_swiglu ran apart"))
+            with nan_filled_empty(moe):
+                got = (moe.fused_moe_int4 if int4 else moe.fused_moe)(x, w13, w2, weights, ids, oai=oai)
+        assert launched == [(True, True, False), (True, False, True)]  # (bias, activation, weighted): gate_up, down
+        with monkeypatch.context() as mp:
+            mp.setattr(moe, name, real)
+            want_apart = apart(moe, x, w13, w2, weights, ids, oai, int4)
+        if dtype == torch.float32:  # (the interpreter's float32 dots of other shapes: last bits apart)
+            torch.testing.assert_close(got, want_apart, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(got, want_apart), (got - want_apart).abs().max()
+        want = (reference.fused_moe_int4 if int4 else reference.fused_moe)(*case[:5], oai=case[5])
+        tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype] * want.abs().max().item()
+        torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=0)
+
+
+@interpreted
+@pytest.mark.parametrize("int4", [False, True], ids=["float", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_oai_biases_and_swiglu_in_the_epilogue_equal_the_ops_apart(moe, monkeypatch, int4, dtype):
+    """(bfloat16: on a GPU, below: the interpreter rounds float32 to bfloat16 by truncation, unlike the GPU and
+    torch.)"""
+    check_oai_epilogue(moe, monkeypatch, int4, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int4", [False, True], ids=["float", "int4"])
+def test_oai_epilogue_in_bfloat16_on_gpu(moe, monkeypatch, int4):
+    check_oai_epilogue(moe, monkeypatch, int4, torch.bfloat16)

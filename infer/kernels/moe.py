@@ -219,22 +219,49 @@ def _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV: tl.con
 
 
 @triton.jit
-def _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED: tl.constexpr):
+def _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit,
+                WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr, OAI: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Each valid row's output at its pair; where WEIGHTED, rounded to x's dtype (the expert's output, as
-    F.linear's) and multiplied by the pair's routing weight in float32 first."""
+    F.linear's) and multiplied by the pair's routing weight in float32 first. HAS_BIAS (gpt-oss): the block's
+    expert's bias row (b_ptr [E, n], s_be apart) added to the rounded product first, in float32 and rounded once
+    (the bits of the add in x's dtype: reference.fused_moe's x @ W + b). OAI (gpt-oss's gate_up, whose columns
+    interleave gate and up: 2j unit j's gate, 2j + 1 its up, so a tile holds both of its BLOCK_N / 2 units): the
+    tile's reference.oai_swiglu, out [pairs, n / 2], each torch op's rounding to x's dtype restated in float32
+    (gate clamped above at limit, up to [-limit, limit], (up + 1) * (gate * sigmoid(gate * alpha)))."""
     out_row = tl.where(valid, pair, 0).to(tl.int64)
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        b = tl.load(b_ptr + e * s_be + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)
+        acc = (acc.to(dt).to(tl.float32) + b[None, :]).to(dt).to(tl.float32)
     if WEIGHTED:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc.to(dt).to(tl.float32)
         rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]
-    tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < n))
+    if OAI:
+        H: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.reshape(acc.to(dt).to(tl.float32), (BLOCK_M, H, 2)))
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        ga = (gate * alpha).to(dt).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-ga))).to(dt).to(tl.float32)
+        glu = (gate * sig).to(dt).to(tl.float32)
+        up1 = (up + 1.0).to(dt).to(tl.float32)
+        cols = tl.min(offs_n, 0) // 2 + tl.arange(0, H)
+        tl.store(out_ptr + out_row[:, None] * s_out + cols[None, :], (up1 * glu).to(dt),
+                 mask=valid[:, None] & (cols[None, :] < n // 2))
+    else:
+        tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(dt),
+                 mask=valid[:, None] & (offs_n[None, :] < n))
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # (T * k: one compiled variant a BLOCK_M, whatever the count of pairs)
 def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k, top_k,
-              s_a, s_we, s_wn, s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              s_a, s_we, s_wn, s_out, b_ptr, s_be, alpha, limit, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr,
+              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              HAS_BIAS: tl.constexpr = False, OAI: tl.constexpr = False):
+    """The grouped matmul of block pid_m's rows against its expert's w [E, n, k], in `_store_rows`'s epilogue
+    (HAS_BIAS, OAI: gpt-oss's expert bias and clamped SwiGLU)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
@@ -252,7 +279,8 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
-    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
+    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit, WEIGHTED,
+                HAS_BIAS, OAI, BLOCK_M, BLOCK_N)
 
 
 def _launch(aligned: Aligned, n: int, block_n: int, int4: bool, cfg: dict | None, compile_only: bool = False):
@@ -283,18 +311,28 @@ def compile_variants(x: torch.Tensor, w13, w2, top_k: int, weight_dtype: torch.d
         for cfg in configs for a, w, out, first in ((hidden, w13, 2 * inter, True), (inter, w2, hidden, False))]
 
 
+def _epilogue(out, bias, act) -> tuple[tuple, dict]:
+    """The epilogue's arguments (b_ptr, s_be, alpha, limit) and constexprs of a launch (`_store_rows`): `bias`
+    ([E, n]: gpt-oss's expert biases) added, `act` ((alpha, limit): gpt-oss's clamped SwiGLU, out [pairs, n / 2])
+    applied; `out` stands in for an absent bias (the kernels' signature never changes)."""
+    alpha, limit = act if act is not None else (0.0, 0.0)
+    args = (out, 0) if bias is None else (bias, bias.stride(0))
+    return (*args, float(alpha), float(limit)), dict(HAS_BIAS=bias is not None, OAI=act is not None)
+
+
 def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None,
-          compile_only: bool = False):
+          compile_only: bool = False, bias=None, act=None):
     """One _moe_gemm launch over `aligned` (an Aligned: its blocks of block_m rows); cfg: a tuned entry;
-    compile_only: only compile it (Triton's `warmup`, `compile_variants`)."""
+    compile_only: only compile it (Triton's `warmup`, `compile_variants`); bias, act: `_epilogue`'s."""
     n, k = w.shape[1], w.shape[2]
     block_n, block_k = tiles(n, k, top_k, aligned.block_m)
     grid, block_n, options = _launch(aligned, n, block_n, False, cfg, compile_only)
+    epi, epi_c = _epilogue(out, bias, act)
     run = _moe_gemm.warmup if compile_only else _moe_gemm[grid]
     return run(a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k,
-               top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+               top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), *epi, ROW_DIV=row_div, WEIGHTED=weighted,
                IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **epi_c, **options)
 
 
 class Aligned(NamedTuple):
@@ -326,8 +364,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, w13.shape[0]),
-                lambda a, out, fw, al, row_div, weighted, cfg: _gemm(a, w13 if row_div else w2, out, fw, al, top_k,
-                                                                     row_div, weighted, cfg), oai)
+                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm(
+                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai)
 
 
 def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch.Tensor, experts: int) -> dict:
@@ -342,40 +380,42 @@ def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch
 def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, cfg: dict,
          gemm, oai=None) -> torch.Tensor:
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
-    aligned, row_div=True, weighted=False)`), silu_and_mul, the down one (weighted by the routing weights), the k
-    rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter and its expert
-    (reference.moe_lora_delta; here _LoRAPairs' grouped matmuls, no host sync) added to its gate_up row, and to its
-    down row before the routing weight (rounded to x's dtype, times the weight in float32, as the kernel's WEIGHTED
-    store). cfg: the launch config of both matmuls over the experts (`_config`); the adapters' pairs take the
-    heuristics' (their BLOCK_M `block_m` where forced). With `oai` (gpt-oss's reference.OaiExperts): each pair's
-    expert's bias added to its gate_up row and to its down row (before the routing weight, as transformers' x @ W +
-    b, then the weight), the activation reference.oai_swiglu in place of silu_and_mul (torch ops over the rows)."""
+    aligned, row_div=True, weighted=False, cfg, bias, act)`), silu_and_mul, the down one (weighted by the routing
+    weights), the k rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter
+    and its expert (reference.moe_lora_delta; here _LoRAPairs' grouped matmuls, no host sync) added to its gate_up
+    row, and to its down row before the routing weight (rounded to x's dtype, times the weight in float32, as the
+    kernel's WEIGHTED store). cfg: the launch config of both matmuls over the experts (`_config`); the adapters'
+    pairs take the heuristics' (their BLOCK_M `block_m` where forced). With `oai` (gpt-oss's reference.OaiExperts):
+    each pair's expert's bias added in the matmuls' epilogue (`_store_rows`: to the gate_up row, and to the down row
+    before the routing weight, as transformers' x @ W + b, then the weight), and the activation
+    reference.oai_swiglu computed by the gate_up matmul's epilogue too (its gate and up columns interleave): two
+    launches in all where the float32 adds, index_selects and the activation's torch ops ran apart. (With adapters
+    of gpt-oss's experts, which the loader refuses, the delta would go between: oai_swiglu then runs apart.)"""
     from . import fused
     t, top_k = ids.shape
     pairs_aligned = aligned(ids, num_experts, cfg["BLOCK_M"])
     pairs = t * top_k
     flat_w = weights.reshape(-1).contiguous()
-    gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
-    gemm(x, gate_up, flat_w, pairs_aligned, True, False, cfg)
-    if oai is not None:
-        flat_ids = ids.reshape(-1)
-        gate_up += oai.b13.index_select(0, flat_ids)
-    if lora is not None:
-        adapters = _LoRAPairs(ids, lora, flat_w, block_m)
-        gate_up += adapters.delta(x, lora.a13, lora.b13, True)
-    if oai is None:
-        act = fused.silu_and_mul(gate_up)
+    b13, b2 = (None, None) if oai is None else (oai.b13, oai.b2)
+    if oai is not None and lora is None:  # the clamped SwiGLU in the gate_up matmul's epilogue
+        act = torch.empty(pairs, out13 // 2, dtype=x.dtype, device=x.device)
+        gemm(x, act, flat_w, pairs_aligned, True, False, cfg, b13, (oai.alpha, oai.limit))
     else:
-        from .reference import oai_swiglu
-        act = oai_swiglu(gate_up, out13 // 2, oai.alpha, oai.limit)
-    del gate_up  # (freed before the down stage: the activation plan counts one of the two alive, sizes.moe_token_bytes)
+        gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
+        gemm(x, gate_up, flat_w, pairs_aligned, True, False, cfg, b13, None)
+        if lora is not None:
+            adapters = _LoRAPairs(ids, lora, flat_w, block_m)
+            gate_up += adapters.delta(x, lora.a13, lora.b13, True)
+        if oai is None:
+            act = fused.silu_and_mul(gate_up)
+        else:
+            from .reference import oai_swiglu
+            act = oai_swiglu(gate_up, out13 // 2, oai.alpha, oai.limit)
+        del gate_up  # (freed before the down stage: the plan counts one of the two alive, sizes.moe_token_bytes)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
-    gemm(act, down, flat_w, pairs_aligned, False, lora is None and oai is None, cfg)
-    if oai is not None:
-        down += oai.b2.index_select(0, flat_ids)
+    gemm(act, down, flat_w, pairs_aligned, False, lora is None, cfg, b2, None)
     if lora is not None:
         down += adapters.delta(act, lora.a2, lora.b2, False)
-    if lora is not None or oai is not None:
         down.mul_(flat_w[:, None])  # (in place, computed in float32 and rounded once: no [pairs, H] float32 copies)
     return down.view(t, top_k, -1).sum(dim=1)
 
@@ -413,9 +453,10 @@ class _LoRAPairs:
 @triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant a BLOCK_M)
 def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
                    post_ptr, num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_pe,
-                   s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
-                   READ_G: tl.constexpr, ONE_GROUP: tl.constexpr, PERM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   s_out, b_ptr, s_be, alpha, limit, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr,
+                   IEEE: tl.constexpr, ZEROS_V1: tl.constexpr, READ_G: tl.constexpr, ONE_GROUP: tl.constexpr,
+                   PERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr = False, OAI: tl.constexpr = False):
     """_moe_gemm over int4 GPTQ experts: qweight [E, K / 8, N] (8 consecutive input rows a word, lowest nibble
     first), qzeros [E, G, N / 8] (fields of zero - 1 where ZEROS_V1), scales [E, G, N] (float16), g_idx [E, K]
     (READ_G: each input row's group read, act-order; else row // group_size; ONE_GROUP: every K step inside one
@@ -423,7 +464,7 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_
     (reference.Int4Experts.sorted_by_group), perm [E, K] the column of x of each sorted input row, the A tile a
     gather of those columns (the groups then plain: ONE_GROUP where the step fits). Each K step's tile of the
     block's expert is dequantized in registers as packing.dequantize does, (q - z) * s rounded to float16, then to
-    x's dtype, and multiplied as the float kernel multiplies."""
+    x's dtype, and multiplied as the float kernel multiplies; its epilogue the float kernel's (`_store_rows`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
@@ -471,7 +512,8 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
-    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
+    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit, WEIGHTED,
+                HAS_BIAS, OAI, BLOCK_M, BLOCK_N)
 
 
 def int4_tiles(n: int, k: int, group_size: int, top_k: int, block_m: int = BLOCK_M) -> tuple[int, int, bool]:
@@ -484,20 +526,21 @@ def int4_tiles(n: int, k: int, group_size: int, top_k: int, block_m: int = BLOCK
 
 
 def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None,
-               compile_only: bool = False):
+               compile_only: bool = False, bias=None, act=None):
     n, k, gs = w.out_features, w.in_features, w.group_size
     block_n, block_k, one_group = int4_tiles(n, k, gs, top_k, aligned.block_m)
     grid, block_n, options = _launch(aligned, n, block_n, True, cfg, compile_only)
+    epi, epi_c = _epilogue(out, bias, act)
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
     perm = w.perm if w.perm is not None else g  # (not read without PERM)
     run = _moe_gemm_int4.warmup if compile_only else _moe_gemm_int4[grid]
     return run(a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post,
                out.shape[0], n, k, top_k, max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1),
                qz.stride(0), qz.stride(1), s.stride(0), s.stride(1), g.stride(0), perm.stride(0), out.stride(0),
-               ROW_DIV=row_div, WEIGHTED=weighted,
+               *epi, ROW_DIV=row_div, WEIGHTED=weighted,
                IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
                ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
-               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **options)
+               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **epi_c, **options)
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
@@ -511,5 +554,5 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
     e = w13.qweight.shape[0]
     return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, e),
-                lambda a, out, fw, al, row_div, weighted, cfg: _gemm_int4(a, w13 if row_div else w2, out, fw, al,
-                                                                          top_k, row_div, weighted, cfg), oai)
+                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_int4(
+                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai)
