@@ -135,34 +135,16 @@ def on(device, obj):
     return obj
 
 
-def apart(moe, x, w13, w2, weights, ids, oai, int4: bool):
-    """The fused MoE as session 60 ran gpt-oss's experts: the same matmul kernels without epilogue, the biases added
-    by index_select and the activation by reference.oai_swiglu's torch ops, the routing weight after."""
-    gemm = moe._gemm_int4 if int4 else moe._gemm
-    e = (w13.qweight if int4 else w13).shape[0]
-    n13, n2 = (w13.out_features, w2.out_features) if int4 else (w13.shape[1], w2.shape[1])
-    al = moe.aligned(ids, e)
-    fw = weights.reshape(-1).contiguous()
-    flat = ids.reshape(-1)
-    gate_up = torch.empty(ids.numel(), n13, dtype=x.dtype, device=x.device)
-    gemm(x, w13, gate_up, fw, al, ids.shape[1], True, False)
-    gate_up += oai.b13.index_select(0, flat)
-    act = ref.oai_swiglu(gate_up, n13 // 2, oai.alpha, oai.limit)
-    down = torch.empty(ids.numel(), n2, dtype=x.dtype, device=x.device)
-    gemm(act, w2, down, fw, al, ids.shape[1], False, False)
-    down += oai.b2.index_select(0, flat)
-    down.mul_(fw[:, None])
-    return down.view(ids.shape[0], ids.shape[1], -1).sum(dim=1)
-
-
 def check_oai_epilogue(moe, monkeypatch, int4: bool, dtype) -> None:
     """gpt-oss's experts through the fused MoE: two matmul launches, the gate_up's adding its expert's bias and
     computing the clamped SwiGLU (its output [pairs, I]), the down's adding its bias before the routing weight; no
-    torch op on the pairs in between. The same bits as the ops apart (half precision: every op's rounding restated),
-    the reference's values (at decode's few tokens and a prefill's)."""
+    torch op on the pairs in between. The same bits as the ops apart (`apart=True`: plain matmuls, index_select adds,
+    reference.oai_swiglu's torch ops; half precision: every op's rounding restated), the reference's values (at
+    decode's few tokens and a prefill's)."""
     from infer.kernels import reference
     name = "_gemm_int4" if int4 else "_gemm"
     real = getattr(moe, name)
+    run = moe.fused_moe_int4 if int4 else moe.fused_moe
     launched = []
     monkeypatch.setattr(moe, name, lambda *a, **kw: (launched.append(
         (kw.get("bias") is not None, kw.get("act") is not None, a[7])), real(*a, **kw))[1])
@@ -173,16 +155,16 @@ def check_oai_epilogue(moe, monkeypatch, int4: bool, dtype) -> None:
         with monkeypatch.context() as mp:
             mp.setattr(reference, "oai_swiglu", lambda *a: pytest.fail("oai_swiglu ran apart"))
             with nan_filled_empty(moe):
-                got = (moe.fused_moe_int4 if int4 else moe.fused_moe)(x, w13, w2, weights, ids, oai=oai)
+                got = run(x, w13, w2, weights, ids, oai=oai)
         assert launched == [(True, True, False), (True, False, True)]  # (bias, activation, weighted): gate_up, down
-        with monkeypatch.context() as mp:
-            mp.setattr(moe, name, real)
-            want_apart = apart(moe, x, w13, w2, weights, ids, oai, int4)
+        launched.clear()
+        want_apart = run(x, w13, w2, weights, ids, oai=oai, apart=True)  # (session 60's way: the bench's baseline)
+        assert launched == [(False, False, False), (False, False, False)]
         if dtype == torch.float32:  # (the interpreter's float32 dots of other shapes: last bits apart)
             torch.testing.assert_close(got, want_apart, atol=1e-5, rtol=1e-5)
         else:
             assert torch.equal(got, want_apart), (got - want_apart).abs().max()
-        want = (reference.fused_moe_int4 if int4 else reference.fused_moe)(*case[:5], oai=case[5])
+        want = (reference.fused_moe_int4 if int4 else reference.fused_moe)(*case[:5], oai=case[5])  # (on the CPU)
         tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype] * want.abs().max().item()
         torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=0)
 
@@ -200,3 +182,72 @@ def test_oai_biases_and_swiglu_in_the_epilogue_equal_the_ops_apart(moe, monkeypa
 @pytest.mark.parametrize("int4", [False, True], ids=["float", "int4"])
 def test_oai_epilogue_in_bfloat16_on_gpu(moe, monkeypatch, int4):
     check_oai_epilogue(moe, monkeypatch, int4, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------- the benches
+def counted_clock(fns, reps=3):
+    """A stand-in for gptq_tune.time_graph on CPU: each callable run once, microseconds a call by the wall clock."""
+    import time
+    t0 = time.perf_counter()
+    for f in fns:
+        f()
+    return (time.perf_counter() - t0) * 1e6 / len(fns)
+
+
+@interpreted
+def test_the_kernels_bench_times_the_gated_epilogues_beside_the_launch_after(gemm, monkeypatch, capsys):
+    """`infer.bench.kernels`' rows of a gate_up layer (interpreted, a wall-clock timer): where the tile applies the
+    activation in its epilogue, silu's and gelu_tanh's times fused and apart and their ratio; other layers none;
+    the table prints them."""
+    from infer.bench import kernels as bench
+    from infer.kernels import gptq_tune
+    monkeypatch.setattr(gptq_tune, "time_graph", counted_clock)
+    monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)
+    rows = bench.measure_shape("7B", "gate_up", 256, 256, [1, 3], 1e12, device="cpu")
+    rows += bench.measure_shape("7B", "down", 256, 256, [1], 1e12, device="cpu")
+    for r in rows[:2]:
+        wp = gptq_configs.interleave_for(128, 256, 8)  # (the bench's layout)
+        assert gemm.gated_fits(*gemm._choice(r["M"], 256, 256, 4, 128, wp, None, torch.device("cpu"))[:2], 256), r
+        for act in ("silu", "gelu"):
+            assert r[f"{act}_us"] > 0 and r[f"{act}_gain"] == r[f"{act}_apart_us"] / r[f"{act}_us"], r
+    assert "silu_us" not in rows[2] and "gelu_gain" not in rows[2]
+    monkeypatch.setenv("COLUMNS", "250")
+    bench.print_table(rows, "cpu", ["layer", "M", "silu_us", "silu_apart_us", "silu_gain", "gelu_gain"])
+    assert "gelu_gain" in capsys.readouterr().out
+
+
+@interpreted
+def test_the_moe_bench_times_gpt_oss_experts_fused_and_apart(moe, monkeypatch, capsys):
+    """`python -m infer.bench.moe --oai`'s measuring code (interpreted, a wall-clock timer, tiny experts): each row
+    times the int4 and the bf16 experts with the biases and the activation in the epilogue and apart, and their
+    ratios; --oai with --tune is refused by name."""
+    from infer.bench import moe as bench
+    from infer.kernels import gptq_tune
+    monkeypatch.setattr(gptq_tune, "time_graph", counted_clock)
+    rows = bench.measure([1, 5], 4, 2, 64, 32, 32, False, 1e12, oai=True, device="cpu")
+    for r in rows:
+        for kind in ("int4", "bf16"):
+            assert r[f"{kind}_apart_us"] > 0 and r[f"{kind}_epilogue_gain"] == round(
+                r[f"{kind}_apart_us"] / r[f"{kind}_us"], 3), r
+    assert "int4_apart_us" not in bench.measure([1], 4, 2, 64, 32, 32, False, 1e12, device="cpu")[0]
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--oai", "--tune"])
+    assert exc.value.code == 2 and "--oai times gpt-oss's experts fused and apart" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_benches_print_fused_and_apart_side_by_side_on_gpu(tmp_path, capsys):
+    """One command each on a GPU: the kernels bench's gate_up rows of up to 32 rows carry silu's and gelu's fused and
+    apart times and their ratio; the MoE bench's --oai rows the epilogue's gains (times are not asserted)."""
+    import csv
+
+    from infer.bench import kernels as kbench
+    from infer.bench import moe as mbench
+    assert kbench.main(["--out", str(tmp_path / "k.csv"), "--m", "1", "16", "--models", "7B"]) == 0
+    rows = [r for r in csv.DictReader(open(tmp_path / "k.csv")) if r["layer"] == "gate_up"]
+    assert rows and all(float(r["gelu_gain"]) > 0 and float(r["silu_gain"]) > 0 for r in rows), rows
+    assert mbench.main(["--oai", "--experts", "32", "--top-k", "4", "--hidden", "2880", "--intermediate", "2880",
+                        "--group-size", "32", "--tokens", "1", "64", "--out", str(tmp_path / "m.csv")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "m.csv")))
+    assert len(rows) == 2 and all(float(r["int4_epilogue_gain"]) > 0 and float(r["bf16_epilogue_gain"]) > 0
+                                  for r in rows), rows

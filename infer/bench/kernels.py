@@ -23,7 +23,11 @@ the step before (the default, AHEAD), and `ahead_gain` late_us / infer_us; from 
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
 `pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
 prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us; with
---pdl-prefetch, `pdl_us_prefetchP` the same prefetching P K steps before the wait. A shape and M bucket that the
+--pdl-prefetch, `pdl_us_prefetchP` the same prefetching P K steps before the wait. The gate_up rows whose tile applies
+the MLP's activation in its epilogue (`gptq_gemm.gated_fits`: up to 32 rows) are also timed gated, fused and apart:
+`silu_us` / `gelu_us` the matmul applying silu_and_mul / Gemma's gelu_tanh_and_mul in its epilogue (one launch, half
+the output written), `silu_apart_us` / `gelu_apart_us` the plain matmul and the activation's launch after it, and
+`silu_gain` / `gelu_gain` apart / fused (above 1: the epilogue is faster). A shape and M bucket that the
 GPU's table lacks (no table ships for it, and no engine start has tuned it there) is first tuned with the quick
 candidate set, as an engine's first start does, so that every row times what an engine would run. GPU only.
 """
@@ -126,6 +130,26 @@ def late_loads(cfg: dict) -> dict | None:
     return None
 
 
+def gated_times(name: str, x, copies, wp: int, k: int, n: int) -> dict:
+    """A gate_up layer at x's rows where its kernel applies the MLP's activation in its epilogue
+    (`gptq_gemm.gated_fits`): each activation (silu, Gemma's gelu_tanh) timed fused (`ACT_us`) and as the plain
+    matmul with the activation's launch after it (`ACT_apart_us`), and `ACT_gain` apart / fused; {} elsewhere."""
+    from ..kernels import fused, gptq_gemm
+    from ..kernels.gptq_tune import time_graph
+    kind, cfg, is_fused = gptq_gemm._choice(x.shape[0], n, k, 4, 128, wp, None, x.device)
+    if name != "gate_up" or not is_fused or not gptq_gemm.gated_fits(kind, cfg, n):
+        return {}
+    out = {}
+    for act, label in (("silu", "silu"), ("gelu_tanh", "gelu")):
+        gelu = act == "gelu_tanh"
+        out[f"{label}_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp, gated=act)
+                                         for t in copies])
+        out[f"{label}_apart_us"] = time_graph([lambda t=t: fused.silu_and_mul(
+            gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp), gelu=gelu) for t in copies])
+        out[f"{label}_gain"] = out[f"{label}_apart_us"] / out[f"{label}_us"]
+    return out
+
+
 def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda",
                   with_pdl: bool = False, pdl_prefetch=()) -> list[dict]:
     """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted);
@@ -192,6 +216,7 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
                                    for t in copies])
             row["dequant_us"] = timed({"kernel": "dequant"})
             row["chunks_us"], row["chunks"] = min((timed(c), c["CHUNK_N"]) for c in chunked(k))
+        row.update(gated_times(name, x, copies, wp, k, n))
         if tiny is not None:
             xb = x.to(torch.bfloat16)
             row["tinygemm_us"] = time_graph([lambda p=p: torch.ops.aten._weight_int4pack_mm(xb, p[0], 128, p[1])
@@ -264,8 +289,8 @@ def print_table(rows: list[dict], title: str, cols: list[str] | None = None) -> 
     cols = cols or ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
                     "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "joined_us",
                     "byte_dots_gain", "sync_us", "sync_gain", "late_us", "ahead_gain", "dequant_us", "chunks_us",
-                    "pdl_us", "pdl_gain",
-                    "max_rel_err"]
+                    "pdl_us", "pdl_gain", "silu_us", "silu_apart_us", "silu_gain", "gelu_us", "gelu_apart_us",
+                    "gelu_gain", "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:

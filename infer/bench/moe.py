@@ -9,6 +9,8 @@ groups of 128).
     python -m infer.bench.moe --tokens 256 1024 4096 --block-m 16 32 64 128   # BLOCK_M's search (kernels.moe)
 
     python -m infer.bench.moe --tune --tokens 1 16 256 4096   # tune the int4 experts (kernels.moe_tune), --quick
+    python -m infer.bench.moe --oai --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --group-size 32
+                                               # gpt-oss-20b's experts: biases and clamped SwiGLU, fused vs apart
 
 With --tune each count of tokens' bucket is tuned (the full candidate set; --quick: the engine start's) over the
 int4 experts, the winners saved to this GPU's cache file as an engine start saves them, and each bucket's tuned
@@ -17,6 +19,12 @@ time printed beside the heuristics' (`tuned_vs_heuristic`: heuristic time / tune
 With --block-m each count of tokens is timed at every BLOCK_M listed too (the int4 kernel; `int4_us_mN` columns,
 `best_block_m` the fastest) beside the one kernels.moe.choose_block_m picks (`block_m`): what a change of its
 thresholds would gain.
+
+With --oai the experts are gpt-oss's (random biases, the clamped SwiGLU: reference.OaiExperts, gate and up
+interleaved): both the int4 and the bf16 experts are timed with the biases and the activation in the matmuls'
+epilogue (`int4_us`, `bf16_us`: two launches, the engine's way) and apart (`int4_apart_us`, `bf16_apart_us`: plain
+matmuls, then the index_select adds and the activation's torch ops, as session 60 ran them), and
+`int4_epilogue_gain` / `bf16_epilogue_gain` apart / fused (above 1: the epilogue is faster).
 """
 
 from __future__ import annotations
@@ -50,23 +58,35 @@ def int4_bytes(experts: int, k: int, n: int, group: int) -> float:
     return experts * (k * n / 2 + k // group * n * 2.5)
 
 
+def oai_experts(experts: int, hidden: int, inter: int, device: str = "cuda"):
+    """gpt-oss's expert biases (random, bf16) and activation constants (reference.OaiExperts: alpha 1.702, limit
+    7, gpt-oss-20b's)."""
+    from ..kernels.reference import OaiExperts
+    gen = torch.Generator(device=device).manual_seed(2)
+    return OaiExperts(torch.randn(experts, 2 * inter, device=device, generator=gen).bfloat16(),
+                      torch.randn(experts, hidden, device=device, generator=gen).bfloat16(), 1.702, 7.0)
+
+
 def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool,
-            bandwidth: float, block_ms=()) -> list[dict]:
+            bandwidth: float, block_ms=(), oai: bool = False, device: str = "cuda") -> list[dict]:
+    """One row a count of tokens (device: "cuda"; the tests run the same code on "cpu", interpreted). oai: gpt-oss's
+    experts, each also timed with its biases and activation apart (the module docstring's --oai)."""
     from ..kernels import moe
     from ..kernels.gptq_tune import time_graph
     # (act-order: sorted by group, as models.moe.Int4Stack holds them)
-    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0).sorted_by_group(group)
-    w2 = random_experts(experts, inter, hidden, group, act_order, 1).sorted_by_group(group)
+    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0, device).sorted_by_group(group)
+    w2 = random_experts(experts, inter, hidden, group, act_order, 1, device).sorted_by_group(group)
     f13, f2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
+    extra = {"oai": oai_experts(experts, hidden, inter, device)} if oai else {}
     rows = []
     for t in tokens:
-        gen = torch.Generator(device="cuda").manual_seed(t)
-        x = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
-        weights, ids = torch.topk(torch.randn(t, experts, device="cuda", generator=gen).softmax(-1), top_k, -1)
+        gen = torch.Generator(device=device).manual_seed(t)
+        x = torch.randn(t, hidden, device=device, generator=gen).bfloat16()
+        weights, ids = torch.topk(torch.randn(t, experts, device=device, generator=gen).softmax(-1), top_k, -1)
         weights = weights.bfloat16()
         chosen = int(ids.unique().numel())
-        ours = time_graph([lambda: moe.fused_moe_int4(x, w13, w2, weights, ids)])
-        dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids)])
+        ours = time_graph([lambda: moe.fused_moe_int4(x, w13, w2, weights, ids, **extra)])
+        dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids, **extra)])
         q_bytes = int4_bytes(chosen, hidden, 2 * inter, group) + int4_bytes(chosen, inter, hidden, group)
         f_bytes = chosen * 3 * hidden * inter * 2
         rows.append({"tokens": t, "experts_chosen": chosen, "act_order": act_order,
@@ -76,6 +96,12 @@ def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: in
                      "bf16_floor_us": round(f_bytes / bandwidth * 1e6, 2),
                      "bf16_of_floor": round(f_bytes / bandwidth * 1e6 / dense, 3),
                      "block_m": moe.choose_block_m(t, top_k, experts)})
+        if oai:  # the same experts with the biases and the activation as torch ops after plain matmuls
+            apart = {"int4": time_graph([lambda: moe.fused_moe_int4(x, w13, w2, weights, ids, apart=True, **extra)]),
+                     "bf16": time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids, apart=True, **extra)])}
+            for kind, us in apart.items():
+                rows[-1][f"{kind}_apart_us"] = round(us, 2)
+                rows[-1][f"{kind}_epilogue_gain"] = round(us / rows[-1][f"{kind}_us"], 3)
         if block_ms:
             times = {m: time_graph([lambda m=m: moe.fused_moe_int4(x, w13, w2, weights, ids, block_m=m)])
                      for m in block_ms}
@@ -143,10 +169,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true",
                     help="tune the int4 experts at the buckets of --tokens and print tuned vs heuristic times")
     ap.add_argument("--quick", action="store_true", help="with --tune: the engine start's candidate set")
+    ap.add_argument("--oai", action="store_true", help="gpt-oss's experts (biases, clamped SwiGLU): each also timed "
+                                                       "with those apart from the matmuls' epilogue")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
     if args.quick and not args.tune:
         ap.error("--quick is the candidate set of --tune (the engine start's): add --tune, or drop --quick")
+    if args.tune and args.oai:
+        ap.error("--oai times gpt-oss's experts fused and apart; --tune tunes the plain experts' tiles: drop one")
     if args.tune and args.block_m:
         ap.error("--block-m lists BLOCK_M candidates of the timing table; --tune searches BLOCK_M itself: drop one")
     why = _bad_shape(args)  # (before the GPU check: a wrong flag is named on any machine, never a traceback)
@@ -166,7 +196,7 @@ def main(argv=None) -> int:
                     args.act_order, args.quick, log=lambda m: print(m, flush=True))
     else:
         rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
-                       args.act_order, bandwidth, args.block_m)
+                       args.act_order, bandwidth, args.block_m, args.oai)
     keys = list(rows[0])
     print("  ".join(keys))
     for r in rows:

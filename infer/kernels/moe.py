@@ -354,10 +354,10 @@ def aligned(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, lora=None, block_m: int | None = None, config: dict | None = None,
-              oai=None) -> torch.Tensor:
-    """reference.fused_moe in three launches (`_run`; `oai`: gpt-oss's reference.OaiExperts); block_m: the blocks'
-    rows (None: `step_config`'s; a candidate of the bench otherwise, the heuristics' tiles); config: the launch
-    config to use (a tuner's candidate; None: `step_config`'s)."""
+              oai=None, apart: bool = False) -> torch.Tensor:
+    """reference.fused_moe in three launches (`_run`; `oai`: gpt-oss's reference.OaiExperts, two launches); block_m:
+    the blocks' rows (None: `step_config`'s; a candidate of the bench otherwise, the heuristics' tiles); config: the
+    launch config to use (a tuner's candidate; None: `step_config`'s); apart: `_run`'s (the bench's baseline)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
@@ -365,7 +365,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, w13.shape[0]),
                 lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm(
-                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai)
+                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
+                apart)
 
 
 def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch.Tensor, experts: int) -> dict:
@@ -378,7 +379,7 @@ def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch
 
 
 def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, cfg: dict,
-         gemm, oai=None) -> torch.Tensor:
+         gemm, oai=None, apart: bool = False) -> torch.Tensor:
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
     aligned, row_div=True, weighted=False, cfg, bias, act)`), silu_and_mul, the down one (weighted by the routing
     weights), the k rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter
@@ -390,19 +391,23 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m
     before the routing weight, as transformers' x @ W + b, then the weight), and the activation
     reference.oai_swiglu computed by the gate_up matmul's epilogue too (its gate and up columns interleave): two
     launches in all where the float32 adds, index_selects and the activation's torch ops ran apart. (With adapters
-    of gpt-oss's experts, which the loader refuses, the delta would go between: oai_swiglu then runs apart.)"""
+    of gpt-oss's experts, which the loader refuses, the delta would go between: oai_swiglu then runs apart.)
+    apart (`python -m infer.bench.moe --oai`'s baseline): gpt-oss's biases and activation as torch ops after plain
+    matmuls, as session 60 ran them (index_select adds, reference.oai_swiglu, the routing weight after the bias)."""
     from . import fused
     t, top_k = ids.shape
     pairs_aligned = aligned(ids, num_experts, cfg["BLOCK_M"])
     pairs = t * top_k
     flat_w = weights.reshape(-1).contiguous()
-    b13, b2 = (None, None) if oai is None else (oai.b13, oai.b2)
-    if oai is not None and lora is None:  # the clamped SwiGLU in the gate_up matmul's epilogue
+    b13, b2 = (None, None) if oai is None or apart else (oai.b13, oai.b2)
+    if oai is not None and lora is None and not apart:  # the clamped SwiGLU in the gate_up matmul's epilogue
         act = torch.empty(pairs, out13 // 2, dtype=x.dtype, device=x.device)
         gemm(x, act, flat_w, pairs_aligned, True, False, cfg, b13, (oai.alpha, oai.limit))
     else:
         gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
         gemm(x, gate_up, flat_w, pairs_aligned, True, False, cfg, b13, None)
+        if apart and oai is not None:
+            gate_up += oai.b13.index_select(0, ids.reshape(-1))
         if lora is not None:
             adapters = _LoRAPairs(ids, lora, flat_w, block_m)
             gate_up += adapters.delta(x, lora.a13, lora.b13, True)
@@ -413,9 +418,13 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m
             act = oai_swiglu(gate_up, out13 // 2, oai.alpha, oai.limit)
         del gate_up  # (freed before the down stage: the plan counts one of the two alive, sizes.moe_token_bytes)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
-    gemm(act, down, flat_w, pairs_aligned, False, lora is None, cfg, b2, None)
+    late = lora is not None or (apart and oai is not None)  # (the routing weight after the delta / the bias)
+    gemm(act, down, flat_w, pairs_aligned, False, not late, cfg, b2, None)
+    if apart and oai is not None:
+        down += oai.b2.index_select(0, ids.reshape(-1))
     if lora is not None:
         down += adapters.delta(act, lora.a2, lora.b2, False)
+    if late:
         down.mul_(flat_w[:, None])  # (in place, computed in float32 and rounded once: no [pairs, H] float32 copies)
     return down.view(t, top_k, -1).sum(dim=1)
 
@@ -544,7 +553,8 @@ def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
-                   block_m: int | None = None, config: dict | None = None, oai=None) -> torch.Tensor:
+                   block_m: int | None = None, config: dict | None = None, oai=None,
+                   apart: bool = False) -> torch.Tensor:
     """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
     dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
     t, top_k = ids.shape
@@ -555,4 +565,5 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
     return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, e),
                 lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_int4(
-                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai)
+                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
+                apart)
