@@ -212,7 +212,7 @@ def test_the_kernels_bench_times_the_gated_epilogues_beside_the_launch_after(gem
             assert r[f"{act}_us"] > 0 and r[f"{act}_gain"] == r[f"{act}_apart_us"] / r[f"{act}_us"], r
     assert "silu_us" not in rows[2] and "gelu_gain" not in rows[2]
     monkeypatch.setenv("COLUMNS", "250")
-    bench.print_table(rows, "cpu", ["layer", "M", "silu_us", "silu_apart_us", "silu_gain", "gelu_gain"])
+    bench.print_table(rows, "cpu", bench.GATED_COLS)
     assert "gelu_gain" in capsys.readouterr().out
 
 
@@ -251,3 +251,59 @@ def test_the_benches_print_fused_and_apart_side_by_side_on_gpu(tmp_path, capsys)
     rows = list(csv.DictReader(open(tmp_path / "m.csv")))
     assert len(rows) == 2 and all(float(r["int4_epilogue_gain"]) > 0 and float(r["bf16_epilogue_gain"]) > 0
                                   for r in rows), rows
+
+
+# ------------------------------------------------------------------------------------------------- the engines
+def record_gated(monkeypatch) -> list:
+    """The GATED constexpr of every int4 kernel launch of the engines built from now on (gptq_gemm._launch)."""
+    from infer.kernels import gptq_gemm
+    return _gated_launches(gptq_gemm, monkeypatch)
+
+
+@interpreted
+def test_gemma3_gptq_engine_applies_the_geglu_in_the_gate_up_epilogue(tmp_path, monkeypatch):
+    """A GPTQ Gemma 3 (`infer quantize`'s) on the GPU code path (interpreted; emulated decode and piecewise graphs):
+    every MLP's act_in_gate_up (EngineConfig.silu_in_gate_up covers the GeGLU), its gate_up kernels launched with
+    GATED 2 and no gelu_tanh_and_mul after them; the CPU path's greedy tokens. With silu_in_gate_up=False: the
+    activation launched apart again, the same tokens."""
+    from typer.testing import CliRunner
+
+    from infer import LLM, SamplingParams, kernels
+    from infer.cli.main import app
+    from helpers import random_prompts
+    from quant_helpers import check_gpu_path_interpreted
+    from test_probes_session55_gemma3 import FULL, SL, build
+    build(tmp_path / "f", num_hidden_layers=2, layer_types=[SL, FULL], sliding_window=8)
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q"), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    prompts = random_prompts(512, (5, 13), seed=4)
+    with LLM(str(tmp_path / "q"), block_size=4) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert len({t for tokens in want for t in tokens}) > 3  # (varied tokens: the comparison means something)
+    gated = record_gated(monkeypatch)
+    apart = []
+    real = kernels.gelu_tanh_and_mul
+    monkeypatch.setattr(kernels, "gelu_tanh_and_mul", lambda *a, **kw: (apart.append(1), real(*a, **kw))[1])
+    check_gpu_path_interpreted(tmp_path / "q", monkeypatch, prompts, want)
+    assert 2 in gated and 1 not in gated and apart == [], (sorted(set(gated)), len(apart))
+    gated.clear()
+    with LLM(str(tmp_path / "q"), block_size=4, max_model_len=32, silu_in_gate_up=False) as llm:
+        assert not any(layer.mlp.act_in_gate_up for layer in llm.engine.runner.model.layers)
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))] == want
+    assert set(gated) == {0} and apart, (sorted(set(gated)), len(apart))
+
+
+@interpreted
+def test_gpt_oss_engine_runs_its_experts_in_two_launches(tmp_path, monkeypatch):
+    """A float gpt-oss on the GPU code path (interpreted; emulated graphs): the fused MoE's matmuls add the biases
+    and compute the clamped SwiGLU (reference.oai_swiglu never runs, no bias index_select), transformers' tokens."""
+    from infer.kernels import reference
+    from helpers import greedy_each, random_prompts
+    from quant_helpers import check_gpu_path_interpreted
+    from test_probes_session60_gptoss import build
+    hf = build(tmp_path, num_hidden_layers=2)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    monkeypatch.setattr(reference, "oai_swiglu", lambda *a: pytest.fail("oai_swiglu ran apart"))
+    check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)
