@@ -307,3 +307,28 @@ def test_gpt_oss_engine_runs_its_experts_in_two_launches(tmp_path, monkeypatch):
     want = greedy_each(hf, prompts, 6)
     monkeypatch.setattr(reference, "oai_swiglu", lambda *a: pytest.fail("oai_swiglu ran apart"))
     check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)
+
+
+def test_an_engine_start_compiles_the_gelu_tanh_gated_variant(monkeypatch):
+    """gptq_tune.compile_model (an engine start) on a Gemma MLP whose gate_up applies the GeGLU in its epilogue:
+    every gated call it queues is gelu_tanh's (the variant the steps launch), none silu's."""
+    from infer.kernels import gptq_gemm, gptq_tune
+    from infer.models.layers import MergedLinear
+    from infer.quant.config import GPTQConfig
+    from infer.quant.gptq_linear import GPTQLinearMethod
+    cfg = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=True)
+    gate_up = MergedLinear(256, [128, 128], ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], False,
+                           GPTQLinearMethod(cfg, True), torch.float16)
+    g = torch.Generator().manual_seed(64)
+    for j in range(2):
+        for name, t in zip(("qweight", "qzeros", "scales", "g_idx"),
+                           packing.quantize_rtn(torch.randn(128, 256, generator=g), 4, 128, True)):
+            gate_up.load_shard(name, j, t)
+    gate_up.finish_loading()
+    mlp = torch.nn.Module()
+    mlp.gate_up_proj, mlp.act_in_gate_up, mlp.act = gate_up, True, "gelu_tanh"
+    queued = []
+    monkeypatch.setattr(gptq_gemm, "gptq_matmul", lambda *a, **kw: queued.append(kw.get("gated")))
+    monkeypatch.setattr(gptq_tune, "compile_parallel", lambda calls, workers=None: len([c() for c in calls]))
+    assert gptq_tune.compile_model(torch.nn.ModuleList([mlp]), 32, torch.float16) > 0
+    assert "gelu_tanh" in queued and not {"silu", True} & set(queued), queued

@@ -437,8 +437,8 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     """Compile, in parallel (`compile_parallel`), the kernel every GPTQ layer of `model` will launch for each row
     count up to max_tokens (the tuned or heuristic choice), on the layers' own tensors: an engine start calls this
     after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. A layer with a
-    bias compiles its bias epilogue, an MLP's gate_up whose kernel applies silu_and_mul (`act_in_gate_up`) its gated
-    one; a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
+    bias compiles its bias epilogue, an MLP's gate_up whose kernel applies silu_and_mul or Gemma's gelu_tanh_and_mul
+    (`act_in_gate_up`) its gated one (of that activation); a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
     compiles that variant too, besides the plain one (a step where no adapter targets the layer). Where some row
     count's choice is dequantize + cuBLAS, the dequantize kernels are compiled once for the layer shape (they do
     not depend on the rows). `extra`: more compile-only callables to run in the same pool (the LoRA kernels,
