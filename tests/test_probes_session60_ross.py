@@ -190,15 +190,9 @@ def test_infer_quantize_of_an_mxfp4_checkpoint_names_the_convert_step(tmp_path):
     assert "already quantized (quant_method 'mxfp4')" in res.output and "infer convert" in res.output
 
 
-def test_the_cli_takes_openai_gptoss_and_names_what_the_openai_tool_parser_would_do():
-    """vLLM serves gpt-oss with --reasoning-parser openai_gptoss --tool-call-parser openai: infer takes the first;
-    the second is refused saying that harmony's calls are not read, and what works instead."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    from infer.cli.serve import _reasoning_parser
+def test_the_cli_takes_openai_gptoss_and_the_openai_tool_parser():
+    """vLLM serves gpt-oss with --reasoning-parser openai_gptoss --tool-call-parser openai: infer takes both (the
+    openai parser was refused until session 61, which reads harmony's calls: test_probes_session61_tools)."""
+    from infer.cli.serve import _reasoning_parser, _tool_parser
     assert _reasoning_parser("openai_gptoss") == "openai_gptoss"
-    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--enable-auto-tool-choice", "--tool-call-parser",
-                                   "openai"], env={"COLUMNS": "250"})
-    assert res.exit_code == 2 and "gpt-oss's harmony tool calls" in res.output
-    assert "--reasoning-parser openai_gptoss" in " ".join(res.output.split())
+    assert _tool_parser(True, "openai") == "openai"

@@ -97,7 +97,9 @@ def serve(
     tool_call_parser: Annotated[Optional[str], _server(
         "--tool-call-parser", help="The model family's tool-call syntax, with --enable-auto-tool-choice: hermes "
         "(Hermes 2 Pro and later, Qwen2.5, QwQ), llama3_json (Llama 3.1-3.3 JSON tool calling), pythonic (Llama 3.2, "
-        "Llama 4: a Python list of calls) or mistral ([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small).")] = None,
+        "Llama 4: a Python list of calls), mistral ([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small), qwen3_coder "
+        "(Qwen3-Coder: <function=NAME><parameter=KEY>), seed_oss (Seed-OSS: <seed:tool_call>) or openai (gpt-oss: "
+        "harmony's to=functions.NAME messages).")] = None,
     reasoning_parser: Annotated[Optional[str], _server(
         "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "
@@ -194,12 +196,6 @@ def _tool_parser(enable: bool, parser: str | None) -> str | None:
     if enable and parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser",
                           f"name the model family's tool-call syntax: {' | '.join(PARSERS)}")
-    if parser == "openai":  # vLLM's parser of gpt-oss's harmony tool calls
-        raise ConfigError("--tool-call-parser 'openai' (gpt-oss's harmony tool calls) is not available",
-                          "infer does not read harmony's calls (a commentary message to=functions.NAME) into "
-                          "tool_calls: serve gpt-oss without --enable-auto-tool-choice (a named or \"required\" "
-                          "tool_choice still constrains the reply to a call); with --reasoning-parser openai_gptoss a "
-                          "call's arguments are the message's content")
     if parser is not None and parser not in PARSERS:
         raise ConfigError(f"--tool-call-parser {parser!r} is not available", f"infer reads: {' | '.join(PARSERS)} "
                           f"(and vLLM's {', '.join(f'{a} as {b}' for a, b in PARSER_ALIASES.items())})")

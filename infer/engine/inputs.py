@@ -305,7 +305,7 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
     the prompt. With `parts` (the template loops over content: `reads_content_parts`) every content is a list of
     text parts, a string's too (as vLLM's "openai" content format). Other parts (images, audio) are refused rather
     than dropped; null content is empty (an assistant's tool call), another null field absent; an assistant's
-    `reasoning` is its `reasoning_content` too (as vLLM)."""
+    `reasoning` is its `reasoning_content` too (as vLLM), and either its `thinking` (gpt-oss's template's field)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -329,6 +329,10 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
             # the reply's `reasoning` (--reasoning-parser's field) sent back, as vLLM takes it: chat templates read
             # reasoning_content (Qwen3's renders it in the turns after the last user message, tool loops' turns)
             out[-1]["reasoning_content"] = m["reasoning"]
+        if m["role"] == "assistant" and isinstance(out[-1].get("reasoning_content"), str) and "thinking" not in m:
+            # gpt-oss's template reads `thinking` (the analysis it renders before a tool call of the turn in progress),
+            # as vLLM's harmony rendering takes `reasoning` (or reasoning_content)
+            out[-1]["thinking"] = out[-1]["reasoning_content"]
     return out
 
 

@@ -36,7 +36,7 @@ from .pause import add_pause_routes
 from .reasoning import parts as reasoning_parts
 from .responses import add_routes as add_responses_routes
 from .sleep import add_sleep_routes, http_message
-from .tools import split, visible
+from .tools import reads_whole_reply, split, visible
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.25
@@ -354,7 +354,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
                 delta = text[sent.get(i, 0):]
             if req.tools is not None and req.tools.mode != "none":  # calls go whole in one chunk, then the finish;
-                text = out.text if text is None else text
+                text = out.text if text is None or reads_whole_reply(req.tools) else text
                 if out.finished and not slept:  # before them, the content (none for a constrained call)
                     content, calls = split(req.tools, text)
                 else:

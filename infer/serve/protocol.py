@@ -20,7 +20,7 @@ from ..engine.sampling_params import MAX_TOKENS
 from ..engine.structured import from_openai
 from ..errors import RequestError
 from .reasoning import ReasoningRequest, keeps_special_tokens, reasoning_request, split as reasoning_split
-from .tools import ToolRequest, parse_tools, split as split_tools
+from .tools import ToolRequest, parse_tools, reads_whole_reply, split as split_tools
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
 _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -775,6 +775,21 @@ def envelope(req: GenerationRequest, rid: str, model: str, created: int, choices
     return out
 
 
+def reply_parts(req: GenerationRequest, text: str) -> tuple[str | None, str | None, list[dict] | None]:
+    """(reasoning, content, calls) of a finished chat reply: the reasoning split first, then the calls read from
+    the content only (openai's from the whole reply: harmony's calls are messages of their own, its content the final
+    channel's text, null without one, as vLLM's)."""
+    thought, whole, calls = None, text, None
+    if req.reasoning is not None:
+        thought, text = reasoning_split(req.reasoning, text)
+    if reads_whole_reply(req.tools):
+        text, calls = split_tools(req.tools, whole)
+        text = text or None
+    elif req.tools is not None and text is not None:
+        text, calls = split_tools(req.tools, text)
+    return thought, text, calls
+
+
 class WholeResponse:
     """The body of a response that is not streamed, built from its choices' finished outputs (none failed): what the
     server answers and what `infer run --output-format openai` writes as a batch line's response body. Pure (no web
@@ -796,13 +811,7 @@ class WholeResponse:
         text, records = echoed(req, i, out, tokenizer) if req.echo else (out.text, out.logprobs)
         reason = "length" if req.prompt_only else finish_reason(out)
         ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
-        thought = None
-        if req.reasoning is not None:  # the reasoning first: the tool-call parser reads the content only
-            thought, text = reasoning_split(req.reasoning, text)
-        if req.tools is not None and text is not None:
-            text, calls = split_tools(req.tools, text)
-        else:
-            calls = None
+        thought, text, calls = reply_parts(req, text)
         self.choices[i] = choice(req, i, text, records, tokenizer, reason, token_ids=ids_out,
                                  prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
                                  tool_calls=calls, reasoning=thought)

@@ -46,32 +46,46 @@ _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_MARKERS = (_H_START, _H_CHANNEL, _H_MESSAGE, "<|constrain|>", *_H_ENDS)
 
 
-def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
-    """(reasoning, content) of a harmony reply: each message's text by its channel (analysis: reasoning; the
-    others: content); text outside any message (no header) is content. Not `finished`: a tail that may still
-    become a marker ("<|en") held back, a header not yet closed by <|message|> left out."""
+def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
+    """(header, text, ended) of each message of a harmony reply, in order: the header is what precedes <|message|>
+    ("<|channel|>final", "<|start|>assistant to=functions.f<|channel|>commentary json"; "" for text outside any
+    message), `ended` whether an end marker (<|end|>, <|return|>, <|call|>) closed it. The reply's first header may
+    be " to=functions.f<|channel|>commentary json" (after the prompt's `<|start|>assistant`). Not `finished`: a tail
+    that may still become a marker ("<|en") held back, a header not yet closed by <|message|> left out."""
     if not finished:
         for k in range(min(max(map(len, _H_MARKERS)) - 1, len(text)), 0, -1):
             if any(m.startswith(text[-k:]) for m in _H_MARKERS):
                 text = text[:-k]
                 break
-    reasoning, content, at = [], [], 0
+    out, at = [], 0
     while at < len(text):
-        if text.startswith((_H_START, _H_CHANNEL), at):
+        header = ""
+        # (the reply's first header may start with its recipient, the prompt having written `<|start|>assistant`)
+        if text.startswith((_H_START, _H_CHANNEL), at) or (at == 0 and text.lstrip(" ").startswith("to=")):
             head = text.find(_H_MESSAGE, at)
             if head < 0:
                 break  # a header without its text (yet)
-            header = text[at:head]
-            channel = header.split(_H_CHANNEL, 1)[1] if _H_CHANNEL in header else ""
-            channel = channel.split("<|", 1)[0].strip().split(" ", 1)[0]  # (" to=functions.f", <|constrain|>)
-            at = head + len(_H_MESSAGE)
-            into = reasoning if channel == "analysis" else content
-        else:
-            into = content  # text outside a message
+            header, at = text[at:head], head + len(_H_MESSAGE)
         stop = min((i for i in (text.find(m, at) for m in (*_H_ENDS, _H_START, _H_CHANNEL)) if i >= 0),
                    default=len(text))
-        into.append(text[at:stop])
-        at = stop + next((len(m) for m in _H_ENDS if text.startswith(m, stop)), 0)
+        end = next((len(m) for m in _H_ENDS if text.startswith(m, stop)), 0)
+        out.append((header, text[at:stop], end > 0))
+        at = stop + end
+    return out
+
+
+def harmony_channel(header: str) -> str:
+    """The channel a harmony message's header names ("" without one)."""
+    channel = header.split(_H_CHANNEL, 1)[1] if _H_CHANNEL in header else ""
+    return channel.split("<|", 1)[0].strip().split(" ", 1)[0]  # (" to=functions.f", <|constrain|>)
+
+
+def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of a harmony reply: each message's text by its channel (analysis: reasoning; the
+    others: content); text outside any message (no header) is content (see harmony_messages)."""
+    reasoning, content = [], []
+    for header, body, _ in harmony_messages(text, finished):
+        (reasoning if header and harmony_channel(header) == "analysis" else content).append(body)
     return "\n".join(reasoning), "".join(content)
 
 

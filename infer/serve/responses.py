@@ -33,8 +33,8 @@ from fastapi.responses import Response, StreamingResponse
 from . import protocol as p
 from .body import SafeJSONResponse, request_body
 from .embeddings import generation_refusal
-from .reasoning import parts as reasoning_parts, split as reasoning_split
-from .tools import split as split_tools, visible
+from .reasoning import parts as reasoning_parts
+from .tools import reads_whole_reply, visible
 
 log = logging.getLogger("infer.serve")
 
@@ -400,15 +400,8 @@ def _status(out) -> str:
 
 def _parts(req: p.GenerationRequest, text: str) -> tuple[str | None, str | None, list[dict] | None]:
     """(reasoning, content, calls) of a finished reply, as the chat message has them."""
-    thought = None
-    if req.reasoning is not None:
-        thought, text = reasoning_split(req.reasoning, text)
-        if not req.reasoning.include:
-            thought = None
-    calls = None
-    if req.tools is not None and text is not None:
-        text, calls = split_tools(req.tools, text)
-    return thought, text, calls
+    thought, text, calls = p.reply_parts(req, text)
+    return (thought if req.reasoning is not None and req.reasoning.include else None), text, calls
 
 
 async def _whole(server, req, reply: Reply, queue, ids, request, arrival):
@@ -498,7 +491,8 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 if req.reasoning is not None:
                     thought, text = reasoning_parts(req.reasoning, out.text, False)
                 if req.tools is not None and req.tools.mode != "none":
-                    text = visible(req.tools, text) if req.tools.mode == "auto" else ""
+                    text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text) \
+                        if req.tools.mode == "auto" else ""
             if not thought_done and thought and len(thought) > len(thought_sent):
                 if open_item is None:
                     open_item = "rs"

@@ -13,7 +13,12 @@ separated by "; ", after an optional `<|python_tag|>` (Llama 3.1-3.3 JSON tool c
 Python list of calls with literal keyword arguments, `[get_weather(city="Paris"), add(a=1, b=2)]`, possibly between
 `<|python_start|>` and `<|python_end|>` (Llama 3.2, Llama 4, ToolACE), or mistral, text then `[TOOL_CALLS]` and a JSON
 list of {"name", "arguments"} objects (Mistral 7B v0.3, Mistral Nemo), or `[TOOL_CALLS]name[ARGS]{...}` per call
-(newer Mistral tokenizers; `name{...}` too). Without a parser "auto" is refused with what to send instead, rather than
+(newer Mistral tokenizers; `name{...}` too), or qwen3_coder, `<tool_call><function=NAME><parameter=KEY>VALUE
+</parameter>...</function></tool_call>` (Qwen3-Coder), or seed_oss, the same function and parameter tags inside
+`<seed:tool_call>...</seed:tool_call>` (ByteDance Seed-OSS), both of whose values are typed by the function's JSON
+schema as vLLM types them, or openai, gpt-oss's harmony messages, a call being a commentary message addressed
+`to=functions.NAME` whose text is the JSON arguments (ended by <|call|>), the content the final channel's text.
+Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
+from .reasoning import harmony_channel, harmony_messages
 
 
 def _error(name: str, message: str, hint: str | None = None) -> RequestError:
@@ -417,21 +423,184 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
     return (content, calls) if calls else None
 
 
+# qwen3_coder and seed_oss: vLLM's XML-ish syntax, `<function=NAME>` then `<parameter=KEY>VALUE</parameter>` per
+# argument, then `</function>`, inside the family's call tags (a reply without them is searched whole, as vLLM's
+# back-off); a tag left open at the reply's end closes there
+XML_FUNCTION = "<function="
+QWEN_START, QWEN_END = HERMES_START, HERMES_END
+SEED_START, SEED_END = "<seed:tool_call>", "</seed:tool_call>"
+SEED_THINK_START, SEED_THINK_END = "<seed:think>", "</seed:think>"
+_XML_FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+# Qwen3-Coder's parameter also ends where the next one or the function's end starts; Seed-OSS's at its end tag only
+_XML_PARAMETERS = {"qwen3_coder": re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
+                                             re.DOTALL),
+                   "seed_oss": re.compile(r"<parameter=(.*?)</parameter>|<parameter=(.*?)$", re.DOTALL)}
+_XML_CALLS = {"qwen3_coder": re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL),
+              "seed_oss": re.compile(r"<seed:tool_call>(.*?)</seed:tool_call>|<seed:tool_call>(.*?)$", re.DOTALL)}
+_XML_STARTS = {"qwen3_coder": QWEN_START, "seed_oss": SEED_START}
+_INT_TYPES = ("int", "uint", "long", "short", "unsigned")
+
+
+def _json_value(value: Any) -> bool:
+    """Whether `value` (what ast.literal_eval read) is one JSON holds: no set, tuple, bytes, complex, NaN."""
+    try:
+        json.dumps(value, allow_nan=False)
+        return True
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _typed(value: str, schema: Any, family: str) -> Any:
+    """A parameter's text as the value its JSON schema types it (vLLM's _convert_param_value): "null" is null;
+    string types (and a parameter the schema does not name, or names without a type) stay text; integer and number
+    types read as numbers (an integral number as an int), boolean as true unless "false" (vLLM: anything else is
+    false); objects (qwen3_coder: and arrays) as JSON, and anything else as a Python literal. A value that does not
+    read so stays text, as in vLLM, and so does one JSON cannot hold (NaN, a set)."""
+    if value.lower() == "null":
+        return None
+    kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and "type" in schema else "string"
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
+        return value
+    if kind.startswith(_INT_TYPES):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+            return int(number) if number.is_integer() else number if _json_value(number) else value
+        except (ValueError, OverflowError):
+            return value
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    as_json = ("object", "array", "arr") if family == "qwen3_coder" else ("object",)
+    if kind in as_json or kind.startswith("dict") or (family == "qwen3_coder" and kind.startswith("list")):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            pass
+    try:
+        read = ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
+    return read if _json_value(read) else value
+
+
+def _xml_call(raw: str, functions: dict[str, Any], family: str) -> dict:
+    """One `NAME>...` (after <function=) as a call: its parameters typed by the named function's schema (an unknown
+    function's, as vLLM's, stay text). ValueError when the name has no ">" or is empty."""
+    name, sep, params = raw.partition(">")
+    if not sep or not name:
+        raise ValueError("a function without its name")
+    schema = functions.get(name)
+    properties = schema.get("properties", schema) if isinstance(schema, dict) else {}
+    properties = properties if isinstance(properties, dict) else {}
+    args = {}
+    for match in _XML_PARAMETERS[family].findall(params):
+        text = match if isinstance(match, str) else (match[0] or match[1])
+        key, sep, value = text.partition(">")
+        if not sep:
+            raise ValueError("a parameter without its name")
+        value = value[1:] if value.startswith("\n") else value  # the newline after the tag, and before the end's
+        value = value[:-1] if value.endswith("\n") else value
+        args[key] = _typed(value, properties.get(key), family)
+    return _call(name, json.dumps(args, ensure_ascii=False))
+
+
+def _xml_calls(family: str, text: str, functions: dict[str, Any] | None) -> tuple[str | None, list[dict]] | None:
+    """(content before the first call, the calls) of a reply in qwen3_coder's or seed_oss's syntax, as vLLM's parsers
+    read it; None (the reply stays text) when it has no <function=, or a function or parameter without its name.
+    seed_oss reads only what follows the reply's </seed:think> (when it has both think tags)."""
+    body, before = text, ""
+    if family == "seed_oss" and SEED_THINK_START in text and SEED_THINK_END in text:
+        at = text.index(SEED_THINK_END) + len(SEED_THINK_END)
+        before, body = text[:at], text[at:]
+    if XML_FUNCTION not in body:
+        return None
+    blocks = [whole or last for whole, last in _XML_CALLS[family].findall(body)] or [body]
+    raws = [whole or last for block in blocks for whole, last in _XML_FUNCTIONS.findall(block)]
+    if not raws:
+        return None
+    try:
+        calls = [_xml_call(raw, functions or {}, family) for raw in raws]
+    except ValueError:
+        return None
+    at = body.find(_XML_STARTS[family])
+    content = before + body[:at if at >= 0 else body.find(XML_FUNCTION)]
+    return (content or None), calls
+
+
+def qwen3_coder_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[str | None, list[dict]] | None:
+    """Qwen3-Coder's calls (see _xml_calls); `functions`: {name: parameters schema} that types the values."""
+    return _xml_calls("qwen3_coder", text, functions)
+
+
+def seed_oss_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[str | None, list[dict]] | None:
+    """Seed-OSS's calls (see _xml_calls); `functions`: {name: parameters schema} that types the values."""
+    return _xml_calls("seed_oss", text, functions)
+
+
+_HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, the calls) of a gpt-oss reply in harmony's format, as vLLM's openai parser reads it: a message
+    addressed `to=functions.NAME` (in its header, before or after its channel) is a call whose text is the arguments
+    (JSON, written again as vLLM does; text that is not JSON as a JSON string), the final channel's text the content
+    (None without it; several final messages joined, so that a stream's content only grows); other messages
+    (analysis, a commentary preamble) are neither. The reply's last message ends where the reply does (its <|call|>
+    is the stop token, left out of the text): it is a call when its text is whole JSON; one cut short (max_tokens)
+    is not made, and its text is content, as a cut call of the other parsers stays text. Text outside any message
+    (a reply without harmony's markers) is content. Not `finished` (a stream): the content so far (a call's text
+    not yet), and the calls whose messages ended."""
+    content, calls = None, []
+    messages = harmony_messages(text, finished)
+    for k, (header, body, ended) in enumerate(messages):
+        recipient = _HARMONY_RECIPIENT.search(header)
+        if recipient is None:
+            if not header or harmony_channel(header) == "final":
+                content = (content or "") + body
+            continue
+        try:
+            args = json.dumps(json.loads(body, parse_constant=_not_json), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            args = _arguments(body) if ended else None
+        if ended or (finished and k == len(messages) - 1 and args is not None):
+            calls.append(_call(recipient.group(1), args))
+        elif finished:  # the reply's last message, cut short in its arguments
+            content = (content or "") + body
+    return content, calls
+
+
 # --tool-call-parser: the syntaxes "auto" reads
-PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls}
+PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls,
+           "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls}
+# the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
+TYPED_PARSERS = ("qwen3_coder", "seed_oss")
+# the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
+WHOLE_REPLY_PARSERS = ("openai",)
 # vLLM's other names of these syntaxes (its llama4_json parser is its llama3_json one; its llama4_pythonic reads the
 # pythonic list inside <|python_start|>...<|python_end|>, as pythonic_calls does)
-PARSER_ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}
+PARSER_ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder"}
 
 
-def _parsed(name: str, text: str) -> tuple[str | None, list[dict]] | None:
-    """PARSERS[name](text), or None (the reply stays text) when the reply is too deeply nested for Python's JSON or
-    AST readers (a model that repeats "[" until max_tokens: RecursionError), as vLLM's parsers, which catch any
-    error of a reply they cannot read."""
+def _parsed(req: ToolRequest, text: str) -> tuple[str | None, list[dict]] | None:
+    """PARSERS[req.name](text) (the typed parsers get the tools' schemas too), or None (the reply stays text) when
+    the reply is too deeply nested for Python's JSON or AST readers (a model that repeats "[" until max_tokens:
+    RecursionError), as vLLM's parsers, which catch any error of a reply they cannot read."""
     try:
-        return PARSERS[name](text)
+        if req.name in TYPED_PARSERS:
+            return PARSERS[req.name](text, {t["function"]["name"]: t["function"].get("parameters") for t in req.tools})
+        return PARSERS[req.name](text)
     except RecursionError:
         return None
+
+
+def reads_whole_reply(req: ToolRequest | None) -> bool:
+    """Whether `req`'s calls are read from the whole reply rather than from the content a --reasoning-parser split
+    from it (openai: harmony's calls are messages of their own, beside the analysis and final channels)."""
+    return req is not None and req.mode == "auto" and req.name in WHOLE_REPLY_PARSERS
 
 
 def visible(req: ToolRequest | None, text: str) -> str:
@@ -440,30 +609,38 @@ def visible(req: ToolRequest | None, text: str) -> str:
     nothing of a reply that starts as a call may, "{" or "[" (pythonic: while it may be "[name("), or their tag)."""
     if req is None or req.mode != "auto":
         return text
+    if req.name == "openai":  # (the whole reply) the final channel's text so far
+        return harmony_calls(text, finished=False)[0] or ""
     if req.name == "pythonic" and text.startswith("[") and not _may_be_pythonic(text):
         return text  # "[1] First,", "[Paris]": no call can follow, the reply streams (the parser leaves it text)
     if req.name in ("llama3_json", "pythonic"):
         first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
         return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
-    start = MISTRAL_START if req.name == "mistral" else HERMES_START
-    at = text.find(start)
-    if at >= 0:
-        return text[:at]
-    for k in range(min(len(start) - 1, len(text)), 0, -1):
-        if start.startswith(text[-k:]):
+    starts = _STARTS.get(req.name, (HERMES_START,))
+    found = [at for at in (text.find(start) for start in starts) if at >= 0]
+    if found:
+        return text[:min(found)]
+    for k in range(min(max(map(len, starts)) - 1, len(text)), 0, -1):
+        if any(start.startswith(text[-k:]) for start in starts):
             return text[:-k]
     return text
+
+
+# where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
+# bare <function= too)
+_STARTS = {"mistral": (MISTRAL_START,), "qwen3_coder": (QWEN_START, XML_FUNCTION),
+           "seed_oss": (SEED_START, XML_FUNCTION)}
 
 
 def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
     """(content, tool_calls) of a finished reply: the calls with what came before them (nothing for a constrained
     call), or the whole text and None. With "auto", the calls the parser reads (the content before them: PARSERS),
-    only the first with parallel_tool_calls false."""
+    only the first with parallel_tool_calls false; openai: the final channel's text and the calls (none: None)."""
     if req is not None and req.mode == "auto":
-        parsed = _parsed(req.name, text)
+        parsed = _parsed(req, text)
         if parsed is None:
             return text, None
-        return parsed[0] or "", (parsed[1] if req.parallel else parsed[1][:1])
+        return parsed[0] or "", ((parsed[1] if req.parallel else parsed[1][:1]) or None)
     calls = tool_calls(req, text)
     if calls is None:
         return text, None
