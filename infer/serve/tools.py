@@ -442,7 +442,8 @@ _INT_TYPES = ("int", "uint", "long", "short", "unsigned")
 
 
 def _json_value(value: Any) -> bool:
-    """Whether `value` (what ast.literal_eval read) is one JSON holds: no set, tuple, bytes, complex, NaN."""
+    """Whether `value` (what ast.literal_eval read) is one JSON holds: no set, bytes, complex, NaN or infinity (a
+    tuple is written as a list, as vLLM's json.dumps writes it)."""
     try:
         json.dumps(value, allow_nan=False)
         return True
@@ -489,9 +490,10 @@ def _typed(value: str, schema: Any, family: str) -> Any:
 
 def _xml_call(raw: str, functions: dict[str, Any], family: str) -> dict:
     """One `NAME>...` (after <function=) as a call: its parameters typed by the named function's schema (an unknown
-    function's, as vLLM's, stay text). ValueError when the name has no ">" or is empty."""
+    function's, as vLLM's, stay text). ValueError when the name has no ">", is empty, or holds a blank or "<" (a
+    tag that never ended: `<function=f\n<parameter=...`, which vLLM would call a function of that name)."""
     name, sep, params = raw.partition(">")
-    if not sep or not name:
+    if not sep or not name or "<" in name or any(c.isspace() for c in name):
         raise ValueError("a function without its name")
     schema = functions.get(name)
     properties = schema.get("properties", schema) if isinstance(schema, dict) else {}
