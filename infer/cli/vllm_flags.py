@@ -123,7 +123,8 @@ VLLM_HINTS = {
     "--reasoning-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): "
                                  "--reasoning-parser deepseek_r1 | qwen3 | seed_oss | openai_gptoss",
     "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
-                            "hermes | llama3_json | pythonic | mistral (and vLLM's llama4_json, llama4_pythonic)",
+                            "hermes | llama3_json | pythonic | mistral | qwen3_coder | seed_oss | openai (and vLLM's "
+                            "llama4_json, llama4_pythonic, qwen3_xml)",
     "--exclude-tools-when-tool-choice-none": "infer serve renders the tools of a tool_choice \"none\" request in "
                                              "the prompt (vLLM's default); to leave them out, send the request "
                                              "without tools",

@@ -24,6 +24,7 @@ whatever came before a <think> found further on).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..engine.structured import StructuredOutputsParams
@@ -44,6 +45,7 @@ class ReasoningRequest:
 _H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_MARKERS = (_H_START, _H_CHANNEL, _H_MESSAGE, "<|constrain|>", *_H_ENDS)
+_H_NEXT = re.compile("|".join(re.escape(m) for m in (*_H_ENDS, _H_START, _H_CHANNEL)))  # where a message's text ends
 
 
 def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
@@ -66,9 +68,9 @@ def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
             if head < 0:
                 break  # a header without its text (yet)
             header, at = text[at:head], head + len(_H_MESSAGE)
-        stop = min((i for i in (text.find(m, at) for m in (*_H_ENDS, _H_START, _H_CHANNEL)) if i >= 0),
-                   default=len(text))
-        end = next((len(m) for m in _H_ENDS if text.startswith(m, stop)), 0)
+        found = _H_NEXT.search(text, at)  # (one scan: a find per marker read to the end for each message)
+        stop = found.start() if found else len(text)
+        end = len(found.group()) if found and found.group() in _H_ENDS else 0
         out.append((header, text[at:stop], end > 0))
         at = stop + end
     return out
