@@ -109,6 +109,17 @@ def test_a_value_that_does_not_read_as_its_type_stays_text(parser, value, kind, 
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": want}
 
 
+@pytest.mark.parametrize("parser,want", [("qwen3_coder", [True, None]), ("seed_oss", "[true, null]")])
+def test_qwen3_coder_reads_an_array_as_json_and_seed_oss_as_a_python_literal(parser, want):
+    """vLLM's qwen3_coder reads an array parameter as JSON; its seed_oss reads only an object so (an array as a
+    Python literal, where `true` is no literal: the text)."""
+    tag, end = ("<tool_call>", "</tool_call>") if parser == "qwen3_coder" else ("<seed:tool_call>",
+                                                                              "</seed:tool_call>")
+    _, calls = split(auto(parser), f"{tag}<function=get_weather><parameter=hours>[true, null]</parameter>"
+                                   f"</function>{end}")
+    assert args_of(calls) == [{"hours": want}]
+
+
 @pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss"])
 @pytest.mark.parametrize("text", [
     "<TAG><function=get_weather",  # the name never ends
@@ -277,6 +288,11 @@ def test_gpt_oss_calls_served_whole_and_streamed_then_sent_back(harmony_engine):
         assert (c["finish_reason"], c["message"]["content"], "tool_calls" in c["message"]) == ("stop", "It is sunny.",
                                                                                               False)
         assert joined_deltas(streamed_chat_choices(base, _body(HARMONY_ANSWER, 200)), "content") == "It is sunny."
+        # no final channel, no call: content null (vLLM's), not ""
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body("<|channel|>analysis<|message|>Hmm.<|end|>", 50),
+                       timeout=120)
+        assert (r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["message"]["reasoning"]) == (
+            None, "Hmm.")
         # a call cut short by max_tokens: no call, no 500
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(HARMONY_CALL, 18), timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
@@ -325,3 +341,24 @@ def test_xml_calls_served_whole_and_streamed(engine, parser, reply, content, wan
         deltas = streamed_chat_choices(base, _body(bad, 400))
         assert joined_deltas(deltas, "content") == bad and deltas[-1]["finish_reason"] == "stop"
         assert not any(d["delta"].get("tool_calls") for d in deltas)
+
+
+def test_responses_api_reads_harmony_calls_as_function_call_items(harmony_engine):
+    """/v1/responses with --tool-call-parser openai: the calls are function_call items, whole and streamed, and the
+    stream sends no text of theirs as output_text (the commentary channel is not the answer)."""
+    from test_responses_api import _events
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    body = dict(input="Weather in Paris?", tools=tools, guided_regex=forced_chat_body([], HARMONY_TWO, 0)[
+        "guided_regex"], max_output_tokens=200, temperature=0)
+    with serve_in_thread(Server(AsyncEngine(harmony_engine), "gpt-oss", tool_parser="openai",
+                                reasoning_parser="openai_gptoss")) as base:
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        items = r.json()["output"]
+        assert [(o["type"], o.get("name")) for o in items] == [("reasoning", None), ("function_call", "get_weather"),
+                                                              ("function_call", "get_time")]
+        events = _events(base, **body)
+    assert "".join(d["delta"] for _, d in events if d["type"] == "response.output_text.delta") == ""
+    assert [(o["type"], o.get("name")) for o in events[-1][1]["response"]["output"]] == [
+        (o["type"], o.get("name")) for o in items]
