@@ -100,7 +100,8 @@ def test_seed_oss_reads_calls_after_its_think_block():
 def test_a_value_that_does_not_read_as_its_type_stays_text(parser, value, kind, want):
     """A value that is not its schema's type stays the text written (vLLM's "degenerating to string"), a boolean
     other than true is false (vLLM's), a Python literal is read (a tuple as a list, as vLLM's json.dumps writes it);
-    one JSON cannot hold (NaN, infinity, a set) or nested deeper than Python reads stays text rather than making arguments no client parses (or a 500)."""
+    one JSON cannot hold (NaN, infinity, a set) or nested deeper than Python reads stays text rather than making
+    arguments no client parses (or a 500)."""
     tag, end = ("<tool_call>", "</tool_call>") if parser == "qwen3_coder" else ("<seed:tool_call>",
                                                                               "</seed:tool_call>")
     text = f"{tag}<function=f>\n<parameter=x>\n{value}\n</parameter>\n</function>{end}"
