@@ -195,7 +195,10 @@ def test_an_ended_harmony_call_whose_text_is_not_json_is_a_call_of_that_text():
 
 
 def test_tool_choice_none_required_and_named_with_the_new_parsers():
-    for parser in ("qwen3_coder", "seed_oss", "openai"):
+    for parser, reply in (("qwen3_coder", QWEN), ("seed_oss", SEED), ("openai", HARMONY_TWO)):
+        # parallel_tool_calls false: the first call only (vLLM's maybe_filter_parallel_tool_calls)
+        assert args_of(split(auto(parser, parallel_tool_calls=False), reply)[1]) == args_of(split(auto(parser),
+                                                                                                  reply)[1])[:1]
         assert split(auto(parser, tool_choice="none"), QWEN) == (QWEN, None)  # "none": the text as written
         named = auto(parser, tool_choice={"type": "function", "function": {"name": "get_time"}})
         assert named.mode == "named" and named.schema == FUNCTIONS["get_time"]

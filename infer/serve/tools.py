@@ -427,8 +427,7 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
 # argument, then `</function>`, inside the family's call tags (a reply without them is searched whole, as vLLM's
 # back-off); a tag left open at the reply's end closes there
 XML_FUNCTION = "<function="
-QWEN_START, QWEN_END = HERMES_START, HERMES_END
-SEED_START, SEED_END = "<seed:tool_call>", "</seed:tool_call>"
+QWEN_START, SEED_START = HERMES_START, "<seed:tool_call>"
 SEED_THINK_START, SEED_THINK_END = "<seed:think>", "</seed:think>"
 _XML_FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
 # Qwen3-Coder's parameter also ends where the next one or the function's end starts; Seed-OSS's at its end tag only
