@@ -7,7 +7,6 @@ as pooling requests through embeddings.pooled. Without --runner pooling every ro
 from __future__ import annotations
 
 import asyncio
-import json
 import numbers
 import re
 import uuid
@@ -17,6 +16,7 @@ from ..engine.inputs import encode_prompt
 from ..engine.pooling import PoolingParams, embedding_inputs, embedding_request_id
 from ..errors import RequestError
 from . import protocol as p
+from .body import check_values, load_json
 from .embeddings import EmbeddingRequest, pooled
 
 NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} needs the server started with --runner "
@@ -25,11 +25,12 @@ _FIELDS = ("input", "model", "text_1", "text_2", "query", "documents", "top_n", 
            "truncate_prompt_tokens", "use_activation", "priority", "request_id")
 
 
-def _body(raw: bytes, needs: tuple[str, ...]) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise p.ApiError(400, f"the body is not JSON: {e}") from None
+def _body(raw: bytes, needs: tuple[str, ...], max_depth: int) -> dict:
+    """The body read as the other routes read theirs (`max_depth`: --max-json-depth; a body nested past Python's
+    recursion limit was a 500), every string valid Unicode (an unpaired surrogate was a 500 in the pair's tokenizer)
+    and every number finite."""
+    body = load_json(raw, max_depth)
+    check_values(body)
     if not isinstance(body, dict):
         raise p.ApiError(400, f"the body must be a JSON object with {' and '.join(needs)}")
     for key in needs:
@@ -74,7 +75,7 @@ async def classify(server, request, raw: bytes, arrival: float):
     if pooler.task != "classify":
         raise p.ApiError(400, f"The model does not support Classification API: {NOT_CLASSIFIER}",
                          code="model_not_supported")
-    body = _body(raw, ("input",))
+    body = _body(raw, ("input",), server.limits.max_json_depth)
     rid = _response_id(request, body, "classify-")
 
     def parse() -> EmbeddingRequest:
@@ -132,7 +133,7 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
 async def score(server, request, raw: bytes, arrival: float):
     """POST /score and /v1/score: vLLM's ScoreResponse, one score per pair of text_1 and text_2."""
     _pooler(server, "Score")
-    body = _body(raw, ("text_1", "text_2"))
+    body = _body(raw, ("text_1", "text_2"), server.limits.max_json_depth)
     rid = _response_id(request, body, "score-")
     got = await _scores(server, request, body, body["text_1"], body["text_2"], ("text_1", "text_2"), "score-",
                         arrival)
@@ -147,7 +148,7 @@ async def rerank(server, request, raw: bytes, arrival: float):
     """POST /rerank, /v1/rerank, /v2/rerank: the documents by their relevance to the query, highest first, the
     first top_n (0 or none: all), each with its index in documents and (return_documents) its text."""
     _pooler(server, "Rerank")
-    body = _body(raw, ("query", "documents"))
+    body = _body(raw, ("query", "documents"), server.limits.max_json_depth)
     rid = _response_id(request, body, "rerank-")
     query, docs, top_n = body["query"], body["documents"], body.get("top_n")
     try:

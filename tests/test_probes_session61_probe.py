@@ -1,0 +1,56 @@
+"""Hostile inputs to what session 60 built (classify / score / rerank, gpt-oss, the new families, tuned tables):
+each a crash, a 500 or a wrong result found by a probe, now a clear error or the right answer."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from infer import LLM, PoolingParams
+
+from test_probes_session60_classify import _post, hf_logits
+from test_probes_session60_classify import qwen_ce, served_cross_encoder  # noqa: F401 (fixtures)
+
+
+def _post_raw(base: str, route: str, raw: bytes) -> tuple[int, dict]:
+    r = httpx.post(base + route, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("route, raw, param, message", [
+    ("/score", b'{"text_1": "a", "text_2": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, "levels deep; the limit"),
+    ("/rerank", b'{"query": "a", "documents": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, "levels deep; the limit"),
+    ("/classify", b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, "levels deep; the limit"),
+    ("/v1/score", b'{"text_1": "\\ud800", "text_2": "b"}', "text_1", "text_1 contains an unpaired surrogate"),
+    ("/v2/rerank", b'{"query": "q", "documents": ["\\udfff"]}', "documents", "documents contains an unpaired"),
+    ("/classify", b'{"input": "\\ud800"}', "input", "input contains an unpaired surrogate"),
+    ("/rerank", b'{"query": "q", "documents": ["d"], "top_n": NaN}', "top_n", "top_n must be a finite number"),
+    ("/score", b"", None, "the request body is empty"),
+])
+def test_scoring_routes_read_bodies_as_the_other_routes(served_cross_encoder, route, raw, param,  # noqa: F811
+                                                        message):
+    """A body nested past Python's recursion limit and an unpaired surrogate (the pair's tokenizer's TypeError) were
+    500s on /classify, /score and /rerank: now 400s naming the depth limit or the field, as /v1/embeddings'."""
+    status, reply = _post_raw(served_cross_encoder, route, raw)
+    assert status == 400 and message in reply["error"]["message"], reply
+    assert reply["error"]["param"] == param, reply
+    status, reply = _post(served_cross_encoder, "/score", {"text_1": "a", "text_2": "b"})  # (the server still serves)
+    assert status == 200, reply
+
+
+def test_score_cuts_the_pair_by_pooling_params_truncation(qwen_ce):  # noqa: F811 (fixture)
+    """LLM.score(..., pooling_params=PoolingParams(truncate_prompt_tokens=N)) on a cross-encoder refused the long
+    pair ("give truncate_prompt_tokens", which it had): the pair is now cut as with the keyword, as the tokenizer's
+    pair truncation cuts it (transformers' logit of that encoding)."""
+    from transformers import AutoTokenizer
+    path, hf = qwen_ce
+    tok = AutoTokenizer.from_pretrained(path)
+    query, doc = "where is the cat " * 5, "the cat sat on the mat " * 6
+    want = tok(query, doc, truncation=True, max_length=12)["input_ids"]
+    with LLM(str(path), block_size=4, max_model_len=64) as llm:
+        got = llm.score(query, doc, pooling_params=PoolingParams(truncate_prompt_tokens=12))
+        by_keyword = llm.score(query, doc, truncate_prompt_tokens=12)
+    assert got[0].prompt_token_ids == by_keyword[0].prompt_token_ids == want
+    torch.testing.assert_close(torch.tensor(got[0].outputs.score), torch.sigmoid(hf_logits(hf, want))[0],
+                               atol=1e-5, rtol=1e-4)
