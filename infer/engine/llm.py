@@ -542,6 +542,8 @@ class LLM:
         pairs = score_pairs(data_1, data_2, "data_1", "data_2")
         if engine.pooler is not None and engine.pooler.task == "classify":
             check_cross_encoder(engine.pooler)
+            if truncate_prompt_tokens is None and isinstance(pooling_params, PoolingParams):  # (the pair cut by it)
+                truncate_prompt_tokens = pooling_params.truncate_prompt_tokens
             PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens).checked()  # (checked before a pair is cut)
             prompts = [pair_ids(engine.tokenizer, a, b, engine.max_model_len, truncate_prompt_tokens,
                                 engine.pooler.joins_pair_text) for a, b in pairs]
