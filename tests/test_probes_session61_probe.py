@@ -11,6 +11,7 @@ from infer import LLM, PoolingParams
 
 from test_probes_session60_classify import _post, hf_logits
 from test_probes_session60_classify import qwen_ce, served_cross_encoder  # noqa: F401 (fixtures)
+from test_probes_session59_moetune import moe_cache  # noqa: F401 (fixture)
 
 
 def _post_raw(base: str, route: str, raw: bytes) -> tuple[int, dict]:
@@ -54,3 +55,13 @@ def test_score_cuts_the_pair_by_pooling_params_truncation(qwen_ce):  # noqa: F81
     assert got[0].prompt_token_ids == by_keyword[0].prompt_token_ids == want
     torch.testing.assert_close(torch.tensor(got[0].outputs.score), torch.sigmoid(hf_logits(hf, want))[0],
                                atol=1e-5, rtol=1e-4)
+
+
+def test_a_tuned_folder_of_an_unknown_user_is_a_config_error(moe_cache, monkeypatch):  # noqa: F811 (fixture)
+    """$INFER_TUNED_CONFIG_FOLDER=~nosuchuser/tables: Path.expanduser's RuntimeError ended the engine start with a
+    traceback; now a ConfigError naming the variable and what to give."""
+    from infer.errors import ConfigError
+    from infer.kernels import gptq_configs
+    monkeypatch.setenv("INFER_TUNED_CONFIG_FOLDER", "~no-such-user-p61/tables")
+    with pytest.raises(ConfigError, match="INFER_TUNED_CONFIG_FOLDER='~no-such-user-p61/tables' starts with a ~user"):
+        gptq_configs.load("GPU_X")

@@ -86,14 +86,17 @@ def tuned_folder() -> Path | None:
     value = os.environ.get(FOLDER_VAR, "").strip()
     if not value:
         return None
-    path = Path(value).expanduser()
+    from ..errors import ConfigError
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:  # (~name of no user: Path.expanduser's RuntimeError ended the engine start)
+        raise ConfigError(f"{FOLDER_VAR}={value!r} starts with a ~user that this machine has no home folder for",
+                          "give the folder's full path, or unset it") from None
     if path.is_file():
-        from ..errors import ConfigError
         raise ConfigError(f"{FOLDER_VAR}={value!r} is a file, not a folder of tables",
                           f"point it at the folder that holds it ({str(path.parent)!r}, where its name is the GPU's: "
                           "<GPU name>.json, moe/<GPU name>.json), or unset it")
     if not path.is_dir():
-        from ..errors import ConfigError
         raise ConfigError(f"{FOLDER_VAR}={value!r} is no folder",
                           "point it at a folder of tuned tables (<GPU name>.json, moe/<GPU name>.json, as "
                           "infer/kernels/configs holds them), or unset it")
