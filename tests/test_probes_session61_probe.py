@@ -3,6 +3,9 @@ each a crash, a 500 or a wrong result found by a probe, now a clear error or the
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import httpx
 import pytest
 import torch
@@ -65,3 +68,19 @@ def test_a_tuned_folder_of_an_unknown_user_is_a_config_error(moe_cache, monkeypa
     monkeypatch.setenv("INFER_TUNED_CONFIG_FOLDER", "~no-such-user-p61/tables")
     with pytest.raises(ConfigError, match="INFER_TUNED_CONFIG_FOLDER='~no-such-user-p61/tables' starts with a ~user"):
         gptq_configs.load("GPU_X")
+
+
+def test_a_cohere_logit_scale_of_null_is_refused_naming_it(tmp_path):
+    """config.json's "logit_scale": null (a Cohere config type transformers accepts) ended `infer run` with a
+    TypeError traceback from the model's build: now the model's refusal, naming the field and what to give."""
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    from infer.models.tiny import ensure_builtin
+    folder = tmp_path / "cohere"
+    shutil.copytree(ensure_builtin("tiny-cohere"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "logit_scale": None}))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    got = CliRunner().invoke(app, ["run", str(folder), str(tmp_path / "p.jsonl"), "-o", str(tmp_path / "o.jsonl")])
+    assert got.exit_code == 2 and "logit_scale None is not a number" in got.output, got.output
+    assert "0.0625" in got.output and got.exc_info[0] is SystemExit

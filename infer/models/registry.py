@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ..errors import UnsupportedModelError
 
 SUPPORTED = {
@@ -205,8 +207,14 @@ def check_gemma(cfg) -> None:
 
 
 def check_cohere(cfg) -> None:
-    """What a Cohere config may ask that infer cannot do, refused up front: Cohere 2 layers of a type other than
+    """What a Cohere config may ask that infer cannot do, refused up front: a logit_scale that is no finite number
+    (null: the model's logits times None, a TypeError when it was built), Cohere 2 layers of a type other than
     sliding_attention and full_attention."""
+    scale = getattr(cfg, "logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise UnsupportedModelError(f"config.json's logit_scale {scale!r} is not a number",
+                                    "Cohere's logits are multiplied by logit_scale (0.0625 in Command R's config.json):"
+                                    " give it as a number, or use the config.json that came with the weights")
     if cfg.model_type == "cohere2":
         other = sorted({t for t in (getattr(cfg, "layer_types", None) or [])
                         if t not in ("sliding_attention", "full_attention")})
