@@ -84,3 +84,39 @@ def test_a_cohere_logit_scale_of_null_is_refused_naming_it(tmp_path):
     got = CliRunner().invoke(app, ["run", str(folder), str(tmp_path / "p.jsonl"), "-o", str(tmp_path / "o.jsonl")])
     assert got.exit_code == 2 and "logit_scale None is not a number" in got.output, got.output
     assert "0.0625" in got.output and got.exc_info[0] is SystemExit
+
+
+@pytest.fixture(scope="module")
+def served_embedder():
+    from helpers import served_tiny_llama
+    yield from served_tiny_llama(runner="pooling", max_num_seqs=2)
+
+
+LONG = "w " * 100  # (more tokens than either server's context)
+
+
+@pytest.mark.parametrize("route, body, message, param", [
+    ("/rerank", {"query": "q", "documents": ["a", "b", LONG, "c"]}, "documents[2]: the prompt has 101", "documents"),
+    ("/rerank", {"query": LONG, "documents": ["a", "b"]}, "query: the prompt has 101 tokens", "query"),
+    ("/rerank", {"query": "q", "documents": ["a", [99999], "c"]}, "documents[1]: a token id is outside", "documents"),
+    ("/score", {"text_1": ["a", "b", "c"], "text_2": ["a", "b", LONG]}, "text_2[2]: the prompt has 101", "text_2"),
+    ("/score", {"text_1": [99999], "text_2": ["a", "b"]}, "text_1: a token id is outside the vocabulary", "text_1"),
+])
+def test_an_embedding_models_scores_name_the_text_refused(served_embedder, route, body, message, param):
+    """An embedding model scores each text embedded apart: a text too long (or of a token outside the vocabulary)
+    was refused as input[5] (its place among the texts the pairs run as, a field the body has not) or, in a body
+    within the running slots, as "the prompt"; now as the body's field and index."""
+    status, reply = _post(served_embedder, route, body)
+    assert status == 400 and reply["error"]["message"].startswith(message), reply
+    assert reply["error"]["param"] == param, reply
+
+
+@pytest.mark.parametrize("route, body, message", [
+    ("/rerank", {"query": "q", "documents": ["a", "b", LONG, "c"]}, "documents[2]: the pair has 10"),
+    ("/score", {"text_1": "q", "text_2": ["x", [99999]]}, "text_2[1]: a token id is outside the vocabulary"),
+])
+def test_a_cross_encoders_scores_name_the_pair_refused(served_cross_encoder, route, body, message):  # noqa: F811
+    """A cross-encoder's pair too long among several was refused without saying which."""
+    status, reply = _post(served_cross_encoder, route, body)
+    assert status == 400 and reply["error"]["message"].startswith(message), reply
+    assert reply["error"]["param"] == message.split("[")[0], reply

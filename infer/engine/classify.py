@@ -128,8 +128,21 @@ def score_pairs(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2") 
     return list(zip(left, right))
 
 
+def pair_labels(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2") -> list[tuple[str, str]]:
+    """The body's name of each text of score_pairs' pairs: (text_1, text_2[3]) for one text against a list,
+    (text_1[3], text_2[3]) pairwise, what a refusal of one names."""
+    count = max(len(_texts(text_1, name_1)), len(_texts(text_2, name_2)))
+    return [(name_1 if _one(text_1) else f"{name_1}[{i}]", name_2 if _one(text_2) else f"{name_2}[{i}]")
+            for i in range(count)]
+
+
+def _one(value) -> bool:
+    """Whether `value` is one text (a string or a list of token ids), not a list of them."""
+    return isinstance(value, str) or (isinstance(value, list) and bool(value) and all(_is_id(t) for t in value))
+
+
 def _texts(value, name: str) -> list:
-    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
+    if _one(value):
         value = [value]
     if not isinstance(value, list) or not value:
         raise RequestError(f"{name} must be a text or a non-empty list of texts, got "

@@ -34,6 +34,9 @@ class EmbeddingRequest:
     encoding_format: Encoding = Encoding()
     field: str = "input"  # the body's field of the prompts (messages: the chat form), what an engine refusal names
     request_id: str | None = None  # vLLM's field: the response's id is embd- and it (the X-Request-Id header first)
+    # the body's name of each prompt where it is not field[i] (a score's text_1 / text_2[3], a rerank's query /
+    # documents[3]): what a refusal of one names, every prompt checked before the first wave
+    labels: tuple[str, ...] | None = None
     n = 1
     beam = None
 
@@ -161,8 +164,8 @@ async def pooled(server, request, req: EmbeddingRequest, lora, prefix: str, arri
     (every input checked first); None if the client went away (what it held aborted). `arrival`: the body's."""
     base_id = prefix + uuid.uuid4().hex
     wave = _running_slots(server)
-    if len(req.prompts) > wave:  # every input checked before the first wave (vLLM's): none refused after waves ran
-        await asyncio.to_thread(_check_inputs, server, req, lora)  # (a large body: off the event loop)
+    if len(req.prompts) > wave or req.labels:  # every input checked before the first wave (vLLM's): none refused
+        await asyncio.to_thread(_check_inputs, server, req, lora)  # after waves ran (a large body: off the loop)
     vectors: list = []
     tokens = 0
     start = 0
@@ -192,8 +195,9 @@ def _check_inputs(server, req: EmbeddingRequest, lora) -> None:
             server.engine.validate(prompt, req.params_for(i), lora)
         except RequestError as e:
             named = p.bad_request(e)  # (a field the engine names, as Server.submit's refusal)
-            raise p.ApiError(400, f"{req.field}[{i}]: {e}", param=named.param if named.param not in (None, "prompt")
-                             else req.field) from None
+            label = req.labels[i] if req.labels else f"{req.field}[{i}]"
+            raise p.ApiError(400, f"{label}: {e}", param=named.param if named.param not in (None, "prompt")
+                             else label.split("[")[0]) from None
 
 
 def _running_slots(server) -> int:

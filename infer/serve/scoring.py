@@ -11,7 +11,7 @@ import numbers
 import re
 import uuid
 
-from ..engine.classify import NOT_CLASSIFIER, check_cross_encoder, cosine, pair_ids, score_pairs
+from ..engine.classify import NOT_CLASSIFIER, check_cross_encoder, cosine, pair_ids, pair_labels, score_pairs
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import PoolingParams, embedding_inputs, embedding_request_id
 from ..errors import RequestError
@@ -65,6 +65,16 @@ async def _run(server, request, req: EmbeddingRequest, prefix: str, arrival: flo
     return await pooled(server, request, req, server.lora_for(req.model), prefix, arrival)
 
 
+def _named(label: str | None, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its RequestError naming the body's text `label` (none: as it is)."""
+    try:
+        return fn(*args, **kwargs)
+    except RequestError as e:
+        if label is None:
+            raise
+        raise RequestError(f"{label}: {e.message}", e.hint) from None
+
+
 def _usage(tokens: int) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
 
@@ -109,16 +119,21 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
             params = _params(body)
             pairs = score_pairs(left, right, *names)
             room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
-            if pooler.task == "classify":
+            if pooler.task == "classify":  # a pair's prompt named by its text of a list (documents[3])
                 check_cross_encoder(pooler)
-                prompts = [pair_ids(server.tokenizer, a, b, server.engine.max_model_len, params.truncate_prompt_tokens,
-                                    pooler.joins_pair_text) for a, b in pairs]
-            else:
-                prompts = [t if isinstance(t, list) else encode_prompt(server.tokenizer, prompt=t, max_tokens=room)
-                           for pair in pairs for t in pair]
+                labels = [b if b != names[1] else a for a, b in pair_labels(left, right, *names)] \
+                    if len(pairs) > 1 else None
+                prompts = [_named(labels and labels[i], pair_ids, server.tokenizer, a, b, server.engine.max_model_len,
+                                  params.truncate_prompt_tokens, pooler.joins_pair_text)
+                           for i, (a, b) in enumerate(pairs)]
+            else:  # each text embedded, named by its field (query, documents[3]: not the prompts' input[7])
+                labels = [name for pair in pair_labels(left, right, *names) for name in pair]
+                prompts = [t if isinstance(t, list) else _named(labels[i], encode_prompt, server.tokenizer, prompt=t,
+                                                                max_tokens=room)
+                           for i, t in enumerate(t for pair in pairs for t in pair)]
         except RequestError as e:
             raise _refused(e) from None
-        return EmbeddingRequest(body.get("model"), prompts, params), len(pairs)
+        return EmbeddingRequest(body.get("model"), prompts, params, labels=labels and tuple(labels)), len(pairs)
 
     req, count = await asyncio.to_thread(parse)
     got = await _run(server, request, req, prefix, arrival)
