@@ -120,3 +120,24 @@ def test_a_cross_encoders_scores_name_the_pair_refused(served_cross_encoder, rou
     status, reply = _post(served_cross_encoder, route, body)
     assert status == 400 and reply["error"]["message"].startswith(message), reply
     assert reply["error"]["param"] == message.split("[")[0], reply
+
+
+def test_an_embedding_models_score_takes_a_list_of_one_per_pair(tmp_path):
+    """LLM.score on an embedding model runs each pair's two texts as two prompts: a list of one lora, priority or
+    PoolingParams per pair (as a cross-encoder takes) was refused as "4 prompts but 2 lora"; now each pair's texts
+    run with the pair's (the adapter's pair scored as alone with it), and a list of another length is refused
+    naming the pairs."""
+    from infer.errors import RequestError
+    from lora_helpers import hf_float, save_adapter
+    from infer.models.tiny import ensure_builtin
+    adapter = save_adapter(hf_float(ensure_builtin("tiny-qwen3")), tmp_path / "a", seed=4, scale=0.5, r=4,
+                           target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with LLM("tiny-qwen3", runner="pooling", block_size=4, enable_lora=True, max_lora_rank=8,
+             loras={"a": str(adapter)}, scheduling_policy="priority") as llm:
+        mixed = [o.outputs.score for o in llm.score("a cat", ["the mat", "a dog"], lora=["a", None],
+                                                     priority=[1, 0], pooling_params=[PoolingParams()] * 2)]
+        alone = [llm.score("a cat", "the mat", lora="a")[0].outputs.score, llm.score("a cat", "a dog")[0].outputs.score]
+        base = llm.score("a cat", "the mat")[0].outputs.score
+        with pytest.raises(RequestError, match=r"2 pair\(s\) but 3 lora \(give one lora per pair"):
+            llm.score("a cat", ["the mat", "a dog"], lora=["a", None, None])
+    assert mixed == pytest.approx(alone, abs=1e-6) and abs(alone[0] - base) > 1e-4

@@ -179,6 +179,16 @@ def _vllm_keywords(method):
     return call
 
 
+def _per_text(value, name: str, count: int):
+    """LLM.score's `value` given one per pair (a list) as one per text of an embedding model's pairs (each pair's two
+    texts run as two prompts: a list of one per pair was refused as "2N prompts but N"); anything else as it is."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if len(value) != count:
+        raise RequestError(f"{count} pair(s) but {len(value)} {name}", f"give one {name} per pair, or one for all")
+    return [v for v in value for _ in (0, 1)]
+
+
 class _LoRARequests:
     """vLLM's lora_request as given (one LoRARequest, or a list of one or None per prompt), carried to LLM._submit,
     which registers its adapters only once the prompts, and the list's length, are known to be good."""
@@ -536,7 +546,8 @@ class LLM:
               lora: str | None = None, priority: int | None = None) -> list:
         """vLLM's LLM.score: one ScoringRequestOutput per pair (`data_1` one text against each of `data_2`, or as
         many texts as `data_2`, pairwise), its score in `.outputs.score`: a cross-encoder's (a classifier of one
-        label) relevance of the pair joined by its tokenizer, or an embedding model's cosine similarity."""
+        label) relevance of the pair joined by its tokenizer, or an embedding model's cosine similarity.
+        `pooling_params`, `lora_request`, `lora` and `priority` may each be a list, one per pair."""
         from .classify import ScoringRequestOutput, check_cross_encoder, cosine, pair_ids, score_pairs
         engine = self._engine()
         pairs = score_pairs(data_1, data_2, "data_1", "data_2")
@@ -550,8 +561,10 @@ class LLM:
             outs = self._pool("classify", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens,
                                 priority)
             return [ScoringRequestOutput(o.request_id, o.outputs.probs[0], o.prompt_token_ids) for o in outs]
-        outs = self._pool("embed", [t for pair in pairs for t in pair], pooling_params, lora_request, lora,
-                            truncate_prompt_tokens, priority)
+        twice = functools.partial(_per_text, count=len(pairs))  # (a list of one per pair: one per text, as a pair's)
+        outs = self._pool("embed", [t for pair in pairs for t in pair], twice(pooling_params, "pooling_params"),
+                          twice(lora_request, "lora_request"), twice(lora, "lora"), truncate_prompt_tokens,
+                          twice(priority, "priority"))
         return [ScoringRequestOutput(a.request_id, cosine(a.outputs.data, b.outputs.data),
                                      a.prompt_token_ids + b.prompt_token_ids) for a, b in zip(outs[::2], outs[1::2])]
 
