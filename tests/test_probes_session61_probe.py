@@ -101,6 +101,7 @@ LONG = "w " * 100  # (more tokens than either server's context)
     ("/rerank", {"query": "q", "documents": ["a", [99999], "c"]}, "documents[1]: a token id is outside", "documents"),
     ("/score", {"text_1": ["a", "b", "c"], "text_2": ["a", "b", LONG]}, "text_2[2]: the prompt has 101", "text_2"),
     ("/score", {"text_1": [99999], "text_2": ["a", "b"]}, "text_1: a token id is outside the vocabulary", "text_1"),
+    ("/score", {"text_1": "q", "text_2": LONG}, "text_2: the prompt has 101 tokens", "text_2"),  # (one wave)
 ])
 def test_an_embedding_models_scores_name_the_text_refused(served_embedder, route, body, message, param):
     """An embedding model scores each text embedded apart: a text too long (or of a token outside the vocabulary)
