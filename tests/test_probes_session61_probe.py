@@ -102,11 +102,14 @@ LONG = "w " * 100  # (more tokens than either server's context)
     ("/score", {"text_1": ["a", "b", "c"], "text_2": ["a", "b", LONG]}, "text_2[2]: the prompt has 101", "text_2"),
     ("/score", {"text_1": [99999], "text_2": ["a", "b"]}, "text_1: a token id is outside the vocabulary", "text_1"),
     ("/score", {"text_1": "q", "text_2": LONG}, "text_2: the prompt has 101 tokens", "text_2"),  # (one wave)
+    ("/score", {"text_1": "a", "text_2": ["b", "c"], "priority": 1}, "priority=1, but this engine", "priority"),
+    ("/v1/embeddings", {"input": ["b", "c", "d"], "priority": 1}, "priority=1, but this engine", "priority"),
 ])
 def test_an_embedding_models_scores_name_the_text_refused(served_embedder, route, body, message, param):
     """An embedding model scores each text embedded apart: a text too long (or of a token outside the vocabulary)
     was refused as input[5] (its place among the texts the pairs run as, a field the body has not) or, in a body
-    within the running slots, as "the prompt"; now as the body's field and index."""
+    within the running slots, as "the prompt"; now as the body's field and index. A refusal of a body field
+    (priority) was named as the first input's (input[0]: priority=1 ...): now as the field's."""
     status, reply = _post(served_embedder, route, body)
     assert status == 400 and reply["error"]["message"].startswith(message), reply
     assert reply["error"]["param"] == param, reply

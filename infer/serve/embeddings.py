@@ -195,9 +195,10 @@ def _check_inputs(server, req: EmbeddingRequest, lora) -> None:
             server.engine.validate(prompt, req.params_for(i), lora)
         except RequestError as e:
             named = p.bad_request(e)  # (a field the engine names, as Server.submit's refusal)
+            if named.param not in (None, "prompt"):  # a body field's (priority...): the body's, not one input's
+                raise named from None
             label = req.labels[i] if req.labels else f"{req.field}[{i}]"
-            raise p.ApiError(400, f"{label}: {e}", param=named.param if named.param not in (None, "prompt")
-                             else label.split("[")[0]) from None
+            raise p.ApiError(400, f"{label}: {e}", param=label.split("[")[0]) from None
 
 
 def _running_slots(server) -> int:
