@@ -145,3 +145,12 @@ def test_an_embedding_models_score_takes_a_list_of_one_per_pair(tmp_path):
         with pytest.raises(RequestError, match=r"2 pair\(s\) but 3 lora \(give one lora per pair"):
             llm.score("a cat", ["the mat", "a dog"], lora=["a", None, None])
     assert mixed == pytest.approx(alone, abs=1e-6) and abs(alone[0] - base) > 1e-4
+
+
+def test_a_document_object_is_refused_naming_the_text_to_give(served_cross_encoder):  # noqa: F811 (fixture)
+    """Cohere's and Jina's clients may send documents as {"text": ...} objects, which vLLM's rerank does not read:
+    the refusal said only that the item is no text; it now says to send the text itself."""
+    status, reply = _post(served_cross_encoder, "/v1/rerank", {"query": "q", "documents": ["a", {"text": "d"}]})
+    assert status == 400 and reply["error"]["param"] == "documents", reply
+    assert reply["error"]["message"].startswith("documents[1] is neither a text nor a list of token ids"), reply
+    assert 'not an object such as {"text": ...}' in reply["error"]["message"], reply

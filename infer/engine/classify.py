@@ -151,7 +151,9 @@ def _texts(value, name: str) -> list:
         if isinstance(item, str) and not item:
             raise RequestError(f"{name}[{i}] is an empty string: there is nothing to score", "remove it")
         if not isinstance(item, str) and not (isinstance(item, list) and item and all(_is_id(t) for t in item)):
-            raise RequestError(f"{name}[{i}] is neither a text nor a list of token ids (integers)")
+            raise RequestError(f"{name}[{i}] is neither a text nor a list of token ids (integers)",
+                               'give the text itself, not an object such as {"text": ...} (as vLLM reads them)'
+                               if isinstance(item, dict) else None)
     return value
 
 
