@@ -88,11 +88,12 @@ _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
 # phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, starcoder2, smollm3, seed_oss, ernie4_5, arcee,
-# nemotron or apertus entry,
-# and peft refuses such an adapter on those bases ("Please specify `target_modules`")
+# nemotron, apertus, internlm3, helium, hunyuan_v1_dense or granite_swa entry, and peft refuses such an adapter on
+# those bases ("Please specify `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
 PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4", "starcoder2", "smollm3", "seed_oss",
-                   "ernie4_5", "arcee", "nemotron", "apertus")
+                   "ernie4_5", "arcee", "nemotron", "apertus", "internlm3", "helium", "hunyuan_v1_dense",
+                   "granite_swa")
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -365,6 +366,8 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         per_layer += [".post_feedforward_layernorm"]
     if model_type == "glm4":
         per_layer += [".post_self_attn_layernorm", ".post_mlp_layernorm"]
+    if model_type == "hunyuan_v1_dense":
+        per_layer += [".self_attn.query_layernorm", ".self_attn.key_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     exclude = config.get("exclude_modules")
     hit = next((n for n in names if re.fullmatch(targets, n)

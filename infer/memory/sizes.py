@@ -264,7 +264,7 @@ def _explicit_scores(model_config) -> int:
     """The float32 copies of the scores kernels.reference._sdpa's own attention holds (where the plain SDPA's
     holds none): 2 for Gemma 2's soft-capped scores (capped in place, then their softmax), 1 for gpt-oss's sinks
     (the softmax in place too), 0 for the other families."""
-    if model_config.model_type == "gpt_oss":
+    if model_config.model_type in ("gpt_oss", "granite_swa"):  # (Granite SWA's sinks too)
         return 1
     return 2 if model_config.model_type == "gemma2" and getattr(model_config, "attn_logit_softcapping", None) else 0
 

@@ -111,22 +111,25 @@ class Attention(nn.Module):
         self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
-        if cfg.model_type == "granite":  # Granite's attention_multiplier is the scale itself
+        if cfg.model_type in ("granite", "granite_swa"):  # Granite's attention_multiplier is the scale itself
             self.scale = float(cfg.attention_multiplier)
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         # gpt-oss's attention sinks: a learned logit per query head in each softmax's denominator (None: none)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False) \
-            if cfg.model_type == "gpt_oss" else None
+            if cfg.model_type in ("gpt_oss", "granite_swa") else None  # (Granite SWA's too)
         self.kv_group = 0  # its KV layer group (the model runner sets it: engine.hybrid_blocks; 0: ctx's own tables)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
-        # follow attention_bias (q, k, v and o), and so do Granite, OLMo 2 and SmolLM3; Mistral has none whatever its
-        # config says; Seed-OSS's attention_bias is q, k and v's, attention_out_bias o's; ERNIE 4.5's use_bias all four
+        # follow attention_bias (q, k, v and o), and so do Granite, OLMo 2, SmolLM3, InternLM3 and Hunyuan (Helium's
+        # q, k and v alone); Mistral has none whatever its config says; Seed-OSS's attention_bias is q, k and v's,
+        # attention_out_bias o's; ERNIE 4.5's use_bias all four
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
+                                                                             "granite_swa",
                                                                              *COHERE, *OLMO, "smollm3", "seed_oss",
-                                                                             "arcee", "nemotron", "apertus") \
+                                                                             "internlm3", "helium",
+                                                                             "hunyuan_v1_dense", "arcee", "nemotron", "apertus") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -135,27 +138,33 @@ class Attention(nn.Module):
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
-        o_bias = bool(getattr(cfg, "attention_out_bias", False)) if kind == "seed_oss" else declared
+        o_bias = bool(getattr(cfg, "attention_out_bias", False)) if kind == "seed_oss" else \
+            declared and kind != "helium"  # (Helium: q, k and v's attention_bias, never o's)
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus")  # Gemma 3's by 1 + w
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense")  # Gemma 3's by 1 + w
         # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
         self.qk_norm_whole = kind in OLMO
+        # Hunyuan norms q and k after the rotary (transformers' HunYuanDenseV1Attention), the others before it: its
+        # layers rotate them first (`_rotated_first`) and hand the fused kernels an identity table
+        self.norm_after_rope = kind == "hunyuan_v1_dense"
         if kind == "cohere" and getattr(cfg, "use_qk_norm", False):  # Command R+: a LayerNorm per head, each its own
             self.qk_norm = self.qk_norm_whole = True  # weights (over the whole projection, a row of weights a head)
             self.q_norm = LayerNorm((self.num_heads, self.head_dim), norm_eps(cfg), dtype)
             self.k_norm = LayerNorm((self.num_kv_heads, self.head_dim), norm_eps(cfg), dtype)
         elif self.qk_norm:
             widths = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
-            self.q_norm = norm_for(cfg)(widths[0], norm_eps(cfg), dtype)
-            self.k_norm = norm_for(cfg)(widths[1], norm_eps(cfg), dtype)
+            # (Hunyuan's checkpoint names them query_layernorm and key_layernorm)
+            names = ("query_layernorm", "key_layernorm") if self.norm_after_rope else ("q_norm", "k_norm")
+            for name, width in zip(names, widths):
+                setattr(self, name, norm_for(cfg)(width, norm_eps(cfg), dtype))
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
-        # GLM-4, ERNIE 4.5 and Cohere rotate interleaved pairs (dims 2i, 2i + 1: transformers' glm4, ernie4_5 and
-        # cohere apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after
+        # GLM-4, ERNIE 4.5, Cohere and Helium rotate interleaved pairs (dims 2i, 2i + 1: transformers' glm4, ernie4_5,
+        # cohere and helium apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after
         # (`_deinterleaved`), and every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their
         # products, the attention, unchanged); ERNIE 4.5's and Cohere's over the whole head
-        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5") or cfg.model_type in COHERE
+        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "helium") or cfg.model_type in COHERE
         if not self.qk_norm and not self.rope_interleaved:  # a decode step's qkv LoRA expand may be left to
             # decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
@@ -167,6 +176,7 @@ class Attention(nn.Module):
         """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
         if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU (with
             q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
+            q, k, cos_sin = self._rotated_first(positions, q, k, cos_sin)
             tables, slots = self._kv(ctx)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          slots, tables, ctx.seq_lens, ctx.query_start_loc,
@@ -187,15 +197,30 @@ class Attention(nn.Module):
         (MergedLinear.forward_deferred; None: none left)."""
         qkv, delta = self.qkv_proj.forward_deferred(x, ctx) if deferred else (self.qkv_proj(x, ctx), None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
-        if self.qk_norm_whole:
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif self.qk_norm:
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        if self.qk_norm and not self.norm_after_rope:
+            q, k = self._normed(q, k, self.q_norm, self.k_norm)
         if self.rope_interleaved:  # (after the norms: Cohere's weights are by dim, in the checkpoint's order)
             q, k = self._deinterleaved(q, self.num_heads), self._deinterleaved(k, self.num_kv_heads)
         return (q, k, v, delta) if deferred else (q, k, v)
+
+    def _normed(self, q, k, q_norm, k_norm):
+        """q and k normed by q_norm and k_norm: each over its whole projection (qk_norm_whole), else per head."""
+        if self.qk_norm_whole:
+            return q_norm(q), k_norm(k)
+        t = q.shape[0]
+        return (q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size),
+                k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size))
+
+    def _rotated_first(self, positions, q, k, cos_sin):
+        """(q, k, the table the fused kernels rotate them by): as they are and `cos_sin` but for Hunyuan's layers
+        (norm_after_rope), whose `cos_sin` is (the rope table, the identity table: HunYuanDenseV1ForCausalLM._rope):
+        q and k rotated by the rope's table, then normed per head, and the identity table, by which the fused
+        rotary/KV-store and decode kernels rotate nothing (bit for bit), returned."""
+        if not self.norm_after_rope:
+            return q, k, cos_sin
+        table, identity = cos_sin
+        q, k = kernels.rotary_embedding(positions, q, k, table, self.head_dim)
+        return (*self._normed(q, k, self.query_layernorm, self.key_layernorm), identity)
 
     def _deinterleaved(self, x, heads: int):
         """x [t, heads * head_dim] with each head's rotary dims (the first rot_dim) reordered from interleaved pairs
@@ -228,6 +253,7 @@ class Attention(nn.Module):
         this step's K and V are in the cache (the part of the layer before the attention that a piecewise CUDA graph
         records: engine.cuda_graphs.PiecewiseGraphs)."""
         q, k, v = self._qkv(x, ctx)
+        q, k, cos_sin = self._rotated_first(positions, q, k, cos_sin)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                     self._kv(ctx)[1])  # one launch on the GPU: q rotated, k rotated and v cached
         return q.reshape(x.shape[0], self.q_size)
@@ -246,8 +272,11 @@ class MLP(nn.Module):
         """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
-        # only Llama's, Granite's, SmolLM3's and Seed-OSS's MLPs have biases (mlp_bias), and ERNIE 4.5's (use_bias)
-        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "smollm3", "seed_oss") \
+        # only Llama's, Granite's, SmolLM3's, Seed-OSS's, InternLM3's and Helium's MLPs have biases (mlp_bias), and
+        # ERNIE 4.5's (use_bias)
+        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "granite_swa",
+                                                                            "smollm3", "seed_oss",
+                                                                            "internlm3", "helium") \
             or (cfg.model_type == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
@@ -403,8 +432,9 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     """The lora_consumer of o_proj and down_proj: the rms_norm after them (by 1 + w for Gemma; without the residual
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
-    if cfg.model_type in ("granite", *COHERE, "starcoder2", "nemotron"):  # (Cohere, StarCoder2, Nemotron: the outputs
-        return None  # go to the residual, no norm with a residual after them)
+    # (Cohere, StarCoder2, Nemotron: the outputs go to the residual, no norm with a residual after them)
+    if cfg.model_type in ("granite", "granite_swa", *COHERE, "starcoder2", "nemotron"):
+        return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)
 
@@ -937,3 +967,27 @@ class NemotronForCausalLM(_Ungated, Starcoder2ForCausalLM):
     biases a layer, each weighting by 1 + weight (LayerNorm1P: LayerNorm's unit_offset; norm_eps), biases where
     attention_bias and mlp_bias say, an MLP without gate: down_proj(relu(up_proj(x))²) (UngatedMLP), a partial rotary
     (partial_rotary_factor, 0.5 by default: rope.partial_rotary), no sliding window."""
+
+
+class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+    """Tencent's Hunyuan dense models (transformers' HunYuanDenseV1ForCausalLM: Hunyuan-0.5B/1.8B/4B/7B-Instruct):
+    Llama's layers, q and k normed per head after the rotary (query_layernorm, key_layernorm:
+    Attention.norm_after_rope), its rope's NTK alpha (rope.py). `_rope(i)` is (the rope table, `nope_cos_sin`): each
+    layer rotates q and k by the first (kernels.rotary_embedding), norms them, and hands the fused rotary/KV-store and
+    decode kernels the second, an identity table (_NoPE's) that rotates nothing."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.register_buffer("nope_cos_sin", identity_cos_sin(self.cos_sin.shape[0]), persistent=False)
+        for layer in self.layers:
+            layer.self_attn.rot_dim = self.nope_cos_sin.shape[-1]
+
+    def _rope(self, i: int):
+        return self.cos_sin, self.nope_cos_sin
+
+
+class GraniteSWAForCausalLM(_NoPE, GraniteForCausalLM):
+    """IBM's Granite SWA (transformers' GraniteSWAForCausalLM): Granite's layers and scalars, sliding windows on the
+    layers layer_types names (Attention.window), a learned sink per head in each softmax's denominator (gpt-oss's:
+    Attention.sinks; transformers' sigmoid(logsumexp - sink) scaling of the output is the same), no rotary on the
+    layers layer_rope_theta gives 0 (NoPE: _NoPE)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import json
 
 from ..errors import UnsupportedModelError
 
@@ -34,6 +35,18 @@ SUPPORTED = {
     "ArceeForCausalLM": "arcee",  # Arcee's AFM: Llama with an MLP without gate (up, relu², down)
     "NemotronForCausalLM": "nemotron",  # NVIDIA's Nemotron-4 / Minitron: LayerNorm1P, relu² MLP without gate
     "ApertusForCausalLM": "apertus",  # Swiss AI's Apertus: xIELU MLP without gate, q/k norms
+    # Shanghai AI Lab's InternLM3 (internlm3-8b-instruct): Llama's layers (transformers runs it as LlamaForCausalLM),
+    # qkv_bias and bias read as attention_bias and mlp_bias (transformers refuses them unequal), head_dim set apart
+    "InternLM3ForCausalLM": "internlm3",
+    # Kyutai's Helium (helium-1-2b): Llama's layers with a rotary of interleaved pairs, RMSNorms weighting in float32,
+    # q/k/v biases from attention_bias and none on o (whose input is hidden_size wide: heads * head_dim must be that)
+    "HeliumForCausalLM": "helium",
+    # Tencent's Hunyuan dense (Hunyuan-0.5B/1.8B/4B/7B-Instruct): Llama's layers with q and k normed per head after
+    # the rotary, a rope of NTK alpha (rope_scaling's "dynamic" with an alpha: a static base, rope.py)
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+    # IBM's Granite SWA (granite-swash): Granite's layers with sliding windows on the layers layer_types names, a
+    # learned attention sink per head (gpt-oss's) and no rotary on the layers layer_rope_theta gives 0 (NoPE)
+    "GraniteSWAForCausalLM": "granite_swa",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -52,8 +65,8 @@ POST_ONLY = (*OLMO, "exaone4")
 # gate|up stored as one mlp.gate_up_proj; the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf, model_type glm) has
 # them in Llama's layer of two norms, GLM-4-0414 (Glm4ForCausalLM) in a layer of four
 GLM = ("glm", "glm4")
-# the families whose RMSNorm weights the normed row in float32 and rounds once: OLMo 2's and 3's, gpt-oss's
-FLOAT_NORMS = (*OLMO, "gpt_oss")
+# the families whose RMSNorm weights the normed row in float32 and rounds once: OLMo 2's and 3's, gpt-oss's, Helium's
+FLOAT_NORMS = (*OLMO, "gpt_oss", "helium")
 # Cohere's Command R and R+ (CohereForCausalLM) and Command R7B and A (Cohere2ForCausalLM): one LayerNorm (no bias)
 # a layer whose output both the attention and the MLP read (their outputs added to the residual together), the
 # logits scaled by logit_scale, a rotary of interleaved pairs; Command R+'s q and k LayerNorms per head (use_qk_norm);
@@ -68,7 +81,7 @@ UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu
 
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
-            "granite-3.x-instruct): use one of those")
+            "granite-3.x-instruct) and Granite SWA (GraniteSWAForCausalLM, model_type granite_swa): use one of those")
 _OLMO = "infer runs OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): use one of those"
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4) and glm-4-9b-chat-hf (GlmForCausalLM, "
         "model_type glm): use one of those")
@@ -83,6 +96,11 @@ _ARCEE = "infer runs Arcee's dense AFM (ArceeForCausalLM, model_type arcee: AFM-
 _NEMOTRON = ("infer runs NVIDIA's dense Nemotron-4 and Minitron (NemotronForCausalLM, model_type nemotron): use one "
              "of those")
 _APERTUS = "infer runs Swiss AI's Apertus text models (ApertusForCausalLM, model_type apertus: Apertus-8B, 70B)"
+_INTERNLM = ("infer runs InternLM3 (InternLM3ForCausalLM, model_type internlm3: internlm3-8b-instruct): use an "
+             "InternLM3 checkpoint")
+_HELIUM = "infer runs Kyutai's Helium (HeliumForCausalLM, model_type helium: helium-1-2b): use a Helium checkpoint"
+_HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, model_type hunyuan_v1_dense: "
+            "Hunyuan-0.5B/1.8B/4B/7B-Instruct): use one of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
     "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
@@ -120,6 +138,15 @@ NEAR_FAMILIES = {
                    _APERTUS + ": use an Apertus text checkpoint"),
     "apertus1p5_text": ("Apertus 1.5's language model (model_type apertus1p5_text: its own layout)",
                         _APERTUS + ": use one of those"),
+    "internlm2": ("InternLM2 and InternLM2.5 (InternLM2ForCausalLM: remote code with q|k|v stored as one wqkv of "
+                  "interleaved groups, another layout)", _INTERNLM),
+    "internlm": ("the first InternLM (InternLMForCausalLM: remote code, internlm-7b/20b)", _INTERNLM),
+    "internlm_xcomposer2": ("InternLM-XComposer2, a vision-language model (remote code)", _INTERNLM),
+    "moshi": ("Kyutai's Moshi, a speech-text model (MoshiForConditionalGeneration) on a Helium backbone", _HELIUM),
+    "kyutai_speech_to_text": ("Kyutai's speech-to-text model (KyutaiSpeechToTextForConditionalGeneration)", _HELIUM),
+    "hunyuan_v1_moe": ("Hunyuan's mixture of experts (HunYuanMoEV1ForCausalLM: Hunyuan-A13B)", _HUNYUAN),
+    "hunyuan": ("Hunyuan-Large, a mixture of experts with cross-layer attention (remote code)", _HUNYUAN),
+    "hunyuan_vl": ("Hunyuan's vision-language model (HunYuanVLForConditionalGeneration)", _HUNYUAN),
     "aya_vision": ("Aya Vision, Cohere's multimodal model (AyaVisionForConditionalGeneration)", _COHERE),
 }
 
@@ -152,6 +179,12 @@ def check_supported(cfg) -> str:
         check_gemma(cfg)
     if model_type in COHERE:
         check_cohere(cfg)
+    if model_type == "helium":
+        check_helium(cfg)
+    if model_type == "hunyuan_v1_dense":
+        check_hunyuan(cfg)
+    if model_type == "granite_swa":
+        check_granite_swa(cfg)
     from .moe import check_moe
     check_moe(cfg)
     return arch
@@ -223,14 +256,63 @@ def check_cohere(cfg) -> None:
                                         "Cohere 2's layers are sliding_attention or full_attention")
 
 
+def check_helium(cfg) -> None:
+    """Helium's o projection reads hidden_size columns (transformers' HeliumAttention): heads * head_dim of another
+    width is refused up front (transformers fails loading such weights)."""
+    from .shapes import ModelShapes
+    shapes = ModelShapes.from_config(cfg)
+    if shapes.q_size != cfg.hidden_size:
+        raise UnsupportedModelError(f"helium with num_attention_heads * head_dim ({shapes.num_heads} * "
+                                    f"{shapes.head_dim} = {shapes.q_size}) other than hidden_size ({cfg.hidden_size}) "
+                                    "is not supported", "Helium's o_proj is hidden_size by hidden_size: set head_dim "
+                                    "to hidden_size / num_attention_heads (use the config.json that came with the "
+                                    "weights)")
+
+
+# Hunyuan's remote-code fields that transformers' HunYuanDenseV1 never reads (it norms q and k, rotates every layer
+# and shares no KV across layers, whatever they say): (field, the value its layers assume, what another value means)
+_HUNYUAN_FIXED = (("use_qk_norm", True, "q and k not normed"), ("use_rotary_pos_emb", True, "no rotary"),
+                  ("use_cla", False, "cross-layer attention (layers sharing keys and values)"))
+
+
+def check_hunyuan(cfg) -> None:
+    """A Hunyuan config whose remote-code fields ask another layer than transformers' (and infer's) runs: refused
+    naming the field (transformers would run the weights as the usual layers)."""
+    for field, value, what in _HUNYUAN_FIXED:
+        got = getattr(cfg, field, None)
+        if got is not None and bool(got) != value:
+            raise UnsupportedModelError(f"hunyuan_v1_dense with {field} {json.dumps(got)} ({what}) is not supported",
+                                        f"Hunyuan's dense models have {field} {json.dumps(value)}: use the "
+                                        "config.json that came with the weights")
+
+
+def check_granite_swa(cfg) -> None:
+    """Granite SWA's layer_types other than sliding_attention and full_attention, and a layer_rope_theta of other
+    bases than 0 (NoPE) and the rope's rope_theta (transformers builds a rotary per base; infer's layers share one
+    table): refused naming them."""
+    other = sorted({str(t) for t in (getattr(cfg, "layer_types", None) or [])
+                    if t not in ("sliding_attention", "full_attention")})
+    if other:
+        raise UnsupportedModelError(f"granite_swa layer_types {other} are not supported",
+                                    "Granite SWA's layers are sliding_attention or full_attention")
+    from .rope import rope_parameters
+    base = rope_parameters(cfg).get("rope_theta")
+    thetas = sorted({t for t in (getattr(cfg, "layer_rope_theta", None) or []) if t != 0 and t != base}, key=str)
+    if thetas:
+        raise UnsupportedModelError(f"granite_swa layer_rope_theta with bases {thetas} other than rope_theta {base} "
+                                    "is not supported", "infer's Granite SWA layers rotate by rope_theta or, where "
+                                    "layer_rope_theta gives 0, not at all (NoPE)")
+
+
 def model_class(cfg):
     check_supported(cfg)
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class()
     from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
-                        Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
-                        NemotronForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
+                        Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, GraniteSWAForCausalLM,
+                        HunYuanDenseV1ForCausalLM, LlamaForCausalLM, NemotronForCausalLM, Olmo2ForCausalLM,
+                        Olmo3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
                         Starcoder2ForCausalLM)
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM, "granite": GraniteForCausalLM,
@@ -238,4 +320,5 @@ def model_class(cfg):
             "glm4": Glm4ForCausalLM, "smollm3": SmolLM3ForCausalLM, "cohere": CohereForCausalLM,
             "cohere2": CohereForCausalLM, "exaone4": Exaone4ForCausalLM,
             "starcoder2": Starcoder2ForCausalLM, "arcee": ArceeForCausalLM, "nemotron": NemotronForCausalLM,
-            "apertus": ApertusForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+            "apertus": ApertusForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
+            "granite_swa": GraniteSWAForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

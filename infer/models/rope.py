@@ -30,6 +30,13 @@ def nope_layers(cfg) -> list[bool]:
     UnsupportedModelError (transformers fails building the model, or reads any true value as rope)."""
     layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     model_type = getattr(cfg, "model_type", None)
+    if model_type == "granite_swa":  # (layer_rope_theta 0: NoPE; transformers fills it with rope_theta when unset)
+        thetas = list(getattr(cfg, "layer_rope_theta", None) or [])
+        if len(thetas) < layers or not all(type(t) in (int, float) for t in thetas):
+            raise UnsupportedModelError(f"config.json's layer_rope_theta {thetas!r} is not a number for each of the "
+                                        f"{layers} layers", "Granite SWA's layer_rope_theta gives each layer its "
+                                        "rope base (0: no rotary): use the config.json that came with the weights")
+        return [thetas[i] == 0 for i in range(layers)]
     if model_type == "cohere2" or (model_type == "exaone4" and getattr(cfg, "sliding_window", None)):
         types = list(getattr(cfg, "layer_types", None) or [])
         return [i < len(types) and types[i] != "sliding_attention" for i in range(layers)]
@@ -86,7 +93,8 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
     with the weights, not in the checkpoint. A row is the rotary dims (2 * the frequencies: Phi-3's partial rotary
     narrower than the head)."""
     width = sum(2 * _inv_freq(cfg, layer_type)[0].numel() for layer_type in rope_layer_types(cfg))
-    width += 2 if any(nope_layers(cfg)) else 0  # (the NoPE layers' identity_cos_sin)
+    # (the NoPE layers' identity_cos_sin; Hunyuan's layers hand it the fused kernels: models.llama)
+    width += 2 if any(nope_layers(cfg)) or getattr(cfg, "model_type", None) == "hunyuan_v1_dense" else 0
     return max_positions * width * torch.finfo(torch.float32).bits // 8
 
 
@@ -105,6 +113,13 @@ def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
         return head_dim
     factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
     return head_dim if factor is None else int(head_dim * factor)
+
+
+def ntk_alpha(cfg, params: dict) -> bool:
+    """Whether the rope is Hunyuan's NTK alpha: its checkpoints' rope_scaling "dynamic" with an alpha, which
+    transformers' HunYuanDenseV1 runs as a static base (rope_type "ntk_alpha"), never rescaled by the length."""
+    return getattr(cfg, "model_type", None) == "hunyuan_v1_dense" and params.get("rope_type") == "dynamic" \
+        and bool(params.get("alpha"))
 
 
 def check_rope(cfg) -> None:
@@ -134,6 +149,15 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
     try:
         if rope_type == "default":
             base, dim = params["rope_theta"], _rotary_dims(cfg, params, head_dim)
+            inv_freq, scale = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        elif ntk_alpha(cfg, params):  # Hunyuan's: rope_theta * alpha ** (dim / (dim - 2)), static (transformers'
+            dim = cfg.head_dim  # HunYuanDenseV1RotaryEmbedding.compute_ntk_alpha_rope_parameters: config.head_dim)
+            if not dim:
+                raise UnsupportedModelError("Hunyuan's rope with an alpha reads head_dim, which config.json does not "
+                                            "set (transformers fails computing it)",
+                                            "set head_dim (Hunyuan's configs have 128): use the config.json that "
+                                            "came with the weights")
+            base = params["rope_theta"] * params["alpha"] ** (dim / (dim - 2))
             inv_freq, scale = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         else:
             # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's

@@ -70,7 +70,7 @@ _GRANITE_SCALES = {"embedding_multiplier": None, "residual_multiplier": None, "a
 
 
 def _check_granite_multipliers(raw: dict) -> None:
-    if raw.get("model_type") != "granite":
+    if raw.get("model_type") not in ("granite", "granite_swa"):
         return
     for field, rule in _GRANITE_SCALES.items():
         value = raw.get(field)
@@ -79,6 +79,21 @@ def _check_granite_multipliers(raw: dict) -> None:
         if not math.isfinite(value) or (rule == "above 0" and value <= 0) or (rule == "not 0" and value == 0):
             raise ModelLoadError(f"config.json has {field} {value!r}: Granite's {field} must be a finite number"
                                  f"{' ' + rule if rule else ''}", CONFIG_HINT)
+
+
+def _check_internlm3_biases(raw: dict) -> None:
+    """InternLM3's qkv_bias (q, k and v's biases) and bias (o's and the MLP's in its remote code) unequal: transformers
+    runs it as Llama (attention_bias on q, k, v and o; mlp_bias on the MLP) and refuses them apart, and so does infer
+    (an UnsupportedModelError naming both)."""
+    if raw.get("model_type") != "internlm3":
+        return
+    qkv, rest = raw.get("qkv_bias", raw.get("attention_bias", False)), raw.get("bias", raw.get("mlp_bias", False))
+    if bool(qkv) != bool(rest):
+        raise UnsupportedModelError(
+            f"InternLM3's config.json has qkv_bias {json.dumps(qkv)} and bias {json.dumps(rest)}: infer (as "
+            "transformers) runs InternLM3 as Llama, whose q, k, v and o biases and MLP biases are set together",
+            "InternLM3 checkpoints (internlm3-8b-instruct) have both false: use the config.json that came with the "
+            "weights")
 
 
 def check_config_values(raw: dict) -> None:
@@ -109,6 +124,7 @@ def check_config_values(raw: dict) -> None:
     if eps is not None and type(eps) in (int, float) and not eps >= 0:
         raise ModelLoadError(f"config.json has rms_norm_eps {eps!r}: it must be a number of at least 0", CONFIG_HINT)
     _check_granite_multipliers(raw)
+    _check_internlm3_biases(raw)
     quant = raw.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ModelLoadError(f"config.json's quantization_config must be an object, got {type(quant).__name__}",

@@ -115,6 +115,22 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-nemotron": TinySpec("nemotron", 23, config=dict(_TINY, partial_rotary_factor=0.5)),
     # Apertus: the xIELU MLP without gate (its learned parameters per layer), q and k RMSNorms per head, its llama3 rope
     "tiny-apertus": TinySpec("apertus", 24, config=dict(_TINY)),
+    # InternLM3 (8B's shape): Llama's layers, head_dim set apart (its config defaults to 128), a dynamic (NTK) rope
+    # (transformers rescales only past max_position_embeddings)
+    "tiny-internlm3": TinySpec("internlm3", 22, config=dict(
+        _TINY, head_dim=32, rope_parameters={"rope_type": "dynamic", "rope_theta": 50000000.0, "factor": 6.0})),
+    # Helium: Llama's layers with a rotary of interleaved pairs, float32-weighted RMSNorms, no o bias
+    "tiny-helium": TinySpec("helium", 23, config=dict(_TINY, head_dim=16)),
+    # Hunyuan dense (7B's shape): q and k normed per head after the rotary, the rope's NTK alpha, a tied head
+    "tiny-hunyuan": TinySpec("hunyuan_v1_dense", 25, config=dict(
+        _TINY, head_dim=32, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})),
+    # Granite SWA: Granite's scalars, 3 sliding layers of 4 (a window of 64: prompts pass it), attention sinks, no
+    # rotary on the full layer (layer_rope_theta 0). Untied head (its config's default ties it: as Gemma's above)
+    "tiny-granite-swa": TinySpec("granite_swa", 26, config=dict(
+        _TINY, num_hidden_layers=4, sliding_window=64, tie_word_embeddings=False, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
+        layer_rope_theta=[0, 10000.0, 10000.0, 10000.0])),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -202,19 +218,22 @@ def _build(spec: TinySpec, out: Path) -> None:
     eos = SPECIAL_TOKENS.index("<|im_end|>")
     cfg = AutoConfig.for_model(spec.arch, vocab_size=spec.vocab_size, eos_token_id=eos, bos_token_id=None,
                                pad_token_id=0, initializer_range=spec.init_range, **spec.config)
-    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                          "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                          "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
-                          "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                          "ernie4_5": "Ernie4_5ForCausalLM",
-                          "gpt_oss": "GptOssForCausalLM",
-                          "cohere": "CohereForCausalLM",
-                          "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                          "starcoder2": "Starcoder2ForCausalLM", "arcee": "ArceeForCausalLM",
-                          "nemotron": "NemotronForCausalLM", "apertus": "ApertusForCausalLM"}[spec.arch]]
+    arch = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+            "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+            "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
+            "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+            "ernie4_5": "Ernie4_5ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM",
+            "cohere": "CohereForCausalLM",
+            "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+            "starcoder2": "Starcoder2ForCausalLM", "arcee": "ArceeForCausalLM",
+            "nemotron": "NemotronForCausalLM", "apertus": "ApertusForCausalLM",
+            "internlm3": "InternLM3ForCausalLM", "helium": "HeliumForCausalLM",
+            "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "granite_swa": "GraniteSWAForCausalLM"}[spec.arch]]
+    cfg.architectures = arch
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -228,5 +247,8 @@ def _build(spec: TinySpec, out: Path) -> None:
     finally:
         if shown:  # as it was: enabling it under HF_HUB_DISABLE_PROGRESS_BARS=1 prints a warning
             hf_logging.enable_progress_bar()
+    config = json.loads((out / "config.json").read_text())
+    if config["architectures"] != arch:  # transformers saves InternLM3 as the LlamaForCausalLM it runs it as: the
+        (out / "config.json").write_text(json.dumps({**config, "architectures": arch}, indent=2))  # checkpoints' name
     _save_tokenizer(spec, out)
     (out / "infer_builtin.json").write_text(json.dumps({"seed": spec.seed, "format": FORMAT_VERSION}))
