@@ -128,8 +128,8 @@ class Attention(nn.Module):
         declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA, "granite",
                                                                              "granite_swa",
                                                                              *COHERE, *OLMO, "smollm3", "seed_oss",
-                                                                             "internlm3", "helium",
-                                                                             "hunyuan_v1_dense", "arcee", "nemotron", "apertus") \
+                                                                             "internlm3", "helium", "hunyuan_v1_dense",
+                                                                             "arcee", "nemotron", "apertus") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -142,7 +142,8 @@ class Attention(nn.Module):
             declared and kind != "helium"  # (Helium: q, k and v's attention_bias, never o's)
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense")  # Gemma 3's by 1 + w
+        # (Gemma 3's by 1 + w; Hunyuan's after the rotary: norm_after_rope)
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense")
         # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
         self.qk_norm_whole = kind in OLMO
         # Hunyuan norms q and k after the rotary (transformers' HunYuanDenseV1Attention), the others before it: its
