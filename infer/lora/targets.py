@@ -81,9 +81,9 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
                           "all of them")
     chosen = set(targets)
     from ..models.registry import UNGATED
-    if model_config.model_type in UNGATED:  # (no fused MLP: up_proj a layer of its own)
-        return frozenset(chosen)
     for fused, parts in FUSED.items():
+        if fused == "gate_up_proj" and model_config.model_type in UNGATED:  # (no fused MLP: up_proj a layer of its
+            continue  # own; q, k and v still one fused layer)
         named = [p for p in parts if p in chosen]
         if fused in chosen:
             chosen.update(parts)
@@ -128,7 +128,7 @@ def target_name(proj: str, ungated: bool = False) -> str:
     head, _, leaf = proj.rpartition(".")
     if head == EXPERTS:
         return EXPERTS
-    if ungated:
+    if ungated and leaf not in FUSED["qkv_proj"]:  # (its up_proj a layer of its own; q, k, v fused as Llama's)
         return leaf
     return next((fused for fused, parts in FUSED.items() if leaf in parts), leaf)
 

@@ -1,0 +1,65 @@
+"""Session 61 (rfam): review of the families whose MLP has no gate (Arcee, Nemotron, Apertus, and StarCoder2 after
+its GeluMLP became UngatedMLP): what the family tests (test_probes_session61_fam.py) left out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM
+
+from helpers import family_builder, greedy_tokens, random_prompts
+from lora_helpers import family_base_and_adapters
+from test_probes_session61_fam import FAMILIES, SMALL
+
+UNGATED = {**FAMILIES, "starcoder2": ("starcoder2", "Starcoder2ForCausalLM", dict())}
+build = family_builder(SMALL, UNGATED)
+MLP_NAMES = {"starcoder2": ["c_fc", "c_proj"]}  # (the others: up_proj, down_proj)
+
+
+def _config(model_type: str):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, **SMALL)
+
+
+@pytest.mark.parametrize("family", UNGATED)
+def test_lora_target_modules_fuse_q_k_v_on_an_mlp_without_gate(family):
+    """An MLP without gate has no gate_up_proj, but its q, k and v are still one fused layer (qkv_proj): naming
+    qkv_proj selects q_proj, k_proj and v_proj, naming q_proj, k_proj and v_proj selects qkv_proj (whose slots the
+    memory plan counts as a Llama's of the same attention), and q_proj alone is refused as on Llama (it was taken,
+    StarCoder2's too since the refactor, and qkv_proj gave the attention no slots)."""
+    from infer.errors import ConfigError
+    from infer.lora.targets import check_target_modules, target_name
+    from infer.memory.sizes import lora_slot_bytes
+    cfg = _config(UNGATED[family][0])
+    assert {"q_proj", "k_proj", "v_proj"} <= check_target_modules(["qkv_proj"], cfg)
+    assert "qkv_proj" in check_target_modules(["q_proj", "k_proj", "v_proj"], cfg)
+    with pytest.raises(ConfigError, match="names q_proj but not k_proj, v_proj"):
+        check_target_modules(["q_proj"], cfg)
+    llama = lora_slot_bytes(_config("llama"), 1, 8, torch.float32, ["qkv_proj"])
+    assert llama > 0
+    for names in (["qkv_proj"], ["q_proj", "k_proj", "v_proj"]):
+        assert lora_slot_bytes(cfg, 1, 8, torch.float32, names) == llama, names
+    assert target_name("q_proj", True) == "qkv_proj"
+    mlp = MLP_NAMES.get(family, ["up_proj", "down_proj"])
+    assert check_target_modules(mlp[:1], cfg) == {mlp[0]}  # (the MLP's first layer alone: a layer of its own)
+
+
+@pytest.fixture(scope="module", params=list(UNGATED))
+def ungated_lora(request, tmp_path_factory):
+    return family_base_and_adapters(tmp_path_factory, build, request.param, attention_bias=True)
+
+
+def test_qkv_proj_target_serves_an_adapter_of_q_k_v(ungated_lora):
+    """--lora-target-modules qkv_proj,o_proj and the MLP's two layers serves an adapter of every projection with the
+    tokens it has without the flag (every layer given slots: peft's, test_probes_session61_fam), other than the
+    base's; before, the adapter was refused ("has weights on q_proj ... leaves without adapter slots")."""
+    family, base, _, paths = ungated_lora
+    prompts = random_prompts(512, (5, 20), seed=9)
+    with LLM(str(base), loras={"a": str(paths["all8"])}, max_lora_rank=8, block_size=4) as llm:
+        want = greedy_tokens(llm, prompts, 6, lora=["a", "a"])
+        assert greedy_tokens(llm, prompts, 6) != want
+    targets = ["qkv_proj", "o_proj", *MLP_NAMES.get(family, ["up_proj", "down_proj"])]
+    with LLM(str(base), loras={"a": str(paths["all8"])}, max_lora_rank=8, block_size=4,
+             lora_target_modules=targets) as llm:
+        assert greedy_tokens(llm, prompts, 6, lora=["a", "a"]) == want
