@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer import LLM
+from infer import LLM, SamplingParams
 
 from helpers import family_builder, greedy_tokens, random_prompts
 from lora_helpers import family_base_and_adapters
@@ -63,3 +63,22 @@ def test_qkv_proj_target_serves_an_adapter_of_q_k_v(ungated_lora):
     with LLM(str(base), loras={"a": str(paths["all8"])}, max_lora_rank=8, block_size=4,
              lora_target_modules=targets) as llm:
         assert greedy_tokens(llm, prompts, 6, lora=["a", "a"]) == want
+
+
+@pytest.mark.parametrize("name", ["tiny-arcee", "tiny-nemotron", "tiny-apertus", "tiny-starcoder2"])
+def test_benchmarks_random_adapters_fit_an_mlp_without_gate(tmp_path, name):
+    """The benchmarks' random adapters (bench.e2e_models.write_random_adapters, step_overhead --adapters) of a model
+    whose MLP has no gate adapt its own MLP modules (up_proj/down_proj, StarCoder2's c_fc/c_proj: no gate_proj the
+    model lacks, which the engine refused) and change the logprobs."""
+    from transformers import AutoConfig
+
+    from infer.bench.e2e_models import write_random_adapters
+    from infer.models.tiny import ensure_builtin
+    path = str(ensure_builtin(name))
+    cfg = AutoConfig.from_pretrained(path)
+    paths = write_random_adapters(cfg, tmp_path, 1, 4)
+    prompts = random_prompts(cfg.vocab_size, (6, 11), seed=2)
+    params = SamplingParams(max_new_tokens=1, logprobs=1)
+    with LLM(path, loras=paths, max_lora_rank=4, block_size=4) as llm:
+        base, adapted = (llm.generate(prompts, params, **kw) for kw in ({}, {"lora": ["lora0", "lora0"]}))
+    assert all(b.logprobs[0]["logprob"] != a.logprobs[0]["logprob"] for b, a in zip(base, adapted))

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from ..models.shapes import ModelShapes
 
 SHAPES = {
     "llama-2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -105,19 +104,22 @@ def make_tokenizer(vocab_size: int):
 
 
 def write_random_adapters(model_config, out: Path, num: int, rank: int, seed: int = 0) -> dict[str, str]:
-    """`num` PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) for `model_config`, random A and B."""
+    """`num` PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) for `model_config`, random A and B:
+    TARGETS under the family's module names (lora.adapter.base_targets: an MLP without gate's up_proj and down_proj,
+    StarCoder2's c_fc and c_proj, Phi-3's fused layers)."""
     from safetensors.torch import save_file
-    shapes = ModelShapes.from_config(model_config)
-    h, inter, q, kv = model_config.hidden_size, model_config.intermediate_size, shapes.q_size, shapes.kv_size
-    io = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-          "up_proj": (h, inter), "down_proj": (inter, h)}
+
+    from ..lora.adapter import base_targets, expected_shapes
+    from ..lora.targets import ATTENTION
+    io = expected_shapes(model_config)  # (in, out) of each of the family's projections
+    targets = [t for t in base_targets(getattr(model_config, "model_type", None), TARGETS) if t in io]
     paths = {}
     for a in range(num):
         g = torch.Generator().manual_seed(seed + a)
         tensors = {}
         for layer in range(model_config.num_hidden_layers):
-            for proj in TARGETS:
-                parent = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            for proj in targets:
+                parent = "self_attn" if proj in ATTENTION else "mlp"
                 base = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
                 fan_in, fan_out = io[proj]
                 tensors[f"{base}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) * 0.02).half()
@@ -126,6 +128,6 @@ def write_random_adapters(model_config, out: Path, num: int, rank: int, seed: in
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(json.dumps(
-            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS, "bias": "none"}))
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "bias": "none"}))
         paths[f"lora{a}"] = str(path)
     return paths
