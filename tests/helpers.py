@@ -188,6 +188,24 @@ def check_greedy_and_logprobs_equal_transformers(folder, hf, name, check_model) 
     check_equal_transformers(hf, prompts, outs, 10, name)
 
 
+def check_stray_sliding_window(folder, hf, family: str) -> None:
+    """The model in `folder` (transformers' `hf`), whose config.json has sliding_window 16 that its family's attention
+    ignores (models.limits.WINDOW_IGNORED): a max_model_len past the window is refused naming it, the context is
+    capped at the window, no layer slides, and within it the greedy tokens of prompts of 5 and 10 are
+    transformers'."""
+    import pytest
+
+    from infer import LLM
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match=rf"limit of 16 \(its sliding_window: a {family} model's attention is full"):
+        LLM(str(folder), block_size=4, max_model_len=64)
+    prompts = random_prompts(512, (5, 10), seed=3)
+    with LLM(str(folder), block_size=4) as llm:
+        assert llm.engine.max_model_len == 16
+        assert [layer.self_attn.window for layer in llm.engine.runner.model.layers] == [0] * len(hf.model.layers)
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+
+
 def check_chunked_prefill_and_prefix_caching(folder, hf) -> None:
     """The model in `folder` (blocks of 4) gives transformers' (`hf`) greedy tokens (6) of prompts of 30 and 41 tokens
     and of one sharing the second's first 32, in steps of 12 tokens (prompts cut into chunks), and with prefix

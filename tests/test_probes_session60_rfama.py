@@ -10,8 +10,8 @@ import pytest
 from infer import LLM, SamplingParams
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, reasoning_request, split
 
-from helpers import (TOOLS_TEMPLATE, check_equal_transformers, check_stream_adds_up, forced_chat_body, greedy_each,
-                     greedy_tokens, joined_deltas, random_prompts, streamed_chat_choices,
+from helpers import (TOOLS_TEMPLATE, check_equal_transformers, check_stray_sliding_window, check_stream_adds_up,
+                     forced_chat_body, joined_deltas, random_prompts, streamed_chat_choices,
                      tiny_llama_with_added_tokens, tiny_llama_with_template)
 from test_probes_session60_famA import build
 
@@ -139,15 +139,7 @@ def test_a_stray_sliding_window_caps_the_context_and_slides_no_layer(tmp_path, f
     last sliding_window keys of a config that has the key and no layer_types: as a Llama's, their context is capped
     at the window, every layer attending fully (infer slid every layer over it, which neither of transformers' ways
     computes), and within it the tokens are transformers'."""
-    from infer.errors import ConfigError
-    hf = build(tmp_path, family, sliding_window=16)
-    with pytest.raises(ConfigError, match=rf"limit of 16 \(its sliding_window: a {family} model's attention is full"):
-        LLM(str(tmp_path), block_size=4, max_model_len=64)
-    prompts = random_prompts(512, (5, 10), seed=3)
-    with LLM(str(tmp_path), block_size=4) as llm:
-        assert llm.engine.max_model_len == 16
-        assert [layer.self_attn.window for layer in llm.engine.runner.model.layers] == [0] * 4
-        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+    check_stray_sliding_window(tmp_path, build(tmp_path, family, sliding_window=16), family)
 
 
 # ------------------------------------------------------------------------------- SmolLM3's long context (YaRN)

@@ -8,7 +8,7 @@ import torch
 
 from infer import LLM, SamplingParams
 
-from helpers import family_builder, greedy_tokens, random_prompts
+from helpers import check_stray_sliding_window, family_builder, greedy_tokens, random_prompts
 from lora_helpers import family_base_and_adapters
 from test_probes_session61_fam import FAMILIES, SMALL
 
@@ -82,3 +82,12 @@ def test_benchmarks_random_adapters_fit_an_mlp_without_gate(tmp_path, name):
     with LLM(path, loras=paths, max_lora_rank=4, block_size=4) as llm:
         base, adapted = (llm.generate(prompts, params, **kw) for kw in ({}, {"lora": ["lora0", "lora0"]}))
     assert all(b.logprobs[0]["logprob"] != a.logprobs[0]["logprob"] for b, a in zip(base, adapted))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_stray_sliding_window_caps_the_context_and_slides_no_layer(tmp_path, family):
+    """transformers' Arcee, Nemotron and Apertus attention never slides (their modeling code reads no
+    sliding_window), while generate()'s cache keeps only the last sliding_window keys of a config that has the key:
+    as a Llama's, the context is capped at the window and every layer attends fully (infer slid every layer over it,
+    Nemotron's as StarCoder2's, which neither of transformers' ways computes: other tokens past the window)."""
+    check_stray_sliding_window(tmp_path, build(tmp_path, family, sliding_window=16, num_hidden_layers=3), family)
