@@ -3,6 +3,8 @@ its GeluMLP became UngatedMLP): what the family tests (test_probes_session61_fam
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -77,6 +79,9 @@ def test_benchmarks_random_adapters_fit_an_mlp_without_gate(tmp_path, name):
     path = str(ensure_builtin(name))
     cfg = AutoConfig.from_pretrained(path)
     paths = write_random_adapters(cfg, tmp_path, 1, 4)
+    written = json.loads((tmp_path / "lora0" / "adapter_config.json").read_text())["target_modules"]
+    mlp = MLP_NAMES.get(cfg.model_type, ["up_proj", "down_proj"])
+    assert written == ["q_proj", "k_proj", "v_proj", "o_proj", *mlp]
     prompts = random_prompts(cfg.vocab_size, (6, 11), seed=2)
     params = SamplingParams(max_new_tokens=1, logprobs=1)
     with LLM(path, loras=paths, max_lora_rank=4, block_size=4) as llm:
