@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,8 +78,7 @@ def measured_warmup(args: list[str]) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m = _auto_class(json.loads((Path(path) / "config.json").read_text())).from_pretrained(path, dtype=torch.float32)
     m.generation_config.eos_token_id = None  # never stop (nor suppress EOS): compare with ignore_eos
     m.eval()
     return m
@@ -90,21 +91,30 @@ def hf_greedy(path: str, prompt: list[int], n: int, **kw) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def _auto_class(config: dict):
+    """transformers' auto class of a config: a multimodal model's (text_config: Gemma 3's, Mistral 3's
+    ...ForConditionalGeneration) or a causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    return AutoModelForImageTextToText if "text_config" in config else AutoModelForCausalLM
+
+
 def save_random_model(folder, model_type: str, arch: str, config: dict, seed: int = 0, perturb=None,
                       eager: bool = True):
     """A random model of `model_type` (transformers' `arch`, float32, initializer_range 0.15, no BOS) from `config`,
     saved to `folder` with the tiny-llama tokenizer; returns transformers' model of it (eager attention unless
     `eager` is False; EOS off: it never stops). `perturb(name, p)`, called on every parameter under the same seed,
-    moves weights the random init leaves constant (norms, biases) so that a bug in them changes the tokens."""
+    moves weights the random init leaves constant (norms, biases) so that a bug in them changes the tokens. A
+    multimodal model's (`config` with a text_config) text settings are its text_config's."""
     import shutil
-    from pathlib import Path
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from infer.models.tiny import ensure_builtin
+    if "text_config" in config:
+        config = {**config, "text_config": {"initializer_range": 0.15, "bos_token_id": None, **config["text_config"]}}
     cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **config)
     cfg.architectures = [arch]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+        model = _auto_class(config).from_config(cfg, dtype=torch.float32,
                                                  **({"attn_implementation": "eager"} if eager else {})).eval()
         if perturb is not None:
             with torch.no_grad():

@@ -150,11 +150,11 @@ class PeftOracle:
         self.model.unload()
 
 
-def check_mixed_adapters_gpu_path_equal_peft(base, hf, paths: dict, monkeypatch, check_model) -> None:
+def check_mixed_adapters_gpu_path_equal_peft(base, hf, paths: dict, monkeypatch, check_model, **engine) -> None:
     """Prompts of 5, 3 and 7 tokens mixed as adapter all8, the base alone and qv4 (of `paths`, on `hf`): an LLM of
     `base` with the adapters, every op through its Triton kernel (interpreted on CPU) and decodes through emulated
     CUDA graphs (some replayed), gives peft's tokens (4 each); `check_model(model)` first checks the engine's
-    model."""
+    model. `engine`: more LLM options (e.g. lora_expand_fused)."""
     from helpers import random_prompts
     from infer import LLM, SamplingParams
     from quant_helpers import int4_kernel_path
@@ -167,7 +167,7 @@ def check_mixed_adapters_gpu_path_equal_peft(base, hf, paths: dict, monkeypatch,
         oracle.close()
     int4_kernel_path(monkeypatch)
     with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
-             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4) as llm:
+             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4, **engine) as llm:
         check_model(llm.engine.runner.model)
         llm.engine.runner.capture_graphs(8, emulate=True)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),

@@ -19,7 +19,7 @@ from transformers import AutoConfig
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
-from infer.errors import UnsupportedModelError
+from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
 from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
@@ -127,19 +127,20 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
     assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
 
 
-def test_gemma3_multimodal_checkpoint_is_refused_up_front(tmp_path):
+def test_gemma3_multimodal_config_is_read_as_its_text_model(tmp_path):
     """A Gemma3ForConditionalGeneration (Gemma-3-4B and larger: a vision tower and a language model, model_type
-    gemma3) is refused when its config is read, saying what infer runs instead: `infer warmup --estimate` too."""
+    gemma3) is read as its text model (session 61: models.multimodal): its text_config, as Gemma3ForCausalLM; a
+    folder without weights is then refused as one, not as an architecture infer does not run."""
     from transformers import Gemma3Config
+    from infer.models.loader import load_config
     cfg = Gemma3Config(text_config=dict(SMALL), vision_config=dict(hidden_size=32, num_hidden_layers=1,
                                                                    num_attention_heads=2, intermediate_size=64))
     cfg.architectures = ["Gemma3ForConditionalGeneration"]
     cfg.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="Gemma 3's multimodal model") as e:
+    text = load_config(tmp_path)
+    assert text.model_type == "gemma3_text" and text.architectures == ["Gemma3ForCausalLM"]
+    with pytest.raises(ModelLoadError, match="has no weights"):
         LLM(str(tmp_path))
-    assert "Gemma3ForCausalLM" in str(e.value) and "gemma3_text" in str(e.value)
-    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"])
-    assert res.exit_code != 0 and "Gemma 3's multimodal model" in res.output
 
 
 def test_what_infer_cannot_run_of_gemma3_is_refused(tmp_path):

@@ -100,14 +100,16 @@ def _check_args(out: Path, model: str) -> Path:
         raise ConfigError(f"--model {model!r} is not a built-in model",
                           f"choose one of: {', '.join(BUILTIN_MODELS)}")
     from ..models.moe import BASE as MOE_TYPES
+    from ..models.multimodal import WRAPPERS
     from ..models.registry import UNGATED
-    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, *UNGATED)]
-    if BUILTIN_MODELS[model].arch in UNGATED:  # (its chain's steps are not checked on an MLP without gate)
-        what = {"starcoder2": "StarCoder2", "arcee": "Arcee AFM", "nemotron": "Nemotron",
-                "apertus": "Apertus"}[BUILTIN_MODELS[model].arch]
-        article = "an" if what[0] == "A" else "a"
-        raise ConfigError(f"--model {model} is {article} {what}, which the demo's chain does not take (its MLP has "
-                          "no gate)",
+    # (its chain's steps are not checked on an MLP without gate, nor on a multimodal checkpoint's text model)
+    other = {"starcoder2": "a StarCoder2", "arcee": "an Arcee AFM", "nemotron": "a Nemotron", "apertus": "an Apertus",
+             **{kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}}
+    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, *other)]
+    if BUILTIN_MODELS[model].arch in other:
+        why = " (its MLP has no gate)" if BUILTIN_MODELS[model].arch in UNGATED else ""
+        raise ConfigError(f"--model {model} is {other[BUILTIN_MODELS[model].arch]}, which the demo's chain does not "
+                          f"take{why}",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)

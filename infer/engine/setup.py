@@ -41,9 +41,21 @@ def load_tokenizer(path: Path, chat_template: str | None = None):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(*tokenizer_problem(path, e)) from e
+    if chat_template is None and tokenizer.chat_template is None:  # a multimodal folder's template may be its
+        chat_template = processor_chat_template(path)  # processor's alone (chat_template.json), as vLLM reads it
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The chat template of a multimodal folder's processor (chat_template.json: {"chat_template": "..."}, which the
+    tokenizer does not read), else None."""
+    try:
+        template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def eos_ids(path: Path, model_config, tokenizer) -> set[int]:

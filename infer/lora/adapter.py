@@ -20,6 +20,7 @@ import torch
 
 from ..errors import LoRAError
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts
+from ..models.multimodal import VISION_PREFIXES, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED
 from ..models.shapes import ModelShapes
 
@@ -148,6 +149,9 @@ class LoRAAdapter:
     problems: list[Problem] = field(default_factory=list)
     stamp: tuple = ()  # folder_stamp(path) when it was read
     mlp_modules: list[str] = field(default_factory=list)  # the modules it adapts under a layer's MLP (read_adapter)
+    # the module it adapts first under a multimodal model's language model (model.language_model.layers.N..., or
+    # language_model.model.layers.N...: models.multimodal), else None: trained on such a model, not a text model
+    language_model: str | None = None
 
     @property
     def rank(self) -> int:
@@ -182,6 +186,7 @@ class LoRAAdapter:
                     if not (p.message.startswith(tuple(moe)) and _ABSENT in p.message)]
         problems += _non_linear_targets(self.config, base_config)
         problems[:0] = _moe_problems(self, base_config)  # first: whatever else is wrong, this is why
+        problems[:0] = _multimodal_problems(self, base_config)
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
@@ -210,6 +215,24 @@ class LoRAAdapter:
             problems.append(Problem(f"rank {self.rank} is larger than --max-lora-rank {max_rank}",
                                     f"raise --max-lora-rank to at least {self.rank}"))
         return problems
+
+
+def _multimodal_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
+    """An adapter trained on a multimodal model's language model (its modules under model.language_model) on a text
+    base, or one trained on a text model on a multimodal base: peft would load neither's weights (their module names
+    are not the base's) and leave the base as it is."""
+    base = getattr(base_config, "multimodal_architecture", None)
+    if adapter.language_model is not None and not is_multimodal(base_config):
+        return [Problem(f"adapts {adapter.language_model}, a multimodal model's language model, but the base is a "
+                        "text model: peft would not load these weights into it",
+                        "use an adapter trained on this base (or serve the multimodal checkpoint it was trained on)")]
+    if adapter.language_model is None and base and adapter.modules:
+        first = next(iter(adapter.modules))
+        return [Problem(f"adapts {first}, a text model's module, but the base is a multimodal {base} whose layers "
+                        "sit under model.language_model: peft would not load these weights into it",
+                        f"use an adapter trained on the {base} checkpoint (its text model's adapters fit its text "
+                        "model's checkpoint)")]
+    return []
 
 
 def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> list[Problem]:
@@ -891,7 +914,16 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             per_expert.setdefault(int(own["layer"]), {}).setdefault(part, {})[int(own["expert"])] = pair
             v4_names[part] = own["proj"]
             continue
-        where = _module_of(path)
+        plain = text_name(path)  # a multimodal model's language model's module as a text model's (models.multimodal)
+        if plain is None:
+            top = next(p for p in VISION_PREFIXES if path.startswith(p)).rstrip(".")
+            per_module.append((path, Problem(
+                f"adapts {path} of a multimodal model's vision tower or projector, which infer never loads",
+                f"its layers sit under {top}: it was made for another model part (infer serves a multimodal "
+                "checkpoint's text model alone); train the adapter on the language model's layers only, e.g. "
+                "target_modules=r'.*language_model.*\\.(q_proj|v_proj)'")))
+            continue
+        where = _module_of(plain)
         if where is None:
             tail = re.search(r"\.(?:model\.)?layers\.\d+\.[A-Za-z_]+\.[A-Za-z0-9_]+$", path)
             other = tail is not None and path[:tail.start()] != "model"  # (model.layers.N...: this base's layers)
@@ -899,7 +931,8 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
                     "one); use an adapter trained on this base") if other else _HINT_TARGETS
             per_module.append((path, Problem(f"adapts {path}, {_ABSENT}", hint)))
             continue
-        why = _unselected(config, where[0], where[1])
+        # (a multimodal model's module: its config selects it as peft names it in that model)
+        why = _unselected(config, path if plain != path else where[0], where[1])
         if why:  # one problem per reason, not one per module (every module of the adapter, often)
             unselected.setdefault(why, []).append(where[0])
             continue
@@ -1185,6 +1218,9 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     found = (_TENSOR.match(n) for n in tensors)
     adapter.mlp_modules = sorted({m["module"].removeprefix("base_model.model.") for m in found
                                   if m and re.search(r"\.(mlp|block_sparse_moe)\.", m["module"])})
+    found = (_TENSOR.match(n) for n in tensors)
+    adapter.language_model = next((m["module"] for m in found if m and text_name(m["module"]) not in
+                                   (None, m["module"])), None)
     return adapter
 
 

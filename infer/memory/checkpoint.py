@@ -13,6 +13,7 @@ import torch
 from ..errors import ModelLoadError
 from ..kernels import cpu_gemm
 from ..models.classifier import is_classifier, token_head
+from ..models.multimodal import is_multimodal, text_name
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -87,6 +88,9 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             total += f.stat().st_size  # a legacy .bin: the stored size is the estimate
             continue
         headers.append(header)
+    if is_multimodal(model_config):  # its text model's tensors alone, named as a text model's (models.multimodal)
+        headers = [{plain: info for name, info in h.items() if (plain := text_name(name)) is not None}
+                   for h in headers]
     g_idx = {name: info for header in headers for name, info in header.items() if name.endswith(".g_idx")}
     scales = {name: info for header in headers for name, info in header.items() if name.endswith(".scales")}
     # a tied lm_head.weight is the embeddings' copy, except in a checkpoint that stores the tied matrix under that

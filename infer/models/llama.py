@@ -27,7 +27,7 @@ from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
 from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, POST_ONLY, UNGATED,
                        activation)
-from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, rope_layer_types
+from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, query_scaling, rope_layer_types
 from .shapes import ModelShapes
 
 # rows of one GPTQ output-head matmul: no more than memory.sizes.DEQUANT_MIN_TOKENS, so the head always runs in the
@@ -166,8 +166,11 @@ class Attention(nn.Module):
         # (`_deinterleaved`), and every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their
         # products, the attention, unchanged); ERNIE 4.5's and Cohere's over the whole head
         self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "helium") or cfg.model_type in COHERE
-        if not self.qk_norm and not self.rope_interleaved:  # a decode step's qkv LoRA expand may be left to
-            # decode_attention (forward)
+        # Ministral 3's query scaled by position (rope.query_scaling: (beta, original) or None), in torch before the
+        # rotary kernels (a scale commutes with the rotation): every path, the Triton kernels' too
+        self.q_scaling = query_scaling(cfg)
+        if not self.qk_norm and not self.rope_interleaved and self.q_scaling is None:  # a decode step's qkv LoRA
+            # expand may be left to decode_attention (forward; the query scaling needs q's delta added first)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
         # o's, to the post-attention rms_norm (forward; Gemma 2's and 3's and OLMo 2's has no residual); none for
         # Granite, whose o output is scaled by residual_multiplier before that norm (GraniteForCausalLM)
@@ -178,6 +181,7 @@ class Attention(nn.Module):
         if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU (with
             q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
             q, k, cos_sin = self._rotated_first(positions, q, k, cos_sin)
+            q = self._scaled_query(positions, q)
             tables, slots = self._kv(ctx)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          slots, tables, ctx.seq_lens, ctx.query_start_loc,
@@ -223,6 +227,15 @@ class Attention(nn.Module):
         q, k = kernels.rotary_embedding(positions, q, k, table, self.head_dim)
         return (*self._normed(q, k, self.query_layernorm, self.key_layernorm), identity)
 
+    def _scaled_query(self, positions, q):
+        """q [t, q_size] times Ministral 3's scale of each token's position (Llama 4's: q_scaling), as transformers
+        computes it (float32, cast to q's dtype); q itself for every other family."""
+        if self.q_scaling is None:
+            return q
+        beta, original = self.q_scaling
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / original))
+        return q * scale.to(q.dtype)[:, None]
+
     def _deinterleaved(self, x, heads: int):
         """x [t, heads * head_dim] with each head's rotary dims (the first rot_dim) reordered from interleaved pairs
         (0, 1), (2, 3), ... to halves (0, 2, 4, ... | 1, 3, 5, ...): the pairs every rotary kernel rotates."""
@@ -255,7 +268,8 @@ class Attention(nn.Module):
         records: engine.cuda_graphs.PiecewiseGraphs)."""
         q, k, v = self._qkv(x, ctx)
         q, k, cos_sin = self._rotated_first(positions, q, k, cos_sin)
-        q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
+        q = kernels.rotary_store_kv(positions, self._scaled_query(positions, q), k, v, cos_sin, self.head_dim,
+                                    self.k_cache, self.v_cache,
                                     self._kv(ctx)[1])  # one launch on the GPU: q rotated, k rotated and v cached
         return q.reshape(x.shape[0], self.q_size)
 

@@ -17,6 +17,7 @@ from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
 from .classifier import add_score_head, is_classifier, set_token_head, token_head
 from .layers import MergedLinear, UnquantizedLinearMethod
+from .multimodal import text_config, text_tensors, wrapper_of
 from .registry import check_near_family, check_supported, model_class
 from .rope import check_rope
 from .shapes import check_config_values, check_shapes
@@ -45,6 +46,9 @@ def load_config(path: Path):
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # an unknown model_type, a field of the wrong type, ...
         raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {e}", CONFIG_HINT) from e
+    if wrapper_of(cfg) is not None:  # a multimodal checkpoint: its text model (models.multimodal)
+        check_config_values(raw.get("text_config") or {})
+        cfg = text_config(cfg, raw)
     check_supported(cfg)
     check_shapes(cfg)
     check_rope(cfg)  # refused here, not only when the model is built: warmup --estimate never builds it
@@ -150,8 +154,8 @@ def linear_method_factory(path: Path, cfg):
         if len(settings) == 1:  # the same whichever the layout: no need to read the headers
             return names
         if not stored:  # (as place_weights reads them: with or without the `model.` prefix)
-            stored.update(module_key(name.rpartition(".")[0]) for name, _ in iter_tensors(weight_files(path),
-                                                                                           meta=True))
+            stored.update(module_key(name.rpartition(".")[0])
+                          for name, _ in text_tensors(cfg, iter_tensors(weight_files(path), meta=True)))
         return split if any(module_key(n) in stored for n in split) else names
 
     def method_for(names):
@@ -192,7 +196,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     if _dtype_name(stored).startswith("float8"):
         log.warning(f"config.json's dtype is {_dtype_name(stored)}: infer has no float8 weights and computes in "
                     f"{_dtype_name(dtype)}")
-    load_weights(model, iter_tensors(files), dtype)
+    load_weights(model, text_tensors(cfg, iter_tensors(files)), dtype)
     if token_head(cfg) is not None:
         set_token_head(model, cfg, path)
     model.finish_loading()
@@ -223,7 +227,7 @@ def check_weights(path: Path, device: torch.device | None = None):
     files = weight_files(path)
     with torch.device("meta"), meta_as_gpu(device is not None and torch.device(device).type == "cuda"):
         model = _build(cfg, torch.float32, linear_method_factory(path, cfg), 1)
-    place_weights(model, iter_tensors(files, meta=True), torch.float32)
+    place_weights(model, text_tensors(cfg, iter_tensors(files, meta=True)), torch.float32)
     for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in
         if isinstance(layer, MergedLinear) and hasattr(layer.method, "check_complete"):
             layer.method.check_complete(layer)

@@ -10,6 +10,9 @@ from ..errors import UnsupportedModelError
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    # Ministral 3 (text_config of Mistral3ForConditionalGeneration: Ministral-3-3B/8B/14B): Mistral's layers with
+    # Llama 4's query scaled by position (rope_parameters' llama_4_scaling_beta: Attention.q_scaling)
+    "Ministral3ForCausalLM": "ministral3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
@@ -153,17 +156,16 @@ NEAR_FAMILIES = {
 
 def check_supported(cfg) -> str:
     from .classifier import causal_name  # (a ForSequenceClassification model: its family's decoder, models.classifier)
+    from .multimodal import wrapper_of
     archs = list(getattr(cfg, "architectures", None) or [])
     model_type = getattr(cfg, "model_type", None)
     arch = next((causal_name(a) for a in archs if causal_name(a) in SUPPORTED), None)
     if arch is None and model_type in SUPPORTED.values() and not archs:
         arch = next(a for a, t in SUPPORTED.items() if t == model_type)
-    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
-        raise UnsupportedModelError(
-            f"{archs or model_type!r} (model_type {model_type!r}) is Gemma 3's multimodal model (vision tower and "
-            "language model; Gemma-3-4B and larger), which infer does not run",
-            "infer runs Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M): "
-            "use a text-only Gemma 3 checkpoint")
+    if wrapper_of(cfg) is not None:  # (models.loader.load_config reads its text_config: models.multimodal)
+        raise UnsupportedModelError(f"{archs or model_type!r} (model_type {model_type!r}) is a multimodal model's "
+                                    "config: infer runs its text model, read from text_config",
+                                    "load the folder with infer (models.loader.load_config), not its config alone")
     if model_type == "ministral" and "MistralForCausalLM" in map(causal_name, archs):
         raise UnsupportedModelError(
             "config.json of a MistralForCausalLM has layer_types, which makes transformers run it as Ministral "

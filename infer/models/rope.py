@@ -125,10 +125,29 @@ def ntk_alpha(cfg, params: dict) -> bool:
 def check_rope(cfg) -> None:
     """Refuse a rope infer cannot compute (an UnsupportedModelError): what build_cos_sin_cache refuses, checked when
     the config is read (models.loader.load_config), so that commands that never build the model refuse it too;
-    SmolLM3's no_rope_layers (`nope_layers`)."""
+    SmolLM3's no_rope_layers (`nope_layers`); Ministral 3's query scaling (`query_scaling`)."""
     for layer_type in rope_layer_types(cfg):
         _inv_freq(cfg, layer_type)
     nope_layers(cfg)
+    query_scaling(cfg)
+
+
+def query_scaling(cfg) -> tuple[float, int] | None:
+    """Ministral 3's (model_type ministral3) query scaling by position, Llama 4's: after the rotary, the query at
+    position p times 1 + beta * log(1 + floor(p / original_max_position_embeddings)), both from rope_parameters
+    (llama_4_scaling_beta and original_max_position_embeddings): (beta, original); None for every other family.
+    Either missing or not a number is refused (transformers' Ministral 3 attention fails on it)."""
+    if getattr(cfg, "model_type", None) != "ministral3":
+        return None
+    params = rope_parameters(cfg)
+    beta, original = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if type(beta) not in (int, float) or not math.isfinite(beta) or type(original) is not int or original < 1:
+        raise UnsupportedModelError(
+            f"ministral3's rope_parameters need llama_4_scaling_beta (a number) and original_max_position_embeddings "
+            f"(a whole number of at least 1) for its query scaling, got {beta!r} and {original!r}",
+            "use the config.json that came with the weights (Ministral 3's: llama_4_scaling_beta 0.1, "
+            "original_max_position_embeddings 16384)")
+    return float(beta), original
 
 
 def _inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

@@ -131,6 +131,29 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, num_hidden_layers=4, sliding_window=64, tie_word_embeddings=False, embedding_multiplier=12.0,
         residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
         layer_rope_theta=[0, 10000.0, 10000.0, 10000.0])),
+    # multimodal checkpoints (models.multimodal: infer serves their text model): a tiny vision tower (skipped) and
+    # the language model of text_config, saved in the hub's layout (language_model.model.*). Gemma 3's (4B and
+    # larger): Gemma 3's text layers as tiny-gemma3's; untied head (as Gemma's above)
+    "tiny-gemma3-mm": TinySpec("gemma3", 22, config=dict(
+        text_config=dict(_TINY, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=64,
+                         tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4, tie_word_embeddings=False)),
+    # Mistral 3's (Mistral Small 3.1/3.2): a Mistral language model (no sliding window), a Pixtral vision tower
+    "tiny-mistral3": TinySpec("mistral3", 23, config=dict(
+        text_config=dict(_TINY, model_type="mistral", head_dim=16, tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           head_dim=16, image_size=28, patch_size=14), image_token_index=511,
+        tie_word_embeddings=False)),
+    # Ministral 3's (Ministral-3-3B/8B/14B): Mistral 3 with a ministral3 language model, yarn and Llama 4's query
+    # scaling by position (its original context 16, Ministral 3's 16384: prompts pass it)
+    "tiny-ministral3": TinySpec("mistral3", 24, config=dict(
+        text_config=dict(_TINY, model_type="ministral3", head_dim=16, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 256.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           head_dim=16, image_size=28, patch_size=14), image_token_index=511,
+        tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -214,29 +237,26 @@ def _save_tokenizer(spec: TinySpec, out: Path) -> None:
 
 def _build(spec: TinySpec, out: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .multimodal import WRAPPERS
+    from .registry import SUPPORTED
     eos = SPECIAL_TOKENS.index("<|im_end|>")
-    cfg = AutoConfig.for_model(spec.arch, vocab_size=spec.vocab_size, eos_token_id=eos, bos_token_id=None,
-                               pad_token_id=0, initializer_range=spec.init_range, **spec.config)
-    arch = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-            "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-            "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmo3": "Olmo3ForCausalLM", "glm4": "Glm4ForCausalLM",
-            "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-            "ernie4_5": "Ernie4_5ForCausalLM",
-            "gpt_oss": "GptOssForCausalLM",
-            "cohere": "CohereForCausalLM",
-            "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-            "starcoder2": "Starcoder2ForCausalLM", "arcee": "ArceeForCausalLM",
-            "nemotron": "NemotronForCausalLM", "apertus": "ApertusForCausalLM",
-            "internlm3": "InternLM3ForCausalLM", "helium": "HeliumForCausalLM",
-            "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM", "granite_swa": "GraniteSWAForCausalLM"}[spec.arch]]
+    common = dict(vocab_size=spec.vocab_size, eos_token_id=eos, bos_token_id=None, pad_token_id=0,
+                  initializer_range=spec.init_range)
+    wrapper = next((a for a, t in WRAPPERS.items() if t == spec.arch), None)
+    if wrapper is not None:  # a multimodal model: the text model's settings are its text_config's
+        cfg = AutoConfig.for_model(spec.arch, initializer_range=spec.init_range,
+                                   **{**spec.config, "text_config": {**spec.config["text_config"], **common}})
+    else:
+        cfg = AutoConfig.for_model(spec.arch, **common, **spec.config)
+    # the architecture a checkpoint of the family names (registry.SUPPORTED's, by model_type; a multimodal one's)
+    arch = [{**{t: a for a, t in SUPPORTED.items()}, **{t: a for a, t in WRAPPERS.items()}}[spec.arch]]
     cfg.architectures = arch
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = (AutoModelForImageTextToText if wrapper else AutoModelForCausalLM).from_config(cfg,
+                                                                                              dtype=torch.float32)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
     from transformers.utils import logging as hf_logging

@@ -25,7 +25,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "vocab.txt", "spiece.model")
-EXTRA_FILES = ("generation_config.json", "quantize_config.json")
+# (a multimodal folder's processor configs: its layout is kept, _auto_class)
+EXTRA_FILES = ("generation_config.json", "quantize_config.json", "preprocessor_config.json", "processor_config.json")
 
 
 def is_awq(model_dir: Path) -> bool:
@@ -501,10 +502,16 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
 
 
 def _auto_class(src: Path):
-    """transformers' auto class of the model: a *ForSequenceClassification (its score head kept) or a causal LM."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    """transformers' auto class of the model: a *ForSequenceClassification (its score head kept), a multimodal
+    ...ForConditionalGeneration with a text_config (Gemma 3's, Mistral 3's: saved whole, its vision tower kept, in
+    its own layout; infer serves its text model, models.multimodal) or a causal LM."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText,
+                              AutoModelForSequenceClassification)
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLS
-    archs = getattr(AutoConfig.from_pretrained(src, local_files_only=True), "architectures", None) or []
+    cfg = AutoConfig.from_pretrained(src, local_files_only=True)
+    archs = getattr(cfg, "architectures", None) or []
+    if getattr(cfg, "text_config", None) is not None and any(a.endswith("ForConditionalGeneration") for a in archs):
+        return AutoModelForImageTextToText
     return AutoModelForSequenceClassification if set(archs) & set(CLS.values()) else AutoModelForCausalLM
 
 

@@ -272,10 +272,29 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
         raise ConfigError(f"{src} is already an AWQ checkpoint (quant_config.json)",
                           "quantize the float model it came from, or rewrite it as GPTQ with "
                           f"`infer convert {src} -o OUT --to gptq`")
+    if "Mistral3ForConditionalGeneration" in (config.get("architectures") or []):
+        raise ConfigError(f"{src} is a Mistral3ForConditionalGeneration (Mistral Small 3.1/3.2), which GPTQModel 7.6 "
+                          "fails to quantize: its calibration pass of the language model stops at \"Tensor.item() "
+                          "cannot be called on meta tensors\" (seen on the CPU)",
+                          "serve the float checkpoint (infer runs its text model; --dtype bfloat16 halves it), or a "
+                          "GPTQ checkpoint of it made elsewhere: infer reads GPTQModel's layout of one "
+                          "(model.language_model.*)")
+    config = _text_model_config(config)
     _check_moe_layers(src, config)
     _check_widths(_with_head_dim(src, config), group_size, bits)
     _check_weights(src)
     return config
+
+
+def _text_model_config(config: dict) -> dict:
+    """A multimodal checkpoint's config.json (a text_config: Gemma 3's Gemma3ForConditionalGeneration, whose
+    language model GPTQModel quantizes, its vision tower left in float) as its text model's fields, the top level's
+    tie_word_embeddings over them (transformers ties the head by it), as the widths, the context and --lm-head's
+    checks read them; another config as it is."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    return {**text, **{k: config[k] for k in ("tie_word_embeddings",) if k in config}}
 
 
 def _check_moe_layers(src: Path, config: dict) -> None:
