@@ -166,12 +166,12 @@ def test_a_streamed_reply_only_grows_and_ends_as_the_whole(parser, reply):
 def test_harmony_calls_as_vllms_openai_parser_reads_them():
     """gpt-oss's calls are commentary messages to=functions.NAME (the recipient before or after the channel), their
     text JSON (written again as vLLM's json.dumps(json.loads(...)) does); the content is the final channel's text
-    only (no final: none), the analysis and a preamble are neither."""
+    and commentary preambles' (none: none), the analysis is neither."""
     content, calls = harmony_calls(HARMONY_TWO)
     assert content is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", '{"zone": "Europe/Paris"}')]
-    assert harmony_calls(HARMONY_ANSWER) == ("It is sunny.", [])
+    assert harmony_calls(HARMONY_ANSWER) == ("Let me answer.It is sunny.", [])
     # the reply's first header written after the prompt's <|start|>assistant, recipient first
     _, calls = harmony_calls(" to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>")
     assert calls[0]["function"]["name"] == "get_time"
@@ -286,12 +286,12 @@ def test_gpt_oss_calls_served_whole_and_streamed_then_sent_back(harmony_engine):
         assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
             (k, t["function"]["name"], t["function"]["arguments"]) for k, t in enumerate(message["tool_calls"])]
         assert deltas[-1]["finish_reason"] == "tool_calls" and deltas[-1]["delta"] == {}
-        # an answer: the final channel is the content, whole and streamed (the preamble is neither)
+        # an answer: the preamble and the final channel are the content, whole and streamed
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(HARMONY_ANSWER, 200), timeout=120)
         c = r.json()["choices"][0]
-        assert (c["finish_reason"], c["message"]["content"], "tool_calls" in c["message"]) == ("stop", "It is sunny.",
-                                                                                              False)
-        assert joined_deltas(streamed_chat_choices(base, _body(HARMONY_ANSWER, 200)), "content") == "It is sunny."
+        answer = "Let me answer.It is sunny."
+        assert (c["finish_reason"], c["message"]["content"], "tool_calls" in c["message"]) == ("stop", answer, False)
+        assert joined_deltas(streamed_chat_choices(base, _body(HARMONY_ANSWER, 200)), "content") == answer
         # no final channel, no call: content null (vLLM's), not ""
         r = httpx.post(f"{base}/v1/chat/completions", json=_body("<|channel|>analysis<|message|>Hmm.<|end|>", 50),
                        timeout=120)

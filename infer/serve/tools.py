@@ -17,7 +17,8 @@ list of {"name", "arguments"} objects (Mistral 7B v0.3, Mistral Nemo), or `[TOOL
 </parameter>...</function></tool_call>` (Qwen3-Coder), or seed_oss, the same function and parameter tags inside
 `<seed:tool_call>...</seed:tool_call>` (ByteDance Seed-OSS), both of whose values are typed by the function's JSON
 schema as vLLM types them, or openai, gpt-oss's harmony messages, a call being a commentary message addressed
-`to=functions.NAME` whose text is the JSON arguments (ended by <|call|>), the content the final channel's text.
+`to=functions.NAME` whose text is the JSON arguments (ended by <|call|>), the content the final channel's text
+(and a commentary preamble's).
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
@@ -429,13 +430,32 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
 XML_FUNCTION = "<function="
 QWEN_START, SEED_START = HERMES_START, "<seed:tool_call>"
 SEED_THINK_START, SEED_THINK_END = "<seed:think>", "</seed:think>"
-_XML_FUNCTIONS = re.compile(r"<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+# a closing tag ends its part where the syntax may go on after it (the next parameter, the function's end, the next
+# call, the reply's end): a value of code that holds "</parameter>" (or a function's "</function>", a call's
+# "</tool_call>") is read whole, where vLLM's first-match regexes cut it there and drop the rest; a tag followed by
+# anything else (a parameter left unclosed, text after the calls) is read as vLLM reads it
+_CALL_ENDS = r"</tool_call>|</seed:tool_call>|<tool_call>|<seed:tool_call>|<function=|$"
+
+
+def _closed(open_tag: str, close_tag: str, after: str) -> str:
+    """An `open_tag`...`close_tag` part whose close is followed (after blanks) by one of `after`, and which does not
+    run across another `open_tag`."""
+    return rf"{open_tag}((?:(?!{open_tag}).)*?){close_tag}(?=\s*(?:{after}))"
+
+
+_XML_FUNCTIONS = re.compile(_closed("<function=", "</function>", _CALL_ENDS)
+                            + r"|<function=(.*?)</function>|<function=(.*)$", re.DOTALL)
+_PARAMETER_CLOSED = _closed("<parameter=", "</parameter>", r"<parameter=|</function>|$")
 # Qwen3-Coder's parameter also ends where the next one or the function's end starts; Seed-OSS's at its end tag only
-_XML_PARAMETERS = {"qwen3_coder": re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)",
-                                             re.DOTALL),
-                   "seed_oss": re.compile(r"<parameter=(.*?)</parameter>|<parameter=(.*?)$", re.DOTALL)}
-_XML_CALLS = {"qwen3_coder": re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL),
-              "seed_oss": re.compile(r"<seed:tool_call>(.*?)</seed:tool_call>|<seed:tool_call>(.*?)$", re.DOTALL)}
+_XML_PARAMETERS = {"qwen3_coder": re.compile(_PARAMETER_CLOSED + r"|<parameter=(.*?)(?:</parameter>|(?=<parameter=)|"
+                                             r"(?=</function>)|$)", re.DOTALL),
+                   "seed_oss": re.compile(_PARAMETER_CLOSED + r"|<parameter=(.*?)</parameter>|<parameter=(.*?)$",
+                                          re.DOTALL)}
+_XML_CALLS = {"qwen3_coder": re.compile(_closed("<tool_call>", "</tool_call>", r"<tool_call>|$")
+                                        + r"|<tool_call>(.*?)</tool_call>|<tool_call>(.*?)$", re.DOTALL),
+              "seed_oss": re.compile(_closed("<seed:tool_call>", "</seed:tool_call>", r"<seed:tool_call>|$")
+                                     + r"|<seed:tool_call>(.*?)</seed:tool_call>|<seed:tool_call>(.*?)$",
+                                     re.DOTALL)}
 _XML_STARTS = {"qwen3_coder": QWEN_START, "seed_oss": SEED_START}
 _INT_TYPES = ("int", "uint", "long", "short", "unsigned")
 
@@ -450,22 +470,52 @@ def _json_value(value: Any) -> bool:
         return False
 
 
-def _typed(value: str, schema: Any, family: str) -> Any:
-    """A parameter's text as the value its JSON schema types it (vLLM's _convert_param_value): "null" is null;
-    string types (and a parameter the schema does not name, or names without a type) stay text; integer and number
-    types read as numbers (an integral number as an int), boolean as true unless "false" (vLLM: anything else is
-    false); objects (qwen3_coder: and arrays) as JSON, and anything else as a Python literal. A value that does not
-    read so stays text, as in vLLM, and so does one JSON cannot hold (NaN, a set)."""
+def _kind(schema: Any, root: Any, seen: int = 0) -> str | None:
+    """The type name a parameter's schema gives its value, lower case: its "type"; of a nullable type (["integer",
+    "null"]), the other one; of an anyOf / oneOf whose options (null aside) have one type, that type; of a $ref into
+    the function's $defs (or definitions), the type there (pydantic writes Optional[int] as an anyOf with null, a
+    nested model or an enum as a $ref). vLLM reads "type" alone (a nullable string "007" read as the number 7, a
+    nested model's JSON left text). None: several types, which the value's own literal decides; "string" without
+    any type, as vLLM's."""
+    if not isinstance(schema, dict) or seen > 16:  # (a $ref cycle)
+        return "string"
+    if "type" in schema:
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        kinds = {str(k).strip().lower() for k in kinds} - {"null"}
+        return kinds.pop() if len(kinds) == 1 else None if kinds else "string"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) and isinstance(root, dict):
+        where, _, name = ref[2:].partition("/")
+        defs = root.get(where)
+        return _kind(defs.get(name) if isinstance(defs, dict) else None, root, seen + 1)
+    options = schema.get("anyOf", schema.get("oneOf"))
+    if isinstance(options, list):
+        kinds = {_kind(o, root, seen + 1) for o in options
+                 if not (isinstance(o, dict) and o.get("type") == "null")}
+        return kinds.pop() if len(kinds) == 1 else None if kinds else "string"
+    return "string"
+
+
+def _typed(value: str, schema: Any, family: str, root: Any = None) -> Any:
+    """A parameter's text as the value its JSON schema types it (vLLM's _convert_param_value, the type read by
+    `_kind`): "null" is null; string types (and a parameter the schema does not name, or names without a type) stay
+    text; integer and number types read as numbers (an integral number as an int), boolean as true unless "false"
+    (vLLM: anything else is false); objects (qwen3_coder: and arrays) as JSON, and anything else as a Python literal.
+    A value that does not read so stays text, as in vLLM, and so does one JSON cannot hold (NaN, a set). `root`: the
+    function's parameters schema, where a $ref points."""
     if value.lower() == "null":
         return None
-    kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and "type" in schema else "string"
+    kind = _kind(schema, root) or ""
     if kind in ("string", "str", "text", "varchar", "char", "enum"):
         return value
     if kind.startswith(_INT_TYPES):
         try:
             return int(value)
-        except ValueError:
-            return value
+        except ValueError:  # "5.0": an integer all the same (a JSON schema's integer takes 5.0)
+            try:
+                return int(float(value)) if float(value).is_integer() else value
+            except (ValueError, OverflowError):
+                return value
     if kind.startswith(("num", "float")):
         try:
             number = float(value)
@@ -499,13 +549,13 @@ def _xml_call(raw: str, functions: dict[str, Any], family: str) -> dict:
     properties = properties if isinstance(properties, dict) else {}
     args = {}
     for match in _XML_PARAMETERS[family].findall(params):
-        text = match if isinstance(match, str) else (match[0] or match[1])
+        text = next((group for group in match if group), "")
         key, sep, value = text.partition(">")
         if not sep:
             raise ValueError("a parameter without its name")
         value = value[1:] if value.startswith("\n") else value  # the newline after the tag, and before the end's
         value = value[:-1] if value.endswith("\n") else value
-        args[key] = _typed(value, properties.get(key), family)
+        args[key] = _typed(value, properties.get(key), family, schema)
     return _call(name, json.dumps(args, ensure_ascii=False))
 
 
@@ -519,8 +569,8 @@ def _xml_calls(family: str, text: str, functions: dict[str, Any] | None) -> tupl
         before, body = text[:at], text[at:]
     if XML_FUNCTION not in body:
         return None
-    blocks = [whole or last for whole, last in _XML_CALLS[family].findall(body)] or [body]
-    raws = [whole or last for block in blocks for whole, last in _XML_FUNCTIONS.findall(block)]
+    blocks = [next((g for g in match if g), "") for match in _XML_CALLS[family].findall(body)] or [body]
+    raws = [next((g for g in match if g), "") for block in blocks for match in _XML_FUNCTIONS.findall(block)]
     if not raws:
         return None
     try:
@@ -548,9 +598,11 @@ _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[dict]]:
     """(content, the calls) of a gpt-oss reply in harmony's format, as vLLM's openai parser reads it: a message
     addressed `to=functions.NAME` (in its header, before or after its channel) is a call whose text is the arguments
-    (JSON, written again as vLLM does; text that is not JSON as a JSON string), the final channel's text the content
-    (None without it; several final messages joined, so that a stream's content only grows); other messages
-    (analysis, a commentary preamble) are neither. The reply's last message ends where the reply does (its <|call|>
+    (JSON, written again as vLLM does; text that is not JSON as a JSON string), the final channel's text the content,
+    with a commentary preamble (a commentary message to no one: what the model tells the user before its calls, which
+    vLLM's parser answers as the content when there is no final text), each such message's text joined in order (so
+    that a stream's content only grows: vLLM's whole reply keeps the final text alone), None without any; the
+    analysis is neither. The reply's last message ends where the reply does (its <|call|>
     is the stop token, left out of the text): it is a call when its text is whole JSON; one cut short (max_tokens)
     is not made, and its text is content, as a cut call of the other parsers stays text. Text outside any message
     (a reply without harmony's markers) is content. Not `finished` (a stream): the content so far (a call's text
@@ -560,7 +612,7 @@ def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[di
     for k, (header, body, ended) in enumerate(messages):
         recipient = _HARMONY_RECIPIENT.search(header)
         if recipient is None:
-            if not header or harmony_channel(header) == "final":
+            if not header or harmony_channel(header) in ("final", "commentary"):
                 content = (content or "") + body
             continue
         try:
