@@ -439,7 +439,7 @@ _CALL_ENDS = r"</tool_call>|</seed:tool_call>|<tool_call>|<seed:tool_call>|<func
 
 def _closed(open_tag: str, close_tag: str, after: str) -> str:
     """An `open_tag`...`close_tag` part whose close is followed (after blanks) by one of `after`, and which does not
-    run across another `open_tag`."""
+    run across another `open_tag` (which also keeps the search linear: each part's is bounded by the next's start)."""
     return rf"{open_tag}((?:(?!{open_tag}).)*?){close_tag}(?=\s*(?:{after}))"
 
 
