@@ -274,8 +274,19 @@ def model_names(engine, served: list[str] | None = None) -> ModelNames:
     given = Path(str(engine.model)).expanduser()
     base = set(served) if served else \
         {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
-    sampling = tuple(openai_sampling_defaults(resolve_model(engine.model)).items())
-    return ModelNames(frozenset(base), frozenset(engine.loras), sampling, engine.max_logprobs)
+    path = resolve_model(engine.model)
+    sampling = tuple(openai_sampling_defaults(path).items())
+    return ModelNames(frozenset(base), frozenset(engine.loras), sampling, engine.max_logprobs, classifier_labels(path))
+
+
+def classifier_labels(path) -> tuple:
+    """A classifier folder's label names (config.json's id2label, in class order); () for any other model."""
+    from ..engine.pooling import classifier_folder
+    if not classifier_folder(path):
+        return ()
+    from ..models.classifier import labels
+    from ..models.loader import load_config
+    return tuple(labels(load_config(path)))
 
 
 def _duplicate(item: InputLine, first: int) -> str:
@@ -440,12 +451,13 @@ class Records:
     "type", "param", "code"} (OpenAI's batch error has code and message; vLLM writes the server's error there)."""
 
     def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = "", reasoning_parser=None,
-                 prompt_tokens_details: bool = False):
+                 prompt_tokens_details: bool = False, labels: tuple = ()):
         """`prompt_tokens_details`: --enable-prompt-tokens-details, each body's usage.prompt_tokens_details (as the
         server's option)."""
         self.fmt, self.tokenizer, self.model = fmt, tokenizer, model
         self.details = prompt_tokens_details
         self.requests = {item.id: item.request for item in lines if item.request is not None}
+        self.labels = labels  # a classifier's label names (model_names'), which its records name
         self.reasoning = {}  # --reasoning-parser (openai): each chat line's split, as the server's (serve/reasoning.py)
         if reasoning_parser is not None and fmt == "openai":
             self._split_reasoning(reasoning_parser)
@@ -468,6 +480,10 @@ class Records:
     def output(self, req_id: str, out) -> dict:
         if hasattr(out, "outputs") and hasattr(out.outputs, "embedding"):  # a /v1/embeddings line's vector
             return self._embedding(req_id, [out])
+        if hasattr(out, "outputs") and hasattr(out.outputs, "probs"):  # a classifier's line (infer's format)
+            from ..serve.scoring import class_entry
+            return {"id": req_id, **class_entry(out.outputs.data, self.labels), "finish_reason": "stop",
+                    "error": None, "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0}}
         if self.fmt == "infer":
             return output_record(req_id, out, self.tokenizer)
         return self.choices(req_id, [out])

@@ -169,8 +169,8 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
         _strict_exit(_prechecked_lines(engine, input, defaults, output_format, options.get("served_model_name")))
     try:  # Ctrl-C while the model loads (tens of seconds for a real one): nothing is written yet, say so
         llm = _start_engine(engine, quiet)
-        lines = _checked_lines(llm, input, defaults, strict, model_names(engine, options.get("served_model_name")),
-                               output_format)
+        names = model_names(engine, options.get("served_model_name"))
+        lines = _checked_lines(llm, input, defaults, strict, names, output_format)
     except KeyboardInterrupt as e:
         exit_interrupted_loading(e, output, resume)
     note = unused_adapters_note(engine.loras, lines)
@@ -186,7 +186,8 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     try:
         with terminate_as_interrupt():
             records = Records(output_format, llm.tokenizer, lines, model_id(engine, options),
-                              options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
+                              options.get("reasoning_parser"), options.get("prompt_tokens_details", False),
+                              names.labels)
             return _generate(llm, todo, writer, quiet, records), earlier
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
         exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
@@ -539,7 +540,7 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
             progress.update(task, tokens=f"{rate:,.0f} tok/s")
     if not quiet:
         elapsed = time.monotonic() - start
-        words = throughput_words(getattr(engine, "pooler", None) is not None)
+        words = throughput_words(getattr(getattr(engine, "pooler", None), "task", None))
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} {words} in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s)", err=True)
         if writer.error_note():

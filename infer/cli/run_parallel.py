@@ -52,8 +52,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
                 _announce(infos, engine)
             # read against the replicas' context, as one engine reads against its own: a prompt certainly longer
             # is refused untokenized, with one engine's message
-            lines = read_inputs(input, tokenizer, defaults, model_names(engine, options.get("served_model_name")),
-                                infos[0]["max_model_len"])
+            names = model_names(engine, options.get("served_model_name"))
+            lines = read_inputs(input, tokenizer, defaults, names, infos[0]["max_model_len"])
             check_format(lines, output_format, parallel=True)
             _check_lines(ray, handles, lines, strict)
             note = unused_adapters_note(engine.loras, lines)
@@ -62,8 +62,10 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             todo, writer, earlier = open_output(lines, output, input, options, resume, resumable, retry_failed)
             try:
                 records = Records(output_format, tokenizer, lines, model_id(engine, options),
-                                  options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
-                return _generate(pool, todo, writer, tokenizer, quiet, records, engine.pooling()), earlier
+                                  options.get("reasoning_parser"), options.get("prompt_tokens_details", False),
+                                  names.labels)
+                task = ("classify" if names.labels else "embed") if engine.pooling() else None
+                return _generate(pool, todo, writer, tokenizer, quiet, records, task), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
                 exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
             finally:
@@ -102,7 +104,7 @@ def _check_lines(ray, replicas: list, lines: list, strict: bool) -> None:
 
 
 def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, quiet: bool,
-              records: Records | None = None, pooling: bool = False) -> int:
+              records: Records | None = None, task: str | None = None) -> int:
     records = records or Records("infer", tokenizer)
     failed, work = 0, []
     for item in todo:  # (a line of several engine requests is an error already: check_format, parallel)
@@ -141,7 +143,7 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         tokens = sum(r.tokens for r in pool.replicas)
         each = ", ".join(f"replica {r.index} {r.done} requests {r.rate():,.1f} tok/s" for r in pool.replicas)
         restarted = f"; {pool.restarted} replica(s) restarted" if pool.restarted else ""
-        words = throughput_words(pooling)
+        words = throughput_words(task)
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} {words} in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s; {each}){restarted}", err=True)
         if writer.error_note():

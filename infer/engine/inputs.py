@@ -16,7 +16,7 @@ from typing import Any
 
 from ..checks import _loops_over_content, check_text, reads_content_parts  # noqa: F401 (re-exported)
 from ..errors import RequestError, UnknownModelError
-from .pooling import EMBEDDINGS_URL, embedding_fields, embedding_inputs, embedding_request_id
+from .pooling import EMBEDDINGS_URL, PoolingParams, embedding_fields, embedding_inputs, embedding_request_id
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
 from .structured import from_openai
@@ -454,6 +454,7 @@ class ModelNames:
     adapters: frozenset[str] = frozenset()
     sampling: tuple = ()  # ((field, value), ...)
     max_logprobs: int = 20  # the engine's (EngineConfig.max_logprobs): the most top_logprobs a chat line asks for
+    labels: tuple = ()  # a classifier's label names (its lines of infer's format classify); empty: not a classifier
 
     def lora_for(self, model: Any) -> str | None:
         """vLLM's rule (run-batch and the server's _check_model): no name or an empty one, or a name of the base,
@@ -574,6 +575,50 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
     return ParsedRequest(req_id, prompts[0], params, names.lora_for(body.get("model")),
                          openai={"embedding": True, "chat": False, "model": body.get("model"),
                                  "encoding_format": fmt, "request_id": rid, "inputs": prompts})
+
+
+CLASSIFY_PROMPTS = ("prompt", "input", "prompt_token_ids", "messages")
+_CLASSIFY_FIELDS = ("truncate_prompt_tokens", "use_activation", "priority")
+
+
+def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None) -> ParsedRequest:
+    """A line of infer's format on a classifier (a *ForSequenceClassification model, whose lines classify as POST
+    /classify does): one prompt (prompt or input: a text or token ids; prompt_token_ids; messages, rendered by the
+    chat template as vLLM's ClassificationChatRequest) and the pooling fields; a generation field is refused."""
+    allowed = [*CLASSIFY_PROMPTS, *sorted(_OTHER_KEYS), *_CLASSIFY_FIELDS]
+    unknown = sorted(str(k) for k in obj if k not in allowed)
+    what = ("this model is a classifier (a *ForSequenceClassification model): a line classifies its prompt, "
+            "generating nothing")
+    if unknown:
+        sampling = [k for k in unknown if k in _PARAM_TYPES or k in _OPENAI_ALIASES]
+        raise RequestError(f"{'generation' if sampling else 'unknown'} field(s) {unknown}: {what}",
+                           f"remove them; a classifier's line takes {', '.join(allowed)}")
+    given = [k for k in CLASSIFY_PROMPTS if obj.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError(f"no prompt: {what}" if not given else
+                           f"give only one of {', '.join(CLASSIFY_PROMPTS)} (got {', '.join(given)})",
+                           'e.g. {"prompt": "great product"} or {"input": [1, 2, 3]}')
+    params = PoolingParams(truncate_prompt_tokens=obj.get("truncate_prompt_tokens"), priority=obj.get("priority", 0),
+                           use_activation=obj.get("use_activation"), task="classify").checked()
+    room = max_tokens if params.truncate_prompt_tokens is None else None
+    key, value = given[0], obj[given[0]]
+    if key == "messages":  # (vLLM's classify chat form: no generation prompt unless asked; infer asks none)
+        tokens = encode_prompt(tokenizer, messages=value, max_tokens=room, template={"add_generation_prompt": False})
+    elif key == "prompt_token_ids" and not (isinstance(value, list) and value):
+        raise RequestError("prompt_token_ids must be a non-empty list of integers")
+    else:
+        inputs = embedding_inputs(value, key, verb="classify")
+        if len(inputs) != 1:
+            raise RequestError(f"{key} holds {len(inputs)} inputs: a line classifies one prompt",
+                               "write one line per text (each its own id)")
+        one = inputs[0]
+        tokens = [int(t) for t in one] if isinstance(one, list) else encode_prompt(tokenizer, prompt=one,
+                                                                                   max_tokens=room)
+    req_id = default_id if obj.get("id") is None else request_id(obj["id"], "id")
+    lora = obj.get("lora")
+    if lora is not None and not isinstance(lora, str):
+        raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")
+    return ParsedRequest(req_id, tokens, params, lora)
 
 
 SCORING_URLS = ("/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")  # (serve.scoring's)
@@ -723,6 +768,8 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     if ("body" in obj or "custom_id" in obj) and obj.get("url") == EMBEDDINGS_URL:
         return _embedding_line(obj, tokenizer, default_id, names, max_tokens)
+    if names.labels and not ("body" in obj or "custom_id" in obj):
+        return _classify_line(obj, tokenizer, default_id, max_tokens)
     if "body" in obj or "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
         fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
         defaults = {**(defaults or {}), **dict(names.sampling)}  # what the fields it leaves out get, as vLLM

@@ -257,9 +257,10 @@ def output_tokens(out) -> int:
     return len(out.prompt_token_ids) if isinstance(out, EmbeddingRequestOutput) else len(out.new_token_ids)
 
 
-def throughput_words(pooling: bool) -> str:
-    """What a run's summary calls the tokens output_tokens counts."""
-    return "prompt tokens embedded" if pooling else "tokens"
+def throughput_words(task: str | None) -> str:
+    """What a run's summary calls the tokens output_tokens counts (`task`: the pooling engine's, embed or classify;
+    None: a generating engine's)."""
+    return {None: "tokens", "classify": "prompt tokens classified"}.get(task, "prompt tokens embedded")
 
 
 EMBEDDINGS_URL = "/v1/embeddings"

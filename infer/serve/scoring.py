@@ -103,10 +103,15 @@ async def classify(server, request, raw: bytes, arrival: float):
     got = await _run(server, request, req, "classify-", arrival)
     if got is None:
         return None
-    data = [{"index": i, "label": pooler.labels[int(v.argmax())], "probs": v.tolist(), "num_classes": len(v)}
-            for i, v in enumerate(got[0])]
+    data = [{"index": i, **class_entry(v, pooler.labels)} for i, v in enumerate(got[0])]
     return {"id": rid, "object": "list",
             "created": p.now(), "model": req.model or server.model_id, "data": data, "usage": _usage(got[1])}
+
+
+def class_entry(probs, labels) -> dict:
+    """One input's answer of /classify (vLLM's ClassificationData but its index): the label of its most probable
+    class (config.json's id2label), its probabilities (or logits) and how many classes."""
+    return {"label": labels[int(probs.argmax())], "probs": probs.tolist(), "num_classes": len(probs)}
 
 
 async def _scores(server, request, body: dict, left, right, names: tuple[str, str], prefix: str,
