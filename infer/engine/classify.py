@@ -116,10 +116,19 @@ def check_cross_encoder(pooler: Pooler) -> None:
                            "classify the texts instead (LLM.classify, POST /classify)")
 
 
-def score_pairs(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2") -> list[tuple]:
+def check_activation(params: PoolingParams, pooler: Pooler) -> None:
+    """use_activation is a classifier's (vLLM's embed task refuses it): an embedding model's score is a cosine."""
+    if params.use_activation is not None and pooler.task == "embed":
+        raise RequestError("use_activation is a classifier's field: this model makes embeddings, and scores a pair by "
+                           "the cosine similarity of its two embeddings (vLLM's embed task refuses it too)",
+                           "leave use_activation out")
+
+
+def score_pairs(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2", empty: bool = False) -> list[tuple]:
     """vLLM's pairing of LLM.score's / POST /score's texts: one and one, one and N (the first against each), or N
-    and N (pairwise); RequestError naming the field otherwise."""
-    left, right = _texts(text_1, name_1), _texts(text_2, name_2)
+    and N (pairwise); RequestError naming the field otherwise. `empty` (a cross-encoder's): an empty text is scored
+    as vLLM scores it (its pair still holds the other text and the tokenizer's separators), not refused."""
+    left, right = _texts(text_1, name_1, empty), _texts(text_2, name_2, empty)
     if len(left) == 1:
         left = left * len(right)
     if len(left) != len(right):
@@ -131,25 +140,25 @@ def score_pairs(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2") 
 def pair_labels(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2") -> list[tuple[str, str]]:
     """The body's name of each text of score_pairs' pairs: (text_1, text_2[3]) for one text against a list,
     (text_1[3], text_2[3]) pairwise, what a refusal of one names."""
-    count = max(len(_texts(text_1, name_1)), len(_texts(text_2, name_2)))
-    return [(name_1 if _one(text_1) else f"{name_1}[{i}]", name_2 if _one(text_2) else f"{name_2}[{i}]")
+    count = max(len(_texts(text_1, name_1, True)), len(_texts(text_2, name_2, True)))
+    return [(name_1 if one_text(text_1) else f"{name_1}[{i}]", name_2 if one_text(text_2) else f"{name_2}[{i}]")
             for i in range(count)]
 
 
-def _one(value) -> bool:
+def one_text(value) -> bool:
     """Whether `value` is one text (a string or a list of token ids), not a list of them."""
     return isinstance(value, str) or (isinstance(value, list) and bool(value) and all(_is_id(t) for t in value))
 
 
-def _texts(value, name: str) -> list:
-    if _one(value):
+def _texts(value, name: str, empty: bool = False) -> list:
+    if one_text(value):
         value = [value]
     if not isinstance(value, list) or not value:
         raise RequestError(f"{name} must be a text or a non-empty list of texts, got "
                            f"{'an empty list' if value == [] else type(value).__name__}")
     for i, item in enumerate(value):
-        if isinstance(item, str) and not item:
-            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to score", "remove it")
+        if isinstance(item, str) and not item and not empty:
+            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to embed and score", "remove it")
         if not isinstance(item, str) and not (isinstance(item, list) and item and all(_is_id(t) for t in item)):
             raise RequestError(f"{name}[{i}] is neither a text nor a list of token ids (integers)",
                                'give the text itself, not an object such as {"text": ...} (as vLLM reads them)'
@@ -198,7 +207,37 @@ def pair_ids(tokenizer, first, second, max_model_len: int, truncate: int | None 
     return _fits(list(ids), keep, max_model_len)
 
 
+def check_texts(labelled, vocab_size: int) -> None:
+    """Each (label, text) of a request's pairs: a text of token ids with one outside the vocabulary is refused naming
+    that text (text_2, documents[3]), not the pair's prompt."""
+    for label, text in labelled:
+        bad = next((t for t in text if not 0 <= t < vocab_size), None) if isinstance(text, list) else None
+        if bad is not None:
+            raise RequestError(f"{label}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+                               "give ids the model's tokenizer makes")
+
+
+def check_query_room(tokenizer, query, max_model_len: int, joined: bool, name: str = "query") -> None:
+    """RequestError naming the query (text_1) when it alone leaves no room in the context for a one-token text
+    beside it and the tokenizer's special tokens: every pair would be refused, named by its document."""
+    ids = query if isinstance(query, list) else tokenizer(query, add_special_tokens=False)["input_ids"]
+    if joined:
+        special = len(tokenizer("x")["input_ids"]) - len(tokenizer("x", add_special_tokens=False)["input_ids"])
+    else:
+        try:
+            special = sum(map(len, _pair_frame(tokenizer)))
+        except RequestError:
+            special = 0
+    if len(ids) + special + 1 > max_model_len:
+        raise RequestError(f"{name}: the text has {len(ids)} tokens, which with the pair's {special} special tokens "
+                           f"leave no room for a text beside it in the model's context of {max_model_len} tokens",
+                           "shorten it, or give truncate_prompt_tokens")
+
+
 def _fits(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    if not ids:
+        raise RequestError("the pair has no tokens: both texts are empty and the tokenizer adds none",
+                           "give a text on either side")
     if keep is None and len(ids) > max_model_len:
         raise RequestError(f"the pair has {len(ids)} tokens, more than the model's context of {max_model_len} "
                            "tokens", "shorten the texts, or give truncate_prompt_tokens")

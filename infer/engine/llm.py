@@ -548,10 +548,14 @@ class LLM:
         many texts as `data_2`, pairwise), its score in `.outputs.score`: a cross-encoder's (a classifier of one
         label) relevance of the pair joined by its tokenizer, or an embedding model's cosine similarity.
         `pooling_params`, `lora_request`, `lora` and `priority` may each be a list, one per pair."""
-        from .classify import ScoringRequestOutput, check_cross_encoder, cosine, pair_ids, score_pairs
+        from .classify import (ScoringRequestOutput, check_cross_encoder, check_texts, cosine, pair_ids, pair_labels,
+                               score_pairs)
         engine = self._engine()
-        pairs = score_pairs(data_1, data_2, "data_1", "data_2")
-        if engine.pooler is not None and engine.pooler.task == "classify":
+        crossed = engine.pooler is not None and engine.pooler.task == "classify"
+        pairs = score_pairs(data_1, data_2, "data_1", "data_2", empty=crossed)
+        check_texts(zip((n for pair in pair_labels(data_1, data_2, "data_1", "data_2") for n in pair),
+                        (t for pair in pairs for t in pair)), engine.model_config.vocab_size)
+        if crossed:
             check_cross_encoder(engine.pooler)
             if truncate_prompt_tokens is None and isinstance(pooling_params, PoolingParams):  # (the pair cut by it)
                 truncate_prompt_tokens = pooling_params.truncate_prompt_tokens

@@ -28,7 +28,7 @@ from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .classify import (CLASSIFY_INSTEAD, GENERATE_NOT_CLASSIFIER, NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput,
-                       ClassificationRequestOutput, pooled_prompt)
+                       ClassificationRequestOutput, check_activation, pooled_prompt)
 from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
                       PoolingParams, finish_vector, resolve_pooler)
 from .sampler import NOT_FINITE
@@ -470,6 +470,7 @@ class LLMEngine:
             raise RequestError(NOT_EMBEDDER if pooling.task == "embed" else NOT_CLASSIFIER,
                                "run it on a model that does that (--runner pooling)")
         pooling.check_dimensions(self.pooler, str(self.config.model))
+        check_activation(pooling, self.pooler)
         return pooling, SamplingParams(max_new_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens,
                                        priority=pooling.priority)
 

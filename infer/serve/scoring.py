@@ -11,7 +11,8 @@ import numbers
 import re
 import uuid
 
-from ..engine.classify import NOT_CLASSIFIER, check_cross_encoder, cosine, pair_ids, pair_labels, score_pairs
+from ..engine.classify import (NOT_CLASSIFIER, check_activation, check_cross_encoder, check_query_room,
+                               check_texts, cosine, one_text, pair_ids, pair_labels, score_pairs)
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import PoolingParams, embedding_inputs, embedding_request_id
 from ..errors import RequestError
@@ -21,7 +22,8 @@ from .embeddings import EmbeddingRequest, pooled
 
 NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} needs the server started with --runner "
                       "pooling (a classifier, or an embedding model for scores)")
-_FIELDS = ("input", "model", "text_1", "text_2", "query", "documents", "top_n", "return_documents",
+_FIELDS = ("input", "messages", "model", "text_1", "text_2", "data_1", "data_2", "queries", "items", "query",
+           "documents", "top_n", "return_documents",
            "truncate_prompt_tokens", "use_activation", "priority", "request_id")
 
 
@@ -32,7 +34,7 @@ def _body(raw: bytes, needs: tuple[str, ...], max_depth: int) -> dict:
     body = load_json(raw, max_depth)
     check_values(body)
     if not isinstance(body, dict):
-        raise p.ApiError(400, f"the body must be a JSON object with {' and '.join(needs)}")
+        raise p.ApiError(400, f"the body must be a JSON object with {' and '.join(needs) or 'input (or messages)'}")
     for key in needs:
         if key not in body:
             raise p.ApiError(400, f"{key} is required", param=key)
@@ -85,13 +87,24 @@ async def classify(server, request, raw: bytes, arrival: float):
     if pooler.task != "classify":
         raise p.ApiError(400, f"The model does not support Classification API: {NOT_CLASSIFIER}",
                          code="model_not_supported")
-    body = _body(raw, ("input",), server.limits.max_json_depth)
+    body = _body(raw, (), server.limits.max_json_depth)
+    chat = body.get("messages") is not None  # vLLM's ClassificationChatRequest
+    if chat and body.get("input") is not None:
+        raise p.ApiError(400, "send either input or messages, not both", param="input")
+    if not chat and "input" not in body:
+        raise p.ApiError(400, "input is required: the text (or token ids) to classify (or messages, a chat rendered "
+                              "with the chat template)", param="input")
     rid = _response_id(request, body, "classify-")
 
     def parse() -> EmbeddingRequest:
         try:
             params = _params(body, "classify")
             room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
+            if chat:  # rendered as /v1/embeddings' chat form: no generation prompt unless asked (vLLM's default)
+                given = body if body.get("add_generation_prompt") is not None else \
+                    {**body, "add_generation_prompt": False}
+                ids = p.chat_prompt_ids(given, server.tokenizer, room, server.parser.trust_template)
+                return EmbeddingRequest(body.get("model"), [ids], params, field="messages")
             prompts = [list(map(int, item)) if isinstance(item, list) else
                        encode_prompt(server.tokenizer, prompt=item, max_tokens=room)
                        for item in embedding_inputs(body["input"], verb="classify")]
@@ -122,10 +135,16 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
     def parse() -> tuple[EmbeddingRequest, int]:
         try:
             params = _params(body)
-            pairs = score_pairs(left, right, *names)
+            check_activation(params, pooler)
+            pairs = score_pairs(left, right, *names, empty=pooler.task == "classify")
+            check_texts(zip((n for pair in pair_labels(left, right, *names) for n in pair),
+                            (t for pair in pairs for t in pair)), server.engine.model_config.vocab_size)
             room = None if params.truncate_prompt_tokens is not None else server.engine.max_model_len
             if pooler.task == "classify":  # a pair's prompt named by its text of a list (documents[3])
                 check_cross_encoder(pooler)
+                if one_text(left) and params.truncate_prompt_tokens is None:
+                    check_query_room(server.tokenizer, left, server.engine.max_model_len, pooler.joins_pair_text,
+                                     names[0])
                 labels = [b if b != names[1] else a for a, b in pair_labels(left, right, *names)] \
                     if len(pairs) > 1 else None
                 prompts = [_named(labels and labels[i], pair_ids, server.tokenizer, a, b, server.engine.max_model_len,
@@ -153,15 +172,35 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
 async def score(server, request, raw: bytes, arrival: float):
     """POST /score and /v1/score: vLLM's ScoreResponse, one score per pair of text_1 and text_2."""
     _pooler(server, "Score")
-    body = _body(raw, ("text_1", "text_2"), server.limits.max_json_depth)
+    body = _body(raw, (), server.limits.max_json_depth)
+    names = _score_fields(body)
     rid = _response_id(request, body, "score-")
-    got = await _scores(server, request, body, body["text_1"], body["text_2"], ("text_1", "text_2"), "score-",
-                        arrival)
+    got = await _scores(server, request, body, body[names[0]], body[names[1]], names, "score-", arrival)
     if got is None:
         return None
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(got[0])]
     return {"id": rid, "object": "list", "created": p.now(), "model": body.get("model") or
             server.model_id, "data": data, "usage": _usage(got[1])}
+
+
+SCORE_FIELDS = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
+
+
+def _score_fields(body: dict) -> tuple[str, str]:
+    """The body's pair of fields of /score, as vLLM's ScoreRequest reads them: text_1 and text_2, data_1 and data_2,
+    queries and documents, or queries and items; one pair, else a 400 naming what is missing or too much."""
+    given = [pair for pair in SCORE_FIELDS if all(body.get(k) is not None for k in pair)]
+    if len(given) == 1:
+        return given[0]
+    spellings = ", ".join(" and ".join(pair) for pair in SCORE_FIELDS)
+    if given:
+        both = " and ".join("/".join(pair) for pair in given)
+        raise p.ApiError(400, f"the body gives {both}: give one pair of texts to score (the pairs vLLM reads: "
+                              f"{spellings})", param=given[1][1])
+    half = next((pair for pair in SCORE_FIELDS if any(body.get(k) is not None for k in pair)), SCORE_FIELDS[0])
+    missing = next((k for k in half if body.get(k) is None), half[1])
+    raise p.ApiError(400, f"{missing} is required" + (f" beside {half[0]}" if missing != half[0] else "") +
+                     f" (give the texts to score as one of the pairs {spellings})", param=missing)
 
 
 async def rerank(server, request, raw: bytes, arrival: float):
@@ -191,11 +230,17 @@ async def rerank(server, request, raw: bytes, arrival: float):
         return None
     order = sorted(range(len(docs)), key=lambda i: -got[0][i])[:top_n or None]
     keep = body.get("return_documents", True)
-    results = [{"index": i, "relevance_score": got[0][i], **({"document": {"text": docs[i]}} if keep else {})}
-               for i in order]
+    results = [{"index": i, "relevance_score": got[0][i], **({"document": {"text": _text(server, docs[i])}}
+                                                            if keep else {})} for i in order]
     usage = {"prompt_tokens": got[1], "total_tokens": got[1]}  # (vLLM's RerankUsage)
     return {"id": rid, "model": body.get("model") or server.model_id, "usage": usage,
             "results": results}
+
+
+def _text(server, doc) -> str:
+    """A document as rerank's `document.text` answers it (a string, as vLLM's RerankDocument): a text as given, a
+    list of token ids as the tokenizer decodes it."""
+    return doc if isinstance(doc, str) else server.tokenizer.decode(doc)
 
 
 def _response_id(request, body: dict, prefix: str) -> str:
