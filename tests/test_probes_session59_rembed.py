@@ -64,7 +64,7 @@ def test_infer_run_counts_the_prompt_tokens_it_embeds(tmp_path, capsys):
             assert one._generate(replicas[0].engine, lines, writer, False) == 0
         else:
             pool = ReplicaPool(FakeRay(), [Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
-            assert run_parallel._generate(pool, lines, writer, tokenizer, False, pooling=True) == 0
+            assert run_parallel._generate(pool, lines, writer, tokenizer, False, task="embed") == 0
         writer.close()
         said = capsys.readouterr().err
         assert re.search(r"3 ok, 0 failed, 9 prompt tokens embedded in [\d.]+ s \([\d,.]+ tok/s", said), said
