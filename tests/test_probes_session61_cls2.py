@@ -24,7 +24,7 @@ def test_infer_run_classifies_lines_as_transformers(tmp_path, llama3):
     """A line of infer's format on a classifier classifies its prompt (prompt, input, prompt_token_ids, messages
     rendered without a generation prompt): label, probs (transformers' softmax; use_activation false: its
     logits), num_classes; a generation field or several inputs in one line is refused; the summary says
-    classified."""
+    classified. A /classify batch line is told to write its inputs as such lines."""
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
@@ -36,7 +36,8 @@ def test_infer_run_classifies_lines_as_transformers(tmp_path, llama3):
                     ["input_ids"])
     lines = [{"id": "p", "prompt": "hello world"}, {"id": "i", "input": [5, 9, 17, 3]},
              {"id": "t", "prompt_token_ids": [7, 8, 9], "use_activation": False}, {"id": "m", "messages": CHAT},
-             {"id": "g", "prompt": "hi", "temperature": 0.5}, {"id": "two", "input": ["a", "b"]}]
+             {"id": "g", "prompt": "hi", "temperature": 0.5}, {"id": "two", "input": ["a", "b"]},
+             {"custom_id": "c", "url": "/classify", "body": {"input": "hi"}}]
     recs, _ = infer_run_records(tmp_path, lines, "--block-size", "4", model=str(path))
     want = {"p": torch.softmax(hf_logits(hf, tok("hello world")["input_ids"]), -1),
             "i": torch.softmax(hf_logits(hf, [5, 9, 17, 3]), -1), "t": hf_logits(hf, [7, 8, 9]),
@@ -48,6 +49,7 @@ def test_infer_run_classifies_lines_as_transformers(tmp_path, llama3):
     assert recs["m"]["usage"]["prompt_tokens"] == len(chat_ids)
     assert "generation field(s) ['temperature']: this model is a classifier" in recs["g"]["error"], recs["g"]
     assert "input holds 2 inputs: a line classifies one prompt" in recs["two"]["error"], recs["two"]
+    assert 'infer\'s own format, {"prompt": ...}, which infer run classifies' in recs["c"]["error"], recs["c"]
     src = tmp_path / "one.jsonl"
     src.write_text(json.dumps({"prompt": "a b c"}) + "\n")
     res = CliRunner().invoke(app, ["run", str(path), str(src), "-o", str(tmp_path / "one.out"), "--block-size", "4"])
@@ -118,6 +120,12 @@ def test_cross_encoder_names_the_text_at_fault_and_scores_empty_texts(served_cro
     status, body = _post(served_cross_encoder, "/rerank", {"query": "where is the cat", "documents": [ids, "x"]})
     assert status == 200, body
     assert {r["index"]: r["document"]["text"] for r in body["results"]} == {0: "a dog", 1: "x"}, body
+    with LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:  # (LLM.score alike)
+        got = [o.outputs.score for o in llm.score("where is the cat", ["", "a dog"])]
+        with pytest.raises(RequestError, match=r"data_2: token id \d+ is outside the vocabulary"):
+            llm.score("a", [1, vocab])
+    want = _pair_scores(hf, tok, "where is the cat", ["", "a dog"])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
 
 
 def test_embedding_model_refuses_use_activation():

@@ -632,7 +632,9 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if url in SCORING_URLS:
         raise RequestError(f"url {url!r}: infer run does not answer classify, score or rerank lines (a line is one "
                            "prompt; a score or rerank body is several)",
-                           f"send the body to a server started with `infer serve MODEL --runner pooling` (POST {url})")
+                           f"send the body to a server started with `infer serve MODEL --runner pooling` (POST {url})"
+                           + ('; or write each input as a line of infer\'s own format, {"prompt": ...}, which infer '
+                              'run classifies on a classifier' if url == "/classify" else ""))
     if url is not None and url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)} (and "
                            f"{EMBEDDINGS_URL} with --runner pooling)",
