@@ -99,6 +99,14 @@ def gelu_tanh_and_mul(x, lora=None):
     return reference.gelu_tanh_and_mul(x, lora)
 
 
+def ungated_act(x, act, scalars=None):
+    """An MLP without gate's activation, in place (reference.ungated_act). On the GPU one Triton launch for relu2
+    (torch: relu_, square_) and xIELU (torch: a dozen); gelu_tanh stays torch's one F.gelu launch."""
+    if use_triton(x) and act != "gelu_tanh":
+        return _triton("fused").ungated_act(x, act, scalars)
+    return reference.ungated_act(x, act, scalars)
+
+
 def rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping):
     if use_triton(q):
         return _triton("fused").rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
@@ -158,12 +166,13 @@ def lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots, 
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1, bias=None,
-                lora=None, gated=False):
+                lora=None, gated=False, act=None, act_scalars=None):
     if use_triton(x):
         return _triton("gptq_gemm").gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size,
-                                                interleave, bias=bias, lora=lora, gated=gated)
+                                                interleave, bias=bias, lora=lora, gated=gated, act=act,
+                                                act_scalars=act_scalars)
     return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave, bias,
-                                 lora, gated)
+                                 lora, gated, act, act_scalars)
 
 
 def fused_moe(x, w13, w2, weights, ids, lora=None, oai=None):

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
 from . import fp8, pdl
 from .intmath import cdiv, next_power_of_2
 
@@ -84,12 +86,96 @@ def _embed_rms_norm_kernel(ids_ptr, t_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_t, s_y
 def gate_act(g, GELU: tl.constexpr):
     """The gated MLP's activation of gate values g (float32), in float32, for the caller to round to its dtype as
     torch's F.silu / F.gelu(approximate="tanh") round: silu, or with GELU gelu's tanh approximation (Gemma's GeGLU),
-    0.5 g (1 + tanh(u)) = g - g / (1 + exp(2u)). Shared by silu_and_mul's kernel and the int4 gate_up epilogue
-    (gptq_kernels._finish)."""
+    torch's 0.5 g (1 + tanh(u)) with tanh(|u|) = 1 - 2 / (exp(2|u|) + 1) (Triton has no tanh): torch's bits but for
+    ~0.1% of float16 / bfloat16 values an ulp apart (the identity g - g / (1 + exp(2u)) cancels for negative g: 3%
+    were). Shared by silu_and_mul's kernel, the int4 gate_up epilogue (gptq_kernels._finish) and `up_act`."""
     if GELU:
-        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        return g - g / (1.0 + tl.exp(2.0 * u))
+        u = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.abs(u)) + 1.0)
+        return 0.5 * g * (1.0 + tl.where(u < 0, -t, t))
     return g / (1.0 + tl.exp(-g))
+
+
+UNGATED_ACTS = {"gelu_tanh": 1, "relu2": 2, "xielu": 3}  # an MLP without gate's activation: the kernels' ACT constexpr
+
+
+@triton.jit
+def _expm1(x, LIBDEVICE: tl.constexpr):
+    """exp(x) - 1 in float32: libdevice's expm1f on a GPU (torch's CUDA expm1 of a float: the same bits); under
+    TRITON_INTERPRET (no libdevice) Kahan's u = exp(x), (u - 1) x / log(u) in float64, rounded once to float32 (in
+    float32 it lands an ulp off torch's now and then, enough to round float16 the other way)."""
+    if LIBDEVICE:
+        return libdevice.expm1(x)
+    w = x.to(tl.float64)
+    u = tl.exp(w)
+    d = u - 1.0
+    return tl.where(u == 1.0, w, tl.where(d == -1.0, -1.0, d * w / tl.log(u))).to(tl.float32)
+
+
+@triton.jit
+def up_act(x, s, ACT: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """An MLP without gate's activation of x (in its dtype), in x's dtype, each op in float32 rounded to that dtype
+    where torch's op rounds (models.llama.UngatedMLP; reference.ungated_act): ACT 1 gelu's tanh approximation
+    (StarCoder2's: `gate_act`, rounded once), 2 relu(x)² (Arcee's, Nemotron's: the square rounded once), 3 xIELU
+    (Apertus's, as models.llama.XIELU's ops) of the four scalars s = (softplus(alpha_p), beta + softplus(alpha_n),
+    beta, eps), each already rounded to x's dtype. Shared by `ungated_act`'s kernel and the int4 up_proj / c_fc
+    epilogue (gptq_kernels._finish)."""
+    dt = x.dtype
+    v = x.to(tl.float32)
+    if ACT == 1:
+        if LIBDEVICE:  # torch's CUDA formula and order, its tanhf: the same bits as F.gelu(approximate="tanh")
+            inner = 0.7978845608028654 * (v + 0.044715 * (v * v * v))
+            y = (0.5 * v * (1.0 + libdevice.tanh(inner))).to(dt)
+        else:  # (the interpreter has no tanh: `gate_act`'s, an ulp of x's dtype apart now and then)
+            y = gate_act(v, True).to(dt)
+    elif ACT == 2:
+        r = tl.maximum(v, 0.0)
+        y = (r * r).to(dt)
+    else:
+        bx = (s[2] * v).to(dt).to(tl.float32)
+        pos = (s[0] * v).to(dt).to(tl.float32)
+        pos = (pos * v).to(dt).to(tl.float32)
+        pos = (pos + bx).to(dt)
+        neg = _expm1(tl.minimum(v, s[3]), LIBDEVICE).to(dt).to(tl.float32)
+        neg = (neg - v).to(dt).to(tl.float32)
+        neg = (neg * s[1]).to(dt).to(tl.float32)
+        neg = (neg + bx).to(dt)
+        y = tl.where(v > 0, pos, neg)
+    return y
+
+
+@triton.jit
+def _ungated_act_kernel(x_ptr, n, s, BLOCK: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl.start(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(x_ptr + offs, up_act(x, s, ACT, LIBDEVICE), mask=mask)
+
+
+def ungated_act(x: torch.Tensor, act: str, scalars=None, compile_only: bool = False) -> torch.Tensor:
+    """Triton version of reference.ungated_act, in place (x is the up projection's own output): one launch where
+    torch takes two (relu2: relu_, square_) or a dozen (xIELU). scalars: xIELU's (`up_act`), Python floats."""
+    code = UNGATED_ACTS[act]
+    s = tuple(float(v) for v in scalars) if code == 3 else (0.0, 0.0, 0.0, 0.0)
+    if not x.is_contiguous():
+        raise ValueError("ungated_act works in place on a contiguous tensor (an up projection's output)")
+    n = x.numel()
+    if not n and not compile_only:
+        return x
+    block = 1024
+    grid = (max(1, cdiv(n, block)),)
+    run = _ungated_act_kernel.warmup if compile_only else _ungated_act_kernel[grid]
+    run(x, n, s, BLOCK=block, ACT=code, LIBDEVICE=libdevice_on(), PDL=pdl.on(x.device), **pdl.launch(x.device),
+        **({"grid": grid} if compile_only else {}))
+    return x
+
+
+def libdevice_on() -> bool:
+    """Whether kernels may call libdevice (compiled for a GPU; not under TRITON_INTERPRET, which has none)."""
+    import os
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit(do_not_specialize=["sh_p"])  # (T * R: its divisibility by 16 follows T's parity at small ranks)

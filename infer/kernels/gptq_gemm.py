@@ -48,6 +48,7 @@ import torch
 from . import gptq_configs, lora_ops, pdl
 from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_bytes  # noqa: F401 (the API)
 from .gptq_gemv import gemv_kernel, gemv_rows_kernel
+from .fused import UNGATED_ACTS, libdevice_on
 from .gptq_kernels import mma_kernel
 from .intmath import cdiv, next_power_of_2
 from .options import env_choice
@@ -246,11 +247,13 @@ def group_shift(group_size: int) -> int:
 
 
 def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
-            compile_only: bool = False, bias=None, lora=None, gated: int = 0) -> torch.Tensor:
+            compile_only: bool = False, bias=None, lora=None, gated: int = 0, act: int = 0,
+            act_s: tuple = (0.0,) * 4) -> torch.Tensor:
     """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
     the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued).
     bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora). gated (`gate_code`: 0 none, 1
-    silu, 2 gelu_tanh): y [m, n / 2] = act(gate) * up (`gated_fits` must hold; no lora)."""
+    silu, 2 gelu_tanh): y [m, n / 2] = act(gate) * up (`gated_fits` must hold; no lora). act
+    (`fused.UNGATED_ACTS`; no lora): y = that activation of the tile (act_s: xIELU's scalars)."""
     split = cfg["SPLIT_K"]
     k_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(k, k_split)
@@ -263,7 +266,8 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
                   GS_LOG2=group_shift(gs),
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), GATED=gated, **pdl.launch(x2.device))
+                  num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), GATED=gated, **pdl.launch(x2.device),
+                  ACT=act, act_s=tuple(act_s), LIBDEVICE=libdevice_on())
     if common["PDL"]:
         common["PREFETCH"] = pdl.prefetch()
     rows = cfg.get("BLOCK_M", 1) if kind != "gemv" or cfg.get("BLOCK_M", 1) > 1 else 1
@@ -339,7 +343,8 @@ def lora_in_epilogue(m: int, n: int, k: int, bits: int, group_size: int | None, 
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 interleave: int = 1, config: dict | None = None, compile_only: bool = False,
-                bias: torch.Tensor | None = None, lora=None, gated: bool | str = False) -> torch.Tensor | None:
+                bias: torch.Tensor | None = None, lora=None, gated: bool | str = False, act: str | None = None,
+                act_scalars=None) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
     FIELD, SCALE_W, INPLACE, PAIRS, AHEAD, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
@@ -349,7 +354,20 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     gated (a merged gate|up layer): act(gate) * up, [..., n / 2], act silu (True or "silu") or gelu's tanh
     approximation ("gelu_tanh": Gemma's GeGLU), applied by the fused kernels' epilogue where `gated_fits` holds and
     no lora is given (the MLP's silu_and_mul / gelu_tanh_and_mul launch and half the output saved); otherwise by
-    `fused.silu_and_mul` (gelu=...) after the matmul."""
+    `fused.silu_and_mul` (gelu=...) after the matmul. act (an MLP without gate's up projection: "gelu_tanh",
+    "relu2" or "xielu", of the Python floats act_scalars: reference.ungated_act): that activation of y, [..., n],
+    applied by the fused kernels' epilogue where no lora is given (any tile holds it: one launch fewer per layer);
+    otherwise by `fused.ungated_act` (torch's gelu) after the matmul."""
+    up_act = UNGATED_ACTS.get(act, 0) if act else 0
+    if act and not up_act:
+        raise ValueError(f"gptq_matmul: act={act!r} is no activation of an MLP without gate: use one of "
+                         f"{sorted(UNGATED_ACTS)}")
+    if up_act and gated:
+        raise ValueError("gptq_matmul: gated (a gate|up layer's activation-and-multiply) and act (an up projection's "
+                         "activation) are exclusive")
+    act_s = tuple(float(v) for v in act_scalars) if up_act == UNGATED_ACTS["xielu"] else (0.0,) * 4
+    if up_act == UNGATED_ACTS["xielu"] and len(act_s) != 4:
+        raise ValueError(f"gptq_matmul: xielu takes its four scalars (a_p, a_n, beta, eps), not {act_scalars!r}")
     act = gate_code(gated)
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
@@ -369,14 +387,17 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     kind, cfg, fused = _choice(m, n, k, bits, group_size, interleave, config, x.device)
     epi_lora = lora if fused and fuses_lora(kind, cfg, lora) else None
     epi_gated = act if act and fused and lora is None and gated_fits(kind, cfg, n) else 0
+    epi_act = up_act if fused and lora is None else 0
     if fused:
         gs = k if group_size in (None, -1) else group_size
         y = _launch(kind, cfg, x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), bits, zeros_v1,
-                    gs, interleave, m, n, k, compile_only, bias, epi_lora, epi_gated)
+                    gs, interleave, m, n, k, compile_only, bias, epi_lora, epi_gated, epi_act, act_s)
         if compile_only:
             return None
         if epi_gated:
             return y.reshape(*lead, n // 2)
+        if epi_act:
+            return y.reshape(*lead, n)
     elif compile_only:  # dequantize + cuBLAS: the dequantize kernel(s) it launches
         if cfg.get("CHUNK_N") and n > cfg["CHUNK_N"]:
             _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, cfg["CHUNK_N"], True)
@@ -392,6 +413,10 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         y.add_(bias)
     if lora is not None and epi_lora is None:
         lora_ops.add_delta(lora, y)
+    if up_act:  # (gelu_tanh: torch's one launch; relu2 and xIELU: one Triton launch for torch's two or a dozen)
+        from . import fused, reference
+        run = reference.ungated_act if up_act == UNGATED_ACTS["gelu_tanh"] else fused.ungated_act
+        return run(y, next(a for a, c in UNGATED_ACTS.items() if c == up_act), act_s).reshape(*lead, n)
     if act:
         from .fused import silu_and_mul
         return silu_and_mul(y, gelu=act == GATE_ACTS["gelu_tanh"]).reshape(*lead, n // 2)

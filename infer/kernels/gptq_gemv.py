@@ -95,7 +95,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
                 LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False,
                 PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = 0, AHEAD: tl.constexpr = False,
-                GS_LOG2: tl.constexpr = -1):
+                GS_LOG2: tl.constexpr = -1, act_s=(0.0,) * 4, ACT: tl.constexpr = 0, LIBDEVICE: tl.constexpr = True):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
     scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
@@ -134,7 +134,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
               n_split, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT,
-              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, 1, BLOCK_N, F32, GATED)
+              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, 1, BLOCK_N, F32, GATED, act_s, ACT, LIBDEVICE)
 
 
 @triton.jit(do_not_specialize=LORA_INTS)
@@ -146,7 +146,8 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
                      HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0,
                      LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16,
                      PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = 0,
-                     GS_LOG2: tl.constexpr = -1):
+                     GS_LOG2: tl.constexpr = -1, act_s=(0.0,) * 4, ACT: tl.constexpr = 0,
+                     LIBDEVICE: tl.constexpr = True):
     """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
@@ -178,4 +179,5 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
               n_split, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT,
-              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32, GATED)
+              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32, GATED, act_s, ACT,
+              LIBDEVICE)

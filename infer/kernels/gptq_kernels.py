@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fused import gate_act
+from .fused import gate_act, up_act
 
 # a LoRADelta's number of partials follows the batch size, so it must not pick a variant (the shard bounds are
 # fixed per layer: specialized, they tell the compiler that B's rows are aligned, so its loads are vectorized)
@@ -229,12 +229,14 @@ def slice_cols(pid_n, N, BLOCK_N: tl.constexpr, SYNC: tl.constexpr, GATED: tl.co
 def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
             scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
             LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
+            BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, act_s, ACT: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
     """Store the tile in y's dtype, after what the layer adds to the product, in the reference's order and
     roundings: the bias (in y's dtype), then the adapters' delta (`_lora_add`: added in float32, rounded once).
     GATED (`gated_cols`; never with adapters): y [M, N / 2] = act(gate) * up of the rounded tile, as
     `fused.silu_and_mul` computes it from a stored gate|up output; act silu (GATED 1) or gelu's tanh approximation
-    (GATED 2: Gemma's GeGLU, as `fused.gelu_tanh_and_mul`)."""
+    (GATED 2: Gemma's GeGLU, as `fused.gelu_tanh_and_mul`). ACT (an MLP without gate's up projection; never with
+    adapters): y = `fused.up_act` of the rounded tile (1 gelu_tanh, 2 relu2, 3 xIELU of the scalars act_s)."""
     out = total.to(y_ptr.dtype.element_ty)
     if HAS_BIAS:
         # in float32, rounded once: the same bits as an add in y's dtype (float32 holds the exact sum of two fp16 or
@@ -242,6 +244,8 @@ def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp
         # arithmetic is wrong (it adds the raw bits)
         b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(out.dtype)
         out = (out.to(tl.float32) + b.to(tl.float32)[None, :]).to(out.dtype)
+    if ACT:
+        out = up_act(out, act_s, ACT, LIBDEVICE)
     if GATED:
         H: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, H)), (0, 2, 1)))
@@ -263,7 +267,8 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
               LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, act_s, ACT: tl.constexpr,
+              LIBDEVICE: tl.constexpr):
     """The tile's result into y: directly, or with split-K by the program that arrives last at the tile, which
     sums the partial tiles in a fixed order; either way `_finish` adds the bias and the adapters' delta first. The
     partial tiles keep the weight's N columns (`offs_n`), GATED too."""
@@ -272,7 +277,7 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
     if not SPLIT:
         _finish(acc, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
                 scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M,
-                BLOCK_N, IEEE, GATED)
+                BLOCK_N, IEEE, GATED, act_s, ACT, LIBDEVICE)
     else:
         ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws + pid_k * M * N, acc, mask=mask)
@@ -284,7 +289,7 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr,
                     rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB,
-                    BLOCK_M, BLOCK_N, IEEE, GATED)
+                    BLOCK_M, BLOCK_N, IEEE, GATED, act_s, ACT, LIBDEVICE)
             tl.atomic_xchg(lock_ptr + tile, 0)
 
 
@@ -588,7 +593,8 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
                BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = 0,
-               PRE_S: tl.constexpr = False, GS_LOG2: tl.constexpr = -1, SYNC: tl.constexpr = 0):
+               PRE_S: tl.constexpr = False, GS_LOG2: tl.constexpr = -1, SYNC: tl.constexpr = 0, act_s=(0.0,) * 4,
+               ACT: tl.constexpr = 0, LIBDEVICE: tl.constexpr = True):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
@@ -601,7 +607,9 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     gelu_tanh). PRE_S: each K step's scales loaded during the step before and carried in registers
     (`gptq_gemm.loads_ahead_for`; in their own step the step waits a memory round trip for them, as the pipeliner
     does not stage them). SYNC (TRANS with FIELD_DOTS,
-    one dot per field): the fields' dots as mma.sync over SYNC column slices (`_dot_fields`), 0: off."""
+    one dot per field): the fields' dots as mma.sync over SYNC column slices (`_dot_fields`), 0: off. ACT: an MLP
+    without gate's activation in the epilogue (`_finish`; act_s: xIELU's scalars; LIBDEVICE: off under
+    TRITON_INTERPRET)."""
     tl.static_assert(SYNC == 0 or (TRANS and FIELD_DOTS and not PAIRS and not BYTE_DOTS and BLOCK_N % SYNC == 0),
                      "SYNC: a transposed field tile with one dot per field")
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
@@ -667,4 +675,5 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         acc = tl.trans(acc)
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT, HAS_BIAS,
-              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32 or DOT_F32, GATED)
+              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32 or DOT_F32, GATED, act_s, ACT,
+              LIBDEVICE)

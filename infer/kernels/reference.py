@@ -131,7 +131,7 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torc
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 interleave: int = 1, bias: torch.Tensor | None = None, lora=None,
-                gated: bool | str = False) -> torch.Tensor:
+                gated: bool | str = False, act: str | None = None, act_scalars=None) -> torch.Tensor:
     """Semantics: y = x @ W^T with W[o, i] = (q[i, o] - z[g_idx[i], o]) * scales[g_idx[i], o], where q and z are the
     `bits`-wide values packed in qweight [in/pack, out] (along the input) and qzeros [groups, out/pack] (along the
     output), z stored minus one when zeros_v1, the product rounded to the scales' dtype (fp16) as GPTQ runtimes do;
@@ -141,7 +141,8 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     y += bias ([out]) when given, and y += the adapters' delta when `lora` (a `lora_reference.LoRADelta` of this
     batch; x [T, in]) is given (`lora_reference.add_delta`): a kernel adds both in its epilogue. `gated` (a merged
     gate|up layer): silu_and_mul of that y (True or "silu"; "gelu_tanh": gelu_tanh_and_mul), [..., out / 2], which a
-    kernel computes in its epilogue."""
+    kernel computes in its epilogue. `act` (an MLP without gate's up projection): `ungated_act` of that y (xIELU's
+    `act_scalars`), which a kernel applies in its epilogue too."""
     from .lora_reference import add_delta
     from .packing import deinterleave_rows, dequantize
     qweight = deinterleave_rows(qweight, bits, interleave)
@@ -151,6 +152,8 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         y.add_(bias)
     if lora is not None:
         add_delta(lora, y.view(-1, y.shape[-1]))
+    if act:
+        return ungated_act(y, act, act_scalars)
     if not gated:
         return y
     return gelu_tanh_and_mul(y) if gated == "gelu_tanh" else silu_and_mul(y)
@@ -694,3 +697,23 @@ def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: 
     whose shapes a CUDA graph can record)."""
     f13, f2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
     return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids, lora, oai)
+
+
+def ungated_act(x: torch.Tensor, act: str, scalars=None) -> torch.Tensor:
+    """Semantics: an MLP without gate's activation of its up projection's output x, in place, in x's dtype with
+    torch's roundings (models.llama.UngatedMLP): "gelu_tanh" gelu's tanh approximation (StarCoder2), "relu2"
+    relu(x)² (Arcee, Nemotron), "xielu" (Apertus) of scalars = (softplus(alpha_p), beta + softplus(alpha_n), beta,
+    eps), Python floats each already rounded to x's dtype (models.llama.XIELU.scalars): x > 0: a_p x x + beta x, else
+    (expm1(min(x, eps)) - x) a_n + beta x, op by op in XIELU's order."""
+    if act == "gelu_tanh":
+        return x.copy_(F.gelu(x, approximate="tanh"))
+    if act == "relu2":
+        return torch.relu_(x).square_()
+    if act != "xielu":
+        raise ValueError(f"ungated_act: {act!r} is no activation of an MLP without gate: use 'gelu_tanh', 'relu2' or "
+                         f"'xielu'")
+    a_p, a_n, beta, eps = (torch.tensor(v, dtype=x.dtype, device=x.device) for v in scalars)
+    bx = beta * x
+    pos = (a_p * x).mul_(x).add_(bx)
+    neg = torch.minimum(x, eps).expm1_().sub_(x).mul_(a_n).add_(bx)
+    return x.copy_(torch.where(x > 0, pos, neg))

@@ -351,6 +351,20 @@ class XIELU(nn.Module):
         neg.expm1_().sub_(x).mul_(alpha_n).add_(self.beta * x)
         return torch.where(x > 0, pos, neg, out=neg)
 
+    def scalars(self) -> tuple[float, float, float, float] | None:
+        """(softplus(alpha_p), beta + softplus(alpha_n), beta, eps), each rounded to the model's dtype as forward's
+        ops round them: the arguments of the kernels' xIELU (kernels.reference.ungated_act), as Python floats,
+        computed once per value of the parameters (a host sync); None while a CUDA graph is being captured and
+        they are not known yet (the caller then runs forward's ops)."""
+        key = tuple(p._version for p in (self.alpha_p, self.alpha_n, self.beta, self.eps)) + (self.beta.device,)
+        if getattr(self, "_scalars", (None,))[0] != key:
+            if self.beta.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            a_p = torch.nn.functional.softplus(self.alpha_p)
+            a_n = self.beta + torch.nn.functional.softplus(self.alpha_n)
+            self._scalars = key, tuple(float(t.item()) for t in (a_p, a_n, self.beta, self.eps))
+        return self._scalars[1]
+
 
 class UngatedMLP(nn.Module):
     """An MLP without gate: down(act(up(x))). StarCoder2's (transformers' Starcoder2MLP: c_fc, gelu's tanh

@@ -1,0 +1,131 @@
+"""Session 61: an MLP without gate (models.llama.UngatedMLP: StarCoder2's gelu_tanh, Arcee's and Nemotron's relu²,
+Apertus's xIELU) has its activation applied by the int4 up_proj / c_fc kernel's epilogue (the kernels' ACT constexpr:
+1 gelu_tanh, 2 relu2, 3 xIELU of four scalar arguments), and on a float model on the GPU by one Triton kernel
+(fused.ungated_act) where torch takes several launches. Kernels under TRITON_INTERPRET=1 against the torch ops
+(outputs NaN-filled first); the engines' greedy tokens against the CPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import gptq_configs
+from infer.kernels import reference as ref
+from infer.quant import packing
+
+from helpers import interpreted_module, nan_filled_empty
+from test_gptq_kernel import DECODE, GEMV, MMAT_SCALED, PREFILL, ROWS, make_weights
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+# (bfloat16 on a GPU only: TRITON_INTERPRET rounds float32 to bfloat16 toward zero, every kernel's stores alike)
+DTYPES = (torch.float16, torch.float32) + ((torch.bfloat16,) if CUDA else ())
+ACTS = ("gelu_tanh", "relu2", "xielu")
+
+
+@pytest.fixture(scope="module")
+def fused():
+    yield from interpreted_module("infer.kernels.fused")
+
+
+@pytest.fixture(scope="module")
+def gemm(fused):
+    yield from interpreted_module("infer.kernels.gptq_gemm")
+
+
+def xielu_module(dtype, alpha_p=0.8, alpha_n=0.3, beta=0.5, eps=-1e-6):
+    """A models.llama.XIELU of these (pre-softplus) parameters, as Apertus's checkpoints store them."""
+    from infer.models.llama import XIELU
+    mod = XIELU(dtype)
+    for name, v in (("alpha_p", alpha_p), ("alpha_n", alpha_n), ("beta", beta), ("eps", eps)):
+        getattr(mod, name).data.fill_(v)
+    return mod
+
+
+def assert_act_equal(got, want, act):
+    """Bit for bit in float16 / bfloat16; gelu_tanh under TRITON_INTERPRET (no tanh: fused.gate_act's) to an ulp of
+    the dtype, all but ~1% of values bit for bit; float32 close (the formulas' float32 ulps apart)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    elif act == "gelu_tanh" and not CUDA:
+        ulp = 2.0 ** -10 if got.dtype == torch.float16 else 2.0 ** -7
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=ulp)
+        assert (got != want).float().mean() < 0.02, (got != want).float().mean()
+    else:
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def torch_act(x, act, dtype):
+    """The activation as UngatedMLP's torch ops compute it (a copy: x is left alone)."""
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    if act == "relu2":
+        return torch.relu(x).square()
+    return xielu_module(dtype).to(x.device)(x)
+
+
+def _launch_acts(gemm, monkeypatch) -> list:
+    """The ACT constexpr of every fused int4 launch (gptq_gemm._launch) from now on."""
+    seen = []
+    launch = gemm._launch
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (seen.append(a[17] if len(a) > 17 else kw.get("act", 0)),
+                                                           launch(*a, **kw))[1])
+    return seen
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)
+def test_xielu_scalars_and_reference_equal_the_module_bit_for_bit(dtype):
+    """XIELU.scalars (softplus(alpha_p), beta + softplus(alpha_n), beta, eps, each rounded to the dtype) and
+    reference.ungated_act of them compute XIELU's values bit for bit, both signs and the eps corner."""
+    mod = xielu_module(dtype)
+    x = torch.cat([torch.randn(4000, generator=torch.Generator().manual_seed(1)) * 3,
+                   torch.tensor([0.0, -0.0, -1e-6, 1e-6, -30.0, 30.0])]).to(dtype)
+    s = mod.scalars()
+    assert s == (torch.nn.functional.softplus(mod.alpha_p).item(),
+                 (mod.beta + torch.nn.functional.softplus(mod.alpha_n)).item(), mod.beta.item(), mod.eps.item())
+    assert torch.equal(ref.ungated_act(x.clone(), "xielu", s), mod(x))
+    for act in ("gelu_tanh", "relu2"):
+        assert torch.equal(ref.ungated_act(x.clone(), act), torch_act(x, act, dtype))
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ungated_act_kernel_equals_torch(fused, act, dtype):
+    """fused.ungated_act (one launch, in place) computes UngatedMLP's torch ops bit for bit (float32: gelu's and
+    expm1's float32 formulas a few ulps apart, so close)."""
+    x = (torch.randn(5, 1000, generator=torch.Generator().manual_seed(2)) * 2).to(dtype).to(DEV)
+    want = torch_act(x, act, dtype)
+    got = fused.ungated_act(x.clone(), act, xielu_module(dtype).scalars())
+    assert_act_equal(got, want, act)
+
+
+@pytest.mark.parametrize("cfg", [DECODE, GEMV, ROWS, MMAT_SCALED, PREFILL],
+                         ids=["mma-split3", "gemv", "gemv-rows", "mmat", "mma-32"])
+@pytest.mark.parametrize("act", ACTS)
+def test_ungated_epilogue_equals_the_act_launch_after_the_matmul(gemm, fused, monkeypatch, cfg, act):
+    """act=...: the kernel's epilogue applies the activation (ACT 1-3) to the rounded tile (after the bias, after
+    split-K's partials are summed), bit for bit what the plain matmul's output and the torch ops after compute in
+    float16 and bfloat16; no launch after it."""
+    g = torch.Generator().manual_seed(62)
+    n = 96
+    qw, qz, s, gi = make_weights(g, 4, 32, 128, n, True, False)
+    wp = gptq_configs.interleave_for(32, 128, 8)
+    qi = packing.interleave_rows(qw, 4, wp)
+    launches = _launch_acts(gemm, monkeypatch)
+    after = []
+    monkeypatch.setattr(fused, "ungated_act", lambda *a, **kw: after.append(a))
+    for dtype in DTYPES:
+        scalars = xielu_module(dtype).scalars()
+        m = 1 if cfg["kernel"] == "gemv" and "BLOCK_M" not in cfg else 19
+        x = (torch.randn(m, 128, generator=g) * 0.3).to(dtype).to(DEV)
+        bias = (torch.randn(n, generator=g) * 0.5).to(dtype).to(DEV)
+        plain = gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 32, wp, config=cfg, bias=bias)
+        launches.clear()
+        with nan_filled_empty(gemm):
+            y = gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 32, wp, config=cfg, bias=bias, act=act,
+                                 act_scalars=scalars)
+        assert launches == [{"gelu_tanh": 1, "relu2": 2, "xielu": 3}[act]] and after == [], (launches, after)
+        assert y.shape == (m, n) and y.dtype == dtype
+        want = torch_act(plain, act, dtype)
+        assert_act_equal(y, want, act)
+        assert (y < 0).any() if act != "relu2" else not torch.equal(y, torch.relu(plain))
