@@ -129,3 +129,69 @@ def test_ungated_epilogue_equals_the_act_launch_after_the_matmul(gemm, fused, mo
         want = torch_act(plain, act, dtype)
         assert_act_equal(y, want, act)
         assert (y < 0).any() if act != "relu2" else not torch.equal(y, torch.relu(plain))
+
+
+def test_an_unknown_or_doubled_activation_is_refused(gemm):
+    """act names one of the epilogue's activations, and does not come with gated; xIELU needs its four scalars."""
+    qw, qz, s, gi = make_weights(torch.Generator().manual_seed(3), 4, 32, 128, 64, True, False)
+    x = torch.randn(2, 128).to(DEV)
+    with pytest.raises(ValueError, match="act='silu' is no activation of an MLP without gate"):
+        gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 32, act="silu")
+    with pytest.raises(ValueError, match="gated .* and act .* are exclusive"):
+        gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 32, act="relu2", gated=True)
+    with pytest.raises(ValueError, match="xielu takes its four scalars"):
+        gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 32, act="xielu", act_scalars=(1.0, 2.0))
+    with pytest.raises(ValueError, match="'swish' is no activation of an MLP without gate"):
+        ref.ungated_act(x, "swish")
+
+
+# ------------------------------------------------------------------------------------------------- the bench
+@pytest.mark.skipif(CUDA, reason="a GPU runs the real kernels (pytest -m gpu)")
+def test_the_kernels_bench_times_the_ungated_epilogues_beside_the_launch_after(gemm, fused, monkeypatch, capsys):
+    """`infer.bench.kernels`' fused gate_up rows (interpreted, a wall-clock timer) also time the shape as an up
+    projection: each activation fused and apart and their ratio, relu2's and xIELU's with torch's ops too; other
+    layers none; a table of their own prints them."""
+    from infer.bench import kernels as bench
+    from infer.kernels import gptq_tune
+    from test_probes_session61_epi import counted_clock
+    monkeypatch.setattr(gptq_tune, "time_graph", counted_clock)
+    monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)
+    rows = bench.measure_shape("7B", "gate_up", 256, 256, [1], 1e12, device="cpu")
+    rows += bench.measure_shape("7B", "down", 256, 256, [1], 1e12, device="cpu")
+    for label in ("gelu_up", "relu2", "xielu"):
+        r = rows[0]
+        assert r[f"{label}_us"] > 0 and r[f"{label}_gain"] == r[f"{label}_apart_us"] / r[f"{label}_us"], r
+    assert rows[0]["relu2_torch_us"] > 0 and rows[0]["xielu_torch_us"] > 0 and "gelu_up_torch_us" not in rows[0]
+    assert "relu2_us" not in rows[1]
+    monkeypatch.setenv("COLUMNS", "250")
+    bench.print_table(rows[:1], "cpu", bench.UNGATED_COLS)
+    assert "xielu_torch_us" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------- the engines
+FAMILIES = ("tiny-starcoder2", "tiny-arcee", "tiny-nemotron", "tiny-apertus")
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU runs the real kernels (pytest -m gpu)")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ungated_gptq_engine_applies_the_activation_in_the_up_epilogue(tmp_path, monkeypatch, name):
+    """A GPTQ tiny model (`infer quantize`'s) without gate on the GPU code path (interpreted; emulated decode and
+    piecewise graphs): every MLP's act_in_up, its up kernels launched with their ACT and no activation launched
+    after them; the CPU path's greedy tokens."""
+    from infer import LLM, SamplingParams, kernels
+    from infer.kernels import gptq_gemm
+    from helpers import random_prompts
+    from quant_helpers import check_gpu_path_interpreted, infer_quantize
+    q = infer_quantize(name, tmp_path / "q")
+    prompts = random_prompts(512, (5, 13), seed=4)
+    with LLM(str(q), block_size=4) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+        act = llm.engine.runner.model.layers[0].mlp.act
+    assert len({t for tokens in want for t in tokens}) > 3  # (varied tokens: the comparison means something)
+    launches = _launch_acts(gptq_gemm, monkeypatch)
+    apart = []
+    real = kernels.ungated_act
+    monkeypatch.setattr(kernels, "ungated_act", lambda *a, **kw: (apart.append(1), real(*a, **kw))[1])
+    check_gpu_path_interpreted(q, monkeypatch, prompts, want)
+    code = {"gelu_tanh": 1, "relu2": 2, "xielu": 3}[act]
+    assert set(launches) == {0, code} and apart == [], (sorted(set(launches)), len(apart))

@@ -27,7 +27,12 @@ prefetches its first weights, while the one before finishes: kernels.pdl) and `p
 the MLP's activation in its epilogue (`gptq_gemm.gated_fits`: up to 32 rows) are also timed gated, fused and apart:
 `silu_us` / `gelu_us` the matmul applying silu_and_mul / Gemma's gelu_tanh_and_mul in its epilogue (one launch, half
 the output written), `silu_apart_us` / `gelu_apart_us` the plain matmul and the activation's launch after it, and
-`silu_gain` / `gelu_gain` apart / fused (above 1: the epilogue is faster). A shape and M bucket that the
+`silu_gain` / `gelu_gain` apart / fused (above 1: the epilogue is faster). Every fused gate_up row is also timed as
+an MLP without gate's up projection of that shape (StarCoder2's gelu_tanh, Arcee's and Nemotron's relu2, Apertus's
+xIELU: `ungated_times`): `ACT_us` the activation in the epilogue, `ACT_apart_us` the plain matmul and the launch
+after it that the engine runs otherwise (torch's gelu; fused.ungated_act's one Triton launch for relu2 and xIELU),
+`ACT_gain` apart / fused, and for relu2 / xIELU `ACT_torch_us` the matmul and torch's ops (two launches, a dozen).
+A shape and M bucket that the
 GPU's table lacks (no table ships for it, and no engine start has tuned it there) is first tuned with the quick
 candidate set, as an engine's first start does, so that every row times what an engine would run. GPU only.
 """
@@ -150,6 +155,34 @@ def gated_times(name: str, x, copies, wp: int, k: int, n: int) -> dict:
     return out
 
 
+UNGATED = (("gelu_tanh", "gelu_up"), ("relu2", "relu2"), ("xielu", "xielu"))  # (activation, column label)
+XIELU_SCALARS = (1.1708984375, 1.3544921875, 0.5, -1.0132789611816406e-06)  # (float16 values: softplus(0.8), ...)
+
+
+def ungated_times(name: str, x, copies, wp: int, k: int, n: int) -> dict:
+    """A gate_up layer's shape at x's rows as an MLP without gate's up projection, where a fused kernel runs it:
+    each activation timed in the epilogue (`ACT_us`), as the plain matmul with the launch after it that the engine
+    runs otherwise (`ACT_apart_us`) and `ACT_gain` apart / fused; relu2's and xIELU's also with torch's ops after
+    the matmul (`ACT_torch_us`: what fused.ungated_act replaces); {} elsewhere."""
+    from ..kernels import fused, gptq_gemm, reference
+    from ..kernels.gptq_tune import time_graph
+    if name != "gate_up" or not gptq_gemm._choice(x.shape[0], n, k, 4, 128, wp, None, x.device)[2]:
+        return {}
+    out = {}
+    for act, label in UNGATED:
+        out[f"{label}_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp, act=act,
+                                                                            act_scalars=XIELU_SCALARS)
+                                         for t in copies])
+        after = reference.ungated_act if act == "gelu_tanh" else fused.ungated_act  # (gptq_matmul's way apart)
+        out[f"{label}_apart_us"] = time_graph([lambda t=t, after=after: after(
+            gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp), act, XIELU_SCALARS) for t in copies])
+        out[f"{label}_gain"] = out[f"{label}_apart_us"] / out[f"{label}_us"]
+        if act != "gelu_tanh":
+            out[f"{label}_torch_us"] = time_graph([lambda t=t: reference.ungated_act(
+                gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp), act, XIELU_SCALARS) for t in copies])
+    return out
+
+
 def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda",
                   with_pdl: bool = False, pdl_prefetch=()) -> list[dict]:
     """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted);
@@ -217,6 +250,7 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
             row["dequant_us"] = timed({"kernel": "dequant"})
             row["chunks_us"], row["chunks"] = min((timed(c), c["CHUNK_N"]) for c in chunked(k))
         row.update(gated_times(name, x, copies, wp, k, n))
+        row.update(ungated_times(name, x, copies, wp, k, n))
         if tiny is not None:
             xb = x.to(torch.bfloat16)
             row["tinygemm_us"] = time_graph([lambda p=p: torch.ops.aten._weight_int4pack_mm(xb, p[0], 128, p[1])
@@ -284,6 +318,9 @@ def tune_missing(models, ms, device, log=print) -> dict:
 
 GATED_COLS = ["model", "layer", "M", "kernel", "infer_us", "silu_us", "silu_apart_us", "silu_gain", "gelu_us",
               "gelu_apart_us", "gelu_gain"]  # (`gated_times`: a table of its own, after the main one)
+UNGATED_COLS = ["model", "layer", "M", "kernel"] + [f"{label}_{c}" for _, label in UNGATED
+                                                    for c in ("us", "apart_us", "gain", "torch_us")
+                                                    if not (label == "gelu_up" and c == "torch_us")]
 
 
 def print_table(rows: list[dict], title: str, cols: list[str] | None = None) -> None:
@@ -361,6 +398,11 @@ def main(argv=None) -> int:
     if gated:
         print_table(gated, "gate_up with the MLP's activation in the epilogue (fused) vs launched after (apart): "
                            "gain = apart / fused", GATED_COLS)
+    ungated = [r for r in rows if "relu2_gain" in r]
+    if ungated:
+        print_table(ungated, "the same shape as an MLP without gate's up projection, its activation in the epilogue "
+                             "(fused) vs launched after (apart; torch: torch's ops after): gain = apart / fused",
+                    UNGATED_COLS)
     pd.DataFrame(rows).to_csv(args.out, index=False)
     print(f"wrote {args.out}")
     return 0

@@ -246,6 +246,8 @@ class LLMEngine:
         for mod in [*parts.model.modules(), *(draft_model.modules() if draft_model is not None else ())]:
             if hasattr(mod, "act_in_gate_up"):  # silu_and_mul (gelu_tanh_and_mul) in the int4 gate_up epilogue
                 mod.act_in_gate_up = config.silu_in_gate_up and mod.fuses_act()
+            if hasattr(mod, "act_in_up"):  # an MLP without gate: its activation in the int4 up kernel's epilogue
+                mod.act_in_up = config.silu_in_gate_up and mod.fuses_act()
         # a model whose every layer slides over one window frees each sequence's blocks behind it (kv_window)
         draft_parts = getattr(parts, "draft", None)
         window, step = kv_window(config, self.model_config, self.max_model_len,

@@ -438,8 +438,9 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     count up to max_tokens (the tuned or heuristic choice), on the layers' own tensors: an engine start calls this
     after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. A layer with a
     bias compiles its bias epilogue, an MLP's gate_up whose kernel applies silu_and_mul or Gemma's gelu_tanh_and_mul
-    (`act_in_gate_up`) its gated one (of that activation); a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
-    compiles that variant too, besides the plain one (a step where no adapter targets the layer). Where some row
+    (`act_in_gate_up`) its gated one (of that activation), an MLP without gate's up whose kernel applies its
+    activation (`act_in_up`: gelu_tanh, relu2, xIELU) that variant; a layer with a LoRA hook that adds its expand in
+    the epilogue (`lora.epilogue`) compiles that variant too, besides the plain one (a step where no adapter targets the layer). Where some row
     count's choice is dequantize + cuBLAS, the dequantize kernels are compiled once for the layer shape (they do
     not depend on the rows). `extra`: more compile-only callables to run in the same pool (the LoRA kernels,
     `LoRAManager.compile_calls`). Returns the calls queued."""
@@ -450,6 +451,10 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     # their gated variants, by activation
     gated = {id(m.gate_up_proj): "gelu_tanh" if getattr(m, "act", "silu") == "gelu_tanh" else "silu"
              for m in model.modules() if getattr(m, "act_in_gate_up", False)}
+    # up layers of MLPs without gate whose kernel applies the activation (act_in_up), by ("up", activation); the
+    # scalars of xIELU (kernel arguments: no variant of their own), computed here before any graph capture
+    scalars = {id(m.up): m.act_scalars() for m in model.modules() if getattr(m, "act_in_up", False)}
+    gated.update({id(m.up): ("up", m.act) for m in model.modules() if getattr(m, "act_in_up", False)})
     for mod in model.modules():
         if getattr(mod, "gptq_group_size", None) is None or getattr(mod, "weight", None) is not None \
                 or not hasattr(mod, "qweight"):
@@ -493,8 +498,9 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
 
     calls = [lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora, act=act: gptq_gemm.gptq_matmul(
         buf[:r * k].view(r, k), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits, cfg.zeros_v1,
-        mod.gptq_group_size, mod.gptq_interleave, compile_only=True, bias=mod.bias, lora=delta(lora, r), gated=act)
-        for mod, cfg, r, k, lora, act in jobs]
+        mod.gptq_group_size, mod.gptq_interleave, compile_only=True, bias=mod.bias, lora=delta(lora, r),
+        gated=act if not isinstance(act, tuple) else False, act=act[1] if isinstance(act, tuple) else None,
+        act_scalars=scalars.get(id(mod))) for mod, cfg, r, k, lora, act in jobs]
     calls += [lambda mod=mod, cfg=cfg, r=r, k=k: gptq_gemm.gptq_matmul(
         torch.empty(r, k, device=device, dtype=dtype), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits,
         cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, compile_only=True) for mod, cfg, r, k in deq]

@@ -700,13 +700,14 @@ def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: 
 
 
 def ungated_act(x: torch.Tensor, act: str, scalars=None) -> torch.Tensor:
-    """Semantics: an MLP without gate's activation of its up projection's output x, in place, in x's dtype with
+    """Semantics: an MLP without gate's activation of its up projection's output x (relu2 in place; x may be
+    overwritten, use the result), in x's dtype with
     torch's roundings (models.llama.UngatedMLP): "gelu_tanh" gelu's tanh approximation (StarCoder2), "relu2"
     relu(x)² (Arcee, Nemotron), "xielu" (Apertus) of scalars = (softplus(alpha_p), beta + softplus(alpha_n), beta,
     eps), Python floats each already rounded to x's dtype (models.llama.XIELU.scalars): x > 0: a_p x x + beta x, else
     (expm1(min(x, eps)) - x) a_n + beta x, op by op in XIELU's order."""
     if act == "gelu_tanh":
-        return x.copy_(F.gelu(x, approximate="tanh"))
+        return F.gelu(x, approximate="tanh")
     if act == "relu2":
         return torch.relu_(x).square_()
     if act != "xielu":
@@ -716,4 +717,4 @@ def ungated_act(x: torch.Tensor, act: str, scalars=None) -> torch.Tensor:
     bx = beta * x
     pos = (a_p * x).mul_(x).add_(bx)
     neg = torch.minimum(x, eps).expm1_().sub_(x).mul_(a_n).add_(bx)
-    return x.copy_(torch.where(x > 0, pos, neg))
+    return torch.where(x > 0, pos, neg, out=neg)

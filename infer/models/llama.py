@@ -388,6 +388,18 @@ class UngatedMLP(nn.Module):
         self.down.lora_consumer = _norm_consumer(cfg, dtype)
         if self.act == "xielu":
             self.act_fn = XIELU(dtype)
+        # set by an engine (EngineConfig.silu_in_gate_up) where up is an int4 kernel layer (`fuses_act`): in a step
+        # without adapters (or where the layer has no LoRA hook) its kernel applies the activation in its epilogue
+        self.act_in_up = False
+
+    def fuses_act(self) -> bool:
+        """Whether up's matmul can apply the activation itself: an int4 kernel layer (gptq_gemm's act)."""
+        layer = self.up
+        return getattr(layer.method, "fuses_act", lambda _: False)(layer)
+
+    def act_scalars(self):
+        """xIELU's four scalars (XIELU.scalars; None while unknown under CUDA-graph capture), else None."""
+        return self.act_fn.scalars() if self.act == "xielu" else None
 
     @property
     def up(self) -> MergedLinear:
@@ -399,13 +411,17 @@ class UngatedMLP(nn.Module):
 
     def forward(self, x, ctx):
         """(the MLP's output, the down projection's LoRA delta that the next rms_norm adds, or None)."""
+        scalars = self.act_scalars()
+        if self.act_in_up and (self.up.lora is None or getattr(ctx, "lora", None) is None) \
+                and (scalars is not None or self.act != "xielu"):
+            # one launch: the int4 up kernel's epilogue applies the activation (no adapter delta to add before it)
+            return self.down.forward_deferred(self.up.method.apply(self.up, x, act=self.act, act_scalars=scalars),
+                                              ctx)
         h = self.up(x, ctx)
-        if self.act == "gelu_tanh":
-            h = torch.nn.functional.gelu(h, approximate="tanh")
-        elif self.act == "relu2":  # (in place: up's output is this MLP's own)
-            h = torch.relu_(h).square_()
-        else:
-            h = self.act_fn(h)
+        if self.act == "xielu" and (scalars is None or not h.is_cuda):  # torch's ops (the CPU; on the GPU where
+            h = self.act_fn(h)  # the scalars are not known yet under a graph capture)
+        else:  # in place (up's output is this MLP's own): on the GPU one launch (kernels.ungated_act)
+            h = kernels.ungated_act(h, self.act, scalars)
         return self.down.forward_deferred(h, ctx)
 
 

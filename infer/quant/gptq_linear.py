@@ -220,13 +220,17 @@ class GPTQLinearMethod:
         return gptq_gemm.lora_in_epilogue(m, n, k, self.config.bits, layer.gptq_group_size, layer.gptq_interleave,
                                           lora, layer.qweight.device)
 
-    def apply(self, layer, x: torch.Tensor, lora=None, gated: bool | str = False) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor, lora=None, gated: bool | str = False, act: str | None = None,
+              act_scalars=None) -> torch.Tensor:
         """y = x W^T + b; with `lora` (a kernels.lora_reference.LoRADelta of x, kernel path only) plus the
         adapters' delta, which the int4 kernel adds in its epilogue with the bias. gated (a gate|up layer: True or
         "silu", or "gelu_tanh"): silu_and_mul(y) (gelu_tanh_and_mul(y)), which the int4 kernel applies in its
-        epilogue where it can (`gptq_gemm.gated_fits`)."""
+        epilogue where it can (`gptq_gemm.gated_fits`). act (an MLP without gate's up projection: "gelu_tanh",
+        "relu2", "xielu" of act_scalars): kernels.ungated_act(y), which the int4 kernel applies in its epilogue."""
         if layer.weight is not None:
             y = cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
+            if act:
+                return kernels.ungated_act(y, act, act_scalars)
             if not gated:
                 return y
             return kernels.gelu_tanh_and_mul(y) if gated == "gelu_tanh" else kernels.silu_and_mul(y)
@@ -234,7 +238,7 @@ class GPTQLinearMethod:
             x = x.index_select(-1, layer.act_perm)
         return kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
                                    self.config.zeros_v1, layer.gptq_group_size, layer.gptq_interleave,
-                                   bias=layer.bias, lora=lora, gated=gated)
+                                   bias=layer.bias, lora=lora, gated=gated, act=act, act_scalars=act_scalars)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The float weight [out, in] in the checkpoint's input order (whatever layout the kernel uses)."""
