@@ -256,3 +256,20 @@ def split_gate_up(src, dst):
         tensors[key.replace("gate_up_proj", "up_proj")] = up.contiguous()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def int4_merged_linear(in_features: int, widths: list, names: list, seed: int = 64):
+    """A MergedLinear of int4 GPTQ shards (kernel layout, groups of 128, float16) of random weights, loaded."""
+    from infer.models.layers import MergedLinear
+    from infer.quant import packing
+    from infer.quant.config import GPTQConfig
+    from infer.quant.gptq_linear import GPTQLinearMethod
+    cfg = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=True)
+    layer = MergedLinear(in_features, widths, names, False, GPTQLinearMethod(cfg, True), torch.float16)
+    g = torch.Generator().manual_seed(seed)
+    for j, width in enumerate(widths):
+        for name, t in zip(("qweight", "qzeros", "scales", "g_idx"),
+                           packing.quantize_rtn(torch.randn(width, in_features, generator=g), 4, 128, True)):
+            layer.load_shard(name, j, t)
+    layer.finish_loading()
+    return layer

@@ -36,7 +36,7 @@ def _gated_launches(gemm, monkeypatch) -> list:
     """The `gated` constexpr of every fused int4 launch (gptq_gemm._launch) from now on."""
     seen = []
     launch = gemm._launch
-    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (seen.append(a[-1] if len(a) > 16 else kw.get("gated", 0)),
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (seen.append(a[16] if len(a) > 16 else kw.get("gated", 0)),
                                                            launch(*a, **kw))[1])
     return seen
 
@@ -313,18 +313,8 @@ def test_an_engine_start_compiles_the_gelu_tanh_gated_variant(monkeypatch):
     """gptq_tune.compile_model (an engine start) on a Gemma MLP whose gate_up applies the GeGLU in its epilogue:
     every gated call it queues is gelu_tanh's (the variant the steps launch), none silu's."""
     from infer.kernels import gptq_gemm, gptq_tune
-    from infer.models.layers import MergedLinear
-    from infer.quant.config import GPTQConfig
-    from infer.quant.gptq_linear import GPTQLinearMethod
-    cfg = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=True)
-    gate_up = MergedLinear(256, [128, 128], ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], False,
-                           GPTQLinearMethod(cfg, True), torch.float16)
-    g = torch.Generator().manual_seed(64)
-    for j in range(2):
-        for name, t in zip(("qweight", "qzeros", "scales", "g_idx"),
-                           packing.quantize_rtn(torch.randn(128, 256, generator=g), 4, 128, True)):
-            gate_up.load_shard(name, j, t)
-    gate_up.finish_loading()
+    from quant_helpers import int4_merged_linear
+    gate_up = int4_merged_linear(256, [128, 128], ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"])
     mlp = torch.nn.Module()
     mlp.gate_up_proj, mlp.act_in_gate_up, mlp.act = gate_up, True, "gelu_tanh"
     queued = []
