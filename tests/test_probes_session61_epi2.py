@@ -200,8 +200,9 @@ def test_ungated_gptq_engine_applies_the_activation_in_the_up_epilogue(tmp_path,
 def test_an_engine_start_compiles_the_ungated_variant(monkeypatch):
     """gptq_tune.compile_model (an engine start) on an Apertus MLP whose up applies xIELU in its epilogue: every call
     it queues for up is the xielu variant with the layer's scalars (computed there, before any graph capture), none
-    plain (no LoRA hook: no step takes it); down's its plain one."""
-    from infer.kernels import gptq_gemm, gptq_tune
+    plain (no LoRA hook: no step takes it); down's its plain one; and xIELU's own kernel, which steps with adapters
+    launch after up."""
+    from infer.kernels import fused, gptq_gemm, gptq_tune
     from quant_helpers import int4_merged_linear
     mlp = torch.nn.Module()
     mlp.up = int4_merged_linear(256, [256], ["model.layers.0.mlp.up_proj"])
@@ -211,8 +212,11 @@ def test_an_engine_start_compiles_the_ungated_variant(monkeypatch):
     queued = []
     monkeypatch.setattr(gptq_gemm, "gptq_matmul", lambda *a, **kw: queued.append(
         (a[1] is mlp.up.qweight, kw.get("act"), kw.get("act_scalars"), kw.get("gated"))))
+    monkeypatch.setattr(fused, "ungated_act", lambda x, act, s, compile_only: queued.append(("after", act,
+                                                                                            compile_only)))
     monkeypatch.setattr(gptq_tune, "compile_parallel", lambda calls, workers=None: len([c() for c in calls]))
     assert gptq_tune.compile_model(torch.nn.ModuleList([mlp]), 32, torch.float16) > 0
+    assert queued.pop() == ("after", "xielu", True)
     ups = [q for q in queued if q[0]]
     assert ups and all(q[1:] == ("xielu", act_fn.scalars(), False) for q in ups), queued
     assert all(q[1:] == (None, None, False) for q in queued if not q[0]), queued

@@ -504,4 +504,9 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     calls += [lambda mod=mod, cfg=cfg, r=r, k=k: gptq_gemm.gptq_matmul(
         torch.empty(r, k, device=device, dtype=dtype), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits,
         cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, compile_only=True) for mod, cfg, r, k in deq]
+    # the activation launched after up where a step takes that way (adapters, dequantize + cuBLAS rows): relu2's
+    # and xIELU's Triton kernel (fused.ungated_act; gelu_tanh's is torch's), once per activation
+    from . import fused
+    acts = sorted({m.act for m in model.modules() if getattr(m, "act_in_up", False)} - {"gelu_tanh"})
+    calls += [lambda a=a: fused.ungated_act(buf[:16], a, (0.0,) * 4, compile_only=True) for a in acts]
     return compile_parallel(calls + list(extra), workers)
