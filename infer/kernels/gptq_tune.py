@@ -440,10 +440,10 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     bias compiles its bias epilogue, an MLP's gate_up whose kernel applies silu_and_mul or Gemma's gelu_tanh_and_mul
     (`act_in_gate_up`) its gated one (of that activation), an MLP without gate's up whose kernel applies its
     activation (`act_in_up`: gelu_tanh, relu2, xIELU) that variant; a layer with a LoRA hook that adds its expand in
-    the epilogue (`lora.epilogue`) compiles that variant too, besides the plain one (a step where no adapter targets the layer). Where some row
-    count's choice is dequantize + cuBLAS, the dequantize kernels are compiled once for the layer shape (they do
-    not depend on the rows). `extra`: more compile-only callables to run in the same pool (the LoRA kernels,
-    `LoRAManager.compile_calls`). Returns the calls queued."""
+    the epilogue (`lora.epilogue`) compiles that variant too, besides the plain one (a step where no adapter
+    targets the layer). Where some row count's choice is dequantize + cuBLAS, the dequantize kernels are compiled
+    once for the layer shape (they do not depend on the rows). `extra`: more compile-only callables to run in the
+    same pool (the LoRA kernels, `LoRAManager.compile_calls`). Returns the calls queued."""
     from .lora_reference import LoRADelta
     jobs, deq, seen = [], [], set()
     rows = bucket_rows(max_tokens)
