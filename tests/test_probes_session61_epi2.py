@@ -220,3 +220,22 @@ def test_an_engine_start_compiles_the_ungated_variant(monkeypatch):
     ups = [q for q in queued if q[0]]
     assert ups and all(q[1:] == ("xielu", act_fn.scalars(), False) for q in ups), queued
     assert all(q[1:] == (None, None, False) for q in queued if not q[0]), queued
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU runs the real kernels (pytest -m gpu)")
+@pytest.mark.parametrize("family", ["arcee", "apertus"])
+def test_float_gpu_path_runs_the_activation_as_one_triton_launch(tmp_path, monkeypatch, family):
+    """A float Arcee / Apertus on the GPU code path (interpreted; emulated graphs): each MLP's relu² / xIELU is one
+    fused.ungated_act launch (torch's ops are two / a dozen), transformers' greedy tokens."""
+    from infer.kernels import fused as fused_mod
+    from helpers import greedy_each, random_prompts
+    from quant_helpers import check_gpu_path_interpreted
+    from test_probes_session61_fam import build
+    hf = build(tmp_path, family)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    calls = []
+    real = fused_mod.ungated_act
+    monkeypatch.setattr(fused_mod, "ungated_act", lambda *a, **kw: (calls.append(a[1]), real(*a, **kw))[1])
+    check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)
+    assert set(calls) == {"relu2" if family == "arcee" else "xielu"}, set(calls)

@@ -370,8 +370,10 @@ class UngatedMLP(nn.Module):
     """An MLP without gate: down(act(up(x))). StarCoder2's (transformers' Starcoder2MLP: c_fc, gelu's tanh
     approximation, c_proj, biases where use_bias says), Arcee's and Nemotron's (up_proj, relu(x)², down_proj, biases
     where mlp_bias says) and Apertus's (up_proj, xIELU of the layer's learned act_fn parameters, down_proj). The
-    layers are registered under the checkpoint's names (`proj_names`); the activation is torch's on the CPU and the GPU
-    alike; down's LoRA delta may be left to the rms_norm after it (Arcee's, Apertus's: _norm_consumer)."""
+    layers are registered under the checkpoint's names (`proj_names`); the activation is torch's on the CPU, on the GPU
+    one Triton launch (kernels.ungated_act: relu2 and xIELU, torch's ops a launch each) or, on the int4 kernel path,
+    the up kernel's epilogue (act_in_up); down's LoRA delta may be left to the rms_norm after it (Arcee's, Apertus's:
+    _norm_consumer)."""
 
     def __init__(self, cfg, prefix: str, method_for, dtype):
         super().__init__()
@@ -418,8 +420,8 @@ class UngatedMLP(nn.Module):
             return self.down.forward_deferred(self.up.method.apply(self.up, x, act=self.act, act_scalars=scalars),
                                               ctx)
         h = self.up(x, ctx)
-        if self.act == "xielu" and (scalars is None or not h.is_cuda):  # torch's ops (the CPU; on the GPU where
-            h = self.act_fn(h)  # the scalars are not known yet under a graph capture)
+        if self.act == "xielu" and (scalars is None or not kernels.use_triton(h)):  # torch's ops (the CPU; on the
+            h = self.act_fn(h)  # GPU where the scalars are not known yet under a graph capture)
         else:  # in place (up's output is this MLP's own): on the GPU one launch (kernels.ungated_act)
             h = kernels.ungated_act(h, self.act, scalars)
         return self.down.forward_deferred(h, ctx)
