@@ -132,7 +132,7 @@ def test_gated_epilogue_applies_silu_and_mul(gemm, gen, monkeypatch, regime):
     cfg = dict(MMAT_SCALED, BLOCK_M=64) if regime == "mmat_64" else CONFIGS[regime]
     launches = []
     launch = gemm._launch
-    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (launches.append(a[-1] if len(a) > 16 else
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (launches.append(a[16] if len(a) > 16 else
                                                                           kw.get("gated")), launch(*a, **kw))[1])
     fused = regime != "dequant"
     for half, fits in ((64, regime not in ("dequant", "mmat_64")), (40, False)):  # 40: not a multiple of 16 columns

@@ -168,6 +168,19 @@ def test_the_kernels_bench_times_the_ungated_epilogues_beside_the_launch_after(g
     assert "xielu_torch_us" in capsys.readouterr().out
 
 
+@pytest.mark.gpu
+def test_the_kernels_bench_prints_the_ungated_rows_on_gpu(tmp_path):
+    """One command on a GPU: the kernels bench's fused gate_up rows carry each ungated activation's fused and apart
+    times and their ratio, and relu2's / xIELU's with torch's ops after (times are not asserted)."""
+    import csv
+
+    from infer.bench import kernels as kbench
+    assert kbench.main(["--out", str(tmp_path / "k.csv"), "--m", "1", "16", "--models", "7B"]) == 0
+    rows = [r for r in csv.DictReader(open(tmp_path / "k.csv")) if r["layer"] == "gate_up"]
+    assert rows and all(float(r[f"{label}_gain"]) > 0 for r in rows for label in ("gelu_up", "relu2", "xielu"))
+    assert all(float(r["xielu_torch_us"]) > 0 and float(r["relu2_torch_us"]) > 0 for r in rows), rows
+
+
 # ------------------------------------------------------------------------------------------------- the engines
 FAMILIES = ("tiny-starcoder2", "tiny-arcee", "tiny-nemotron", "tiny-apertus")
 
