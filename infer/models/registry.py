@@ -289,21 +289,29 @@ def check_hunyuan(cfg) -> None:
 
 
 def check_granite_swa(cfg) -> None:
-    """Granite SWA's layer_types other than sliding_attention and full_attention, and a layer_rope_theta of other
-    bases than 0 (NoPE) and the rope's rope_theta (transformers builds a rotary per base; infer's layers share one
-    table): refused naming them."""
-    other = sorted({str(t) for t in (getattr(cfg, "layer_types", None) or [])
-                    if t not in ("sliding_attention", "full_attention")})
+    """Granite SWA's layer_types other than sliding_attention and full_attention, sliding layers without a
+    sliding_window (transformers fails building their mask), and a layer_rope_theta of several non-zero bases
+    (transformers builds a rotary per base; infer's layers share one table, of that base: rope.layer_rope_base):
+    refused naming them."""
+    types = list(getattr(cfg, "layer_types", None) or [])
+    other = sorted({str(t) for t in types if t not in ("sliding_attention", "full_attention")})
     if other:
         raise UnsupportedModelError(f"granite_swa layer_types {other} are not supported",
                                     "Granite SWA's layers are sliding_attention or full_attention")
+    window = getattr(cfg, "sliding_window", None)
+    if "sliding_attention" in types and not (type(window) is int and window > 0):
+        raise UnsupportedModelError(f"granite_swa with sliding_attention layers and sliding_window "
+                                    f"{json.dumps(window)} is not supported (transformers fails masking them)",
+                                    "set sliding_window to the window the weights were trained with (Granite SWA's "
+                                    "default: 128), or name those layers full_attention in layer_types")
     from .rope import rope_parameters
     base = rope_parameters(cfg).get("rope_theta")
-    thetas = sorted({t for t in (getattr(cfg, "layer_rope_theta", None) or []) if t != 0 and t != base}, key=str)
-    if thetas:
+    bases = {t for t in (getattr(cfg, "layer_rope_theta", None) or []) if type(t) in (int, float) and t != 0}
+    thetas = sorted(bases - {base}, key=str)
+    if len(bases) > 1:
         raise UnsupportedModelError(f"granite_swa layer_rope_theta with bases {thetas} other than rope_theta {base} "
-                                    "is not supported", "infer's Granite SWA layers rotate by rope_theta or, where "
-                                    "layer_rope_theta gives 0, not at all (NoPE)")
+                                    "is not supported", "infer's Granite SWA layers share one rope table: give every "
+                                    "rotating layer one base in layer_rope_theta (0 where a layer has no rotary)")
 
 
 def model_class(cfg):

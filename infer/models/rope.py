@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -157,7 +158,21 @@ def _inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
         return _cpu_inv_freq(cfg, layer_type)  # default device, then copy to "cpu" (which a meta tensor cannot)
 
 
+def layer_rope_base(cfg) -> float | None:
+    """Granite SWA's one rope base of its rotating layers (layer_rope_theta's non-zero value: transformers'
+    GraniteSWAModel rotates them by it, rope_theta unread), or None: another family, or no one such base
+    (registry.check_granite_swa refuses several)."""
+    if getattr(cfg, "model_type", None) != "granite_swa":
+        return None
+    thetas = {t for t in (getattr(cfg, "layer_rope_theta", None) or []) if t}
+    return next(iter(thetas)) if len(thetas) == 1 else None
+
+
 def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    base = layer_rope_base(cfg)
+    if base is not None and base != rope_parameters(cfg).get("rope_theta"):  # (as transformers: a copy of the
+        cfg = copy.deepcopy(cfg)  # config whose rope_parameters give that base)
+        cfg.rope_parameters = {**rope_parameters(cfg), "rope_theta": base}
     params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", "default")
     head_dim = ModelShapes.from_config(cfg).head_dim
