@@ -1732,7 +1732,10 @@ _SAME_CONFIG = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
                 "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "partial_rotary_factor",
                 "use_sliding_window", "max_window_layers",
                 # a mixture of experts' routing (top k, Qwen's renormalized weights) and gpt-oss's clamped SwiGLU
-                "num_experts_per_tok", "norm_topk_prob", "swiglu_limit", "swiglu_alpha")
+                "num_experts_per_tok", "norm_topk_prob", "swiglu_limit", "swiglu_alpha",
+                # Granite's scalars (Granite SWA's too) and Granite SWA's bases by layer (0: no rotary)
+                "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                "layer_rope_theta")
 
 
 def _check_reloadable(model, fresh, path) -> None:
