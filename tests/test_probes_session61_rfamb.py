@@ -1,0 +1,69 @@
+"""Session 61 (rfamb): a review of InternLM3, Helium, Hunyuan dense and Granite SWA (session 61's famb) against
+transformers' code: Granite SWA's rotating layers of one layer_rope_theta base other than rope_theta (transformers
+rotates them by that base) run as transformers runs them; sliding layers without a sliding_window (transformers fails
+masking them) refused up front; reload_weights refuses a config.json of other Granite scalars or layer_rope_theta
+(read when the layers are built)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+from infer.errors import ModelLoadError, UnsupportedModelError
+
+from helpers import check_greedy_and_logprobs_equal_transformers, random_prompts
+from test_probes_session61_famb import build
+
+
+def test_granite_swa_layers_of_one_base_other_than_rope_theta_equal_transformers(tmp_path):
+    """layer_rope_theta of one non-zero base (500) beside rope_theta 10000: transformers' GraniteSWAModel rotates
+    those layers by 500 (rope_theta unread); infer refused the config. Its tokens and logprobs: transformers'."""
+    hf = build(tmp_path, "granite_swa", layer_rope_theta=[0, 500.0, 500.0, 500.0])
+    assert hf.config.rope_parameters["rope_theta"] == 10000.0
+
+    def check_model(model):
+        assert model.nope == [True, False, False, False]
+
+    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, "granite_swa-layer-base-500", check_model)
+
+
+def test_granite_swa_sliding_layers_without_a_window_are_refused(tmp_path):
+    """sliding_attention layers with sliding_window null (transformers fails building their mask; infer ran them
+    as full attention): refused by the engine and `infer warmup --estimate`, naming sliding_window."""
+    build(tmp_path, "granite_swa")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "sliding_attention" in config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    with pytest.raises(UnsupportedModelError, match="sliding_attention layers and sliding_window null") as e:
+        LLM(str(tmp_path))
+    assert "full_attention in layer_types" in e.value.hint
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"])
+    assert res.exit_code != 0 and "sliding_window null" in res.output
+
+
+@pytest.mark.parametrize("key,value", [("layer_rope_theta", [10000.0, 0, 10000.0, 10000.0]),
+                                       ("embedding_multiplier", 6.0), ("logits_scaling", 2.0)])
+def test_reload_weights_refuses_other_granite_swa_scalars_or_bases(tmp_path, key, value):
+    """Granite's scalars and Granite SWA's layer_rope_theta are read when the layers are built: a reload_weights
+    whose config.json changed them kept the old ones (tokens of neither model). Refused naming the field; the engine
+    runs on."""
+    from infer.models.tiny import ensure_builtin
+    src = ensure_builtin("tiny-granite-swa")
+    shutil.copytree(src, tmp_path / "engine")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(100, (5, 9), seed=1)
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        cfg = json.loads((src / "config.json").read_text())
+        assert cfg.get(key) != value
+        (tmp_path / "engine" / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelLoadError, match=f"config.json's {key} is {re.escape(str(value))} in the new") as e:
+            llm.collective_rpc("reload_weights")
+        assert "start a new engine" in e.value.hint
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
