@@ -2,7 +2,8 @@
 transformers' code: Granite SWA's rotating layers of one layer_rope_theta base other than rope_theta (transformers
 rotates them by that base) run as transformers runs them; sliding layers without a sliding_window (transformers fails
 masking them) refused up front; reload_weights refuses a config.json of other Granite scalars or layer_rope_theta
-(read when the layers are built)."""
+(read when the layers are built); a LoRA target_modules regex selecting Granite SWA's rotary embeddings refused as
+peft refuses it."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import re
 import shutil
 
 import pytest
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig
 from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import ModelLoadError, UnsupportedModelError
+from infer.lora.adapter import adapter_problems
 
 from helpers import check_greedy_and_logprobs_equal_transformers, random_prompts
+from lora_helpers import family_base_and_adapters
 from test_probes_session61_famb import build
 
 
@@ -67,3 +72,20 @@ def test_reload_weights_refuses_other_granite_swa_scalars_or_bases(tmp_path, key
             llm.collective_rpc("reload_weights")
         assert "start a new engine" in e.value.hint
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("family, regex, module", [
+    ("hunyuan", r".*\.(v_proj|query_layernorm)", "model.layers.0.self_attn.query_layernorm"),
+    ("granite_swa", r".*(v_proj|rotary_embs\.0)", "model.rotary_embs.0")])
+def test_a_regex_selecting_a_module_that_is_not_linear_is_refused_as_peft_refuses_it(tmp_path_factory, family,
+                                                                                     regex, module):
+    """A target_modules regex that selects Hunyuan's query_layernorm or Granite SWA's rotary embedding of a
+    layer_rope_theta base (model.rotary_embs.0): peft refuses the adapter (not a supported module), and so does
+    lora-validate's check, naming it."""
+    _, base, hf, paths = family_base_and_adapters(tmp_path_factory, build, family)
+    with pytest.raises(ValueError, match="is not supported"):
+        get_peft_model(hf, LoraConfig(r=4, target_modules=regex))
+    cfg = json.loads((paths["qv4"] / "adapter_config.json").read_text())
+    (paths["qv4"] / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": regex}))
+    problems = [p.message for p in adapter_problems("a", paths["qv4"], AutoConfig.from_pretrained(base))]
+    assert any(f"selects {module}, which is not a Linear layer" in m for m in problems), problems

@@ -392,6 +392,9 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     if model_type == "hunyuan_v1_dense":
         per_layer += [".self_attn.query_layernorm", ".self_attn.key_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
+    if model_type == "granite_swa":  # (its rotary embeddings, one a non-zero base of layer_rope_theta)
+        bases = {t for t in (getattr(base_config, "layer_rope_theta", None) or []) if t}
+        names += ["model.rotary_embs", *(f"model.rotary_embs.{i}" for i in range(len(bases)))]
     exclude = config.get("exclude_modules")
     hit = next((n for n in names if re.fullmatch(targets, n)
                 and not (exclude and _matches(exclude, n, False))), None)
