@@ -98,9 +98,9 @@ LONG = "w " * 100  # (more tokens than either server's context)
 @pytest.mark.parametrize("route, body, message, param", [
     ("/rerank", {"query": "q", "documents": ["a", "b", LONG, "c"]}, "documents[2]: the prompt has 101", "documents"),
     ("/rerank", {"query": LONG, "documents": ["a", "b"]}, "query: the prompt has 101 tokens", "query"),
-    ("/rerank", {"query": "q", "documents": ["a", [99999], "c"]}, "documents[1]: a token id is outside", "documents"),
+    ("/rerank", {"query": "q", "documents": ["a", [99999], "c"]}, "documents[1]: token id 99999 is", "documents"),
     ("/score", {"text_1": ["a", "b", "c"], "text_2": ["a", "b", LONG]}, "text_2[2]: the prompt has 101", "text_2"),
-    ("/score", {"text_1": [99999], "text_2": ["a", "b"]}, "text_1: a token id is outside the vocabulary", "text_1"),
+    ("/score", {"text_1": [99999], "text_2": ["a", "b"]}, "text_1: token id 99999 is outside the", "text_1"),
     ("/score", {"text_1": "q", "text_2": LONG}, "text_2: the prompt has 101 tokens", "text_2"),  # (one wave)
     ("/score", {"text_1": "a", "text_2": ["b", "c"], "priority": 1}, "priority=1, but this engine", "priority"),
     ("/v1/embeddings", {"input": ["b", "c", "d"], "priority": 1}, "priority=1, but this engine", "priority"),
@@ -117,7 +117,7 @@ def test_an_embedding_models_scores_name_the_text_refused(served_embedder, route
 
 @pytest.mark.parametrize("route, body, message", [
     ("/rerank", {"query": "q", "documents": ["a", "b", LONG, "c"]}, "documents[2]: the pair has 10"),
-    ("/score", {"text_1": "q", "text_2": ["x", [99999]]}, "text_2[1]: a token id is outside the vocabulary"),
+    ("/score", {"text_1": "q", "text_2": ["x", [99999]]}, "text_2[1]: token id 99999 is outside the vocabulary"),
 ])
 def test_a_cross_encoders_scores_name_the_pair_refused(served_cross_encoder, route, body, message):  # noqa: F811
     """A cross-encoder's pair too long among several was refused without saying which."""
