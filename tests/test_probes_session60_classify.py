@@ -283,7 +283,7 @@ def test_score_and_rerank_routes_equal_transformers(served_cross_encoder, qwen_c
 @pytest.mark.parametrize("route, body, message", [
     ("/rerank", {"query": "q", "documents": []}, "documents must be a non-empty list of texts, got an empty list"),
     ("/rerank", {"query": "q", "documents": "d"}, "documents must be a non-empty list of texts, got str"),
-    ("/rerank", {"query": 5, "documents": ["d"]}, "query must be a non-empty text, got int"),
+    ("/rerank", {"query": 5, "documents": ["d"]}, "query must be a text, got int"),
     ("/rerank", {"query": "q", "documents": ["d", 5]}, "documents[1] is neither a text nor a list of token ids"),
     ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n must be a non-negative integer"),
     ("/rerank", {"query": "q", "documents": ["d"], "return_documents": "yes"}, "return_documents must be"),

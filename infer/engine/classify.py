@@ -151,14 +151,16 @@ def one_text(value) -> bool:
 
 
 def _texts(value, name: str, empty: bool = False) -> list:
-    if one_text(value):
+    one = one_text(value)  # (a refusal of one text names the field, not field[0])
+    if one:
         value = [value]
     if not isinstance(value, list) or not value:
         raise RequestError(f"{name} must be a text or a non-empty list of texts, got "
                            f"{'an empty list' if value == [] else type(value).__name__}")
     for i, item in enumerate(value):
         if isinstance(item, str) and not item and not empty:
-            raise RequestError(f"{name}[{i}] is an empty string: there is nothing to embed and score", "remove it")
+            raise RequestError(f"{name if one else f'{name}[{i}]'} is an empty string: there is nothing to embed and "
+                               "score", "give a text" if one else "remove it")
         if not isinstance(item, str) and not (isinstance(item, list) and item and all(_is_id(t) for t in item)):
             raise RequestError(f"{name}[{i}] is neither a text nor a list of token ids (integers)",
                                'give the text itself, not an object such as {"text": ...} (as vLLM reads them)'

@@ -7,6 +7,7 @@ as pooling requests through embeddings.pooled. Without --runner pooling every ro
 from __future__ import annotations
 
 import asyncio
+import json
 import numbers
 import re
 import uuid
@@ -24,7 +25,7 @@ NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} nee
                       "pooling (a classifier, or an embedding model for scores)")
 _FIELDS = ("input", "messages", "model", "text_1", "text_2", "data_1", "data_2", "queries", "items", "query",
            "documents", "top_n", "return_documents",
-           "truncate_prompt_tokens", "use_activation", "priority", "request_id")
+           "truncate_prompt_tokens", "use_activation", "activation", "softmax", "priority", "request_id")
 
 
 def _body(raw: bytes, needs: tuple[str, ...], max_depth: int) -> dict:
@@ -52,7 +53,25 @@ def _refused(e: RequestError) -> p.ApiError:
 
 def _params(body: dict, task: str | None = None) -> PoolingParams:
     return PoolingParams(truncate_prompt_tokens=body.get("truncate_prompt_tokens"), task=task,
-                         use_activation=body.get("use_activation"), priority=body.get("priority", 0)).checked()
+                         use_activation=_use_activation(body), priority=body.get("priority", 0)).checked()
+
+
+def _use_activation(body: dict):
+    """use_activation, or the spelling vLLM still reads for it (softmax, then activation: deprecated, read by its
+    get_use_activation); they were ignored: `"activation": false` answered probabilities, not the logits asked for."""
+    use = body.get("use_activation")
+    for old in ("softmax", "activation"):
+        value = body.get(old)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise RequestError(f"{old} must be true or false, got {value!r}"[:200],
+                               f"{old} is vLLM's deprecated spelling of use_activation; send use_activation")
+        if use is not None and use != value:
+            raise RequestError(f"{old} {json.dumps(value)} contradicts use_activation {json.dumps(use)}",
+                               f"send use_activation alone ({old} is its deprecated spelling)")
+        use = value
+    return use
 
 
 def _pooler(server, api: str):
@@ -211,13 +230,15 @@ async def rerank(server, request, raw: bytes, arrival: float):
     rid = _response_id(request, body, "rerank-")
     query, docs, top_n = body["query"], body["documents"], body.get("top_n")
     try:
-        if not isinstance(query, str) or not query:
-            raise RequestError("query must be a non-empty text" + ("" if isinstance(query, str) else
-                                                                     f", got {type(query).__name__}"))
+        if not isinstance(query, str):  # (an empty one: score_pairs' rule, a cross-encoder scores it as vLLM)
+            raise RequestError(f"query must be a text, got {type(query).__name__}")
         if not isinstance(docs, list) or not docs:
             raise RequestError("documents must be a non-empty list of texts" +
                                (", got an empty list" if docs == [] else f", got {type(docs).__name__}"),
                                "give the texts to rank")
+        if one_text(docs):  # a list of token ids is one text: its ids are not documents (a 500 ranked them)
+            raise RequestError("documents is a list of token ids, not a list of documents",
+                               "give each document as a text or a list of token ids: [[1, 2, 3]], not [1, 2, 3]")
         if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or top_n < 0):
             raise RequestError(f"top_n must be a non-negative integer, got {top_n!r}"[:200],
                                "0 (or none) returns every document")
