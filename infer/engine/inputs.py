@@ -579,13 +579,14 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
 
 CLASSIFY_PROMPTS = ("prompt", "input", "prompt_token_ids", "messages")
 _CLASSIFY_FIELDS = ("truncate_prompt_tokens", "use_activation", "priority")
+_CLASSIFY_CHAT = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")  # (messages' only)
 
 
 def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None) -> ParsedRequest:
     """A line of infer's format on a classifier (a *ForSequenceClassification model, whose lines classify as POST
     /classify does): one prompt (prompt or input: a text or token ids; prompt_token_ids; messages, rendered by the
     chat template as vLLM's ClassificationChatRequest) and the pooling fields; a generation field is refused."""
-    allowed = [*CLASSIFY_PROMPTS, *sorted(_OTHER_KEYS), *_CLASSIFY_FIELDS]
+    allowed = [*CLASSIFY_PROMPTS, *sorted(_OTHER_KEYS), *_CLASSIFY_FIELDS, *_CLASSIFY_CHAT]
     unknown = sorted(str(k) for k in obj if k not in allowed)
     what = ("this model is a classifier (a *ForSequenceClassification model): a line classifies its prompt, "
             "generating nothing")
@@ -602,8 +603,15 @@ def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None
                            use_activation=obj.get("use_activation"), task="classify").checked()
     room = max_tokens if params.truncate_prompt_tokens is None else None
     key, value = given[0], obj[given[0]]
-    if key == "messages":  # (vLLM's classify chat form: no generation prompt unless asked; infer asks none)
-        tokens = encode_prompt(tokenizer, messages=value, max_tokens=room, template={"add_generation_prompt": False})
+    chat = {k: obj.get(k) for k in _CLASSIFY_CHAT}  # (read as /classify's chat form reads them)
+    stray = [k for k, v in chat.items() if v is not None and key != "messages"]
+    if stray:
+        raise RequestError(f"{', '.join(stray)} applies to chat messages only: this line's prompt is {key}",
+                           "send messages, or remove it")
+    if key == "messages":  # (vLLM's classify chat form: no generation prompt unless asked)
+        asked = chat["add_generation_prompt"]
+        template = chat_template_options({**chat, "add_generation_prompt": False if asked is None else asked})
+        tokens = encode_prompt(tokenizer, messages=value, max_tokens=room, template=template)
     elif key == "prompt_token_ids" and not (isinstance(value, list) and value):
         raise RequestError("prompt_token_ids must be a non-empty list of integers")
     else:
