@@ -110,3 +110,15 @@ def test_infer_run_chat_line_takes_the_template_fields(tmp_path, llama3):
     check_close([torch.tensor(recs[k]["probs"]) for k in want], list(want.values()))
     assert "add_generation_prompt applies to chat messages only" in recs["prompt"]["error"], recs["prompt"]
     assert "chat_template_kwargs must be an object, got str" in recs["bad"]["error"], recs["bad"]
+
+
+def test_a_cross_encoders_one_pair_refused_names_its_text(served_cross_encoder):
+    """One pair the engine refuses (truncate_prompt_tokens past the context, the pair longer) was named `input`, a
+    field a /score or /rerank body does not have: now the pair's text (text_2, documents[0]), as among several."""
+    cut = {"truncate_prompt_tokens": 1000}
+    for route, body, label in (("/score", {"text_1": "w " * 30, "text_2": "x " * 30, **cut}, "text_2"),
+                               ("/rerank", {"query": "w " * 30, "documents": ["x " * 30], **cut}, "documents[0]")):
+        status, reply = _post(served_cross_encoder, route, body)
+        assert status == 400 and reply["error"]["param"] == label.split("[")[0], reply
+        assert reply["error"]["message"].startswith(f"{label}: the prompt has"), reply
+        assert "lower truncate_prompt_tokens (1000)" in reply["error"]["message"], reply

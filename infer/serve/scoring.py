@@ -164,9 +164,9 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
                 if one_text(left) and params.truncate_prompt_tokens is None:
                     check_query_room(server.tokenizer, left, server.engine.max_model_len, pooler.joins_pair_text,
                                      names[0])
-                labels = [b if b != names[1] else a for a, b in pair_labels(left, right, *names)] \
-                    if len(pairs) > 1 else None
-                prompts = [_named(labels and labels[i], pair_ids, server.tokenizer, a, b, server.engine.max_model_len,
+                # (one pair too: the engine's refusal of it named `input`, a field the body does not have)
+                labels = [b for _, b in pair_labels(left, right, *names)]
+                prompts = [_named(labels[i], pair_ids, server.tokenizer, a, b, server.engine.max_model_len,
                                   params.truncate_prompt_tokens, pooler.joins_pair_text)
                            for i, (a, b) in enumerate(pairs)]
             else:  # each text embedded, named by its field (query, documents[3]: not the prompts' input[7])
@@ -176,7 +176,7 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
                            for i, t in enumerate(t for pair in pairs for t in pair)]
         except RequestError as e:
             raise _refused(e) from None
-        return EmbeddingRequest(body.get("model"), prompts, params, labels=labels and tuple(labels)), len(pairs)
+        return EmbeddingRequest(body.get("model"), prompts, params, labels=tuple(labels)), len(pairs)
 
     req, count = await asyncio.to_thread(parse)
     got = await _run(server, request, req, prefix, arrival)
