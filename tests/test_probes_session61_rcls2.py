@@ -122,3 +122,15 @@ def test_a_cross_encoders_one_pair_refused_names_its_text(served_cross_encoder):
         assert status == 400 and reply["error"]["param"] == label.split("[")[0], reply
         assert reply["error"]["message"].startswith(f"{label}: the prompt has"), reply
         assert "lower truncate_prompt_tokens (1000)" in reply["error"]["message"], reply
+
+
+def test_classify_input_form_refuses_the_chat_fields(served_classifier):
+    """/classify's input form took add_generation_prompt, chat_template_kwargs and chat_template and ignored them
+    (the input classified as it is, the client told nothing): refused naming the field, as /v1/completions does."""
+    for field, value in (("add_generation_prompt", True), ("chat_template_kwargs", {"a": 1}),
+                         ("chat_template", "{{ 'x' }}")):
+        status, reply = _post(served_classifier, "/classify", {"input": "hi", field: value})
+        assert status == 400 and reply["error"]["param"] == field, reply
+        assert reply["error"]["message"].startswith(f"{field} applies to the chat form (messages) only"), reply
+    status, reply = _post(served_classifier, "/classify", {"input": "hi", "add_generation_prompt": None})
+    assert status == 200, reply

@@ -14,7 +14,7 @@ import uuid
 
 from ..engine.classify import (NOT_CLASSIFIER, check_activation, check_cross_encoder, check_query_room,
                                check_texts, cosine, one_text, pair_ids, pair_labels, score_pairs)
-from ..engine.inputs import encode_prompt
+from ..engine.inputs import CHAT_TEMPLATE_FIELDS, encode_prompt
 from ..engine.pooling import PoolingParams, embedding_inputs, embedding_request_id
 from ..errors import RequestError
 from . import protocol as p
@@ -113,6 +113,10 @@ async def classify(server, request, raw: bytes, arrival: float):
     if not chat and "input" not in body:
         raise p.ApiError(400, "input is required: the text (or token ids) to classify (or messages, a chat rendered "
                               "with the chat template)", param="input")
+    stray = [k for k in (*CHAT_TEMPLATE_FIELDS, "chat_template") if not chat and body.get(k) is not None]
+    if stray:  # (ignored: an input classified as if the template had rendered it)
+        raise p.ApiError(400, f"{stray[0]} applies to the chat form (messages) only: input is classified as it is",
+                         param=stray[0])
     rid = _response_id(request, body, "classify-")
 
     def parse() -> EmbeddingRequest:
