@@ -36,7 +36,7 @@ def make_gptqmodel_checkpoint(src_dir, out_dir, bits: int = 4, group_size: int =
     from gptqmodel.looper import loop_processor
     from gptqmodel.quantization.config import FORMAT
     from transformers import AutoConfig
-    vocab = AutoConfig.from_pretrained(src_dir).vocab_size
+    vocab = AutoConfig.from_pretrained(src_dir).get_text_config().vocab_size  # (a multimodal one: its text model)
     g = torch.Generator().manual_seed(seed)
     calib = [{"input_ids": torch.randint(3, vocab, (seq_len,), generator=g).tolist(), "attention_mask": [1] * seq_len}
              for _ in range(num_samples)]

@@ -17,7 +17,7 @@ from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
 from .classifier import add_score_head, is_classifier, set_token_head, token_head
 from .layers import MergedLinear, UnquantizedLinearMethod
-from .multimodal import text_config, text_tensors, wrapper_of
+from .multimodal import quant_config, text_config, text_tensors, wrapper_of
 from .registry import check_near_family, check_supported, model_class
 from .rope import check_rope
 from .shapes import check_config_values, check_shapes
@@ -132,7 +132,7 @@ def linear_method_factory(path: Path, cfg):
         # other layer float
         return lambda names: None
     from ..quant.gptq_linear import GPTQLinearMethod
-    gcfg = GPTQConfig.from_model_dir(path)
+    gcfg = quant_config(GPTQConfig.from_model_dir(path), cfg)  # (a multimodal one's rules: models.multimodal)
     if gcfg is None:
         raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
     if gcfg.quant_method == "awq":  # AWQ 'gemm': each layer repacked into GPTQ's layout as it is read

@@ -22,6 +22,16 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
                   ("language_model.lm_head.", "lm_head."))
 
 
+def quant_config(gcfg, cfg):
+    """A checkpoint's GPTQConfig (None: float) with its `dynamic` rules matched against the language model's names
+    as the multimodal checkpoint stores them (model.language_model.layers.N..., as GPTQModel writes its rules) as
+    well as the text model's, where `cfg` is a multimodal checkpoint's text config; else `gcfg` as it is."""
+    if gcfg is None or not is_multimodal(cfg):
+        return gcfg
+    from dataclasses import replace
+    return replace(gcfg, aliases=tuple((plain.rstrip("."), prefix.rstrip(".")) for prefix, plain in _TEXT_PREFIXES))
+
+
 def wrapper_of(cfg) -> str | None:
     """The multimodal architecture `cfg` (a config read by transformers) is one of, else None."""
     archs = list(getattr(cfg, "architectures", None) or [])

@@ -52,6 +52,9 @@ class GPTQConfig:
     # GPTQModel's per-module overrides, in order: (regex as written, left in float, its (key, value) overrides); the
     # first regex that matches the start of a module's name decides, as GPTQModel and vLLM read `dynamic`
     dynamic: tuple[tuple[str, bool, tuple[tuple[str, object], ...]], ...] = ()
+    # (prefix, prefix the checkpoint may store in its place): the names `dynamic` rules are matched against besides
+    # the module's own (a multimodal checkpoint's language model, models.multimodal.quant_config)
+    aliases: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     source: str = field(default="config.json", compare=False)  # the file it was read from, for messages
 
     @property
@@ -84,8 +87,9 @@ class GPTQConfig:
     def rule_for(self, module: str) -> "tuple[str, bool, tuple] | None":
         """The `dynamic` rule (pattern as written, negative, overrides) that decides `module`: the first whose regex
         matches the start of its name; None where none does."""
-        return next((rule for rule in self.dynamic if re.match(rule[0].removeprefix("-:").removeprefix("+:"), module)),
-                    None)
+        names = [module] + [alias + module[len(prefix):] for prefix, alias in self.aliases if module.startswith(prefix)]
+        return next((rule for rule in self.dynamic
+                     if any(re.match(rule[0].removeprefix("-:").removeprefix("+:"), n) for n in names)), None)
 
     def why(self, module: str) -> str:
         """What in this config decides `module`'s settings, for messages: the modules_in_block_to_quantize that
@@ -105,10 +109,11 @@ class GPTQConfig:
         default). modules_in_block_to_quantize names decoder-layer modules only: it does not apply."""
         if not self.lm_head:
             return None
-        for pattern, negative, overrides in self.dynamic:
-            if re.match(pattern.removeprefix("-:").removeprefix("+:"), "lm_head"):
-                return None if negative else replace(self, **dict(overrides))
-        return self
+        rule = self.rule_for("lm_head")
+        if rule is None:
+            return self
+        _, negative, overrides = rule
+        return None if negative else replace(self, **dict(overrides))
 
     def settings(self) -> tuple:
         """What a layer's tensors are read with (shards merged into one matmul must agree on it)."""

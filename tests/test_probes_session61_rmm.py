@@ -1,0 +1,44 @@
+"""Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
+`dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
+(model.language_model.layers.N...)."""
+
+from __future__ import annotations
+
+import json
+
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from infer import LLM
+from infer.cli.main import app
+from infer.models.tiny import ensure_builtin
+
+from helpers import greedy_tokens, random_prompts
+from quant_helpers import needs_gptqmodel
+
+
+@needs_gptqmodel
+def test_dynamic_rules_naming_the_language_model_are_read(tmp_path):
+    """GPTQModel 7.6 quantizes tiny-gemma3-mm with `dynamic` rules naming the modules as it names them
+    (model.language_model.layers.N.mlp...): layer 1's MLP left in float, layer 0's in 8 bits. infer reads them so
+    (the float MLP was refused as an unexpected tensor of a GPTQ layer), gives GPTQModel's own load's greedy tokens,
+    and `warmup --estimate` sizes it as loaded."""
+    from infer.memory.sizes import weights_bytes
+    from quant_helpers import gptqmodel_greedy, make_gptqmodel_checkpoint
+    out = make_gptqmodel_checkpoint(ensure_builtin("tiny-gemma3-mm"), tmp_path / "q", num_samples=4, seq_len=32,
+                                    dynamic={r"-:model\.language_model\.layers\.1\.mlp\..*": {},
+                                             r"+:model\.language_model\.layers\.0\.mlp\..*": {"bits": 8}})
+    tensors = load_file(out / "model.safetensors")
+    assert "model.language_model.layers.1.mlp.down_proj.weight" in tensors
+    assert tensors["model.language_model.layers.0.mlp.down_proj.qweight"].shape[0] == 128 * 8 // 32
+    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+        layers = llm.engine.runner.model.layers
+        assert getattr(layers[1].mlp.down_proj, "qweight", None) is None
+        assert layers[0].mlp.down_proj.qweight.shape[0] * 32 // 8 == 128
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        got = greedy_tokens(llm, prompts, 8)
+    assert got == gptqmodel_greedy(out, prompts, 8)
