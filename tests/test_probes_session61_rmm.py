@@ -1,11 +1,13 @@
 """Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
 `dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
-(model.language_model.layers.N...)."""
+(model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
+transformers)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -42,3 +44,18 @@ def test_dynamic_rules_naming_the_language_model_are_read(tmp_path):
         assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
         got = greedy_tokens(llm, prompts, 8)
     assert got == gptqmodel_greedy(out, prompts, 8)
+
+
+@pytest.mark.parametrize("name", ["tiny-mistral3", "tiny-ministral3"])
+def test_bench_hf_baseline_of_a_mistral3_folder(name):
+    """The transformers baseline of `infer bench` loads a Mistral3ForConditionalGeneration (AutoModelForCausalLM
+    has no class for it: the baseline failed) and generates infer's greedy text of each prompt."""
+    from infer.bench.datasets import BenchRequest
+    from infer.bench.hf_baseline import load_hf, run_hf_generate
+    path = str(ensure_builtin(name))
+    prompts = random_prompts(512, (5, 9, 3), seed=3)
+    res = run_hf_generate(load_hf(path, dtype="float32", device="cpu"),
+                          [BenchRequest(None, p, 6, ignore_eos=True) for p in prompts], batch_size=2, progress=False)
+    with LLM(path, block_size=4) as llm:
+        want = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in greedy_tokens(llm, prompts, 6)]
+    assert [r.success for r in res.records] == [True] * 3 and [r.text for r in res.records] == want

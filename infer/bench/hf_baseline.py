@@ -87,9 +87,10 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     """Load a model folder (or a built-in name) with transformers. dtype auto: float32 on CPU, the
     checkpoint's dtype on a GPU; device auto: cuda if there is one."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from ..models.multimodal import wrapper_of
     from ..models.resolve import resolve_model
     path = resolve_model(model_path)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -100,8 +101,11 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     hf_logging.disable_progress_bar()
     try:
         from ..quant.config import hf_load_options  # (the hub's gpt-oss: its MXFP4 experts dequantized, as infer's)
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True,
-                                                           **hf_load_options(path))
+        auto = AutoModelForCausalLM
+        if wrapper_of(AutoConfig.from_pretrained(path, local_files_only=True)) is not None:
+            auto = AutoModelForImageTextToText  # a multimodal checkpoint (Mistral 3's has no causal LM class) whose
+            # language model infer serves (models.multimodal): its generate on text prompts
+        model, info = auto.from_pretrained(path, dtype=torch_dtype, output_loading_info=True, **hf_load_options(path))
         model = model.to(dev).eval()
         model.generation_config = plain_generation_config(model.generation_config)  # greedy, as the engine
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
