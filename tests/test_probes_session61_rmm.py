@@ -1,13 +1,15 @@
 """Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
 `dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
 (model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
-transformers)."""
+transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -59,3 +61,22 @@ def test_bench_hf_baseline_of_a_mistral3_folder(name):
     with LLM(path, block_size=4) as llm:
         want = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in greedy_tokens(llm, prompts, 6)]
     assert [r.success for r in res.records] == [True] * 3 and [r.text for r in res.records] == want
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3-mm", "tiny-mistral3"])
+def test_top_level_torch_dtype_is_the_checkpoint_dtype(tmp_path, name):
+    """A multimodal config.json as transformers 4 wrote it (the hub's Gemma 3 and Mistral 3: torch_dtype at the top,
+    none in text_config) names the checkpoint's dtype as transformers' dtype="auto" reads it (bfloat16), which
+    `--dtype auto` computes in on a GPU (EngineConfig.torch_dtype) (it was read as no dtype: float16, where Gemma 3's activations overflow)."""
+    from transformers import AutoModelForImageTextToText
+
+    from infer.engine.setup import checkpoint_dtype
+    from infer.models.loader import load_config
+    folder = tmp_path / name
+    shutil.copytree(ensure_builtin(name), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    config["text_config"].pop("dtype", None)
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    want = AutoModelForImageTextToText.from_pretrained(folder, dtype="auto").dtype
+    assert want == torch.bfloat16 and checkpoint_dtype(load_config(folder)) == want

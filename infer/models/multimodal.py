@@ -58,9 +58,11 @@ def text_config(cfg, raw: dict):
             f"{', '.join(f'{t} ({a})' for t, a in TEXT_ARCHS.items())}")
     text.architectures = [TEXT_ARCHS[kind]]
     text.multimodal_architecture = wrapper
-    for field in ("quantization_config", "dtype"):
-        if raw.get(field) is not None:
-            setattr(text, field, raw[field])
+    # (the top level's dtype as transformers 4 wrote it, torch_dtype: the hub's Gemma 3 and Mistral 3 configs)
+    for field, value in (("quantization_config", raw.get("quantization_config")),
+                         ("dtype", raw.get("dtype") or raw.get("torch_dtype"))):
+        if value is not None:
+            setattr(text, field, value)
     if "tie_word_embeddings" in raw:
         text.tie_word_embeddings = bool(raw["tie_word_embeddings"])
     return text
