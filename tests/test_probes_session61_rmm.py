@@ -67,7 +67,8 @@ def test_bench_hf_baseline_of_a_mistral3_folder(name):
 def test_top_level_torch_dtype_is_the_checkpoint_dtype(tmp_path, name):
     """A multimodal config.json as transformers 4 wrote it (the hub's Gemma 3 and Mistral 3: torch_dtype at the top,
     none in text_config) names the checkpoint's dtype as transformers' dtype="auto" reads it (bfloat16), which
-    `--dtype auto` computes in on a GPU (EngineConfig.torch_dtype) (it was read as no dtype: float16, where Gemma 3's activations overflow)."""
+    `--dtype auto` computes in on a GPU (EngineConfig.torch_dtype); it was read as no dtype: float16, where Gemma 3's
+    activations overflow."""
     from transformers import AutoModelForImageTextToText
 
     from infer.engine.setup import checkpoint_dtype
