@@ -1,11 +1,14 @@
 """Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
 `dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
 (model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
-transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's)."""
+transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's); `infer quantize`'s
+tied-head checks on a multimodal folder (its head tied by transformers' default, or a different head stored under
+the language model's prefix)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -81,3 +84,44 @@ def test_top_level_torch_dtype_is_the_checkpoint_dtype(tmp_path, name):
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     want = AutoModelForImageTextToText.from_pretrained(folder, dtype="auto").dtype
     assert want == torch.bfloat16 and checkpoint_dtype(load_config(folder)) == want
+
+
+def _gemma3_mm_head_variant(folder, tie: bool | None, head: bool):
+    """A copy of tiny-gemma3-mm in `folder` with tie_word_embeddings `tie` at both levels (None: unset, as the
+    hub's Gemma 3 configs) and its own (untied, random) lm_head stored or not."""
+    from safetensors.torch import save_file
+    shutil.copytree(ensure_builtin("tiny-gemma3-mm"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    for level in (config, config["text_config"]):
+        level.pop("tie_word_embeddings")
+        if tie is not None:
+            level["tie_word_embeddings"] = tie
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    assert "language_model.lm_head.weight" in tensors
+    if not head:
+        tensors.pop("language_model.lm_head.weight")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("case", ["tied-by-default-lm-head", "tied-with-a-stored-head"])
+def test_infer_quantize_checks_a_multimodal_tied_head(tmp_path, case):
+    """`infer quantize` refuses before calibrating: --lm-head on a Gemma 3 multimodal folder whose config sets no
+    tie_word_embeddings (transformers ties it by Gemma3Config's default; GPTQModel failed after loading), and a
+    folder tied by its config that stores a different language_model.lm_head.weight, which transformers and infer
+    use (GPTQModel tied it and dropped the head: the quantized model answered through the embeddings)."""
+    from helpers import greedy_each, hf_model
+    tied = case == "tied-with-a-stored-head"
+    src = _gemma3_mm_head_variant(tmp_path / "src", True if tied else None, head=tied)
+    if tied:  # the stored head is the one served
+        prompts = random_prompts(512, (5, 9), seed=3)
+        with LLM(str(src), block_size=4) as llm:
+            assert greedy_tokens(llm, prompts, 5) == greedy_each(hf_model(str(src)), prompts, 5)
+    args = ["quantize", str(src), "-o", str(tmp_path / "q"), "--group-size", "32", "--num-samples", "4",
+            "--seq-len", "32", *([] if tied else ["--lm-head"])]
+    res = CliRunner().invoke(app, args)
+    want = "stores a different lm_head.weight" if tied else "--lm-head: .* ties lm_head to the embeddings \\(no tie"
+    assert res.exit_code == 2 and re.search(want, " ".join(res.output.split())), res.output
+    assert "Calibrating" not in res.output and not (tmp_path / "q").exists()

@@ -198,9 +198,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     check_output(out, overwrite)
     check_inputs_kept(out, overwrite, {"--calibration": calibration})
     config = _check_source(src, opts.group_size, opts.bits)
-    if opts.lm_head and config.get("tie_word_embeddings", False):  # GPTQModel: NotImplementedError, after loading
-        raise ConfigError(f"--lm-head: {src / 'config.json'} ties lm_head to the embeddings (tie_word_embeddings: "
-                          "true), and GPTQModel quantizes only a head of its own", "quantize without --lm-head")
+    if opts.lm_head and _ties_head(src, config):  # GPTQModel: NotImplementedError, after loading
+        why = "tie_word_embeddings: true" if "tie_word_embeddings" in config else \
+            "no tie_word_embeddings: transformers ties them by default for this model"
+        raise ConfigError(f"--lm-head: {src / 'config.json'} ties lm_head to the embeddings ({why}), and GPTQModel "
+                          "quantizes only a head of its own", "quantize without --lm-head")
     if opts.lm_head:
         _check_head_widths(config)
     context, context_field = _context(config)
@@ -414,7 +416,7 @@ def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> N
     from .convert import load_weight_file, nonfinite_tensors
     if check_weights is not None:
         check_weights(src)
-    tied, heads = bool(read_config_json(src).get("tie_word_embeddings", False)), {}
+    tied, heads = _ties_head(src, read_config_json(src)), {}
     for f in weight_files(src):  # one file at a time: the model is never held twice
         tensors = load_weight_file(f)
         bad = nonfinite_tensors(tensors.items())
@@ -422,9 +424,29 @@ def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> N
             raise ModelLoadError(f"{src} has non-finite weights (inf or NaN) in {bad[0]}",
                                  "GPTQ cannot quantize them: fix or replace the checkpoint (a float model that runs)")
         if tied:
-            heads.update({k: v for k, v in tensors.items()
-                          if k in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")})
+            heads.update({_HEADS[k]: v for k, v in tensors.items() if k in _HEADS})
     _check_tied_head(src, heads)
+
+
+# the output head's and the embeddings' tensors as _check_tied_head names them: a text model's, and a multimodal
+# checkpoint's language model's (the hub's language_model.*, transformers 5's model.language_model.*)
+_HEADS = {"lm_head.weight": "lm_head.weight", "model.embed_tokens.weight": "model.embed_tokens.weight",
+          "embed_tokens.weight": "embed_tokens.weight", "language_model.lm_head.weight": "lm_head.weight",
+          "language_model.model.embed_tokens.weight": "model.embed_tokens.weight",
+          "model.language_model.embed_tokens.weight": "model.embed_tokens.weight"}
+
+
+def _ties_head(src: Path, config: dict) -> bool:
+    """Whether transformers ties the model's output head to its embeddings: config.json's tie_word_embeddings (the
+    top level's of a multimodal one), or where it is not set, its config class's default, as transformers reads it
+    (Gemma's and Gemma 3's: true; the hub's Gemma 3 multimodal configs set none)."""
+    if "tie_word_embeddings" in config or not (src / "config.json").is_file():
+        return bool(config.get("tie_word_embeddings", False))
+    from transformers import AutoConfig
+    try:
+        return bool(getattr(AutoConfig.from_pretrained(src, local_files_only=True), "tie_word_embeddings", False))
+    except Exception:  # (a config transformers cannot read: the checks of the weights name what is wrong)
+        return False
 
 
 def _check_tied_head(src: Path, heads: dict) -> None:
