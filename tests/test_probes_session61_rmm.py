@@ -3,7 +3,8 @@
 (model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
 transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's); `infer quantize`'s
 tied-head checks on a multimodal folder (its head tied by transformers' default, or a different head stored under
-the language model's prefix)."""
+the language model's prefix); an adapter without target_modules on a base peft has no default for (a multimodal
+one, Ministral 3)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,33 @@ def test_infer_quantize_checks_a_multimodal_tied_head(tmp_path, case):
     want = "stores a different lm_head.weight" if tied else "--lm-head: .* ties lm_head to the embeddings \\(no tie"
     assert res.exit_code == 2 and re.search(want, " ".join(res.output.split())), res.output
     assert "Calibrating" not in res.output and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("base", ["tiny-gemma3-mm", "tiny-mistral3", "ministral3-text"])
+def test_adapter_without_target_modules_on_a_base_peft_has_no_default_for(tmp_path, base):
+    """An adapter_config.json without target_modules on a multimodal base (peft reads the wrapper's model_type,
+    gemma3 or mistral3) or a Ministral3ForCausalLM: peft has no default target_modules for either and refuses to
+    load it; infer refuses it naming that (it served it as q_proj and v_proj adapted), LLM and lora-validate."""
+    from peft import PeftModel
+
+    from helpers import hf_model, save_random_model
+    from infer.errors import LoRAError
+    from lora_helpers import save_adapter
+    from test_probes_session61_mm import MINISTRAL3
+    if base == "ministral3-text":
+        hf = save_random_model(tmp_path / "base", "ministral3", "Ministral3ForCausalLM", MINISTRAL3)
+        folder, kind = tmp_path / "base", "ministral3"
+    else:
+        folder = ensure_builtin(base)
+        hf, kind = hf_model(str(folder)), {"tiny-gemma3-mm": "gemma3", "tiny-mistral3": "mistral3"}[base]
+    out = save_adapter(hf, tmp_path / "a", seed=1, r=4, lora_alpha=4,
+                       target_modules=r"(.*language_model)?.*\.(q_proj|v_proj)")
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "target_modules": None}))
+    with pytest.raises(ValueError, match="specify `target_modules`"):
+        PeftModel.from_pretrained(hf, str(out))
+    want = f"gives no target_modules, and peft has no default for a {kind} base"
+    with pytest.raises(LoRAError, match=want):
+        LLM(str(folder), loras={"a": str(out)}, block_size=4)
+    res = CliRunner().invoke(app, ["lora-validate", str(folder), str(out)])
+    assert res.exit_code != 0 and want in " ".join(res.output.split()), res.output

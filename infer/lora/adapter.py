@@ -20,7 +20,7 @@ import torch
 
 from ..errors import LoRAError
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts
-from ..models.multimodal import VISION_PREFIXES, is_multimodal, text_name
+from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED
 from ..models.shapes import ModelShapes
 
@@ -95,6 +95,8 @@ PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
 PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4", "starcoder2", "smollm3", "seed_oss",
                    "ernie4_5", "arcee", "nemotron", "apertus", "internlm3", "helium", "hunyuan_v1_dense",
                    "granite_swa")
+# nor Ministral 3's, nor a multimodal model's (peft reads the wrapper's model_type: gemma3, mistral3; peft_model_type)
+PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -331,11 +333,18 @@ def _misplaced(m: LoRAModule, base_config) -> Problem | None:
                    f"{m.proj}", "the adapter was trained for a base model whose layers are laid out otherwise")
 
 
+def peft_model_type(base_config) -> str | None:
+    """The model_type peft reads its default target_modules by: a multimodal checkpoint's own (its wrapper's, not
+    its text model's: models.multimodal), else the base's."""
+    return WRAPPERS.get(getattr(base_config, "multimodal_architecture", None)) or getattr(base_config, "model_type",
+                                                                                         None)
+
+
 def _no_default_targets(adapter: "LoRAAdapter", base_config) -> list[Problem]:
     """The adapter's read problems, or for a config without target_modules on a base peft has no default for (Phi-3:
     peft refuses it, "Please specify `target_modules`") that problem, naming the base's modules, in place of the ones
     read against Llama's default (q_proj, v_proj), which such a base does not have."""
-    model_type = getattr(base_config, "model_type", None)
+    model_type = peft_model_type(base_config)
     if adapter.config.get("target_modules") is not None or model_type not in PEFT_NO_DEFAULT:
         return list(adapter.problems)
     modules = ", ".join(expected_shapes(base_config))
