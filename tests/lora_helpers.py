@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -14,8 +17,9 @@ THREE = {
 
 
 def hf_float(path):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from helpers import _auto_class  # (a multimodal model's class: Mistral 3's has no causal LM one)
+    m = _auto_class(json.loads((Path(path) / "config.json").read_text())).from_pretrained(
+        path, dtype=torch.float32).eval()
     m.generation_config.eos_token_id = None  # never stop: compare with ignore_eos
     return m
 
