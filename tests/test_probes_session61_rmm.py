@@ -1,7 +1,8 @@
 """Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
 `dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
 (model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
-transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's); `infer quantize`'s
+transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's) and eos_token_id;
+`infer quantize`'s
 tied-head checks on a multimodal folder (its head tied by transformers' default, or a different head stored under
 the language model's prefix); an adapter without target_modules on a base peft has no default for (a multimodal
 one, Ministral 3)."""
@@ -147,3 +148,19 @@ def test_adapter_without_target_modules_on_a_base_peft_has_no_default_for(tmp_pa
     copy = check_no_target_modules_refused_as_peft(folder, out, tmp_path / "copy", kind)
     res = CliRunner().invoke(app, ["lora-validate", str(folder), str(copy)])
     assert res.exit_code != 0 and f"peft has no default for a {kind} base" in " ".join(res.output.split()), res.output
+
+
+def test_top_level_eos_token_id_stops_generation(tmp_path):
+    """A multimodal config.json's top-level eos_token_id (the hub's Gemma 3's [1, 106]: <end_of_turn>) in a folder
+    without generation_config.json: transformers' generation config stops at it (over text_config's), and so does
+    the engine (it stopped at text_config's alone)."""
+    from transformers import AutoModelForImageTextToText
+    folder = tmp_path / "mm"
+    shutil.copytree(ensure_builtin("tiny-gemma3-mm"), folder)
+    (folder / "generation_config.json").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 7]}))
+    want = AutoModelForImageTextToText.from_pretrained(folder).generation_config.eos_token_id
+    assert want == [2, 7]
+    with LLM(str(folder), block_size=4) as llm:
+        assert set(llm.engine.eos_token_ids) == {*want, llm.get_tokenizer().eos_token_id}

@@ -43,8 +43,9 @@ def wrapper_of(cfg) -> str | None:
 
 def text_config(cfg, raw: dict):
     """The text model's config of a multimodal config (`raw`: config.json's object): its text_config, named as the
-    text architecture, with the top level's quantization_config, dtype and tie_word_embeddings (transformers ties the
-    head by the top level's where config.json sets it), and `multimodal_architecture` set to the wrapper's name.
+    text architecture, with the top level's quantization_config, dtype, eos_token_id and tie_word_embeddings
+    (transformers ties the head by the top level's where config.json sets it), and `multimodal_architecture` set to
+    the wrapper's name.
     Another config is returned as it is."""
     wrapper = wrapper_of(cfg)
     if wrapper is None:
@@ -58,9 +59,11 @@ def text_config(cfg, raw: dict):
             f"{', '.join(f'{t} ({a})' for t, a in TEXT_ARCHS.items())}")
     text.architectures = [TEXT_ARCHS[kind]]
     text.multimodal_architecture = wrapper
-    # (the top level's dtype as transformers 4 wrote it, torch_dtype: the hub's Gemma 3 and Mistral 3 configs)
+    # (the top level's dtype as transformers 4 wrote it, torch_dtype: the hub's Gemma 3 and Mistral 3 configs; its
+    # eos_token_id, the hub's Gemma 3's [1, 106], which transformers' generation config reads over text_config's)
     for field, value in (("quantization_config", raw.get("quantization_config")),
-                         ("dtype", raw.get("dtype") or raw.get("torch_dtype"))):
+                         ("dtype", raw.get("dtype") or raw.get("torch_dtype")),
+                         ("eos_token_id", raw.get("eos_token_id"))):
         if value is not None:
             setattr(text, field, value)
     if "tie_word_embeddings" in raw:
