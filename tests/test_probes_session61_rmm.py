@@ -1,7 +1,7 @@
 """Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
 `dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
 (model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
-transformers); a config.json's top-level torch_dtype (as transformers 4 wrote the hub's) and eos_token_id;
+transformers) and the LoRA benchmark's adapters of a multimodal base; a config.json's top-level torch_dtype (as transformers 4 wrote the hub's) and eos_token_id;
 `infer quantize`'s
 tied-head checks on a multimodal folder (its head tied by transformers' default, or a different head stored under
 the language model's prefix); an adapter without target_modules on a base peft has no default for (a multimodal
@@ -164,3 +164,18 @@ def test_top_level_eos_token_id_stops_generation(tmp_path):
     assert want == [2, 7]
     with LLM(str(folder), block_size=4) as llm:
         assert set(llm.engine.eos_token_ids) == {*want, llm.get_tokenizer().eos_token_id}
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3-mm", "tiny-mistral3"])
+def test_the_lora_benchmark_makes_adapters_of_a_multimodal_language_model(tmp_path, name):
+    """infer.bench.lora_compare's adapters of a multimodal base adapt its language model's projections alone (they
+    adapted the vision tower's q_proj, k_proj, v_proj too, which infer refuses; Mistral 3's was not loaded at all):
+    served mixed with the base, they give peft's tokens."""
+    from helpers import hf_model
+    from infer.bench.lora_compare import make_adapters
+    from lora_helpers import check_mixed_adapters_equal_peft
+    base = ensure_builtin(name)
+    paths = make_adapters(name, tmp_path, num=2, rank=8)
+    assert not [k for k in load_file(tmp_path / "lora0" / "adapter_model.safetensors") if "vision" in k]
+    check_mixed_adapters_equal_peft(base, hf_model(str(base)), paths, random_prompts(512, (5, 9, 7), seed=2),
+                                    ["lora0", None, "lora1"])

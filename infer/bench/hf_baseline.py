@@ -83,14 +83,24 @@ class HFModel(NamedTuple):
     device: Any  # torch.device
 
 
+def hf_auto_class(path):
+    """transformers' auto class of the generative model folder `path`: AutoModelForImageTextToText for a multimodal
+    checkpoint whose language model infer serves (models.multimodal: Mistral 3's has no causal LM class), else
+    AutoModelForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from ..models.multimodal import wrapper_of
+    multimodal = wrapper_of(AutoConfig.from_pretrained(path, local_files_only=True)) is not None
+    return AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+
+
 def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFModel:
     """Load a model folder (or a built-in name) with transformers. dtype auto: float32 on CPU, the
     checkpoint's dtype on a GPU; device auto: cuda if there is one."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from ..models.multimodal import wrapper_of
     from ..models.resolve import resolve_model
     path = resolve_model(model_path)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -101,11 +111,8 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     hf_logging.disable_progress_bar()
     try:
         from ..quant.config import hf_load_options  # (the hub's gpt-oss: its MXFP4 experts dequantized, as infer's)
-        auto = AutoModelForCausalLM
-        if wrapper_of(AutoConfig.from_pretrained(path, local_files_only=True)) is not None:
-            auto = AutoModelForImageTextToText  # a multimodal checkpoint (Mistral 3's has no causal LM class) whose
-            # language model infer serves (models.multimodal): its generate on text prompts
-        model, info = auto.from_pretrained(path, dtype=torch_dtype, output_loading_info=True, **hf_load_options(path))
+        model, info = hf_auto_class(path).from_pretrained(path, dtype=torch_dtype, output_loading_info=True,
+                                                          **hf_load_options(path))
         model = model.to(dev).eval()
         model.generation_config = plain_generation_config(model.generation_config)  # greedy, as the engine
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

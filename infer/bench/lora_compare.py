@@ -30,12 +30,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def make_adapters(base: str, out: Path, num: int, rank: int, seed: int = 0) -> dict[str, str]:
     """`num` random PEFT LoRA adapters of rank `rank` for the model `base` (a folder or built-in name)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from ..lora.adapter import base_targets
     from ..models.resolve import resolve_model
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=torch.float32)
-    targets = base_targets(hf.config.model_type, TARGETS)  # Phi-3's fused modules: peft found no q_proj there
+    from .hf_baseline import hf_auto_class
+    path = resolve_model(base)
+    hf = hf_auto_class(path).from_pretrained(path, dtype=torch.float32)
+    # (Phi-3's fused modules: peft found no q_proj there)
+    targets = base_targets(hf.config.get_text_config().model_type, TARGETS)
+    if hf.config.get_text_config() is not hf.config:  # a multimodal model: its language model's alone (infer refuses
+        targets = rf".*language_model.*\.({'|'.join(targets)})"  # an adapter of its vision tower's q_proj, ...)
     model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     paths = {}
     for k in range(num):
