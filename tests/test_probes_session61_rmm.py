@@ -1,11 +1,10 @@
 """Session 61 (rmm): review of the multimodal checkpoints' text model (models.multimodal) and Ministral 3: GPTQModel's
 `dynamic` rules of a multimodal checkpoint, which name the language model's modules as the checkpoint stores them
 (model.language_model.layers.N...); `infer bench --baseline hf` on a Mistral 3 folder (no causal LM class in
-transformers) and the LoRA benchmark's adapters of a multimodal base; a config.json's top-level torch_dtype (as transformers 4 wrote the hub's) and eos_token_id;
-`infer quantize`'s
-tied-head checks on a multimodal folder (its head tied by transformers' default, or a different head stored under
-the language model's prefix); an adapter without target_modules on a base peft has no default for (a multimodal
-one, Ministral 3)."""
+transformers) and the LoRA benchmark's adapters of a multimodal base; a config.json's top-level torch_dtype (as
+transformers 4 wrote the hub's) and eos_token_id; `infer quantize`'s tied-head checks on a multimodal folder (its
+head tied by transformers' default, or a different head stored under the language model's prefix); an adapter
+without target_modules on a base peft has no default for (a multimodal one, Ministral 3)."""
 
 from __future__ import annotations
 
