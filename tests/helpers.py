@@ -141,15 +141,22 @@ def norms_and_biases_shifted(name, p):
         p.add_(torch.randn_like(p) * 0.3)
 
 
-def family_builder(small: dict, families: dict):
+def family_small_config(num_hidden_layers: int) -> dict:
+    """The small config a family test file builds its random models over (family_builder's `small`): 4 heads of 16
+    (2 KV heads), an MLP of 128, the tiny-llama tokenizer's vocabulary of 512, untied heads; `num_hidden_layers`."""
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
+                tie_word_embeddings=False)
+
+
+def family_builder(small: dict, families: dict, perturb=norms_and_biases_shifted):
     """`build(folder, family, seed=0, **config)` for a test file's `families` ({family: (model_type, architecture,
-    config)}) over its `small` config: a random model folder of `family` (float32; norm weights and biases moved off
-    their constant init) with the tiny-llama tokenizer, config the three merged; returns transformers' model (eager
-    attention)."""
+    config)}) over its `small` config: a random model folder of `family` (float32; `perturb(name, parameter)` on each
+    parameter, by default norm weights and biases moved off their constant init) with the tiny-llama tokenizer, config
+    the three merged; returns transformers' model (eager attention)."""
     def build(folder, family: str, seed: int = 0, **config):
         model_type, arch, extra = families[family]
-        return save_random_model(folder, model_type, arch, {**small, **extra, **config}, seed,
-                                 norms_and_biases_shifted)
+        return save_random_model(folder, model_type, arch, {**small, **extra, **config}, seed, perturb)
     return build
 
 
@@ -196,6 +203,21 @@ def check_greedy_and_logprobs_equal_transformers(folder, hf, name, check_model) 
         check_model(llm.engine.runner.model)
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
     check_equal_transformers(hf, prompts, outs, 10, name)
+
+
+def greedy_and_logprobs_test(configs: dict, build, check_model):
+    """A family test file's test_greedy_tokens_and_logprobs_equal_transformers, parametrized by the names of `configs`
+    ({name: (family, config)}): `build(folder, family, **config)`'s model, which `check_model(model, hf, family,
+    config)` checks as infer loaded it (hf: transformers' model), equals transformers
+    (check_greedy_and_logprobs_equal_transformers)."""
+    @pytest.mark.parametrize("name", configs)
+    def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+        """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
+        family, config = configs[name]
+        hf = build(tmp_path, family, **config)
+        check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name,
+                                                     lambda model: check_model(model, hf, family, config))
+    return test_greedy_tokens_and_logprobs_equal_transformers
 
 
 def check_stray_sliding_window(folder, hf, family: str) -> None:
@@ -286,6 +308,20 @@ def check_run_and_bench_builtin(tmp_path, name: str) -> None:
     assert report["completed"] == 2
 
 
+def builtin_model_tests(archs: dict, nope=()):
+    """A family test file's tests of its built-in tiny models (`archs`: {name: architecture}; `nope`: the names with a
+    NoPE table), parametrized by name: `test_builtin_tiny_model_runs_and_warmup_sizes_it,
+    test_infer_run_and_bench_on_the_builtin_model = builtin_model_tests(...)` (pytest collects them by those names)."""
+    @pytest.mark.parametrize("name", archs)
+    def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
+        check_builtin_runs_and_warmup_sizes_it(name, archs[name], name in nope)
+
+    @pytest.mark.parametrize("name", archs)
+    def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
+        check_run_and_bench_builtin(tmp_path, name)
+    return test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model
+
+
 def check_stream_adds_up(req, text: str) -> None:
     """Streamed `text` of a reply (reasoning parser `req`), at every length: each part (reasoning, content) only
     grows, and the last ones are the whole reply's."""
@@ -321,6 +357,28 @@ def interpreted_module(name: str):
             os.environ.pop("TRITON_INTERPRET")
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """infer.kernels.fused interpreted (interpreted_module), for the test files that import this fixture."""
+    yield from interpreted_module("infer.kernels.fused")
+
+
+@pytest.fixture(scope="module")
+def gemm(fused):
+    """infer.kernels.gptq_gemm interpreted (after fused), for the test files that import this fixture."""
+    yield from interpreted_module("infer.kernels.gptq_gemm")
+
+
+def recorded_launch_arg(gemm, monkeypatch, index: int, name: str) -> list:
+    """The argument `name` (at position `index`; 0 where the launch leaves it to its default) of every fused int4
+    launch (`gemm`: an infer.kernels.gptq_gemm module, its _launch) from now on."""
+    seen = []
+    launch = gemm._launch
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (seen.append(a[index] if len(a) > index else kw.get(name, 0)),
+                                                           launch(*a, **kw))[1])
+    return seen
 
 
 def fail_steps_of(monkeypatch, request_id: str) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
+
+from quant_helpers import needs_gptqmodel
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Three small adapters with different ranks and target sets (name -> LoraConfig arguments).
@@ -211,3 +214,87 @@ def check_no_target_modules_refused_as_peft(base, adapter, folder, family: str):
     with pytest.raises(LoRAError, match=f"peft has no default for a {family} base"):
         LLM(str(base), loras={"a": str(path)})
     return path
+
+
+def check_lora_validate_ok_and_non_linear_regexes(base, paths: dict, folder, cases) -> None:
+    """lora-validate accepts the adapter of every projection (paths["all8"]: check_lora_validate_ok); for each
+    (target_modules regex, module) of `cases`, a copy (in `folder`) of paths["qv4"] with that regex: adapter_problems
+    names layers.0.MODULE as not a Linear layer (peft refuses such an adapter), or, where module is None, no module
+    of the kind (the regex selects nothing more than the adapter's projections)."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from infer.lora.adapter import adapter_problems
+    check_lora_validate_ok(base, paths["all8"])
+    path = shutil.copytree(paths["qv4"], folder)
+    config = json.loads((path / "adapter_config.json").read_text())
+    for regex, module in cases:
+        (path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": regex}))
+        problems = [str(p) for p in adapter_problems("a", path, AutoConfig.from_pretrained(base))]
+        hits = [p for p in problems if "which is not a Linear layer" in p]
+        if module is None:
+            assert not hits, problems
+        else:
+            assert hits and f"layers.0.{module}" in hits[0], problems
+
+
+# ------------------------------------------------------------------------------------------ family test files' LoRA
+# A family test file (tests/test_probes_session*_fam*.py) takes these by name: `family_lora = family_lora_fixture(...)`
+# and `from lora_helpers import test_...`, pytest collecting them as the file's own tests on its family_lora.
+def family_lora_fixture(build, biases: dict):
+    """The module fixture `family_lora`, one param a family of `biases` ({family: the config turning its biases on}):
+    (family, base folder, transformers' model, {name: adapter}) of FAMILY_ADAPTERS on a base of the family (biases
+    on)."""
+    @pytest.fixture(scope="module", params=list(biases))
+    def family_lora(request, tmp_path_factory):
+        return family_base_and_adapters(tmp_path_factory, build, request.param, **biases[request.param])
+    return family_lora
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
+    from helpers import random_prompts
+    _, base, hf, paths = family_lora
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+@needs_gptqmodel
+def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_path, monkeypatch):
+    """A GPTQ checkpoint of the base with the adapters mixed: the int4 kernels (interpreted), their silu in gate_up's
+    epilogue, give the CPU path's tokens."""
+    from quant_helpers import check_int4_kernels_with_mixed_adapters
+    _, base, _, paths = family_lora
+    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
+
+
+def test_lora_validate_accepts_an_adapter_of_every_projection(family_lora):
+    _, base, _, paths = family_lora
+    check_lora_validate_ok(base, paths["all8"])
+
+
+def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_lora, tmp_path):
+    """peft has no default target_modules for these bases (its mapping names none of them): PeftModel.from_pretrained
+    refuses a config without them ("Please specify `target_modules`"), and so do infer's engine and lora-validate,
+    naming the base's model_type."""
+    from transformers import AutoConfig
+
+    from infer.lora.adapter import adapter_problems
+    _, base, _, paths = family_lora
+    config = AutoConfig.from_pretrained(base)
+    path = check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", config.model_type)
+    [problem] = adapter_problems("a", path, config)
+    assert f"peft has no default for a {config.model_type} base" in str(problem)
+
+
+def test_adapter_without_target_modules_is_refused_as_peft_does(family_lora, tmp_path):
+    """peft has no default target_modules for these bases: PeftModel.from_pretrained refuses a config without them
+    ("Please specify `target_modules`"), and so does infer's engine."""
+    family, base, _, paths = family_lora
+    check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", family)
+
+
+def test_serve_completions(family_lora):
+    from helpers import check_served_completion_equals_transformers
+    family, base, hf, _ = family_lora
+    check_served_completion_equals_transformers(base, family, hf)

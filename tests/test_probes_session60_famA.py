@@ -17,24 +17,21 @@ import json
 import pytest
 import torch
 from typer.testing import CliRunner
-from transformers import AutoConfig
 
 from infer import LLM
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 
-from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_greedy_and_logprobs_equal_transformers, check_run_and_bench_builtin,
-                     check_served_completion_equals_transformers, family_builder, greedy_each, random_prompts)
-from lora_helpers import (check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft,
-                          family_base_and_adapters)
-from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
-                           check_int4_kernels_with_mixed_adapters, needs_gptqmodel)
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, family_builder, family_small_config,
+                     greedy_and_logprobs_test, greedy_each, random_prompts)
+from lora_helpers import (check_mixed_adapters_gpu_path_equal_peft, family_lora_fixture,  # noqa: F401 (its tests)
+                          test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it,
+                          test_int4_kernels_with_mixed_adapters_equal_the_cpu_path,
+                          test_lora_validate_accepts_an_adapter_of_every_projection,
+                          test_peft_adapters_equal_peft_alone_and_mixed, test_serve_completions)
+from quant_helpers import check_gpu_path_interpreted, check_infer_quantize_and_convert, needs_gptqmodel
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
-             tie_word_embeddings=False)
+SMALL = family_small_config(num_hidden_layers=4)
 FAMILIES = {"smollm3": ("smollm3", "SmolLM3ForCausalLM", {}),  # layer 3 NoPE (transformers' interval of 4)
             # head_dim set apart from hidden_size / heads (Seed-OSS's config defaults to 128)
             "seed_oss": ("seed_oss", "SeedOssForCausalLM", dict(head_dim=32)),
@@ -63,28 +60,26 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
-    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
-    family, config = CONFIGS[name]
-    hf = build(tmp_path, family, **config)
+def _check_model(model, hf, family: str, config: dict) -> None:
+    """infer's model of a config of CONFIGS as it loaded it (test_greedy_tokens_and_logprobs_equal_transformers;
+    hf: transformers' model)."""
+    if family == "smollm3":  # the NoPE layers rotate by the identity table, the others by the rope's
+        nope = [not f for f in hf.config.no_rope_layers]
+        assert [model._rope(i) is model.nope_cos_sin for i in range(len(nope))] == nope and any(nope)
+        assert [layer.self_attn.window for layer in model.layers] == \
+            [8 if t == SL else 0 for t in hf.config.layer_types]
+    elif family == "seed_oss":
+        attn = model.layers[0].self_attn
+        assert (attn.qkv_proj.bias is not None) == hf.config.attention_bias
+        assert (attn.o_proj.bias is not None) == hf.config.attention_out_bias
+    else:  # the whole head rotated, the pairs interleaved
+        attn = model.layers[0].self_attn
+        assert attn.rot_dim == attn.head_dim and attn.rope_interleaved
+        assert (attn.o_proj.bias is not None) == (model.layers[0].mlp.down_proj.bias is not None) == \
+            hf.config.use_bias
 
-    def check_model(model):
-        if family == "smollm3":  # the NoPE layers rotate by the identity table, the others by the rope's
-            nope = [not f for f in hf.config.no_rope_layers]
-            assert [model._rope(i) is model.nope_cos_sin for i in range(len(nope))] == nope and any(nope)
-            assert [layer.self_attn.window for layer in model.layers] == \
-                [8 if t == SL else 0 for t in hf.config.layer_types]
-        elif family == "seed_oss":
-            attn = model.layers[0].self_attn
-            assert (attn.qkv_proj.bias is not None) == hf.config.attention_bias
-            assert (attn.o_proj.bias is not None) == hf.config.attention_out_bias
-        else:  # the whole head rotated, the pairs interleaved
-            attn = model.layers[0].self_attn
-            assert attn.rot_dim == attn.head_dim and attn.rope_interleaved
-            assert (attn.o_proj.bias is not None) == (model.layers[0].mlp.down_proj.bias is not None) == \
-                hf.config.use_bias
-    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+
+test_greedy_tokens_and_logprobs_equal_transformers = greedy_and_logprobs_test(CONFIGS, build, _check_model)
 
 
 def test_nope_layers_and_seed_oss_biases_change_the_tokens(tmp_path):
@@ -156,18 +151,7 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
 # ------------------------------------------------------------------------------------------------------- LoRA
 BIASES = {"smollm3": dict(attention_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=True),
           "ernie4_5": dict(use_bias=True)}
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_lora(request, tmp_path_factory):
-    """(family, base folder, transformers' model, {name: adapter}) of FAMILY_ADAPTERS on a base of the family
-    (biases on)."""
-    return family_base_and_adapters(tmp_path_factory, build, request.param, **BIASES[request.param])
-
-
-def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
-    _, base, hf, paths = family_lora
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+family_lora = family_lora_fixture(build, BIASES)
 
 
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
@@ -184,48 +168,11 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
     check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
 
 
-@needs_gptqmodel
-def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_path, monkeypatch):
-    """A GPTQ checkpoint of the base with the adapters mixed: the int4 kernels (interpreted), their silu in gate_up's
-    epilogue, give the CPU path's tokens."""
-    _, base, _, paths = family_lora
-    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
-
-
-def test_lora_validate_accepts_an_adapter_of_every_projection(family_lora):
-    _, base, _, paths = family_lora
-    check_lora_validate_ok(base, paths["all8"])
-
-
-def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_lora, tmp_path):
-    """peft has no default target_modules for these bases (its mapping names none of smollm3, seed_oss, ernie4_5):
-    PeftModel.from_pretrained refuses a config without them ("Please specify `target_modules`"), and so do infer's
-    engine and lora-validate."""
-    from infer.lora.adapter import adapter_problems
-    family, base, _, paths = family_lora
-    path = check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", family)
-    [problem] = adapter_problems("a", path, AutoConfig.from_pretrained(base))
-    assert f"peft has no default for a {family} base" in str(problem)
-
-
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
-def test_serve_completions(family_lora):
-    family, base, hf, _ = family_lora
-    check_served_completion_equals_transformers(base, family, hf)
-
-
 TINY = {"tiny-smollm3": "SmolLM3ForCausalLM", "tiny-seed-oss": "SeedOssForCausalLM",
         "tiny-ernie4_5": "Ernie4_5ForCausalLM"}
-
-
-@pytest.mark.parametrize("name", TINY)
-def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
-    check_builtin_runs_and_warmup_sizes_it(name, TINY[name], name == "tiny-smollm3")
-
-
-@pytest.mark.parametrize("name", TINY)
-def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
-    check_run_and_bench_builtin(tmp_path, name)
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests(TINY, ("tiny-smollm3",))
 
 
 @pytest.mark.parametrize("model_type, arch, what", [

@@ -23,19 +23,16 @@ from infer import LLM
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 
-from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_greedy_and_logprobs_equal_transformers, check_run_and_bench_builtin,
-                     check_served_completion_equals_transformers, family_builder, greedy_each, interpreted_module,
-                     random_prompts)
-from lora_helpers import (check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft,
-                          family_base_and_adapters)
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, family_builder, family_small_config,
+                     greedy_and_logprobs_test, greedy_each, interpreted_module, random_prompts)
+from lora_helpers import (check_lora_validate_ok_and_non_linear_regexes,  # noqa: F401 (its tests)
+                          check_mixed_adapters_gpu_path_equal_peft, family_base_and_adapters,
+                          test_adapter_without_target_modules_is_refused_as_peft_does,
+                          test_peft_adapters_equal_peft_alone_and_mixed, test_serve_completions)
 from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
                            check_int4_kernels_with_mixed_adapters, needs_gptqmodel)
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
-             tie_word_embeddings=False)
+SMALL = family_small_config(num_hidden_layers=2)
 SL, FULL = "sliding_attention", "full_attention"
 FAMILIES = {"cohere": ("cohere", "CohereForCausalLM", dict(logit_scale=0.5)),
             # 3 sliding layers (a window of 8: prompts pass it) and a full one, transformers' default pattern
@@ -101,31 +98,29 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
-    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
-    family, config = CONFIGS[name]
-    hf = build(tmp_path, family, **config)
+def _check_model(model, hf, family: str, config: dict) -> None:
+    """infer's model of a config of CONFIGS as it loaded it (test_greedy_tokens_and_logprobs_equal_transformers;
+    hf: transformers' model)."""
+    attn = model.layers[0].self_attn
+    assert attn.rope_interleaved == (family in COHERES)
+    if family in COHERES:
+        assert model.logit_scale == 0.5
+    if config.get("use_qk_norm"):  # a LayerNorm per head, each its own weights
+        assert attn.q_norm.weight.shape == (attn.num_heads, attn.head_dim)
+    if family == "exaone4":  # RMSNorm per head
+        assert attn.q_norm.weight.shape == (attn.head_dim,)
+    if family == "starcoder2":  # every layer's window, the norms' and projections' biases as use_bias says
+        window, bias = hf.config.sliding_window or 0, hf.config.use_bias
+        assert {layer.self_attn.window for layer in model.layers} == {window}
+        assert (model.norm.bias is not None) and (attn.qkv_proj.bias is not None) == bias
+    elif family != "cohere":  # each layer's window as its layer type says; the full layers without rotary where
+        types, window = hf.config.layer_types, hf.config.sliding_window  # sliding_window is set
+        assert [layer.self_attn.window for layer in model.layers] == [8 if t == SL else 0 for t in types]
+        assert [model._rope(i) is model.nope_cos_sin for i in range(len(types))] == \
+            [t == FULL and window is not None for t in types]
 
-    def check_model(model):
-        attn = model.layers[0].self_attn
-        assert attn.rope_interleaved == (family in COHERES)
-        if family in COHERES:
-            assert model.logit_scale == 0.5
-        if config.get("use_qk_norm"):  # a LayerNorm per head, each its own weights
-            assert attn.q_norm.weight.shape == (attn.num_heads, attn.head_dim)
-        if family == "exaone4":  # RMSNorm per head
-            assert attn.q_norm.weight.shape == (attn.head_dim,)
-        if family == "starcoder2":  # every layer's window, the norms' and projections' biases as use_bias says
-            window, bias = hf.config.sliding_window or 0, hf.config.use_bias
-            assert {layer.self_attn.window for layer in model.layers} == {window}
-            assert (model.norm.bias is not None) and (attn.qkv_proj.bias is not None) == bias
-        elif family != "cohere":  # each layer's window as its layer type says; the full layers without rotary where
-            types, window = hf.config.layer_types, hf.config.sliding_window  # sliding_window is set
-            assert [layer.self_attn.window for layer in model.layers] == [8 if t == SL else 0 for t in types]
-            assert [model._rope(i) is model.nope_cos_sin for i in range(len(types))] == \
-                [t == FULL and window is not None for t in types]
-    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+
+test_greedy_tokens_and_logprobs_equal_transformers = greedy_and_logprobs_test(CONFIGS, build, _check_model)
 
 
 @pytest.mark.parametrize("family", ["cohere2", "exaone4"])
@@ -214,11 +209,6 @@ def family_lora(request, tmp_path_factory):
                                     use_qk_norm=request.param == "cohere")
 
 
-def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
-    _, base, hf, paths = family_lora
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
-
-
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
     """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs: the o
     and down deltas added in their layers (the residual adds those outputs, no norm after them to leave them to),
@@ -253,14 +243,7 @@ def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_a_norm(f
     one input_layernorm a layer, EXAONE 4's post_attention_layernorm or StarCoder2's mlp.act (not Linear layers: peft
     refuses such an adapter) is refused; one that names a norm the family's layers lack selects nothing more and is
     accepted."""
-    import shutil
-
-    from infer.lora.adapter import adapter_problems
-    from transformers import AutoConfig
     family, base, _, paths = family_lora
-    check_lora_validate_ok(base, paths["all8"])
-    adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
-    config = json.loads((adapter / "adapter_config.json").read_text())
     cases = [(r".*(v_proj|input_layernorm)", "input_layernorm"), (r".*(v_proj|post_attention_layernorm)", None)]
     if family == "exaone4":  # OLMo 2's norms: after the attention and the MLP only
         cases = [(r".*(v_proj|input_layernorm)", None), (r".*(v_proj|post_attention_layernorm)",
@@ -270,21 +253,7 @@ def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_a_norm(f
                  (r".*(v_proj|post_attention_layernorm)", "post_attention_layernorm")]
     if family not in ("cohere2", "starcoder2"):
         cases.append((r".*\.(q_proj|q_norm)", "self_attn.q_norm"))
-    for regex, module in cases:
-        (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": regex}))
-        problems = [str(p) for p in adapter_problems("a", adapter, AutoConfig.from_pretrained(base))]
-        hits = [p for p in problems if "which is not a Linear layer" in p]
-        if module is None:
-            assert not hits, problems
-        else:
-            assert hits and f"layers.0.{module}" in hits[0], problems
-
-
-def test_adapter_without_target_modules_is_refused_as_peft_does(family_lora, tmp_path):
-    """peft has no default target_modules for these bases: PeftModel.from_pretrained refuses a config without them
-    ("Please specify `target_modules`"), and so does infer's engine."""
-    family, base, _, paths = family_lora
-    check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", family)
+    check_lora_validate_ok_and_non_linear_regexes(base, paths, tmp_path / "a", cases)
 
 
 def test_starcoder2_lora_target_modules_are_its_own():
@@ -314,20 +283,7 @@ def test_the_demo_refuses_tiny_starcoder2_before_any_step(tmp_path, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
-def test_serve_completions(family_lora):
-    family, base, hf, _ = family_lora
-    check_served_completion_equals_transformers(base, family, hf)
-
-
 BUILTIN = {"tiny-cohere": "CohereForCausalLM", "tiny-cohere2": "Cohere2ForCausalLM",
            "tiny-exaone4": "Exaone4ForCausalLM", "tiny-starcoder2": "Starcoder2ForCausalLM"}
-
-
-@pytest.mark.parametrize("name", BUILTIN)
-def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
-    check_builtin_runs_and_warmup_sizes_it(name, BUILTIN[name], name in ("tiny-cohere2", "tiny-exaone4"))
-
-
-@pytest.mark.parametrize("name", BUILTIN)
-def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
-    check_run_and_bench_builtin(tmp_path, name)
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests(BUILTIN, ("tiny-cohere2", "tiny-exaone4"))

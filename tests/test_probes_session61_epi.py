@@ -14,7 +14,7 @@ from infer.kernels import gptq_configs
 from infer.kernels import reference as ref
 from infer.quant import packing
 
-from helpers import interpreted_module, nan_filled_empty
+from helpers import fused, gemm, nan_filled_empty, recorded_launch_arg  # noqa: F401 (fixtures: kernel modules)
 from test_gptq_kernel import DECODE, GEMV, MMAT_SCALED, ROWS, make_weights
 
 CUDA = torch.cuda.is_available()
@@ -22,23 +22,9 @@ DEV = "cuda" if CUDA else "cpu"
 interpreted = pytest.mark.skipif(CUDA, reason="a GPU runs the real kernels (pytest -m gpu)")
 
 
-@pytest.fixture(scope="module")
-def fused():
-    yield from interpreted_module("infer.kernels.fused")
-
-
-@pytest.fixture(scope="module")
-def gemm(fused):
-    yield from interpreted_module("infer.kernels.gptq_gemm")
-
-
 def _gated_launches(gemm, monkeypatch) -> list:
     """The `gated` constexpr of every fused int4 launch (gptq_gemm._launch) from now on."""
-    seen = []
-    launch = gemm._launch
-    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (seen.append(a[16] if len(a) > 16 else kw.get("gated", 0)),
-                                                           launch(*a, **kw))[1])
-    return seen
+    return recorded_launch_arg(gemm, monkeypatch, 16, "gated")
 
 
 # ------------------------------------------------------------------------------------- GeGLU in the int4 gate_up

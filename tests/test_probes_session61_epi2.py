@@ -13,7 +13,7 @@ from infer.kernels import gptq_configs
 from infer.kernels import reference as ref
 from infer.quant import packing
 
-from helpers import interpreted_module, nan_filled_empty
+from helpers import fused, gemm, nan_filled_empty, recorded_launch_arg  # noqa: F401 (fixtures: kernel modules)
 from test_gptq_kernel import DECODE, GEMV, MMAT_SCALED, PREFILL, ROWS, make_weights
 
 CUDA = torch.cuda.is_available()
@@ -21,16 +21,6 @@ DEV = "cuda" if CUDA else "cpu"
 # (bfloat16 on a GPU only: TRITON_INTERPRET rounds float32 to bfloat16 toward zero, every kernel's stores alike)
 DTYPES = (torch.float16, torch.float32) + ((torch.bfloat16,) if CUDA else ())
 ACTS = ("gelu_tanh", "relu2", "xielu")
-
-
-@pytest.fixture(scope="module")
-def fused():
-    yield from interpreted_module("infer.kernels.fused")
-
-
-@pytest.fixture(scope="module")
-def gemm(fused):
-    yield from interpreted_module("infer.kernels.gptq_gemm")
 
 
 def xielu_module(dtype, alpha_p=0.8, alpha_n=0.3, beta=0.5, eps=-1e-6):
@@ -66,11 +56,7 @@ def torch_act(x, act, dtype):
 
 def _launch_acts(gemm, monkeypatch) -> list:
     """The ACT constexpr of every fused int4 launch (gptq_gemm._launch) from now on."""
-    seen = []
-    launch = gemm._launch
-    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (seen.append(a[17] if len(a) > 17 else kw.get("act", 0)),
-                                                           launch(*a, **kw))[1])
-    return seen
+    return recorded_launch_arg(gemm, monkeypatch, 17, "act")
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)

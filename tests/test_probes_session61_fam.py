@@ -22,20 +22,16 @@ from infer import LLM
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 
-from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_greedy_and_logprobs_equal_transformers, check_run_and_bench_builtin,
-                     check_served_completion_equals_transformers, greedy_each, greedy_tokens,
-                     norms_and_biases_shifted,
-                     random_prompts, save_random_model)
-from lora_helpers import (check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft,
-                          family_base_and_adapters)
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, family_builder, family_small_config,
+                     greedy_and_logprobs_test, greedy_each, greedy_tokens, norms_and_biases_shifted, random_prompts)
+from lora_helpers import (check_lora_validate_ok_and_non_linear_regexes,  # noqa: F401 (its tests)
+                          check_mixed_adapters_gpu_path_equal_peft, family_lora_fixture,
+                          test_adapter_without_target_modules_is_refused_as_peft_does,
+                          test_peft_adapters_equal_peft_alone_and_mixed, test_serve_completions)
 from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
                            check_int4_kernels_with_mixed_adapters, needs_gptqmodel)
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
-             tie_word_embeddings=False)
+SMALL = family_small_config(num_hidden_layers=2)
 FAMILIES = {"arcee": ("arcee", "ArceeForCausalLM", dict()),
             "nemotron": ("nemotron", "NemotronForCausalLM", dict()),
             "apertus": ("apertus", "ApertusForCausalLM", dict())}
@@ -49,10 +45,7 @@ def _perturbed(name, p):
         p.add_(torch.randn_like(p) * 0.5)
 
 
-def build(folder, family: str, seed: int = 0, **config):
-    """A random model folder of `family` (float32) over SMALL; returns transformers' model (eager attention)."""
-    model_type, arch, extra = FAMILIES[family]
-    return save_random_model(folder, model_type, arch, {**SMALL, **extra, **config}, seed, _perturbed)
+build = family_builder(SMALL, FAMILIES, _perturbed)
 
 
 CONFIGS = {
@@ -70,22 +63,20 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
-    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
-    family, config = CONFIGS[name]
-    hf = build(tmp_path, family, **config)
+def _check_model(model, hf, family: str, config: dict) -> None:
+    """infer's model of a config of CONFIGS as it loaded it (test_greedy_tokens_and_logprobs_equal_transformers;
+    hf: transformers' model)."""
+    mlp, attn = model.layers[0].mlp, model.layers[0].self_attn
+    assert mlp.proj_names == ("up_proj", "down_proj") and not hasattr(mlp, "gate_up_proj")
+    assert (mlp.up_proj.bias is not None) == (family != "apertus" and bool(config.get("mlp_bias")))
+    assert attn.qk_norm == (family == "apertus")
+    if family == "nemotron":  # the rotary over a part of each head
+        assert attn.rot_dim == int(attn.head_dim * config.get("partial_rotary_factor", 0.5))
+    if family == "apertus":  # each layer's own xIELU parameters
+        assert model.layers[0].mlp.act_fn.alpha_p != model.layers[1].mlp.act_fn.alpha_p
 
-    def check_model(model):
-        mlp, attn = model.layers[0].mlp, model.layers[0].self_attn
-        assert mlp.proj_names == ("up_proj", "down_proj") and not hasattr(mlp, "gate_up_proj")
-        assert (mlp.up_proj.bias is not None) == (family != "apertus" and bool(config.get("mlp_bias")))
-        assert attn.qk_norm == (family == "apertus")
-        if family == "nemotron":  # the rotary over a part of each head
-            assert attn.rot_dim == int(attn.head_dim * config.get("partial_rotary_factor", 0.5))
-        if family == "apertus":  # each layer's own xIELU parameters
-            assert model.layers[0].mlp.act_fn.alpha_p != model.layers[1].mlp.act_fn.alpha_p
-    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+
+test_greedy_tokens_and_logprobs_equal_transformers = greedy_and_logprobs_test(CONFIGS, build, _check_model)
 
 
 def test_what_the_families_change_changes_transformers_logits(tmp_path):
@@ -184,18 +175,8 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_lora(request, tmp_path_factory):
-    """(family, base folder, transformers' model, {name: adapter}) of FAMILY_ADAPTERS on a base of the family (its MLP
-    modules up_proj and down_proj: base_targets), with attention and MLP biases."""
-    return family_base_and_adapters(tmp_path_factory, build, request.param, attention_bias=True, mlp_bias=True)
-
-
-def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
-    _, base, hf, paths = family_lora
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+# adapters on each family's modules (its MLP's up_proj and down_proj: base_targets), attention and MLP biases on
+family_lora = family_lora_fixture(build, dict.fromkeys(FAMILIES, dict(attention_bias=True, mlp_bias=True)))
 
 
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
@@ -228,35 +209,14 @@ def test_lora_validate_accepts_an_adapter_and_refuses_a_regex_selecting_a_non_li
     module act_fn (Apertus's holds parameters), a norm (Apertus's under its names attention_layernorm and
     feedforward_layernorm, its q_norm) is refused (not Linear layers: peft refuses such an adapter); one that names a
     norm the family's layers lack selects nothing more and is accepted."""
-    import shutil
-
-    from infer.lora.adapter import adapter_problems
-    from transformers import AutoConfig
     family, base, _, paths = family_lora
-    check_lora_validate_ok(base, paths["all8"])
-    adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
-    config = json.loads((adapter / "adapter_config.json").read_text())
     cases = [(r".*(up_proj|mlp\.act_fn)", "mlp.act_fn"), (r".*(v_proj|input_layernorm)", "input_layernorm"),
              (r".*\.(v_proj|attention_layernorm)", None), (r".*\.(q_proj|q_norm)", None)]
     if family == "apertus":
         cases = [(r".*(up_proj|mlp\.act_fn)", "mlp.act_fn"), (r".*(v_proj|input_layernorm)", None),
                  (r".*(v_proj|feedforward_layernorm)", "feedforward_layernorm"),
                  (r".*\.(q_proj|q_norm)", "self_attn.q_norm")]
-    for regex, module in cases:
-        (adapter / "adapter_config.json").write_text(json.dumps({**config, "target_modules": regex}))
-        problems = [str(p) for p in adapter_problems("a", adapter, AutoConfig.from_pretrained(base))]
-        hits = [p for p in problems if "which is not a Linear layer" in p]
-        if module is None:
-            assert not hits, problems
-        else:
-            assert hits and f"layers.0.{module}" in hits[0], problems
-
-
-def test_adapter_without_target_modules_is_refused_as_peft_does(family_lora, tmp_path):
-    """peft has no default target_modules for these bases: PeftModel.from_pretrained refuses a config without them
-    ("Please specify `target_modules`"), and so does infer's engine."""
-    family, base, _, paths = family_lora
-    check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", family)
+    check_lora_validate_ok_and_non_linear_regexes(base, paths, tmp_path / "a", cases)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -321,23 +281,10 @@ def test_the_demo_refuses_the_ungated_builtins_before_any_step(tmp_path, monkeyp
 
 
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
-def test_serve_completions(family_lora):
-    family, base, hf, _ = family_lora
-    check_served_completion_equals_transformers(base, family, hf)
-
-
 BUILTIN = {"tiny-arcee": "ArceeForCausalLM", "tiny-nemotron": "NemotronForCausalLM",
            "tiny-apertus": "ApertusForCausalLM"}
-
-
-@pytest.mark.parametrize("name", BUILTIN)
-def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
-    check_builtin_runs_and_warmup_sizes_it(name, BUILTIN[name], False)
-
-
-@pytest.mark.parametrize("name", BUILTIN)
-def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
-    check_run_and_bench_builtin(tmp_path, name)
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests(BUILTIN)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

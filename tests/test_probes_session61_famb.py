@@ -25,19 +25,16 @@ from infer import LLM
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 
-from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_greedy_and_logprobs_equal_transformers, check_run_and_bench_builtin,
-                     check_served_completion_equals_transformers, greedy_each, norms_and_biases_shifted,
-                     random_prompts, save_random_model)
-from lora_helpers import (check_lora_validate_ok, check_mixed_adapters_equal_peft,
-                          check_mixed_adapters_gpu_path_equal_peft, check_no_target_modules_refused_as_peft,
-                          family_base_and_adapters)
-from quant_helpers import (check_gpu_path_interpreted, check_infer_quantize_and_convert,
-                           check_int4_kernels_with_mixed_adapters, needs_gptqmodel)
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, family_builder, family_small_config,
+                     greedy_and_logprobs_test, greedy_each, norms_and_biases_shifted, random_prompts, save_random_model)
+from lora_helpers import (check_mixed_adapters_gpu_path_equal_peft, family_lora_fixture,  # noqa: F401 (its tests)
+                          test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it,
+                          test_int4_kernels_with_mixed_adapters_equal_the_cpu_path,
+                          test_lora_validate_accepts_an_adapter_of_every_projection,
+                          test_peft_adapters_equal_peft_alone_and_mixed, test_serve_completions)
+from quant_helpers import check_gpu_path_interpreted, check_infer_quantize_and_convert, needs_gptqmodel
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
-             tie_word_embeddings=False)
+SMALL = family_small_config(num_hidden_layers=3)
 FAMILIES = {"internlm3": ("internlm3", "InternLM3ForCausalLM", dict(head_dim=32)),  # (its default: 128)
             "helium": ("helium", "HeliumForCausalLM", dict(head_dim=16)),  # (heads * head_dim: hidden_size)
             "hunyuan": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", dict(head_dim=32)),  # (its configs set it)
@@ -63,12 +60,14 @@ def _shifted(name, p):
         p.add_(torch.randn_like(p) + 2.0)
 
 
+_build = family_builder(SMALL, FAMILIES, _shifted)
+
+
 def build(folder, family: str, seed: int = 0, **config):
     """family_builder's model (its norms, biases and sinks moved off their constant init), its config.json naming
     the architecture as the family's checkpoints do (transformers saves an InternLM3 as the LlamaForCausalLM it runs
     it as)."""
-    model_type, arch, extra = FAMILIES[family]
-    hf = save_random_model(folder, model_type, arch, {**SMALL, **extra, **config}, seed, _shifted)
+    hf = _build(folder, family, seed, **config)
     saved = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**saved, "architectures": [FAMILIES[family][1]]}))
     return hf
@@ -93,34 +92,32 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
-    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4."""
-    family, config = CONFIGS[name]
-    hf = build(tmp_path, family, **config)
+def _check_model(model, hf, family: str, config: dict) -> None:
+    """infer's model of a config of CONFIGS as it loaded it (test_greedy_tokens_and_logprobs_equal_transformers;
+    hf: transformers' model)."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    biased = bool(hf.config.attention_bias)
+    assert (attn.qkv_proj.bias is not None) == biased
+    assert (mlp.gate_up_proj.bias is not None) == (mlp.down_proj.bias is not None) == \
+        bool(getattr(hf.config, "mlp_bias", False))
+    if family == "internlm3":  # Llama's attention: o biased with q, k and v
+        assert (attn.o_proj.bias is not None) == biased
+        assert attn.head_dim == hf.config.head_dim != hf.config.hidden_size // hf.config.num_attention_heads
+    elif family == "granite_swa":  # sinks, the windows and NoPE layers as transformers' layer types say
+        assert [layer.self_attn.window for layer in model.layers] == \
+            [8 if t == "sliding_attention" else 0 for t in hf.config.layer_types]
+        assert model.nope == [t == 0 for t in hf.config.layer_rope_theta] and any(model.nope)
+        assert attn.sinks is not None and attn.scale == hf.config.attention_multiplier
+        assert (attn.o_proj.bias is not None) == biased
+    elif family == "hunyuan":  # q and k normed after the rotary, the fused kernels handed the identity table
+        assert attn.norm_after_rope and attn.rot_dim == 2 and model._rope(0)[1] is model.nope_cos_sin
+        assert (attn.o_proj.bias is not None) == biased
+    else:  # Helium: no o bias, the whole head rotated in interleaved pairs, norms weighting in float32
+        assert attn.o_proj.bias is None and attn.rope_interleaved and attn.rot_dim == attn.head_dim
+        assert model.norm.float_weight and model.layers[0].input_layernorm.float_weight
 
-    def check_model(model):
-        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-        biased = bool(hf.config.attention_bias)
-        assert (attn.qkv_proj.bias is not None) == biased
-        assert (mlp.gate_up_proj.bias is not None) == (mlp.down_proj.bias is not None) == \
-            bool(getattr(hf.config, "mlp_bias", False))
-        if family == "internlm3":  # Llama's attention: o biased with q, k and v
-            assert (attn.o_proj.bias is not None) == biased
-            assert attn.head_dim == hf.config.head_dim != hf.config.hidden_size // hf.config.num_attention_heads
-        elif family == "granite_swa":  # sinks, the windows and NoPE layers as transformers' layer types say
-            assert [layer.self_attn.window for layer in model.layers] == \
-                [8 if t == "sliding_attention" else 0 for t in hf.config.layer_types]
-            assert model.nope == [t == 0 for t in hf.config.layer_rope_theta] and any(model.nope)
-            assert attn.sinks is not None and attn.scale == hf.config.attention_multiplier
-            assert (attn.o_proj.bias is not None) == biased
-        elif family == "hunyuan":  # q and k normed after the rotary, the fused kernels handed the identity table
-            assert attn.norm_after_rope and attn.rot_dim == 2 and model._rope(0)[1] is model.nope_cos_sin
-            assert (attn.o_proj.bias is not None) == biased
-        else:  # Helium: no o bias, the whole head rotated in interleaved pairs, norms weighting in float32
-            assert attn.o_proj.bias is None and attn.rope_interleaved and attn.rot_dim == attn.head_dim
-            assert model.norm.float_weight and model.layers[0].input_layernorm.float_weight
-    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+
+test_greedy_tokens_and_logprobs_equal_transformers = greedy_and_logprobs_test(CONFIGS, build, _check_model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -273,16 +270,7 @@ def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load_and_co
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_lora(request, tmp_path_factory):
-    """(family, base folder, transformers' model, {name: adapter}) of FAMILY_ADAPTERS on a base of the family
-    (biases on)."""
-    return family_base_and_adapters(tmp_path_factory, build, request.param, **BIASES[request.param])
-
-
-def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
-    _, base, hf, paths = family_lora
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+family_lora = family_lora_fixture(build, BIASES)
 
 
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, monkeypatch):
@@ -294,48 +282,11 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(family_lora, 
     check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, lambda model: None)
 
 
-@needs_gptqmodel
-def test_int4_kernels_with_mixed_adapters_equal_the_cpu_path(family_lora, tmp_path, monkeypatch):
-    """A GPTQ checkpoint of the base with the adapters mixed: the int4 kernels (interpreted), their silu in gate_up's
-    epilogue, give the CPU path's tokens."""
-    _, base, _, paths = family_lora
-    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"], True)
-
-
-def test_lora_validate_accepts_an_adapter_of_every_projection(family_lora):
-    _, base, _, paths = family_lora
-    check_lora_validate_ok(base, paths["all8"])
-
-
-def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(family_lora, tmp_path):
-    """peft has no default target_modules for these bases (its mapping names none of them): PeftModel.from_pretrained
-    refuses a config without them ("Please specify `target_modules`"), and so do infer's engine and lora-validate."""
-    from infer.lora.adapter import adapter_problems
-    family, base, _, paths = family_lora
-    model_type = FAMILIES[family][0]
-    path = check_no_target_modules_refused_as_peft(base, paths["all8"], tmp_path / "a", model_type)
-    [problem] = adapter_problems("a", path, AutoConfig.from_pretrained(base))
-    assert f"peft has no default for a {model_type} base" in str(problem)
-
-
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
-def test_serve_completions(family_lora):
-    family, base, hf, _ = family_lora
-    check_served_completion_equals_transformers(base, family, hf)
-
-
 TINY = {"tiny-internlm3": "InternLM3ForCausalLM", "tiny-helium": "HeliumForCausalLM",
         "tiny-hunyuan": "HunYuanDenseV1ForCausalLM", "tiny-granite-swa": "GraniteSWAForCausalLM"}
-
-
-@pytest.mark.parametrize("name", TINY)
-def test_builtin_tiny_model_runs_and_warmup_sizes_it(name):
-    check_builtin_runs_and_warmup_sizes_it(name, TINY[name], name in ("tiny-hunyuan", "tiny-granite-swa"))
-
-
-@pytest.mark.parametrize("name", TINY)
-def test_infer_run_and_bench_on_the_builtin_model(tmp_path, name):
-    check_run_and_bench_builtin(tmp_path, name)
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests(TINY, ("tiny-hunyuan", "tiny-granite-swa"))
 
 
 @pytest.mark.parametrize("model_type, arch, what, runs", [
