@@ -14,7 +14,7 @@ from infer.kernels import gptq_configs
 from infer.kernels import reference as ref
 from infer.quant import packing
 
-from helpers import fused, gemm, nan_filled_empty, recorded_launch_arg  # noqa: F401 (fixtures: kernel modules)
+from helpers import fused, gemm, interpreted_module, nan_filled_empty, recorded_launch_arg  # noqa: F401 (fixtures)
 from test_gptq_kernel import DECODE, GEMV, MMAT_SCALED, ROWS, make_weights
 
 CUDA = torch.cuda.is_available()
