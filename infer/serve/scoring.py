@@ -59,7 +59,7 @@ def _params(body: dict, task: str | None = None) -> PoolingParams:
 def _use_activation(body: dict):
     """use_activation, or the spelling vLLM still reads for it (softmax, then activation: deprecated, read by its
     get_use_activation); they were ignored: `"activation": false` answered probabilities, not the logits asked for."""
-    use = body.get("use_activation")
+    use, named = body.get("use_activation"), "use_activation"  # (named: the field that gave `use`)
     for old in ("softmax", "activation"):
         value = body.get(old)
         if value is None:
@@ -68,9 +68,10 @@ def _use_activation(body: dict):
             raise RequestError(f"{old} must be true or false, got {value!r}"[:200],
                                f"{old} is vLLM's deprecated spelling of use_activation; send use_activation")
         if use is not None and use != value:
-            raise RequestError(f"{old} {json.dumps(value)} contradicts use_activation {json.dumps(use)}",
+            raise RequestError(f"{old} {json.dumps(value)} contradicts {named} {json.dumps(use)}",
                                f"send use_activation alone ({old} is its deprecated spelling)")
-        use = value
+        if use is None:
+            use, named = value, old
     return use
 
 
@@ -213,9 +214,13 @@ def _score_fields(body: dict) -> tuple[str, str]:
     """The body's pair of fields of /score, as vLLM's ScoreRequest reads them: text_1 and text_2, data_1 and data_2,
     queries and documents, or queries and items; one pair, else a 400 naming what is missing or too much."""
     given = [pair for pair in SCORE_FIELDS if all(body.get(k) is not None for k in pair)]
-    if len(given) == 1:
-        return given[0]
     spellings = ", ".join(" and ".join(pair) for pair in SCORE_FIELDS)
+    if len(given) == 1:  # a field of another pair beside it would be ignored: refused
+        stray = next((k for pair in SCORE_FIELDS for k in pair if k not in given[0] and body.get(k) is not None), None)
+        if stray is not None:
+            raise p.ApiError(400, f"the body gives {stray} beside {'/'.join(given[0])}, which is not read with them: "
+                                  f"give one pair of texts to score (the pairs vLLM reads: {spellings})", param=stray)
+        return given[0]
     if given:
         both = " and ".join("/".join(pair) for pair in given)
         raise p.ApiError(400, f"the body gives {both}: give one pair of texts to score (the pairs vLLM reads: "
