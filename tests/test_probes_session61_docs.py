@@ -42,3 +42,20 @@ def test_contradicting_deprecated_spellings_name_the_fields_sent(served, route, 
     key = "data" if route == "/score" else "results"
     assert [d.get("score", d.get("relevance_score")) for d in agree[key]] == \
         [d.get("score", d.get("relevance_score")) for d in plain[key]]
+
+
+def test_embedding_server_names_the_deprecated_spelling_it_refuses():
+    """use_activation is refused on an embedding model (its score is a cosine); sent as softmax or activation, the
+    error names that field, not use_activation, which the body does not hold."""
+    gen = _serve("tiny-qwen3", runner="pooling")
+    base = next(gen)
+    try:
+        got = {old: _post(base, "/score", {"text_1": "q", "text_2": ["a"], old: False})
+               for old in ("use_activation", "softmax", "activation")}
+        rerank = _post(base, "/rerank", {"query": "q", "documents": ["a"], "activation": True})
+    finally:
+        gen.close()
+    for old, (code, out) in [*got.items(), ("activation", rerank)]:
+        assert code == 400, out
+        assert out["error"]["message"].startswith(f"{old} is a classifier's field"), out
+        assert out["error"]["param"] == old

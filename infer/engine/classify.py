@@ -116,12 +116,13 @@ def check_cross_encoder(pooler: Pooler) -> None:
                            "classify the texts instead (LLM.classify, POST /classify)")
 
 
-def check_activation(params: PoolingParams, pooler: Pooler) -> None:
-    """use_activation is a classifier's (vLLM's embed task refuses it): an embedding model's score is a cosine."""
+def check_activation(params: PoolingParams, pooler: Pooler, field: str = "use_activation") -> None:
+    """use_activation is a classifier's (vLLM's embed task refuses it): an embedding model's score is a cosine.
+    `field`: the name the request gave it (a body's deprecated softmax or activation)."""
     if params.use_activation is not None and pooler.task == "embed":
-        raise RequestError("use_activation is a classifier's field: this model makes embeddings, and scores a pair by "
+        raise RequestError(f"{field} is a classifier's field: this model makes embeddings, and scores a pair by "
                            "the cosine similarity of its two embeddings (vLLM's embed task refuses it too)",
-                           "leave use_activation out")
+                           f"leave {field} out")
 
 
 def score_pairs(text_1, text_2, name_1: str = "text_1", name_2: str = "text_2", empty: bool = False) -> list[tuple]:

@@ -159,7 +159,8 @@ async def _scores(server, request, body: dict, left, right, names: tuple[str, st
     def parse() -> tuple[EmbeddingRequest, int]:
         try:
             params = _params(body)
-            check_activation(params, pooler)
+            check_activation(params, pooler, next((k for k in ("use_activation", "softmax", "activation")
+                                                   if body.get(k) is not None), "use_activation"))
             pairs = score_pairs(left, right, *names, empty=pooler.task == "classify")
             check_texts(zip((n for pair in pair_labels(left, right, *names) for n in pair),
                             (t for pair in pairs for t in pair)), server.engine.model_config.vocab_size)
