@@ -776,6 +776,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     says which body.model of a batch line picks which adapter, `max_tokens` is the context (when known)."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
+    names = ModelNames() if names is None else names  # (callers with no model to name: the data-parallel driver)
     if ("body" in obj or "custom_id" in obj) and obj.get("url") == EMBEDDINGS_URL:
         return _embedding_line(obj, tokenizer, default_id, names, max_tokens)
     if names.labels and not ("body" in obj or "custom_id" in obj):
