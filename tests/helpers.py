@@ -821,3 +821,28 @@ class BenchTargetStub:
 
     def close(self):
         pass
+
+
+def check_reload_refuses_a_changed_config_field(tmp_path, builtin: str, key: str, value) -> None:
+    """reload_weights of the built-in `builtin` whose config.json now gives `key` the value `value` (a field read
+    when the layers are built) is refused naming the field and its value, with the hint to start a new engine, and
+    the engine runs on with the tokens it gave before."""
+    import re
+    import shutil
+
+    from infer import LLM, SamplingParams
+    from infer.errors import ModelLoadError
+    from infer.models.tiny import ensure_builtin
+    src = ensure_builtin(builtin)
+    shutil.copytree(src, tmp_path / "engine")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(100, (5, 9), seed=1)
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        cfg = json.loads((src / "config.json").read_text())
+        assert cfg.get(key) != value
+        (tmp_path / "engine" / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelLoadError, match=f"config.json's {key} is {re.escape(str(value))} in the new") as e:
+            llm.collective_rpc("reload_weights")
+        assert "start a new engine" in e.value.hint
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want

@@ -23,8 +23,9 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, split  # noqa: E402
 
-from helpers import (check_equal_transformers, forced_chat_body, infer_run_records, joined_deltas,  # noqa: E402
-                     random_prompts, streamed_chat_choices, tiny_llama_with_added_tokens)
+from helpers import (check_equal_transformers, check_reload_refuses_a_changed_config_field,  # noqa: E402
+                     forced_chat_body, infer_run_records, joined_deltas, random_prompts, streamed_chat_choices,
+                     tiny_llama_with_added_tokens)
 from test_probes_session60_gptoss import build, to_mxfp4  # noqa: E402
 
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
@@ -135,23 +136,7 @@ def test_reload_weights_refuses_another_expert_config(tmp_path, key, value):
     """gpt-oss's swiglu_limit (the experts' clamp) and the routing's top k are read when the layers are built: a
     reload_weights whose config.json changed them kept the old values (tokens of neither model). Refused naming
     the field; the engine runs on."""
-    import shutil
-
-    from infer.errors import ModelLoadError
-    from infer.models.tiny import ensure_builtin
-    src = ensure_builtin("tiny-gpt-oss")
-    shutil.copytree(src, tmp_path / "engine")
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    prompts = random_prompts(100, (5, 9), seed=1)
-    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        cfg = json.loads((src / "config.json").read_text())
-        assert cfg.get(key) != value
-        (tmp_path / "engine" / "config.json").write_text(json.dumps({**cfg, key: value}))
-        with pytest.raises(ModelLoadError, match=f"config.json's {key} is {value} in the new checkpoint") as e:
-            llm.collective_rpc("reload_weights")
-        assert "start a new engine" in e.value.hint
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    check_reload_refuses_a_changed_config_field(tmp_path, "tiny-gpt-oss", key, value)
 
 
 def test_lora_validate_and_the_hf_baseline_load_an_mxfp4_base(tmp_path):

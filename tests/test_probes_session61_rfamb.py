@@ -8,20 +8,18 @@ peft refuses it."""
 from __future__ import annotations
 
 import json
-import re
-import shutil
 
 import pytest
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig
 from typer.testing import CliRunner
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.cli.main import app
-from infer.errors import ModelLoadError, UnsupportedModelError
+from infer.errors import UnsupportedModelError
 from infer.lora.adapter import adapter_problems
 
-from helpers import check_greedy_and_logprobs_equal_transformers, random_prompts
+from helpers import check_greedy_and_logprobs_equal_transformers, check_reload_refuses_a_changed_config_field
 from lora_helpers import family_base_and_adapters
 from test_probes_session61_famb import build
 
@@ -58,20 +56,7 @@ def test_reload_weights_refuses_other_granite_swa_scalars_or_bases(tmp_path, key
     """Granite's scalars and Granite SWA's layer_rope_theta are read when the layers are built: a reload_weights
     whose config.json changed them kept the old ones (tokens of neither model). Refused naming the field; the engine
     runs on."""
-    from infer.models.tiny import ensure_builtin
-    src = ensure_builtin("tiny-granite-swa")
-    shutil.copytree(src, tmp_path / "engine")
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    prompts = random_prompts(100, (5, 9), seed=1)
-    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        cfg = json.loads((src / "config.json").read_text())
-        assert cfg.get(key) != value
-        (tmp_path / "engine" / "config.json").write_text(json.dumps({**cfg, key: value}))
-        with pytest.raises(ModelLoadError, match=f"config.json's {key} is {re.escape(str(value))} in the new") as e:
-            llm.collective_rpc("reload_weights")
-        assert "start a new engine" in e.value.hint
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    check_reload_refuses_a_changed_config_field(tmp_path, "tiny-granite-swa", key, value)
 
 
 @pytest.mark.parametrize("family, regex, module", [
