@@ -585,6 +585,21 @@ def joined_deltas(deltas: list[dict], key: str) -> str:
     return "".join(d["delta"].get(key) or "" for d in deltas)
 
 
+def joined_tool_calls(deltas: list[dict]) -> list[dict]:
+    """The streamed choices' tool calls, each call's pieces joined as a client joins them: its first piece (the one
+    with its id) gives the id, type and name, every piece at its `index` adds to the arguments."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for piece in d["delta"].get("tool_calls") or []:
+            if "id" in piece:
+                assert piece["index"] not in calls, f"call {piece['index']} started twice"
+                calls[piece["index"]] = {"id": piece["id"], "type": piece["type"],
+                                         "function": {"name": piece["function"]["name"], "arguments": ""}}
+            calls[piece["index"]]["function"]["arguments"] += piece["function"].get("arguments") or ""
+    assert sorted(calls) == list(range(len(calls))), sorted(calls)
+    return [calls[k] for k in range(len(calls))]
+
+
 class StepGate:
     """Wrap engine.step so that a test holds the engine thread before each step while `open` is clear (timing-
     dependent server tests gate the engine, so they cannot flake on a loaded machine); `delay` slows every step;

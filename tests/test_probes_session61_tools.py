@@ -25,8 +25,8 @@ from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import (ToolRequest, harmony_calls, parse_tools, qwen3_coder_calls, seed_oss_calls,  # noqa: E402
                                split, visible)
 
-from helpers import (forced_chat_body, joined_deltas, streamed_chat_choices, tiny_chat_engine,  # noqa: E402
-                     tiny_llama_with_added_tokens)
+from helpers import (forced_chat_body, joined_deltas, joined_tool_calls, streamed_chat_choices,  # noqa: E402
+                     tiny_chat_engine, tiny_llama_with_added_tokens)
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "celsius": {"type": "boolean"},
@@ -266,9 +266,9 @@ _body = functools.partial(forced_chat_body, MESSAGES, tools=TOOLS)  # _body(repl
 
 def test_gpt_oss_calls_served_whole_and_streamed_then_sent_back(harmony_engine):
     """--tool-call-parser openai --reasoning-parser openai_gptoss: the analysis is the reasoning, each harmony call
-    a tool call (finish_reason tool_calls, content null); streamed, the reasoning deltas, then the calls whole in one
-    chunk and the finish alone. The calls and the tool's result sent back render through gpt-oss's template with
-    the reasoning as the turn's analysis."""
+    a tool call (finish_reason tool_calls, content null); streamed, the reasoning deltas, then the calls (their
+    pieces joined) and the finish alone. The calls and the tool's result sent back render through gpt-oss's
+    template with the reasoning as the turn's analysis."""
     tokenizer = harmony_engine.tokenizer
     with serve_in_thread(Server(AsyncEngine(harmony_engine), "gpt-oss", tool_parser="openai",
                                 reasoning_parser="openai_gptoss", trust_request_chat_template=True)) as base:
@@ -282,9 +282,9 @@ def test_gpt_oss_calls_served_whole_and_streamed_then_sent_back(harmony_engine):
             ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "Europe/Paris"})]
         deltas = streamed_chat_choices(base, _body(HARMONY_TWO, 200))
         assert joined_deltas(deltas, "reasoning") == "Need the weather." and joined_deltas(deltas, "content") == ""
-        (calls,) = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
-        assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
-            (k, t["function"]["name"], t["function"]["arguments"]) for k, t in enumerate(message["tool_calls"])]
+        calls = joined_tool_calls(deltas)  # (each call's arguments in pieces: session 62)
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in calls] == [
+            (t["function"]["name"], t["function"]["arguments"]) for t in message["tool_calls"]]
         assert deltas[-1]["finish_reason"] == "tool_calls" and deltas[-1]["delta"] == {}
         # an answer: the preamble and the final channel are the content, whole and streamed
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(HARMONY_ANSWER, 200), timeout=120)
@@ -327,8 +327,8 @@ def engine(tmp_path_factory):
     ("qwen3_coder", QWEN, "I will check.\n", QWEN_ARGS),
     ("seed_oss", SEED.split("</seed:think>")[1], "Checking.", SEED_ARGS)])
 def test_xml_calls_served_whole_and_streamed(engine, parser, reply, content, want):
-    """The calls whole and streamed as the other parsers serve them (the content before them streams, the calls come
-    whole in one chunk, then the finish alone); a malformed reply is the content, finish_reason stop."""
+    """The calls whole and streamed as the other parsers serve them (the content before them streams, then the calls'
+    pieces, then the finish alone); a malformed reply is the content, finish_reason stop."""
     with serve_in_thread(Server(AsyncEngine(engine), "tiny", tool_parser=parser)) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(reply, 400), timeout=120)
         assert r.status_code == 200, r.text
@@ -337,8 +337,7 @@ def test_xml_calls_served_whole_and_streamed(engine, parser, reply, content, wan
         assert args_of(c["message"]["tool_calls"]) == want
         deltas = streamed_chat_choices(base, _body(reply, 400))
         assert joined_deltas(deltas, "content") == content
-        (calls,) = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
-        assert args_of(calls) == want and deltas[-1]["finish_reason"] == "tool_calls"
+        assert args_of(joined_tool_calls(deltas)) == want and deltas[-1]["finish_reason"] == "tool_calls"
         bad = reply.replace("<function=get_weather>", "<function=get_weather")
         c = httpx.post(f"{base}/v1/chat/completions", json=_body(bad, 400), timeout=120).json()["choices"][0]
         assert (c["message"]["content"], c["finish_reason"]) == (bad, "stop")

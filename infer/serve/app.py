@@ -37,6 +37,7 @@ from .reasoning import parts as reasoning_parts
 from .responses import add_routes as add_responses_routes
 from .sleep import add_sleep_routes, http_message
 from .tools import reads_whole_reply, split, visible
+from .toolstream import CallStream, partial_calls
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.25
@@ -310,6 +311,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
     created, sent_lp, offsets = p.now(), {}, {}  # offsets: where choice i's next logprobs text_offset starts
     sent = {}  # with tools or reasoning: how much of choice i's content went out
     thought = {}  # with reasoning: how much of choice i's reasoning went out
+    streams = {}  # with tools: choice i's calls as they went out
     prompt_n, completion_n = 0, 0
     cached = None  # (--enable-prompt-tokens-details) as vLLM's stream: the first output's cached prompt tokens
     echoed, prompted = set(), set()  # the choices whose prompt (echo), whose prompt_token_ids went out
@@ -353,30 +355,38 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 whole, text = reasoning_parts(req.reasoning, out.text, out.finished)
                 reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
                 delta = text[sent.get(i, 0):]
-            if req.tools is not None and req.tools.mode != "none":  # calls go whole in one chunk, then the finish;
+            if req.tools is not None and req.tools.mode != "none":  # the content before the calls (none for a
+                # constrained call), the calls as they come (serve/toolstream.py), then the finish alone
                 text = out.text if text is None or reads_whole_reply(req.tools) else text
-                if out.finished and not slept:  # before them, the content (none for a constrained call)
-                    content, calls = split(req.tools, text)
+                stream = streams.setdefault(i, CallStream(req.tools))
+                if out.finished and not slept:
+                    content, whole = split(req.tools, text)
+                    calls = stream.deltas(whole or [], finished=True)
                 else:
                     content = visible(req.tools, text) if req.tools.mode == "auto" else ""
+                    calls = stream.deltas(partial_calls(req.tools, text))
                 delta = content[sent.get(i, 0):]
             sent[i] = sent.get(i, 0) + len(delta)
-            if delta or reasoning or records or reason or new_ids:
+            if delta or reasoning or records or reason or new_ids or calls:
                 # return_token_ids: the prompt's ids ride in the choice's first chunk, as vLLM streams them
                 prompt_ids = out.prompt_token_ids if new_ids is not None and i not in prompted else None
                 if prompt_ids is not None:
                     prompted.add(i)
                 c = p.choice(req, i, delta, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
                              text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None,
-                             tool_calls=calls, reasoning=reasoning, prompt_token_ids=prompt_ids)
+                             reasoning=reasoning, prompt_token_ids=prompt_ids)
+                if calls:
+                    c["delta"]["tool_calls"] = calls
+                if reason in ("stop", "length") and i in streams and streams[i].sent:  # (as a whole reply's)
+                    c["finish_reason"] = "tool_calls"
                 lp = c.get("logprobs") if not req.chat else None
                 if lp and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 # stream_options.continuous_usage_stats: this choice's tokens so far in every chunk (as vLLM)
                 generated = 0 if req.prompt_only else out.num_generated
                 now = p.usage(len(out.prompt_token_ids), generated) if req.continuous_usage else None
-                if calls:  # the calls, then the finish alone with an empty delta, as OpenAI streams them: the SDK's
-                    # stream helper only ends (tool_calls.function.arguments.done) a call seen before the finish
+                if calls and reason:  # the calls, then the finish alone with an empty delta, as OpenAI streams: its
+                    # SDK's stream helper only ends (tool_calls.function.arguments.done) a call seen before the finish
                     end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"],
                            "stop_reason": c["stop_reason"]}
                     yield event([{**c, "finish_reason": None, "stop_reason": None}], now)

@@ -35,6 +35,7 @@ from .body import SafeJSONResponse, request_body
 from .embeddings import generation_refusal
 from .reasoning import parts as reasoning_parts
 from .tools import reads_whole_reply, visible
+from .toolstream import CallStream, partial_calls
 
 log = logging.getLogger("infer.serve")
 
@@ -478,6 +479,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 event("response.output_item.done", output_index=index, item=item)]
 
     status = "completed"
+    stream = CallStream(req.tools)  # the calls' items as they went out
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for _, out in outs:
             if out.finished and out.finish_reason in ("error", "abort"):
@@ -486,13 +488,20 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 final = _parts(req, out.text)
                 thought, text, calls = final[0] or "", final[1] or "", final[2]
                 status = "completed" if calls else _status(out)
+                pieces = stream.deltas(calls or [], finished=True)
+                for call, call_id in zip(calls or [], stream.ids()):
+                    call["id"] = call_id  # (the items streamed)
             else:
-                text, thought = out.text, ""
+                text, thought, pieces = out.text, "", []
                 if req.reasoning is not None:
                     thought, text = reasoning_parts(req.reasoning, out.text, False)
-                if req.tools is not None and req.tools.mode != "none":
-                    text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text) \
-                        if req.tools.mode == "auto" else ""
+                if req.tools is not None and req.tools.mode == "auto":
+                    # the calls as they come, after the message (harmony's content may go on after a call: whole)
+                    if not reads_whole_reply(req.tools):
+                        pieces = stream.deltas(partial_calls(req.tools, text))
+                    text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text)
+                elif req.tools is not None and req.tools.mode != "none":
+                    text = ""
             if not thought_done and thought and len(thought) > len(thought_sent):
                 if open_item is None:
                     open_item = "rs"
@@ -501,7 +510,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 yield event("response.reasoning_text.delta", item_id=reply.ids["rs"], output_index=index,
                             content_index=0, delta=thought[len(thought_sent):])
                 thought_sent = thought
-            if open_item == "rs" and (text or out.finished):  # the answer starts: the reasoning is whole
+            if open_item == "rs" and (text or pieces or out.finished):  # the answer starts: the reasoning is whole
                 cut = out.finished and _thought_status(status, text, calls) == "incomplete"
                 for e in finish("rs", thought_sent, cut=cut):
                     yield e
@@ -516,26 +525,30 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 yield event("response.output_text.delta", item_id=reply.ids["msg"], output_index=index,
                             content_index=0, delta=text[len(text_sent):], logprobs=reply.logprobs(records))
                 text_sent = text
-            if not out.finished:
-                continue
-            if open_item is None and not calls:  # an empty reply: its message all the same
-                open_item = "msg"
+            if out.finished and open_item is None and not calls and not stream.sent:  # an empty reply: its
+                open_item = "msg"  # message all the same
                 for e in start("msg"):
                     yield e
-            if open_item == "msg":
-                for e in finish("msg", text_sent, out.logprobs):
+            if open_item == "msg" and (pieces or out.finished):  # the calls start: the message is whole
+                for e in finish("msg", text_sent, out.logprobs if out.finished else (out.logprobs or [])[:lp_sent]):
                     yield e
-                index += 1
-            for call in calls or []:
+                open_item, index = None, index + 1
+            for piece in pieces:  # each call an item, its arguments in pieces
+                call_id, name, _ = stream.sent[piece["index"]]
+                item = _call_item({"id": call_id, "function": {"name": name, "arguments": ""}}, "in_progress")
+                at = index + piece["index"]
+                if "id" in piece:
+                    yield event("response.output_item.added", output_index=at, item=item)
+                if piece["function"]["arguments"]:
+                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                                delta=piece["function"]["arguments"])
+            if not out.finished:
+                continue
+            for k, call in enumerate(calls or []):
                 item = _call_item(call)
-                yield event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                     "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index + k,
                             name=item["name"], arguments=item["arguments"])
-                yield event("response.output_item.done", output_index=index, item=item)
-                index += 1
+                yield event("response.output_item.done", output_index=index + k, item=item)
             reply.count(len(out.prompt_token_ids), out.num_generated, out.num_cached_tokens, final[0])
             whole = reply.envelope(status, reply.output(*final, status, out.logprobs))
             yield event("response.completed" if status == "completed" else "response.incomplete", response=whole)

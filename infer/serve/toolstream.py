@@ -1,0 +1,330 @@
+"""Tool calls streamed as vLLM streams them: a call's id, type and name in a first delta, then its arguments as
+string pieces (`delta.tool_calls[i].function.arguments`), each call at its own `index`. The pieces are what the
+whole reply's parse (serve/tools.py, `split`) writes, so that a client that joins them gets exactly the
+non-streamed call: the model's JSON is written again as that parse writes it (json.dumps), a piece going out only
+once no later text can change it (a number, true/false/null when whole; a string's characters as they come, an
+escape when whole). A call's header goes out only once the reply has shown it is one (hermes: its "arguments" key
+seen after its name), nothing that a reply that turns out to be text would have to take back. What cannot be known
+early stays held: pythonic's and (qwen3_coder, seed_oss) a parameter's typed value until it is whole; a call whose
+arguments are not written in the usual order (hermes: "arguments" before "name") until it is whole.
+Known limits, as in vLLM's streaming: a call that later turns out malformed (the model writes garbage after its
+arguments, max_tokens cuts it), or whose arguments repeat a key, has already sent what it wrote before that."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from . import tools as t
+
+_WS = re.compile(r"\s*")
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_HEX = re.compile(r"[0-9a-fA-F]{4}")
+
+
+def _string(raw: str, at: int) -> tuple[str, int | None]:
+    """(the JSON text json.dumps writes for the string starting at raw[at] == '"', so far; the index after its
+    closing quote, None while it is open). A partial escape, or a high surrogate's escape whose pair may follow,
+    is held. ValueError when it is not a JSON string (a raw control character, a bad escape)."""
+    k, safe = at + 1, at + 1
+    while k < len(raw):
+        c = raw[k]
+        if c == '"':
+            return json.dumps(json.loads(raw[at:k + 1]), ensure_ascii=False), k + 1
+        if c == "\\":
+            if k + 1 >= len(raw):
+                break
+            if raw[k + 1] == "u":
+                if len(raw) < k + 6:
+                    break
+                if not _HEX.fullmatch(raw[k + 2:k + 6]):
+                    raise ValueError("a bad \\u escape")
+                k += 6
+                if 0xD800 <= int(raw[k - 4:k], 16) <= 0xDBFF and len(raw) < k + 6:
+                    break  # a pair's first half: the next escape may join it
+            elif raw[k + 1] in '"\\/bfnrt':
+                k += 2
+            else:
+                raise ValueError("a bad escape")
+        elif ord(c) < 0x20:
+            raise ValueError("a control character in a string")
+        else:
+            k += 1
+        safe = k
+    return json.dumps(json.loads(raw[at:safe] + '"'), ensure_ascii=False)[:-1], None
+
+
+def json_prefix(raw: str, at: int = 0, nan: bool = True) -> tuple[str, int | None]:
+    """(what json.dumps(json.loads(raw[at:...]), ensure_ascii=False) of the JSON value starting at raw[at] (after
+    blanks) surely starts with, so far; the index after the value when it is whole, else None). A piece of `raw`
+    that is not JSON (yet or for good) stops it there. `nan`: NaN and Infinity are read (Python's json.loads)."""
+    out, stack, expect = [], [], "value"  # expect: value, item (a value or "]"), key (a key or "}"), colon, next
+    k = at
+    while True:
+        k = _WS.match(raw, k).end()
+        if k >= len(raw):
+            return "".join(out), None
+        c = raw[k]
+        if expect == "colon":
+            if c != ":":
+                return "".join(out), None
+            out.append(": ")
+            k, expect = k + 1, "value"
+            continue
+        if expect == "next":
+            if c == "," and stack:
+                out.append(", ")
+                k, expect = k + 1, "value" if stack[-1] == "[" else "name"
+                continue
+            if c in "]}" and stack and c == {"[": "]", "{": "}"}[stack[-1]]:
+                out.append(c)
+                stack.pop()
+                k += 1
+                if not stack:
+                    return "".join(out), k
+                continue
+            return "".join(out), None
+        if c in "]}" and expect in ("item", "key") and c == {"item": "]", "key": "}"}[expect]:
+            out.append(c)
+            stack.pop()
+            k, expect = k + 1, "next"
+            if not stack:
+                return "".join(out), k
+            continue
+        if expect in ("key", "name"):
+            if c != '"':
+                return "".join(out), None
+            try:
+                text, end = _string(raw, k)
+            except ValueError:
+                return "".join(out), None
+            out.append(text)
+            if end is None:
+                return "".join(out), None
+            k, expect = end, "colon"
+            continue
+        if c in "[{":
+            out.append(c)
+            stack.append(c)
+            k, expect = k + 1, "item" if c == "[" else "key"
+            continue
+        if c == '"':
+            try:
+                text, end = _string(raw, k)
+            except ValueError:
+                return "".join(out), None
+            out.append(text)
+            if end is None:
+                return "".join(out), None
+            k = end
+        else:
+            number = _NUMBER.match(raw, k)
+            word = next((w for w in _WORDS if raw.startswith(w, k)), None) if nan else next(
+                (w for w in _WORDS[:3] if raw.startswith(w, k)), None)
+            end = k + len(word) if word else number.end() if number else None
+            if end is None or end >= len(raw):  # not a value, or one that may still grow ("12" of "123", "Infinit")
+                return "".join(out), None
+            if raw[end].isalnum() or raw[end] in ".+-_":
+                return "".join(out), None
+            out.append(json.dumps(json.loads(raw[k:end]), ensure_ascii=False))
+            k = end
+        if not stack:
+            return "".join(out), k
+        expect = "next"
+
+
+# the usual head of a JSON call: its name first, then its arguments' key
+_HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*'),
+         "llama3_json": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"parameters"\s*:\s*'),
+         "mistral": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*')}
+
+
+def _json_call(kind: str, raw: str, at: int = 0) -> tuple[tuple[str, str] | None, int | None]:
+    """((name, arguments so far) of the JSON call at raw[at], or None before its head is whole; the index after the
+    call's object when it is whole)."""
+    head = _HEAD[kind].match(raw, at)
+    if head is None:
+        return None, None
+    try:
+        name = json.loads(head.group(1))
+    except ValueError:
+        return None, None
+    k = _WS.match(raw, head.end()).end()
+    if kind == "hermes" and k < len(raw) and raw[k] == '"':
+        return (name, ""), None  # (a string: its text when it is JSON, else the string as JSON: known when whole)
+    args, end = json_prefix(raw, k)
+    if end is None:
+        return (name, args), None
+    return (name, args), json_prefix(raw, at)[1]  # (the call's other keys, if any, leave its arguments)
+
+
+def _hermes(text: str) -> list[tuple[str, str]]:
+    out = []
+    for block in text.split(t.HERMES_START)[1:]:
+        body = block.split(t.HERMES_END, 1)[0]
+        call, _ = _json_call("hermes", body)
+        if call is None:
+            break
+        out.append(call)
+        if t.HERMES_END not in block:
+            break
+    return out
+
+
+def _llama3(text: str) -> list[tuple[str, str]]:
+    body = text[len(t.LLAMA_START):] if text.startswith(t.LLAMA_START) else text
+    out, at = [], 0
+    while True:
+        call, end = _json_call("llama3_json", body, at)
+        if call is None:
+            return out
+        out.append(call)
+        if end is None:
+            return out
+        rest = _WS.match(body, end).end()
+        if not body.startswith(";", rest):
+            return out
+        at = rest + 1
+
+
+def _mistral(text: str) -> list[tuple[str, str]]:
+    if t.MISTRAL_START not in text:
+        return []
+    raws = text.split(t.MISTRAL_START)[1:]
+    if raws[0].lstrip().startswith("["):  # the JSON list
+        if len(raws) != 1:
+            return []
+        body, out = raws[0], []
+        at = body.index("[") + 1
+        while True:
+            call, end = _json_call("mistral", body, at)
+            if call is None:
+                return out
+            out.append(call)
+            if end is None:
+                return out
+            rest = _WS.match(body, end).end()
+            if not body.startswith(",", rest):
+                return out
+            at = rest + 1
+    out = []
+    for raw in raws:
+        if t.MISTRAL_ARGS not in raw:
+            break
+        name, args = raw.split(t.MISTRAL_ARGS, 1)
+        name = name.split(t.MISTRAL_CALL_ID, 1)[0].strip()
+        k = _WS.match(args).end()
+        if t._MISTRAL_NAME.fullmatch(name) is None or not args[k:k + 1] == "{":
+            break
+        out.append((name, json_prefix(args, k)[0]))
+    return out
+
+
+def _harmony(text: str) -> list[tuple[str, str]]:
+    out = []
+    for header, body, ended in t.harmony_messages(text, False):
+        recipient = t._HARMONY_RECIPIENT.search(header)
+        if recipient is None:
+            continue
+        k = _WS.match(body).end()
+        # a text that is not JSON is a call of that text as a JSON string, known when it ends: held until then
+        out.append((recipient.group(1), json_prefix(body, k, nan=False)[0] if body[k:k + 1] in "{[" else ""))
+        if not ended:
+            break
+    return out
+
+
+_PY_CALL_END = re.compile(r"\)(?=\s*[,\]])")
+_PY_TRIES = 16  # (a ")" inside a string argument is no call's end: the ones before it are tried, a few)
+
+
+def _pythonic(text: str) -> list[tuple[str, str]]:
+    """The calls whose `)` has come (each whole: a literal is typed once whole)."""
+    if text.startswith(t.PYTHON_START):
+        text = text[len(t.PYTHON_START):].replace(t.PYTHON_END, "")
+    ends = [m.start() for m in _PY_CALL_END.finditer(text)]
+    for k in reversed(ends[-_PY_TRIES:]):  # the last end that closes a list of whole calls
+        parsed = t.pythonic_calls(text[:k + 1] + "]")
+        if parsed is not None:
+            return [(x["function"]["name"], x["function"]["arguments"]) for x in parsed[1]]
+    return []
+
+
+def _xml(family: str, text: str, functions: dict[str, Any]) -> list[tuple[str, str]]:
+    """The calls whose `<function=NAME>` has come, each with its parameters whole so far (a parameter's value is
+    typed once whole: one followed by the next <parameter= or by </function>)."""
+    body = text
+    if family == "seed_oss" and t.SEED_THINK_START in text:
+        if t.SEED_THINK_END not in text:
+            return []
+        body = text[text.index(t.SEED_THINK_END) + len(t.SEED_THINK_END):]
+    out = []
+    raws = body.split(t.XML_FUNCTION)[1:]
+    for n, raw in enumerate(raws):
+        last = n == len(raws) - 1
+        name, sep, params = raw.partition(">")
+        if not sep or not name or "<" in name or any(c.isspace() for c in name):
+            break
+        done = not last or "</function>" in params
+        if not done:
+            cut = params.rfind("<parameter=")
+            params = params[:cut] if cut >= 0 else params
+            if family == "seed_oss" and "<parameter=" in params and not params.rstrip().endswith("</parameter>"):
+                break  # (seed_oss: a parameter ends at its end tag alone)
+        try:
+            call = t._xml_call(f"{name}>{params}", functions, family)
+        except ValueError:
+            break
+        args = call["function"]["arguments"]
+        out.append((name, args if done else args[:-1]))
+        if not done:
+            break
+    return out
+
+
+def partial_calls(req: t.ToolRequest, text: str) -> list[tuple[str, str]]:
+    """(name, arguments so far) of each call of a streamed "auto" reply (`text`: what the parser reads) that has
+    shown itself a call: each name final, each arguments text a start of the whole reply's (`split`)."""
+    if req is None or req.mode != "auto":
+        return []
+    try:
+        if req.name in t.TYPED_PARSERS:
+            calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools})
+        else:
+            calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
+                     "pythonic": _pythonic}[req.name](text)
+    except RecursionError:
+        return []
+    return calls if req.parallel else calls[:1]
+
+
+class CallStream:
+    """What of a choice's calls has gone out: `deltas(calls)` the delta.tool_calls entries that send the rest of
+    `calls` ([(name, arguments so far)] or, finished, `split`'s calls), only ever adding to what went out."""
+
+    def __init__(self, req: t.ToolRequest):
+        self.req, self.sent = req, []  # sent: [id, name, arguments sent]
+
+    def deltas(self, calls: list, finished: bool = False) -> list[dict]:
+        out = []
+        for k, call in enumerate(calls):
+            name, args = (call["function"]["name"], call["function"]["arguments"]) if finished else call
+            if k >= len(self.sent):
+                make = t._mistral_call if self.req.parser == "mistral" else t._call
+                call_id = call["id"] if finished else make(name, "")["id"]
+                self.sent.append([call_id, name, args])
+                out.append({"index": k, "id": call_id, "type": "function",
+                            "function": {"name": name, "arguments": args}})
+                continue
+            _, sent_name, sent_args = self.sent[k]
+            if name != sent_name or not args.startswith(sent_args):
+                continue  # (a call that changed after it went out: not the parse's; what went out stands)
+            if len(args) > len(sent_args):
+                self.sent[k][2] = args
+                out.append({"index": k, "function": {"arguments": args[len(sent_args):]}})
+        return out
+
+    def ids(self) -> list[str]:
+        return [s[0] for s in self.sent]
