@@ -19,7 +19,7 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split  # noqa: E402
 
-from helpers import tiny_llama_with_template  # noqa: E402
+from helpers import joined_tool_calls, tiny_llama_with_template  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
@@ -143,8 +143,7 @@ def test_calls_read_whole_before_max_tokens_cut_the_text_after_them_finish_as_to
         assert c["finish_reason"] == "tool_calls" and c["stop_reason"] is None
         deltas = _stream(base, body)
         assert deltas[-1]["finish_reason"] == "tool_calls"
-        assert [x["function"] for x in deltas[-2]["delta"]["tool_calls"]] == [x["function"]
-                                                                              for x in c["message"]["tool_calls"]]
+        assert [x["function"] for x in joined_tool_calls(deltas)] == [x["function"] for x in c["message"]["tool_calls"]]
         # cut inside the call: text, and "length"
         c = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": 20}, timeout=120).json()
         c = c["choices"][0]
@@ -170,8 +169,8 @@ def test_a_call_whose_arguments_hold_a_lone_surrogate_streams_as_it_answers_whol
         assert lines[-1] == "data: [DONE]"
         last = json.loads(lines[-2][6:])["choices"][0]
         assert last["finish_reason"] == "tool_calls"
-        assert [x["function"] for x in json.loads(lines[-3][6:])["choices"][0]["delta"]["tool_calls"]] == [x["function"]
-                                                                        for x in c["message"]["tool_calls"]]
+        deltas = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+        assert [x["function"] for x in joined_tool_calls(deltas)] == [x["function"] for x in c["message"]["tool_calls"]]
 
 
 def test_thinking_token_budget_is_refused_not_ignored(hermes_engine, tmp_path):
