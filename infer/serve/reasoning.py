@@ -91,6 +91,40 @@ def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
     return "\n".join(reasoning), "".join(content)
 
 
+# hunyuan_a13b: Hunyuan's reply "<think>\n...\n</think>\n<answer>\n...\n</answer>" (vLLM's HunyuanA13BReasoningParser)
+_HY_THINK, _HY_ANSWER, _HY_END = "<think>\n", "\n</think>\n<answer>\n", "\n</answer>"
+
+
+def _less_tag_start(text: str, tag: str, finished: bool) -> str:
+    """`text` less an end that may still become `tag` ("\n</th"), while the reply goes on (held as stop strings are)."""
+    if not finished:
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-k:]):
+                return text[:-k]
+    return text
+
+
+def _hunyuan_parts(text: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of a Hunyuan reply, as vLLM's hunyuan_a13b parser reads a whole one: a reply that starts
+    with "<think>\n" reasons up to "\n</think>\n<answer>\n" (its no-think form, "<think>\n\n</think>\n<answer>\n",
+    none), and the answer after it is the content, up to "\n</answer>" (what follows that is dropped, as vLLM's
+    regex drops it); a reply that does not start so is content up to "\n</answer>". Two differences keep the streamed
+    deltas adding up to the whole reply's fields (vLLM's stream and whole reply disagree there): a think block is
+    read at the reply's start only, and one cut short (no answer tag) is all reasoning, as deepseek_r1's (vLLM's
+    whole reply makes it content, tags included; its stream, reasoning)."""
+    reasoning, rest = "", text
+    if text.startswith(_HY_THINK):
+        body = text[len(_HY_THINK):]
+        at = body.find(_HY_ANSWER)
+        if at < 0:
+            return _less_tag_start(body, _HY_ANSWER, finished), ""
+        reasoning, rest = body[:at], body[at + len(_HY_ANSWER):]
+    elif not finished and _HY_THINK.startswith(text):
+        return "", ""
+    end = rest.find(_HY_END)
+    return reasoning, rest[:end] if end >= 0 else _less_tag_start(rest, _HY_END, finished)
+
+
 # --reasoning-parser: the parsers vLLM names so, whether chat_template_kwargs.enable_thinking false turns thinking
 # off (vLLM's qwen3 reads it; the others do not), and the tags that open and close the block; a parser of no think
 # block (tags None) has its own split of the reply (text, finished) -> (reasoning, content), which reads markers that
@@ -98,7 +132,9 @@ def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
 PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END)},
            "qwen3": {"reads_enable_thinking": True, "tags": (THINK_START, THINK_END)},
            "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")},
-           "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts}}
+           "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts},
+           # (the tags a prompt may close the block with: Hunyuan's no-think template)
+           "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts}}
 
 
 def tags(parser: str) -> tuple[str, str] | None:
@@ -193,11 +229,7 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
     at = text.find(end)
     if at >= 0:
         return text[:at], text[at + len(end):]
-    if not finished:
-        for k in range(min(len(end) - 1, len(text)), 0, -1):
-            if end.startswith(text[-k:]):
-                return text[:-k], ""
-    return text, ""  # no closing tag (yet, or the reply was cut short): all reasoning
+    return _less_tag_start(text, end, finished), ""  # no closing tag (yet, or the reply was cut short): reasoning
 
 
 def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
@@ -206,4 +238,5 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     if req.ended:
         return None, text
     reasoning, content = parts(req, text)
-    return (reasoning or None) if tags(req.parser) is None else reasoning, content or None
+    own = tags(req.parser) is None or "split" in PARSERS[req.parser]  # (a parser of its own split: as vLLM's)
+    return (reasoning or None) if own else reasoning, content or None
