@@ -252,8 +252,11 @@ def test_auto_tool_calls_are_function_call_items(served):
     assert _text(b) == "Sure." and b["tools"] == TOOLS and b["tool_choice"] == "auto"
     events = _events(served, input="weather?", tools=TOOLS, guided_regex=FORCED, max_output_tokens=80)
     kinds = [d["type"] for _, d in events]
-    assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
-                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    at = kinds.index("response.output_item.added", kinds.index("response.output_item.done"))  # after the message's
+    pieces = kinds[at + 1:-3]  # the call's arguments in pieces (session 62), then its end
+    assert pieces and set(pieces) == {"response.function_call_arguments.delta"}
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "".join(d["delta"] for _, d in events[at + 1:-3]) == events[-3][1]["arguments"] == call["arguments"]
     assert "".join(d["delta"] for _, d in events if d["type"] == "response.output_text.delta") == "Sure."
     final = events[-1][1]["response"]
     assert final["output"][1]["call_id"] == events[-2][1]["item"]["call_id"]

@@ -25,7 +25,7 @@ from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, split  # noqa: E402
 
 from helpers import (TOOLS_TEMPLATE, check_stream_adds_up, forced_chat_body, joined_deltas,  # noqa: E402
-                     streamed_chat_choices, tiny_llama_with_template)
+                     joined_tool_calls, streamed_chat_choices, tiny_llama_with_template)
 
 R1, QWEN3 = ReasoningRequest("deepseek_r1"), ReasoningRequest("qwen3")
 
@@ -188,8 +188,7 @@ def test_tool_calls_are_read_from_the_content_only(engine):
         deltas = _streamed(base, body)
         assert _joined(deltas, "reasoning") == thought and _joined(deltas, "content") == "Sure."
         assert deltas[-1]["finish_reason"] == "tool_calls"
-        assert [x["function"] for x in deltas[-2]["delta"]["tool_calls"]] == [x["function"]
-                                                                              for x in c["message"]["tool_calls"]]
+        assert [x["function"] for x in joined_tool_calls(deltas)] == [x["function"] for x in c["message"]["tool_calls"]]
         # a call only in the reasoning is no call
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(f"<think>{thought}</think>no", tools=TOOLS),
                        timeout=120)

@@ -22,7 +22,7 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split, visible  # noqa: E402
 
-from helpers import TOOLS_TEMPLATE, forced_chat_body, tiny_llama_with_template  # noqa: E402
+from helpers import TOOLS_TEMPLATE, forced_chat_body, joined_tool_calls, tiny_llama_with_template  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}},
@@ -198,7 +198,7 @@ def _served_reads(model, parser, reply, content, want):
             deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
         assert "".join(d["delta"].get("content") or "" for d in deltas) == (content or "")
         assert deltas[-1]["finish_reason"] == "tool_calls"
-        assert [x["function"] for x in deltas[-2]["delta"]["tool_calls"]] == [x["function"] for x in calls]
+        assert [x["function"] for x in joined_tool_calls(deltas)] == [x["function"] for x in calls]
         r = httpx.post(f"{base}/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=120)
         assert r.json()["choices"][0]["message"]["content"] == reply  # "none": the same reply is text
 
