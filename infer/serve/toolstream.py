@@ -22,6 +22,7 @@ _WS = re.compile(r"\s*")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
 _HEX = re.compile(r"[0-9a-fA-F]{4}")
+_PLAIN = re.compile(r'[^"\\\x00-\x1f]+')
 
 
 def _string(raw: str, at: int) -> tuple[str, int | None]:
@@ -51,8 +52,8 @@ def _string(raw: str, at: int) -> tuple[str, int | None]:
         elif ord(c) < 0x20:
             raise ValueError("a control character in a string")
         else:
-            k += 1
-        safe = k
+            k = _PLAIN.match(raw, k).end()  # (the characters that need no care, at once: a long string is read
+        safe = k  # again at each step of the stream)
     return json.dumps(json.loads(raw[at:safe] + '"'), ensure_ascii=False)[:-1], None
 
 
