@@ -240,3 +240,20 @@ def test_tiny_hunyuan_served_with_its_reasoning_parser_whole_and_streamed():
     assert joined_deltas(deltas, "reasoning") == message["reasoning"]
     assert joined_deltas(deltas, "content") == message["content"]
     assert [x["function"] for x in joined_tool_calls(deltas)] == [x["function"] for x in message["tool_calls"]]
+
+
+# ------------------------------------------------------------------------------------------- exaone4
+def test_exaone4_thinks_only_when_asked(engine):
+    """--reasoning-parser exaone4 (vLLM's): EXAONE 4.0's reply is all content unless chat_template_kwargs
+    enable_thinking is true, then split by deepseek_r1's rules (its template opens the block: the reply may start
+    inside it), whole and streamed alike."""
+    reply = "Let me think.</think>It is 4."
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", reasoning_parser="exaone4")) as base:
+        for kwargs, want in [(None, (None, reply)), ({"enable_thinking": False}, (None, reply)),
+                             ({"enable_thinking": True}, ("Let me think.", "It is 4."))]:
+            body = forced_chat_body(MESSAGES, reply, 100, **({"chat_template_kwargs": kwargs} if kwargs else {}))
+            message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+            assert (message["reasoning"], message["content"]) == want, kwargs
+            deltas = streamed_chat_choices(base, body)
+            assert (joined_deltas(deltas, "reasoning"), joined_deltas(deltas, "content")) == (want[0] or "", want[1])
+    assert _reasoning_parser("exaone4") == "exaone4"

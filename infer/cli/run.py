@@ -71,7 +71,8 @@ def run(
                                                             "split a chat line's reasoning from its answer into the "
                                                             "message's `reasoning`, as infer serve's option (and "
                                                             "vllm run-batch's): deepseek_r1 | qwen3 | "
-                                                            "seed_oss | openai_gptoss | hunyuan_a13b.")] = None,
+                                                            "seed_oss | openai_gptoss | hunyuan_a13b | "
+                                                            "exaone4.")] = None,
     enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
                                                                help="With --output-format openai: each body's usage "
                                                                     "reports prompt_tokens_details.cached_tokens, "

@@ -7,6 +7,9 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
 - qwen3: the same rules (Qwen3.5 and the thinking releases open the block in the prompt too), except that with
   `chat_template_kwargs: {"enable_thinking": false}` the reply is all content (the template closed the block).
   SmolLM3's <think> block splits so too (its template reads enable_thinking; with thinking off it closes the block).
+- exaone4: deepseek_r1's rules when `chat_template_kwargs: {"enable_thinking": true}` asks EXAONE 4.0 to think; without
+  it (its template's default) the reply is all content, as vLLM's exaone4 parser splits it.
+- hunyuan_a13b: Hunyuan's `<think>\n...\n</think>\n<answer>\n...\n</answer>` (see _hunyuan_parts).
 - seed_oss: deepseek_r1's rules with Seed-OSS's tags, <seed:think> and </seed:think> (vLLM's SeedOSSReasoningParser).
 A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the
 reply all content too, with either parser (vLLM's prompt_is_reasoning_end), and so does a reply constrained to
@@ -133,6 +136,9 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            "qwen3": {"reads_enable_thinking": True, "tags": (THINK_START, THINK_END)},
            "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")},
            "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts},
+           # EXAONE 4.0: deepseek_r1's rules with chat_template_kwargs enable_thinking true, else all content (its
+           # template thinks only when asked: vLLM's exaone4 reads enable_thinking, false when absent)
+           "exaone4": {"reads_enable_thinking": True, "thinking_by_default": False, "tags": (THINK_START, THINK_END)},
            # (the tags a prompt may close the block with: Hunyuan's no-think template)
            "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts}}
 
@@ -182,7 +188,8 @@ def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tok
     include = body.get("include_reasoning") is not False
     kwargs = body.get("chat_template_kwargs") or {}
     # the template's enable_thinking: chat_template_kwargs', else reasoning_effort's (as vLLM passes it)
-    thinking = kwargs["enable_thinking"] if "enable_thinking" in kwargs else body.get("reasoning_effort") != "none"
+    thinking = kwargs["enable_thinking"] if "enable_thinking" in kwargs else body.get("reasoning_effort") != "none" \
+        and PARSERS[parser].get("thinking_by_default", True)
     off = PARSERS[parser]["reads_enable_thinking"] and not thinking
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
