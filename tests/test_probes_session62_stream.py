@@ -160,6 +160,21 @@ def test_served_stream_sends_each_call_then_its_arguments_in_pieces(engine, pars
     assert deltas[-1]["finish_reason"] == "tool_calls" and deltas[-1]["delta"] == {}
 
 
+def test_a_call_that_turns_out_malformed_ends_as_the_whole_reply(engine):
+    """A call whose text breaks after its arguments went out (the known limit vLLM's stream shares: they cannot be
+    taken back) or that max_tokens cuts: the stream still ends as the whole reply does, its text the content (all of
+    it joined) and the whole reply's finish_reason, not "tool_calls"."""
+    reply = 'Hm.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}} oops</tool_call>'
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", tool_parser="hermes")) as base:
+        for body in (forced_chat_body(MESSAGES, reply, 200, tools=TOOLS),
+                     forced_chat_body(MESSAGES, REPLIES["hermes"][0], 40, tools=TOOLS)):
+            c = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+            assert "tool_calls" not in c["message"] and c["finish_reason"] in ("stop", "length")
+            deltas = streamed_chat_choices(base, body)
+            assert joined_deltas(deltas, "content") == c["message"]["content"]
+            assert deltas[-1]["finish_reason"] == c["finish_reason"]
+
+
 def test_responses_stream_sends_function_call_arguments_in_pieces(engine):
     """/v1/responses streamed: the message item ends when the first call starts; each call an output item, added
     with its name and empty arguments, then function_call_arguments.delta pieces that join to its arguments."""

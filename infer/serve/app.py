@@ -343,6 +343,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             reason = "abort" if slept else p.finish_reason(out) if out.finished else None  # (slept: as vLLM's)
             new_ids = out.new_token_ids if req.return_token_ids else None
             delta, calls, text, reasoning = out.delta_text, None, None, ""  # text: read where needed (a copy)
+            read = None  # with tools, finished: the whole reply's calls
             if req.echo:  # (completions) the prompt and its logprobs first, in the choice's first chunk, as vLLM
                 if req.prompt_only:  # max_tokens 0: the prompt alone, the one token generated left out
                     delta, records = "", None if records is None else []
@@ -360,8 +361,8 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 text = out.text if text is None or reads_whole_reply(req.tools) else text
                 stream = streams.setdefault(i, CallStream(req.tools))
                 if out.finished and not slept:
-                    content, whole = split(req.tools, text)
-                    calls = stream.deltas(whole or [], finished=True)
+                    content, read = split(req.tools, text)
+                    calls = stream.deltas(read or [], finished=True)
                 else:
                     content = visible(req.tools, text) if req.tools.mode == "auto" else ""
                     calls = stream.deltas(partial_calls(req.tools, text))
@@ -377,7 +378,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                              reasoning=reasoning, prompt_token_ids=prompt_ids)
                 if calls:
                     c["delta"]["tool_calls"] = calls
-                if reason in ("stop", "length") and i in streams and streams[i].sent:  # (as a whole reply's)
+                if reason in ("stop", "length") and read:  # the calls read whole: "tool_calls", as a whole reply's
                     c["finish_reason"] = "tool_calls"
                 lp = c.get("logprobs") if not req.chat else None
                 if lp and lp["tokens"]:

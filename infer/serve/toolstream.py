@@ -13,10 +13,13 @@ arguments, max_tokens cuts it), or whose arguments repeat a key, has already sen
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 from . import tools as t
+
+log = logging.getLogger("infer.serve")
 
 _WS = re.compile(r"\s*")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -309,6 +312,8 @@ class CallStream:
         self.req, self.sent = req, []  # sent: [id, name, arguments sent]
 
     def deltas(self, calls: list, finished: bool = False) -> list[dict]:
+        if finished:
+            self.check_whole(calls)
         out = []
         for k, call in enumerate(calls):
             name, args = (call["function"]["name"], call["function"]["arguments"]) if finished else call
@@ -321,11 +326,19 @@ class CallStream:
                 continue
             _, sent_name, sent_args = self.sent[k]
             if name != sent_name or not args.startswith(sent_args):
-                continue  # (a call that changed after it went out: not the parse's; what went out stands)
+                if finished:  # (the whole reply disagrees with what went out: see the module's known limits)
+                    log.warning("streamed tool call %d (%s) is not the whole reply's: what went out stands", k, name)
+                continue
             if len(args) > len(sent_args):
                 self.sent[k][2] = args
                 out.append({"index": k, "function": {"arguments": args[len(sent_args):]}})
         return out
+
+    def check_whole(self, calls: list | None) -> None:
+        """Warn when the whole reply has fewer calls than went out (a call that turned out malformed)."""
+        if len(calls or []) < len(self.sent):
+            log.warning("%d tool call(s) went out streamed that the whole reply does not read: its text follows as "
+                        "content", len(self.sent) - len(calls or []))
 
     def ids(self) -> list[str]:
         return [s[0] for s in self.sent]
