@@ -25,7 +25,7 @@ from infer.serve.tools import parse_tools, split  # noqa: E402
 from infer.serve.toolstream import CallStream, json_prefix, partial_calls  # noqa: E402
 
 from helpers import (check_stream_adds_up, forced_chat_body, joined_deltas, joined_tool_calls,  # noqa: E402
-                     streamed_chat_choices, tiny_chat_engine)
+                     streamed_chat_choices, tiny_chat_engine, tiny_llama_with_added_tokens)
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                            "o": {"type": "object"}, "zone": {"type": "string"}}}
@@ -272,3 +272,39 @@ def test_exaone4_thinks_only_when_asked(engine):
             deltas = streamed_chat_choices(base, body)
             assert (joined_deltas(deltas, "reasoning"), joined_deltas(deltas, "content")) == (want[0] or "", want[1])
     assert _reasoning_parser("exaone4") == "exaone4"
+
+
+# ------------------------------------------------------------------------------------------- mistral (Magistral)
+def _vllm_mistral(text: str):
+    """vLLM's MistralReasoningParser.extract_reasoning, the reference of a whole reply."""
+    before, tag, after = text.partition("[THINK]")
+    if tag and "[/THINK]" in after:
+        reasoning, _, rest = after.partition("[/THINK]")
+        return reasoning, (before + rest) or None
+    if tag:
+        return after, before or None
+    return None, text
+
+
+@pytest.mark.parametrize("text", ["[THINK]Let me see.[/THINK]It is 4.", "[THINK]Cut in its thinking",
+                                  "It is 4, no thinking.", "[THINK][/THINK]Answer", "[THINK]x[/THINK]"])
+def test_mistral_splits_magistral_think_block_as_vllm(text):
+    req = ReasoningRequest("mistral")
+    assert reasoning_split(req, text) == _vllm_mistral(text)
+    check_stream_adds_up(req, text)
+    assert _reasoning_parser("mistral") == "mistral"
+
+
+def test_magistral_think_tags_that_are_special_tokens_split_whole_and_streamed(tmp_path):
+    """Magistral's [THINK] and [/THINK] are special tokens: the reply's text keeps them for the split (a reply
+    without them is all content)."""
+    path = tiny_llama_with_added_tokens(tmp_path / "magistral", ["[THINK]", "[/THINK]"], special=True)
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_num_seqs=4))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", reasoning_parser="mistral")) as base:
+        for reply, want in [("[THINK]Hmm, 2+2.[/THINK]It is 4.", ("Hmm, 2+2.", "It is 4.")),
+                            ("It is 4.", (None, "It is 4."))]:
+            body = forced_chat_body(MESSAGES, reply, 100)
+            message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+            assert (message["reasoning"], message["content"]) == want
+            deltas = streamed_chat_choices(base, body)
+            assert (joined_deltas(deltas, "reasoning"), joined_deltas(deltas, "content")) == (want[0] or "", want[1])

@@ -72,7 +72,7 @@ def run(
                                                             "message's `reasoning`, as infer serve's option (and "
                                                             "vllm run-batch's): deepseek_r1 | qwen3 | "
                                                             "seed_oss | openai_gptoss | hunyuan_a13b | "
-                                                            "exaone4.")] = None,
+                                                            "exaone4 | mistral.")] = None,
     enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
                                                                help="With --output-format openai: each body's usage "
                                                                     "reports prompt_tokens_details.cached_tokens, "

@@ -105,9 +105,9 @@ def serve(
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "
         "QwQ, SmolLM3; reads chat_template_kwargs enable_thinking), seed_oss (Seed-OSS's "
         "<seed:think>...</seed:think>) or openai_gptoss (gpt-oss: its harmony analysis channel is the reasoning, the "
-        "final channel the answer), hunyuan_a13b (Hunyuan's <think>...</think><answer>...</answer>) or exaone4 "
-        "(EXAONE 4.0: thinks with chat_template_kwargs enable_thinking true). Tool calls are read from the answer "
-        "only.")] = None,
+        "final channel the answer), hunyuan_a13b (Hunyuan's <think>...</think><answer>...</answer>), exaone4 "
+        "(EXAONE 4.0: thinks with chat_template_kwargs enable_thinking true) or mistral (Magistral's "
+        "[THINK]...[/THINK]). Tool calls are read from the answer only.")] = None,
     trust_request_chat_template: Annotated[bool, _server(
         "--trust-request-chat-template", help="Let a chat request's own chat_template field render its messages (the "
         "template runs on the server: only for clients you trust).")] = False,

@@ -119,11 +119,11 @@ VLLM_HINTS = {
     "--response-role": "a chat reply's role is always \"assistant\"; drop the option",
     # vLLM's tool-calling and reasoning options (click guessed --tool-call-parser or --enable-lora for them)
     "--enable-reasoning": "infer serve splits the reasoning whenever --reasoning-parser is given (deepseek_r1 | "
-                          "qwen3 | seed_oss | openai_gptoss | hunyuan_a13b | exaone4), as later vLLM releases do: "
-                          "drop the option",
+                          "qwen3 | seed_oss | openai_gptoss | hunyuan_a13b | exaone4 | mistral), as later vLLM "
+                          "releases do: drop the option",
     "--reasoning-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): "
                                  "--reasoning-parser deepseek_r1 | qwen3 | seed_oss | openai_gptoss | hunyuan_a13b "
-                                 "| exaone4",
+                                 "| exaone4 | mistral",
     "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
                             "hermes | llama3_json | pythonic | mistral | qwen3_coder | seed_oss | openai (and vLLM's "
                             "llama4_json, llama4_pythonic, qwen3_xml)",
@@ -203,7 +203,7 @@ _BY_COMMAND: dict[str, dict[str, str | None]] = {
         "--model": "MODEL is the command's first argument, e.g. `infer run ./my-model prompts.jsonl -o out.jsonl`",
         "--enable-reasoning": "infer run splits the reasoning of --output-format openai records whenever "
                               "--reasoning-parser is given (deepseek_r1 | qwen3 | seed_oss | openai_gptoss | "
-                              "hunyuan_a13b | exaone4): drop the option",
+                              "hunyuan_a13b | exaone4 | mistral): drop the option",
     },
     "infer serve": {
         "--disable-tqdm": "infer serve shows no progress bar; drop the option",

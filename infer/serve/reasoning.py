@@ -9,6 +9,8 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
   SmolLM3's <think> block splits so too (its template reads enable_thinking; with thinking off it closes the block).
 - exaone4: deepseek_r1's rules when `chat_template_kwargs: {"enable_thinking": true}` asks EXAONE 4.0 to think; without
   it (its template's default) the reply is all content, as vLLM's exaone4 parser splits it.
+- mistral: Magistral's [THINK]...[/THINK] (special tokens), reasoning only in a reply that starts with [THINK] (a
+  reply without it is all content, as vLLM's mistral parser reads it; one cut short in the block all reasoning).
 - hunyuan_a13b: Hunyuan's `<think>\n...\n</think>\n<answer>\n...\n</answer>` (see _hunyuan_parts).
 - seed_oss: deepseek_r1's rules with Seed-OSS's tags, <seed:think> and </seed:think> (vLLM's SeedOSSReasoningParser).
 A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the
@@ -139,6 +141,9 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            # EXAONE 4.0: deepseek_r1's rules with chat_template_kwargs enable_thinking true, else all content (its
            # template thinks only when asked: vLLM's exaone4 reads enable_thinking, false when absent)
            "exaone4": {"reads_enable_thinking": True, "thinking_by_default": False, "tags": (THINK_START, THINK_END)},
+           # Magistral (vLLM's mistral parser): [THINK]...[/THINK], a reply without [THINK] all content (no template
+           # opens the block); the tags are special tokens of its tokenizer, kept in the text for the split
+           "mistral": {"reads_enable_thinking": False, "tags": ("[THINK]", "[/THINK]"), "needs_start": True},
            # (the tags a prompt may close the block with: Hunyuan's no-think template)
            "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts}}
 
@@ -233,6 +238,8 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
         text = text[len(start):]
     elif not finished and start.startswith(text):
         return "", ""
+    elif PARSERS[req.parser].get("needs_start"):
+        return "", text  # no block opened: all content
     at = text.find(end)
     if at >= 0:
         return text[:at], text[at + len(end):]
@@ -246,4 +253,5 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
         return None, text
     reasoning, content = parts(req, text)
     own = tags(req.parser) is None or "split" in PARSERS[req.parser]  # (a parser of its own split: as vLLM's)
-    return (reasoning or None) if own else reasoning, content or None
+    unopened = PARSERS[req.parser].get("needs_start") and not text.startswith(tags(req.parser)[0])  # no block: null
+    return (reasoning or None) if own or unopened else reasoning, content or None
