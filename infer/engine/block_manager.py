@@ -170,8 +170,10 @@ class BlockManager:
     # ------------------------------------------------------------------ admission
     def _reads_cache(self, seq: Sequence) -> bool:
         """Whether admission looks the sequence up in the prefix cache. A request that wants its prompt's logprobs
-        computes every prompt token (as vLLM: cached ones have no logits)."""
-        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+        computes every prompt token (as vLLM: cached ones have no logits); so does a per-token pooling request (its
+        rows: every token's state)."""
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None and not getattr(seq, "every_token",
+                                                                                                 False)
 
     def _cached_prefix(self, seq: Sequence) -> list[int | None]:
         """`_longest_prefix`, less its last block under EAGLE (`eagle_reads_next`), as vLLM drops it: the head's KV

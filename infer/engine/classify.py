@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import RequestError
-from .pooling import EmbeddingRequestOutput, Pooler, PoolingParams
+from .pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingOutput, PoolingParams, \
+    PoolingRequestOutput
 
 NOT_CLASSIFIER = ("this model makes embeddings, not classes: classification (LLM.classify, POST /classify) needs a "
                   "*ForSequenceClassification model")
@@ -30,21 +31,24 @@ CLASSIFY_INSTEAD = "classify or score instead (LLM.classify, LLM.score, POST /cl
 def score_rows(model, pooled: dict, pooler: Pooler) -> dict:
     """A classifier's logits (float32) for each pooled hidden state of the step (pooling.pool_rows's), through the
     model's score head in the model's dtype (as transformers'); an embedding model's pooled states as they are."""
-    if pooler.task != "classify" or not pooled:
+    if not pooler.classifies or not pooled:
         return pooled
     keys = list(pooled)
-    weight = model.score.weight
-    logits = torch.nn.functional.linear(torch.stack([pooled[k] for k in keys]).to(weight.dtype), weight).float()
-    return dict(zip(keys, logits))
+    head = model.score  # (a token classifier's has a bias)
+    rows = [pooled[k].reshape(-1, pooled[k].shape[-1]) for k in keys]  # (a per-token task's: a row per token)
+    logits = torch.nn.functional.linear(torch.cat(rows).to(head.weight.dtype), head.weight, head.bias).float()
+    parts = logits.split([len(r) for r in rows])
+    return {k: part if pooled[k].dim() > 1 else part[0] for k, part in zip(keys, parts)}
 
 
-def pooled_prompt(ids: list[int], pooler: Pooler) -> list[int]:
+def pooled_prompt(ids: list[int], pooler: Pooler, task: str | None = None) -> list[int]:
     """The tokens a classifier runs of a prompt (LAST pooling): transformers' *ForSequenceClassification scores the
     last token that is not config.json's pad_token_id (the first token when every one is), so the prompt runs
     without its trailing pad tokens (a causal decoder's state at a token does not depend on those after it); the
-    prompt as it is for an embedding model, another pooling type or a model without a pad token."""
+    prompt as it is for an embedding model, another pooling type, a per-token `task` or a model without a pad
+    token."""
     pad, end = pooler.pad_token_id, len(ids)
-    if pooler.task != "classify" or pooler.pooling_type != "LAST" or pad is None:
+    if pooler.task != "classify" or task not in (None, "classify") or pooler.pooling_type != "LAST" or pad is None:
         return ids
     while end > 1 and ids[end - 1] == pad:
         end -= 1
@@ -57,7 +61,7 @@ def activated(logits: torch.Tensor, pooler: Pooler, params: PoolingParams) -> to
     use = pooler.use_activation if params.use_activation is None else params.use_activation
     if not use or pooler.problem_type == "regression":
         return logits
-    if len(logits) < 2 or pooler.problem_type == "multi_label_classification":
+    if logits.shape[-1] < 2 or pooler.problem_type == "multi_label_classification":  # (token tasks: each row's)
         return torch.sigmoid(logits)
     return torch.softmax(logits, dim=-1)
 
@@ -85,6 +89,16 @@ class ClassificationRequestOutput(EmbeddingRequestOutput):
                 f"{self.outputs.num_classes}, prompt_tokens={len(self.prompt_token_ids)})")
 
 
+def pooled_output(seq, vec: torch.Tensor, task: str):
+    """A finished pooling request's output (vLLM's): an embedding's, a classification's, or a per-token task's
+    PoolingRequestOutput (`.outputs.data`: a row per prompt token)."""
+    if task == "classify":
+        return ClassificationRequestOutput(seq, ClassificationOutput(vec))
+    if task == "embed":
+        return EmbeddingRequestOutput(seq, EmbeddingOutput(vec))
+    return PoolingRequestOutput(seq, PoolingOutput(vec))
+
+
 class ScoringOutput:
     """vLLM's ScoringOutput: the pair's `score` (a float)."""
 
@@ -110,7 +124,7 @@ class ScoringRequestOutput:
 
 def check_cross_encoder(pooler: Pooler) -> None:
     """A classifier scores pairs only with one label (vLLM's: a cross-encoder's relevance)."""
-    if pooler.task == "classify" and len(pooler.labels) != 1:
+    if pooler.classifies and len(pooler.labels) != 1:
         raise RequestError(f"this classifier has {len(pooler.labels)} labels: scoring a pair needs a cross-encoder, "
                            "a *ForSequenceClassification model of num_labels 1",
                            "classify the texts instead (LLM.classify, POST /classify)")

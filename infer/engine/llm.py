@@ -541,6 +541,22 @@ class LLM:
         order, its class probabilities in `.outputs.probs` (PoolingParams(use_activation=False): the logits)."""
         return self._pool("classify", prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority)
 
+    def encode(self, prompts: Prompt | Seq[Prompt],
+               pooling_params: PoolingParams | list[PoolingParams] | None = None, *, pooling_task: str | None = None,
+               lora_request=None, lora: str | list[str | None] | None = None, use_tqdm=True,
+               truncate_prompt_tokens: int | None = None, priority: int | list[int] | None = None) -> list:
+        """vLLM's LLM.encode: one output per prompt, in order, its tensor in `.outputs.data`. `pooling_task` (vLLM's):
+        embed or classify (a vector a prompt, as LLM.embed / LLM.classify), token_embed (an embedding model's
+        hidden state of every prompt token, each normalized as its pooler normalizes) or token_classify (a
+        classifier's class distribution of every prompt token: [prompt tokens, labels]); None: the model's own."""
+        from .pooling import TASKS
+        if pooling_task is not None and pooling_task not in TASKS:
+            raise RequestError(f"pooling_task {pooling_task!r} is not one of {', '.join(TASKS)}"[:200],
+                               "token_embed / token_classify: a row per prompt token; embed / classify: one vector")
+        pooler = self._engine().pooler
+        task = pooling_task or (pooler.task if pooler is not None else "embed")
+        return self._pool(task, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority)
+
     def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None, use_tqdm=True,
               pooling_params: PoolingParams | None = None, lora_request=None,
               lora: str | None = None, priority: int | None = None) -> list:
@@ -551,6 +567,10 @@ class LLM:
         from .classify import (ScoringRequestOutput, check_cross_encoder, check_texts, cosine, pair_ids, pair_labels,
                                score_pairs)
         engine = self._engine()
+        if engine.pooler is not None and engine.pooler.task not in ("embed", "classify"):
+            raise RequestError(f"this model does {engine.pooler.task} only (a *ForTokenClassification model): it "
+                               "scores no pairs", "score with a cross-encoder or an embedding model; "
+                               "LLM.encode(..., pooling_task=\"token_classify\") classifies each token")
         crossed = engine.pooler is not None and engine.pooler.task == "classify"
         pairs = score_pairs(data_1, data_2, "data_1", "data_2", empty=crossed)
         check_texts(zip((n for pair in pair_labels(data_1, data_2, "data_1", "data_2") for n in pair),
@@ -578,17 +598,17 @@ class LLM:
         if pooler is None:
             raise RequestError(EMBED_ONLY.replace("/v1/embeddings", f"LLM.{task}").replace("server", "LLM"),
                                'create it with LLM(MODEL, runner="pooling")')
-        if pooler.task != task:
-            from .classify import NOT_CLASSIFIER, NOT_EMBEDDER
-            raise RequestError(NOT_CLASSIFIER if task == "classify" else NOT_EMBEDDER,
-                               "embed with an embedding model" if task == "embed" else "load a classifier")
+        if task not in pooler.tasks:
+            from .pooling import task_refusal
+            raise task_refusal(task, pooler)
         params = pooling_params if pooling_params is not None else PoolingParams()
         if isinstance(params, tuple):
             params = list(params)
-        if truncate_prompt_tokens is not None:  # vLLM's keyword: the prompts' params with it
-            params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) if isinstance(p, PoolingParams)
-                      else p for p in (params if isinstance(params, list) else [params])]
-            params = params if isinstance(pooling_params, (list, tuple)) else params[0]
+        # the prompts' params with the task asked (and vLLM's truncate_prompt_tokens keyword)
+        cut = {} if truncate_prompt_tokens is None else {"truncate_prompt_tokens": truncate_prompt_tokens}
+        params = [replace(p, task=task, **cut) if isinstance(p, PoolingParams) else p
+                  for p in (params if isinstance(params, list) else [params])]
+        params = params if isinstance(pooling_params, (list, tuple)) else params[0]
         if lora_request is not None:
             if lora is not None:
                 raise RequestError(f"{task}() got both lora and lora_request", "give one")

@@ -27,10 +27,9 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .classify import (CLASSIFY_INSTEAD, GENERATE_NOT_CLASSIFIER, NOT_CLASSIFIER, NOT_EMBEDDER, ClassificationOutput,
-                       ClassificationRequestOutput, check_activation, pooled_prompt)
-from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, EmbeddingOutput, EmbeddingRequestOutput,
-                      PoolingParams, finish_vector, resolve_pooler)
+from .classify import CLASSIFY_INSTEAD, GENERATE_NOT_CLASSIFIER, check_activation, pooled_output, pooled_prompt
+from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, PoolingParams, every_token, finish_vector,
+                      resolve_pooler, task_refusal)
 from .sampler import NOT_FINITE
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -432,13 +431,16 @@ class LLMEngine:
         else:
             name, key = lora, self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
-        run_ids = prompt_token_ids if pooling is None else pooled_prompt(list(prompt_token_ids), self.pooler)
+        run_ids = prompt_token_ids if pooling is None else pooled_prompt(list(prompt_token_ids), self.pooler,
+                                                                         pooling.task)
         seq = Sequence(request_id, list(run_ids), params, lora, max_total_len=cap, lora_key=key,
                        **({} if arrival_time is None else {"arrival_time": arrival_time}))
         seq.given_prompt_ids = list(prompt_token_ids)  # (what its output shows and counts: the prompt as given)
         seq.lora_name = name
         seq.lora_request = self.lora_request_of(name)
         seq.pooling = pooling
+        # a per-token task needs every prompt token's row: never a prefix-cache hit's (BlockManager._reads_cache)
+        seq.every_token = pooling is not None and every_token(seq, self.pooler)
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
         if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)
@@ -464,13 +466,12 @@ class LLMEngine:
                 raise RequestError(NOT_POOLING, 'start the engine with --runner pooling (LLM(MODEL, runner="pooling"))')
             return None, params
         if params is not None and not isinstance(params, PoolingParams):
-            if self.pooler.task == "classify":
+            if self.pooler.classifies:
                 raise RequestError(GENERATE_NOT_CLASSIFIER, CLASSIFY_INSTEAD)
             raise RequestError(NOT_GENERATING, EMBED_INSTEAD)
         pooling = (params or PoolingParams()).checked()
-        if pooling.task not in (None, self.pooler.task):  # (an embeddings line of infer run on a classifier...)
-            raise RequestError(NOT_EMBEDDER if pooling.task == "embed" else NOT_CLASSIFIER,
-                               "run it on a model that does that (--runner pooling)")
+        if pooling.task not in (None, *self.pooler.tasks):  # (an embeddings line of infer run on a classifier...)
+            raise task_refusal(pooling.task, self.pooler)
         pooling.check_dimensions(self.pooler, str(self.config.model))
         check_activation(pooling, self.pooler)
         return pooling, SamplingParams(max_new_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens,
@@ -990,8 +991,7 @@ class LLMEngine:
                 outputs.append(self._output(seq, []))
             else:
                 self.scheduler.finish(seq, "stop")
-                outputs.append(ClassificationRequestOutput(seq, ClassificationOutput(vec))
-                               if self.pooler.task == "classify" else EmbeddingRequestOutput(seq, EmbeddingOutput(vec)))
+                outputs.append(pooled_output(seq, vec, seq.pooling.task or self.pooler.task))
             self._forget(seq)
         return outputs
 

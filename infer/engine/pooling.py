@@ -24,6 +24,10 @@ from ..errors import ConfigError, RequestError
 from .sampling_params import RequestOutputKind
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# vLLM's per-token tasks (LLM.encode's pooling_task, POST /pooling): every prompt token's row, in order (pooling type
+# ALL): an embedding model's hidden states (token_embed), a classifier's class distributions (token_classify)
+TOKEN_TASKS = ("token_embed", "token_classify")
+TASKS = ("embed", "classify", *TOKEN_TASKS)
 RUNNERS = ("auto", "generate", "pooling")
 # sentence-transformers' Pooling config keys -> vLLM's pooling types (the others: max, mean_sqrt_len, weightedmean)
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
@@ -95,6 +99,18 @@ class Pooler:
         """A prefix-cache hit skips tokens: only the last token's state is sure to be computed."""
         return self.pooling_type == "LAST"
 
+    @property
+    def classifies(self) -> bool:
+        """Whether the model's pooled states go through its score head (a classifier's, of either kind)."""
+        return self.task in ("classify", "token_classify")
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks a request may ask of the model (vLLM's supported_tasks): an embedding model's embed and
+        token_embed, a sequence classifier's classify and token_classify, a token classifier's token_classify."""
+        return {"embed": ("embed", "token_embed"), "classify": ("classify", "token_classify")}.get(self.task,
+                                                                                                   (self.task,))
+
 
 def _json(path: Path) -> dict | list | None:
     try:
@@ -134,11 +150,18 @@ def classifier_folder(model) -> bool:
 def resolve_pooler(folder: Path, hidden_size: int, override: dict | None, model_config=None) -> Pooler:
     """The model's Pooler: --pooler-config's keys, else the sentence-transformers files', else LAST, normalized; a
     classifier's (`model_config` of a ForSequenceClassification): LAST, its logits through the activation."""
-    from ..models.classifier import is_classifier, labels, token_head
+    from ..models.classifier import is_classifier, is_token_classifier, labels, token_head
     if model_config is not None and is_classifier(model_config):
         if "normalize" in (override or {}):
             raise ConfigError("--pooler-config normalize is for an embedding model: this model is a classifier",
                               "give use_activation (false: the raw logits) instead")
+        if is_token_classifier(model_config):  # every token's class distribution (vLLM's token_classify, ALL)
+            if "pooling_type" in (override or {}):
+                raise ConfigError("--pooler-config pooling_type is not for a token classifier (a "
+                                  "*ForTokenClassification model): it classifies every token of the prompt",
+                                  "leave pooling_type out (use_activation false gives the raw logits)")
+            return Pooler("ALL", False, hidden_size, None, "token_classify", tuple(labels(model_config)),
+                          (override or {}).get("use_activation", True), getattr(model_config, "problem_type", None))
         spec = {"pooling_type": "LAST", "use_activation": True, **(override or {})}
         # a classifier of lm_head's rows of tokens (an LLM reranker, vLLM's): the causal LM's last token, the pair
         # as one text unless config.json's use_pad_token (vLLM's) says to join it as the tokenizer joins a pair
@@ -184,8 +207,8 @@ class PoolingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or (t < 1 and t != -1)):
             raise RequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {t!r}")
-        if self.task not in (None, "embed", "classify"):
-            raise RequestError(f"task must be embed, classify or None, got {self.task!r}"[:200])
+        if self.task not in (None, *TASKS):
+            raise RequestError(f"task must be {', '.join(TASKS)} or None, got {self.task!r}"[:200])
         if self.priority is None:  # (the server's field sent as null: its default)
             self.priority = 0
         if isinstance(self.priority, bool) or not isinstance(self.priority, numbers.Integral):
@@ -249,6 +272,38 @@ class EmbeddingRequestOutput:
     def __repr__(self) -> str:
         return (f"EmbeddingRequestOutput(request_id={self.request_id!r}, hidden_size={self.outputs.hidden_size}, "
                 f"prompt_tokens={len(self.prompt_token_ids)})")
+
+
+class PoolingOutput:
+    """vLLM's PoolingOutput: `data`, the request's float32 tensor (a per-token task's: [prompt tokens, dim])."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def hidden_size(self) -> int:
+        return self.data.shape[-1]
+
+
+class PoolingRequestOutput(EmbeddingRequestOutput):
+    """vLLM's PoolingRequestOutput (LLM.encode's of a per-token task): `.outputs.data`, `.prompt_token_ids`."""
+
+    def __repr__(self) -> str:
+        return (f"PoolingRequestOutput(request_id={self.request_id!r}, shape={list(self.outputs.data.shape)}, "
+                f"prompt_tokens={len(self.prompt_token_ids)})")
+
+
+def task_refusal(task: str, pooler: Pooler) -> RequestError:
+    """The refusal of a request asking a pooling model for a task it does not do (vLLM's supported_tasks)."""
+    if task in ("embed", "classify") and pooler.task in ("embed", "classify"):
+        from .classify import NOT_CLASSIFIER, NOT_EMBEDDER
+        return RequestError(NOT_EMBEDDER if task == "embed" else NOT_CLASSIFIER,
+                            "embed with an embedding model" if task == "embed" else "load a classifier")
+    needs = {"embed": "an embedding model", "token_embed": "an embedding model",
+             "classify": "a *ForSequenceClassification model",
+             "token_classify": "a *ForTokenClassification or *ForSequenceClassification model"}
+    return RequestError(f"pooling task {task!r} is not supported by this model: it does "
+                        f"{', '.join(pooler.tasks)}", f"ask for one of those, or run {task} on {needs[task]}")
 
 
 def output_tokens(out) -> int:
@@ -363,6 +418,12 @@ def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[
         seq, n = seqs[i], num_new[i]
         rows, start = hidden[at:at + n], seq.num_computed_tokens
         at += n
+        if every_token(seq, pooler):  # each chunk's rows kept, in order, gathered when the prompt completes
+            seq.pool_rows = [_copied(rows)] if start == 0 else [*seq.pool_rows, _copied(rows)]
+            if start + n >= len(seq.prompt_token_ids):
+                out[i] = torch.cat(seq.pool_rows)
+                seq.pool_rows = None
+            continue
         if pooler.pooling_type == "MEAN":
             part = rows.float().sum(0)
             seq.pool_sum = part if start == 0 or getattr(seq, "pool_sum", None) is None else seq.pool_sum + part
@@ -380,6 +441,11 @@ def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[
     return out
 
 
+def every_token(seq, pooler: Pooler) -> bool:
+    """Whether a pooling sequence keeps every prompt token's row (a per-token task, or a token classifier's ALL)."""
+    return pooler.pooling_type == "ALL" or getattr(getattr(seq, "pooling", None), "task", None) in TOKEN_TASKS
+
+
 def _copied(row: torch.Tensor) -> torch.Tensor:
     """A row of the step's hidden states as a float32 tensor of its own: a CUDA graph's hidden states are its static
     output buffer, which the next step's replay overwrites (`.float()` of float32 rows is the row itself: a float32
@@ -390,11 +456,11 @@ def _copied(row: torch.Tensor) -> torch.Tensor:
 def finish_vector(vec: torch.Tensor, pooler: Pooler, params: PoolingParams) -> torch.Tensor:
     """The request's vector: cut to its dimensions, then L2-normalized (as vLLM's embedding head), on the host; a
     classifier's logits through its activation (engine.classify)."""
-    if pooler.task == "classify":
+    if pooler.classifies:
         from .classify import activated
         return activated(vec, pooler, params).cpu()
-    if params.dimensions is not None:
-        vec = vec[:params.dimensions]
+    if params.dimensions is not None:  # (a token_embed's [tokens, hidden]: each row cut and normalized)
+        vec = vec[..., :params.dimensions]
     if pooler.normalize if params.normalize is None else params.normalize:
         vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
     return vec.cpu()

@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 SEQ_CLS = "ForSequenceClassification"
+# token classification (transformers' *ForTokenClassification): the same decoder, a `score` head (num_labels x hidden,
+# with a bias) over every token's final hidden state; vLLM's token_classify task (engine.pooling: pooling type ALL)
+TOKEN_CLS = "ForTokenClassification"
 # what vLLM's convert="classify" (--convert classify) is in infer: config.json edited (cli.vllm_flags, engine.llm)
 CONVERT_CLASSIFY = ("infer reads a classifier from MODEL's config.json (runner auto pools it): in a copy of the folder "
                     "set \"architectures\" to the family's *ForSequenceClassification; an LLM reranker (a score head "
@@ -23,13 +26,24 @@ def causal_name(arch: str) -> str:
     """The ForCausalLM architecture whose decoder a ForSequenceClassification architecture has."""
     if arch in _CAUSAL:
         return _CAUSAL[arch]
-    return arch[:-len(SEQ_CLS)] + "ForCausalLM" if arch.endswith(SEQ_CLS) else arch
+    suffix = next((s for s in (SEQ_CLS, TOKEN_CLS) if arch.endswith(s)), None)
+    return arch[:-len(suffix)] + "ForCausalLM" if suffix else arch
+
+
+def _archs_end(cfg, suffixes: tuple[str, ...]) -> bool:
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else getattr(cfg, "architectures", None)
+    return bool(archs) and all(isinstance(a, str) and a.endswith(suffixes) for a in archs)
 
 
 def is_classifier(cfg) -> bool:
-    """Whether a config (transformers' or config.json's dict) is a ForSequenceClassification model's."""
-    archs = cfg.get("architectures") if isinstance(cfg, dict) else getattr(cfg, "architectures", None)
-    return bool(archs) and all(isinstance(a, str) and a.endswith(SEQ_CLS) for a in archs)
+    """Whether a config (transformers' or config.json's dict) is a classifier's: a ForSequenceClassification or a
+    ForTokenClassification model (a score head instead of lm_head, run on the pooling runner)."""
+    return _archs_end(cfg, (SEQ_CLS, TOKEN_CLS))
+
+
+def is_token_classifier(cfg) -> bool:
+    """Whether a config is a ForTokenClassification model's (a class distribution for every token)."""
+    return _archs_end(cfg, (TOKEN_CLS,))
 
 
 def labels(cfg) -> list[str]:
@@ -45,12 +59,12 @@ def add_score_head(model: nn.Module, cfg, dtype: torch.dtype, weight: torch.Tens
         del model.lm_head
     model.tie_word_embeddings = True  # (no lm_head.weight is looked for)
     model.quantized_head = False
-    if weight is None:
-        model.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False, dtype=dtype)
+    if weight is None:  # (transformers' token classifier's score head has a bias; the sequence classifier's none)
+        model.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=is_token_classifier(cfg), dtype=dtype)
     else:
         model.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False, dtype=dtype, device="meta")
         model.score.weight = nn.Parameter(weight)
-    model.score.weight.requires_grad_(False)
+    model.score.requires_grad_(False)
 
 
 # vLLM's online conversion of a causal LM into a classifier (its model_executor/models/adapters.py): config.json's
