@@ -478,7 +478,9 @@ class Records:
                 request.params = replace(request.params, skip_special_tokens=False)
 
     def output(self, req_id: str, out) -> dict:
-        if hasattr(out, "outputs") and hasattr(out.outputs, "embedding"):  # a /v1/embeddings line's vector
+        request = self.requests.get(req_id)
+        pooled = request is not None and (request.openai or {}).get("embedding")  # (a /pooling line's: any task's)
+        if pooled or hasattr(out, "outputs") and hasattr(out.outputs, "embedding"):  # a /v1/embeddings line's vector
             return self._embedding(req_id, [out])
         if hasattr(out, "outputs") and hasattr(out.outputs, "probs"):  # a classifier's line (infer's format)
             from ..serve.scoring import class_entry
@@ -493,12 +495,12 @@ class Records:
         output line whose body is the server's embeddings response (every input's vector, in order)."""
         tokens = sum(len(out.prompt_token_ids) for out in outs)
         if self.fmt == "infer":
-            return {"id": req_id, "embedding": outs[0].outputs.embedding, "finish_reason": "stop", "error": None,
+            return {"id": req_id, "embedding": outs[0].outputs.data.tolist(), "finish_reason": "stop", "error": None,
                     "usage": {"prompt_tokens": tokens, "completion_tokens": 0}}
         from ..serve.embeddings import response_body
         info = self.requests[req_id].openai
         body = response_body([out.outputs.data for out in outs], tokens, info["model"] or self.model,
-                             info["encoding_format"], info["request_id"])
+                             info["encoding_format"], info["request_id"], info.get("pooling", False))
         return {"id": _batch_id(), "custom_id": req_id,
                 "response": {"status_code": 200, "request_id": _batch_id("req"), "body": body}, "error": None}
 

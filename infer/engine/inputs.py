@@ -16,7 +16,8 @@ from typing import Any
 
 from ..checks import _loops_over_content, check_text, reads_content_parts  # noqa: F401 (re-exported)
 from ..errors import RequestError, UnknownModelError
-from .pooling import EMBEDDINGS_URL, PoolingParams, embedding_fields, embedding_inputs, embedding_request_id
+from .pooling import EMBEDDINGS_URL, POOLING_URL, PoolingParams, embedding_fields, embedding_inputs, \
+    embedding_request_id, pooling_task_params
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
 from .structured import from_openai
@@ -562,10 +563,13 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
     from `openai` (the model named, the encoding_format, the request_id, every input's token ids)."""
     body = _batch_body(obj)
     if body.get("messages") is not None:  # (vLLM's chat form: the server's POST /v1/embeddings takes it)
-        raise RequestError("body.messages: an infer run line of url /v1/embeddings takes input, not the chat form",
-                           "give the chat's rendered text (POST /tokenize with the messages gives its ids) as "
-                           "body.input, or send the messages to a server's POST /v1/embeddings")
+        raise RequestError(f"body.messages: an infer run line of url {obj.get('url')} takes input, not the chat "
+                           "form", "give the chat's rendered text (POST /tokenize with the messages gives its ids) as "
+                           f"body.input, or send the messages to a server's POST {obj.get('url')}")
     params, fmt = embedding_fields(body, "body.")
+    pooling = obj.get("url") == POOLING_URL  # (vLLM's /pooling: a task of the model's, its per-token one unless named)
+    if pooling:
+        params = pooling_task_params(body, params, bool(names.labels), prefix="body.")
     rid = embedding_request_id(body, "body.")
     keep = params.truncate_prompt_tokens is not None
     prompts = [[int(t) for t in item] if isinstance(item, list) else
@@ -573,7 +577,7 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
                for item in embedding_inputs(body.get("input"), "body.input")]
     req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
     return ParsedRequest(req_id, prompts[0], params, names.lora_for(body.get("model")),
-                         openai={"embedding": True, "chat": False, "model": body.get("model"),
+                         openai={"embedding": True, "pooling": pooling, "chat": False, "model": body.get("model"),
                                  "encoding_format": fmt, "request_id": rid, "inputs": prompts})
 
 
@@ -645,7 +649,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
                               'run classifies on a classifier' if url == "/classify" else ""))
     if url is not None and url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)} (and "
-                           f"{EMBEDDINGS_URL} with --runner pooling)",
+                           f"{EMBEDDINGS_URL} and {POOLING_URL} with --runner pooling)",
                            "remove the line, or run it with a server that has that endpoint")
     # each endpoint's request, as the server (and OpenAI) reads it: chat needs messages, a completion a prompt
     if url == "/v1/chat/completions" and "messages" not in body:
@@ -777,7 +781,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     names = ModelNames() if names is None else names  # (callers with no model to name: the data-parallel driver)
-    if ("body" in obj or "custom_id" in obj) and obj.get("url") == EMBEDDINGS_URL:
+    if ("body" in obj or "custom_id" in obj) and obj.get("url") in (EMBEDDINGS_URL, POOLING_URL):
         return _embedding_line(obj, tokenizer, default_id, names, max_tokens)
     if names.labels and not ("body" in obj or "custom_id" in obj):
         return _classify_line(obj, tokenizer, default_id, max_tokens)

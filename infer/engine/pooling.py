@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -319,6 +319,7 @@ def throughput_words(task: str | None) -> str:
 
 
 EMBEDDINGS_URL = "/v1/embeddings"
+POOLING_URL = "/pooling"  # vLLM's PoolingRequest: a task of the model's (pooling_task_params)
 ENCODINGS = ("float", "base64")
 _INPUT_FORMS = "give a string, a list of strings, a list of token ids, or a list of token-id lists"
 
@@ -397,6 +398,33 @@ def embedding_fields(body: dict, prefix: str = "", chat: bool = False) -> tuple[
     except RequestError as e:
         raise RequestError(prefix + e.message, e.hint) from None
     return params, fmt
+
+
+def pooling_task_params(body: dict, params: PoolingParams, classifies: bool, pooler: Pooler | None = None,
+                        prefix: str = "") -> PoolingParams:
+    """A POST /pooling body's params (vLLM's PoolingRequest): its `task` (by default the model's per-token task:
+    token_embed for an embedding model, token_classify for a classifier, `classifies`) and a classifier's
+    use_activation; RequestError naming the field for a task the model (`pooler`, where known) does not do, or a
+    field the task does not take."""
+    task = body.get("task")
+    task = ("token_classify" if classifies else "token_embed") if task is None else task
+    if task not in TASKS:
+        raise RequestError(f"{prefix}task {task!r} is not one of {', '.join(TASKS)}"[:200],
+                           "token_embed / token_classify: a row per prompt token; embed / classify: one vector")
+    if pooler is not None and task not in pooler.tasks:
+        e = task_refusal(task, pooler)
+        raise RequestError(f"{prefix}task: {e.message}", e.hint)
+    use = body.get("use_activation")
+    if use is not None and "classify" not in task:
+        raise RequestError(f"{prefix}use_activation is a classifier's field: task {task} gives hidden states",
+                           "leave use_activation out")
+    if body.get("normalize") is not None and "embed" not in task:
+        raise RequestError(f"{prefix}normalize is an embedding's field: task {task} gives class probabilities",
+                           "leave normalize out (use_activation false gives the raw logits)")
+    try:
+        return replace(params, task=task, use_activation=use).checked()
+    except RequestError as e:
+        raise RequestError(prefix + e.message, e.hint) from None
 
 
 def embedding_request_id(body: dict, prefix: str = "", id_prefix: str = "embd-") -> str | None:

@@ -563,6 +563,12 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         body = None if raw is None else await embeddings.create(server, request, raw)
         return Response(status_code=499) if body is None else SafeJSONResponse(body)
 
+    @app.post("/pooling")
+    async def create_pooling(request: Request):  # vLLM's PoolingRequest: any task of the model's
+        raw = await request_body(server, request)
+        body = None if raw is None else await embeddings.create(server, request, raw, pooling=True)
+        return Response(status_code=499) if body is None else SafeJSONResponse(body)
+
     for route, handler in (("/classify", scoring.classify), ("/score", scoring.score), ("/v1/score", scoring.score),
                            ("/rerank", scoring.rerank), ("/v1/rerank", scoring.rerank),
                            ("/v2/rerank", scoring.rerank)):

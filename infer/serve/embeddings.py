@@ -17,7 +17,7 @@ import torch
 
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
-    embedding_inputs, embedding_request_id
+    embedding_inputs, embedding_request_id, pooling_task_params
 from ..engine.classify import CLASSIFIER_NOT_GENERATING, NOT_EMBEDDER
 from ..errors import RequestError
 from . import protocol as p
@@ -47,7 +47,7 @@ class EmbeddingRequest:
 # the fields of an embeddings body an error may start with (input[2] -> input); an error about the prompt itself
 # (too long for the context...) names input
 _FIELDS = ("input", "model", "encoding_format", "dimensions", "normalize", "truncate_prompt_tokens", "priority",
-           "add_special_tokens", "embed_dtype", "endianness", "request_id")
+           "add_special_tokens", "embed_dtype", "endianness", "request_id", "task", "use_activation")
 
 
 def _refused(e: RequestError) -> p.ApiError:
@@ -57,12 +57,13 @@ def _refused(e: RequestError) -> p.ApiError:
 
 
 def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = False,
-          max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> EmbeddingRequest:
+          max_depth: int = DEFAULT_MAX_JSON_DEPTH, pooler=None) -> EmbeddingRequest:
     """The body of POST /v1/embeddings as an EmbeddingRequest; ApiError 400 naming the field otherwise. vLLM's
     chat form (EmbeddingChatRequest): `messages` instead of `input`, rendered as /v1/chat/completions renders them
     (add_generation_prompt defaults to false there, as vLLM's); `trust_template`: --trust-request-chat-template.
     The body is read as the generation routes read theirs (`max_depth`: --max-json-depth; a body nested past
-    Python's recursion limit was a 500), every string valid Unicode and every number finite."""
+    Python's recursion limit was a 500), every string valid Unicode and every number finite. `pooler` (the
+    engine's): the body is POST /pooling's, its task (and a classifier's use_activation) read against it."""
     body = load_json(raw, max_depth)
     check_values(body)
     if not isinstance(body, dict):
@@ -75,6 +76,8 @@ def parse(raw: bytes, tokenizer, max_model_len: int, trust_template: bool = Fals
                               "with the chat template)", param="input")
     try:
         params, fmt = embedding_fields(body, chat=chat)
+        if pooler is not None:
+            params = pooling_task_params(body, params, pooler.classifies, pooler)
         rid = embedding_request_id(body)
         keep = params.truncate_prompt_tokens is not None
         if chat:
@@ -109,11 +112,15 @@ def response_id(base: str | None = None) -> str:
     return "embd-" + (base or uuid.uuid4().hex)
 
 
-def response_body(vectors: list, prompt_tokens: int, model: str, fmt: Encoding, base_id: str | None = None) -> dict:
+def response_body(vectors: list, prompt_tokens: int, model: str, fmt: Encoding, base_id: str | None = None,
+                  pooling: bool = False) -> dict:
     """OpenAI's embeddings response: one entry per vector (a float32 tensor), in order, and the tokens counted;
-    `base_id`: the client's id for it (response_id)."""
-    data = [{"index": i, "object": "embedding", "embedding": _encoded(v, fmt)} for i, v in enumerate(vectors)]
-    return {"id": response_id(base_id), "object": "list", "created": p.now(), "model": model, "data": data,
+    `base_id`: the client's id for it (response_id). `pooling`: vLLM's PoolingResponse (POST /pooling): id pool-,
+    each entry's tensor in `data` (a per-token task's: a list of rows; base64: its bytes, row after row)."""
+    kind, key = ("pooling", "data") if pooling else ("embedding", "embedding")
+    data = [{"index": i, "object": kind, key: _encoded(v, fmt)} for i, v in enumerate(vectors)]
+    rid = ("pool-" + (base_id or uuid.uuid4().hex)) if pooling else response_id(base_id)
+    return {"id": rid, "object": "list", "created": p.now(), "model": model, "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
@@ -128,34 +135,42 @@ def _encoded(vec, fmt: Encoding):
     return base64.b64encode(raw.numpy().tobytes()).decode("ascii")
 
 
+POOLING_ONLY = "this model is served for text generation: /pooling needs the server started with --runner pooling"
+
+
 def generation_refusal(server, api: str) -> None:
     """A pooling server's answer to a generation route (vLLM's: the model does not support that API)."""
     pooler = getattr(server.engine, "pooler", None)
     if pooler is not None:
-        why = CLASSIFIER_NOT_GENERATING if pooler.task == "classify" else GENERATE_ONLY
+        why = CLASSIFIER_NOT_GENERATING if pooler.classifies else GENERATE_ONLY
         raise p.ApiError(400, f"The model does not support {api} API: {why}",
                          code="model_not_supported")
 
 
-async def create(server, request, raw: bytes):
-    """The response of POST /v1/embeddings (a SafeJSONResponse body as a dict, or an ApiError raised)."""
+async def create(server, request, raw: bytes, pooling: bool = False):
+    """The response of POST /v1/embeddings (a SafeJSONResponse body as a dict, or an ApiError raised); `pooling`:
+    of POST /pooling (vLLM's PoolingRequest: a `task` of the model's, embed, classify, token_embed or
+    token_classify, by default its per-token one; the answer a PoolingResponse)."""
     arrival = time.monotonic()
     pooler = getattr(server.engine, "pooler", None)
-    if pooler is None or pooler.task != "embed":
+    if pooler is None and pooling:
+        raise p.ApiError(400, f"The model does not support Pooling API: {POOLING_ONLY}", code="model_not_supported")
+    if not pooling and (pooler is None or pooler.task != "embed"):
         raise p.ApiError(400, f"The model does not support Embeddings API: "
                               f"{EMBED_ONLY if pooler is None else NOT_EMBEDDER}", code="model_not_supported")
     req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len,
-                                  server.parser.trust_template, server.limits.max_json_depth)
+                                  server.parser.trust_template, server.limits.max_json_depth,
+                                  pooler if pooling else None)
     try:  # (the engine refuses it too, as a request's error: named here as the body's field)
         req.params.check_dimensions(server.engine.pooler, str(server.engine.config.model))
     except RequestError as e:
         raise p.bad_request(e, param="dimensions") from None
-    got = await pooled(server, request, req, server.lora_for(req.model), "embd-", arrival)
+    got = await pooled(server, request, req, server.lora_for(req.model), "pool-" if pooling else "embd-", arrival)
     if got is None:
         return None
     # the client's id names the response (the engine's ids stay the server's own, as the generation routes')
     given = request.headers.get("x-request-id") if request is not None else None
-    return response_body(*got, req.model or server.model_id, req.encoding_format, given or req.request_id)
+    return response_body(*got, req.model or server.model_id, req.encoding_format, given or req.request_id, pooling)
 
 
 async def pooled(server, request, req: EmbeddingRequest, lora, prefix: str, arrival: float

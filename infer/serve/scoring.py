@@ -23,6 +23,8 @@ from .embeddings import EmbeddingRequest, pooled
 
 NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} needs the server started with --runner "
                       "pooling (a classifier, or an embedding model for scores)")
+TOKEN_CLASSIFIER_ONLY = ("this model is a token classifier (a *ForTokenClassification model): it classifies each "
+                         "token of a prompt through POST /pooling (task token_classify), and scores no pairs")
 _FIELDS = ("input", "messages", "model", "text_1", "text_2", "data_1", "data_2", "queries", "items", "query",
            "documents", "top_n", "return_documents",
            "truncate_prompt_tokens", "use_activation", "activation", "softmax", "priority", "request_id")
@@ -79,6 +81,9 @@ def _pooler(server, api: str):
     pooler = getattr(server.engine, "pooler", None)
     if pooler is None:
         raise p.ApiError(400, f"The model does not support {api} API: {NOT_POOLING_SERVER.format(api=api)}",
+                         code="model_not_supported")
+    if pooler.task not in ("embed", "classify"):  # (a token classifier: POST /pooling alone)
+        raise p.ApiError(400, f"The model does not support {api} API: {TOKEN_CLASSIFIER_ONLY}",
                          code="model_not_supported")
     return pooler
 
