@@ -263,3 +263,41 @@ def test_infer_run_pooling_lines(tmp_path, tok_llama):
     torch.testing.assert_close(torch.tensor(recs["one"]["response"]["body"]["data"][0]["data"]),
                                hf_token_logits(hf, ids[1]), atol=1e-5, rtol=1e-4)
     assert "pooling task 'embed' is not supported by this model" in recs["bad"]["error"]["message"], recs["bad"]
+
+
+def test_classify_route_runs_an_empty_text_as_its_bos(tmp_path):
+    """vLLM's /classify of an empty text: the tokenizer's special tokens alone (the BOS) are classified, as
+    transformers classifies them; a tokenizer that adds none has nothing to classify (test_probes_session60_rcls)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    path, hf = build_classifier("tiny-llama", tmp_path / "bos", 3, seed=2)
+    tok = AutoTokenizer.from_pretrained(path)
+    bos_id = tok.eos_token_id if tok.bos_token_id is None else tok.bos_token_id  # (a special token as the BOS)
+    bos = tok.convert_ids_to_tokens(bos_id)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+    tok.save_pretrained(path)
+    assert AutoTokenizer.from_pretrained(path)("")["input_ids"] == [bos_id]
+    with torch.no_grad():
+        want = [torch.softmax(hf(torch.tensor([AutoTokenizer.from_pretrained(path)(t)["input_ids"]])).logits[0], -1)
+                for t in ("", "a dog")]
+    for base in _serve(path):
+        status, body = _post(base, "/classify", {"input": ["", "a dog"]})
+        assert status == 200, body
+        torch.testing.assert_close(torch.tensor([d["probs"] for d in body["data"]]), torch.stack(want), atol=1e-5,
+                                   rtol=1e-4)
+        assert body["usage"]["prompt_tokens"] == 1 + len(tok("a dog")["input_ids"])
+
+
+def test_score_takes_vllms_prompt_dicts():
+    """LLM.score's data given as vLLM's prompt dicts ({"prompt": text}, {"prompt_token_ids": ids}), alone or in a
+    list, scores as the texts and token ids themselves (they were refused); a bad dict is named by its place."""
+    with LLM("tiny-qwen3", runner="pooling", block_size=4) as llm:
+        ids = llm.tokenizer("a dog")["input_ids"]
+        want = [o.outputs.score for o in llm.score("the cat", [ids, "a cat"])]
+        got = [o.outputs.score for o in llm.score({"prompt": "the cat"},
+                                                  [{"prompt_token_ids": ids}, {"prompt": "a cat"}])]
+        assert got == pytest.approx(want, abs=1e-6) and want[0] != pytest.approx(want[1], abs=1e-4)
+        assert llm.score("the cat", {"prompt_token_ids": ids})[0].outputs.score == pytest.approx(want[0], abs=1e-6)
+        with pytest.raises(RequestError, match=r"data_2\[1\] has both prompt and prompt_token_ids"):
+            llm.score("a", ["b", {"prompt": "c", "prompt_token_ids": [1]}])

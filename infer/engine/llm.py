@@ -571,6 +571,7 @@ class LLM:
             raise RequestError(f"this model does {engine.pooler.task} only (a *ForTokenClassification model): it "
                                "scores no pairs", "score with a cross-encoder or an embedding model; "
                                "LLM.encode(..., pooling_task=\"token_classify\") classifies each token")
+        data_1, data_2 = _score_data(data_1, "data_1"), _score_data(data_2, "data_2")
         crossed = engine.pooler is not None and engine.pooler.task == "classify"
         pairs = score_pairs(data_1, data_2, "data_1", "data_2", empty=crossed)
         check_texts(zip((n for pair in pair_labels(data_1, data_2, "data_1", "data_2") for n in pair),
@@ -836,25 +837,41 @@ def _bad_dict(prompt: dict, what: str) -> RequestError:
                         "no prompt", 'give text, or vLLM\'s {"prompt": text} or {"prompt_token_ids": [ids]}')
 
 
-def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
+def _dict_prompt(prompt: dict, i: int | str) -> tuple[object, bool]:
     """(the text or token ids of a prompt dict, whether they are token ids); RequestError for keys infer does not
-    take (vLLM's multi_modal_data... holding data: text_only) or both keys."""
+    take (vLLM's multi_modal_data... holding data: text_only) or both keys. `i`: the prompt's index (or its name)."""
     prompt = text_only(prompt)
     other = sorted(set(prompt) - set(_PROMPT_KEYS) - {"cache_salt"}, key=str)
     if other:
-        raise RequestError(f"prompt {i} has {', '.join(map(repr, other))}, which infer does not take",
+        raise RequestError(f"{_label(i)} has {', '.join(map(repr, other))}, which infer does not take",
                            'give {"prompt": text} or {"prompt_token_ids": [ids]} (and "cache_salt", as vLLM)')
     prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}  # (_submit puts it in the prompt's params)
     if len(prompt) != 1:
-        raise RequestError(f"prompt {i} has both prompt and prompt_token_ids", "give one of them")
+        raise RequestError(f"{_label(i)} has both prompt and prompt_token_ids", "give one of them")
     key, value = next(iter(prompt.items()))
     if key == "prompt" and not isinstance(value, str):
-        raise RequestError(f"prompt {i}'s \"prompt\" must be text, got {type(value).__name__}",
+        raise RequestError(f"{_label(i)}'s \"prompt\" must be text, got {type(value).__name__}",
                            'give token ids as {"prompt_token_ids": [ids]}')
     if key == "prompt_token_ids" and isinstance(value, (str, dict)):
-        raise RequestError(f"prompt {i}'s \"prompt_token_ids\" must be a list of token ids, got {type(value).__name__}",
+        raise RequestError(f"{_label(i)}'s \"prompt_token_ids\" must be a list of token ids, got "
+                           f"{type(value).__name__}",
                            'give text as {"prompt": text}')
     return value, key == "prompt_token_ids"
+
+
+def _label(i: int | str) -> str:
+    return f"prompt {i}" if isinstance(i, int) else i
+
+
+def _score_data(value, name: str):
+    """LLM.score's data_1 / data_2 with vLLM's prompt dicts ({"prompt": text}, {"prompt_token_ids": ids}, alone or
+    in a list) read as their text or token ids (they were refused: "must be a text or a non-empty list of texts");
+    a flat list of ints stays one text of token ids, as infer reads it (vLLM takes token ids only in a dict)."""
+    if _is_prompt_dict(value):
+        return _dict_prompt(value, name)[0]
+    if isinstance(value, (list, tuple)) and any(_is_prompt_dict(v) for v in value):
+        return [_dict_prompt(v, f"{name}[{i}]")[0] if _is_prompt_dict(v) else v for i, v in enumerate(value)]
+    return value
 
 
 def _check_unpaused(engine, running: bool = False) -> None:

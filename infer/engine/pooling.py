@@ -328,9 +328,10 @@ def _is_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
-def embedding_inputs(value, name: str = "input", verb: str = "embed") -> list:
+def embedding_inputs(value, name: str = "input", verb: str = "embed", empty: bool = False) -> list:
     """An embeddings body's `input` (OpenAI's four forms) as a list of prompts, each text or a list of token ids;
-    RequestError naming the item otherwise (an empty text: nothing to `verb`, the route's task)."""
+    RequestError naming the item otherwise (an empty text: nothing to `verb`, the route's task; `empty`: an empty
+    text taken, for the tokenizer's special tokens alone, as vLLM's /classify runs just the BOS)."""
     if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
         value = [value]
     if not isinstance(value, list):
@@ -338,7 +339,7 @@ def embedding_inputs(value, name: str = "input", verb: str = "embed") -> list:
     if not value:
         raise RequestError(f"{name} is an empty list", _INPUT_FORMS)
     for i, item in enumerate(value):
-        if isinstance(item, str) and not item:
+        if isinstance(item, str) and not item and not empty:
             raise RequestError(f"{name}[{i}] is an empty string: there is nothing to {verb}", "remove it")
         if isinstance(item, list) and not item:
             raise RequestError(f"{name}[{i}] is an empty list of token ids", "remove it")

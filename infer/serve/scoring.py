@@ -136,7 +136,12 @@ async def classify(server, request, raw: bytes, arrival: float):
                 return EmbeddingRequest(body.get("model"), [ids], params, field="messages")
             prompts = [list(map(int, item)) if isinstance(item, list) else
                        encode_prompt(server.tokenizer, prompt=item, max_tokens=room)
-                       for item in embedding_inputs(body["input"], verb="classify")]
+                       for item in embedding_inputs(body["input"], verb="classify", empty=True)]
+            blank = next((i for i, ids in enumerate(prompts) if not ids), None)
+            if blank is not None:  # (vLLM's: an empty text is its special tokens alone, the BOS; here none)
+                raise RequestError(f"input[{blank}] is an empty string: there is nothing to classify (this model's "
+                                   "tokenizer adds no BOS to it, the token vLLM classifies alone)",
+                                   "remove it, or give it text")
         except RequestError as e:
             raise _refused(e) from None
         return EmbeddingRequest(body.get("model"), prompts, params)
