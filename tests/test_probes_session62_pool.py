@@ -263,6 +263,11 @@ def test_infer_run_pooling_lines(tmp_path, tok_llama):
     torch.testing.assert_close(torch.tensor(recs["one"]["response"]["body"]["data"][0]["data"]),
                                hf_token_logits(hf, ids[1]), atol=1e-5, rtol=1e-4)
     assert "pooling task 'embed' is not supported by this model" in recs["bad"]["error"]["message"], recs["bad"]
+    recs, printed = infer_run_records(tmp_path, [{"id": "t", "prompt": ids[0]}], "--block-size", "4",
+                                      model=str(path))  # (infer's own format: every token classified)
+    want = torch.softmax(hf_token_logits(hf, ids[0]), -1)
+    torch.testing.assert_close(torch.tensor(recs["t"]["probs"]), want, atol=1e-5, rtol=1e-4)
+    assert recs["t"]["labels"] == [LABELS[int(k)] for k in want.argmax(-1)] and recs["t"]["num_classes"] == 3
 
 
 def test_classify_route_runs_an_empty_text_as_its_bos(tmp_path):

@@ -25,7 +25,10 @@ def engine_traits(dtype, num_blocks: int, block_size: int, kv_cache_dtype: str |
             text += f", {name} speculative decoding ({speculative['model']}, {tokens})"
         else:
             text += f", n-gram speculative decoding ({tokens})"
-    if pooler is not None and pooler.task == "classify":  # (a classifier's: its labels, what it answers)
+    if pooler is not None and pooler.task == "token_classify":  # (a token classifier's: every token's class)
+        n = len(pooler.labels)
+        text += f", a token classifier of {n} label{'s' if n != 1 else ''} (every prompt token classified)"
+    elif pooler is not None and pooler.task == "classify":  # (a classifier's: its labels, what it answers)
         n = len(pooler.labels)
         text += f", a classifier of {n} label{'s' if n != 1 else ''} on {pooler.pooling_type} pooling"
     elif pooler is not None:  # (what a vector is: a pooling server said nothing of it)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from ..engine.inputs import ModelNames, ParsedRequest, is_request_id, parse_request
+from ..engine.pooling import PoolingRequestOutput
 from ..errors import ConfigError, OutputError, RequestError, UnknownModelError
 
 
@@ -276,7 +277,11 @@ def model_names(engine, served: list[str] | None = None) -> ModelNames:
         {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
     path = resolve_model(engine.model)
     sampling = tuple(openai_sampling_defaults(path).items())
-    return ModelNames(frozenset(base), frozenset(engine.loras), sampling, engine.max_logprobs, classifier_labels(path))
+    from ..models.classifier import is_token_classifier
+    from ..models.loader import load_config
+    labels = classifier_labels(path)
+    return ModelNames(frozenset(base), frozenset(engine.loras), sampling, engine.max_logprobs, labels,
+                      bool(labels) and is_token_classifier(load_config(path)))
 
 
 def classifier_labels(path) -> tuple:
@@ -486,6 +491,11 @@ class Records:
             from ..serve.scoring import class_entry
             return {"id": req_id, **class_entry(out.outputs.data, self.labels), "finish_reason": "stop",
                     "error": None, "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0}}
+        if isinstance(out, PoolingRequestOutput):  # a token classifier's line (infer's format): each token's
+            rows = out.outputs.data
+            return {"id": req_id, "labels": [self.labels[int(k)] for k in rows.argmax(-1)], "probs": rows.tolist(),
+                    "num_classes": rows.shape[-1], "finish_reason": "stop", "error": None,
+                    "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 0}}
         if self.fmt == "infer":
             return output_record(req_id, out, self.tokenizer)
         return self.choices(req_id, [out])

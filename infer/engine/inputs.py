@@ -456,6 +456,7 @@ class ModelNames:
     sampling: tuple = ()  # ((field, value), ...)
     max_logprobs: int = 20  # the engine's (EngineConfig.max_logprobs): the most top_logprobs a chat line asks for
     labels: tuple = ()  # a classifier's label names (its lines of infer's format classify); empty: not a classifier
+    per_token: bool = False  # a token classifier's (*ForTokenClassification): its lines classify every token
 
     def lora_for(self, model: Any) -> str | None:
         """vLLM's rule (run-batch and the server's _check_model): no name or an empty one, or a name of the base,
@@ -586,9 +587,11 @@ _CLASSIFY_FIELDS = ("truncate_prompt_tokens", "use_activation", "priority")
 _CLASSIFY_CHAT = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")  # (messages' only)
 
 
-def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None) -> ParsedRequest:
+def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None,
+                   per_token: bool = False) -> ParsedRequest:
     """A line of infer's format on a classifier (a *ForSequenceClassification model, whose lines classify as POST
-    /classify does): one prompt (prompt or input: a text or token ids; prompt_token_ids; messages, rendered by the
+    /classify does; `per_token`: a *ForTokenClassification model, whose lines classify every token, task
+    token_classify): one prompt (prompt or input: a text or token ids; prompt_token_ids; messages, rendered by the
     chat template as vLLM's ClassificationChatRequest) and the pooling fields; a generation field is refused."""
     allowed = [*CLASSIFY_PROMPTS, *sorted(_OTHER_KEYS), *_CLASSIFY_FIELDS, *_CLASSIFY_CHAT]
     unknown = sorted(str(k) for k in obj if k not in allowed)
@@ -604,7 +607,8 @@ def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None
                            f"give only one of {', '.join(CLASSIFY_PROMPTS)} (got {', '.join(given)})",
                            'e.g. {"prompt": "great product"} or {"input": [1, 2, 3]}')
     params = PoolingParams(truncate_prompt_tokens=obj.get("truncate_prompt_tokens"), priority=obj.get("priority", 0),
-                           use_activation=obj.get("use_activation"), task="classify").checked()
+                           use_activation=obj.get("use_activation"),
+                           task="token_classify" if per_token else "classify").checked()
     room = max_tokens if params.truncate_prompt_tokens is None else None
     key, value = given[0], obj[given[0]]
     chat = {k: obj.get(k) for k in _CLASSIFY_CHAT}  # (read as /classify's chat form reads them)
@@ -784,7 +788,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     if ("body" in obj or "custom_id" in obj) and obj.get("url") in (EMBEDDINGS_URL, POOLING_URL):
         return _embedding_line(obj, tokenizer, default_id, names, max_tokens)
     if names.labels and not ("body" in obj or "custom_id" in obj):
-        return _classify_line(obj, tokenizer, default_id, max_tokens)
+        return _classify_line(obj, tokenizer, default_id, max_tokens, names.per_token)
     if "body" in obj or "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
         fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
         defaults = {**(defaults or {}), **dict(names.sampling)}  # what the fields it leaves out get, as vLLM

@@ -315,7 +315,8 @@ def output_tokens(out) -> int:
 def throughput_words(task: str | None) -> str:
     """What a run's summary calls the tokens output_tokens counts (`task`: the pooling engine's, embed or classify;
     None: a generating engine's)."""
-    return {None: "tokens", "classify": "prompt tokens classified"}.get(task, "prompt tokens embedded")
+    return {None: "tokens", "classify": "prompt tokens classified", "token_classify": "prompt tokens classified"
+            }.get(task, "prompt tokens embedded")
 
 
 EMBEDDINGS_URL = "/v1/embeddings"
