@@ -653,7 +653,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
                               'run classifies on a classifier' if url == "/classify" else ""))
     if url is not None and url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)} (and "
-                           f"{EMBEDDINGS_URL} and {POOLING_URL} with --runner pooling)",
+                           f"{EMBEDDINGS_URL} with --runner pooling, {POOLING_URL} too)",
                            "remove the line, or run it with a server that has that endpoint")
     # each endpoint's request, as the server (and OpenAI) reads it: chat needs messages, a completion a prompt
     if url == "/v1/chat/completions" and "messages" not in body:
