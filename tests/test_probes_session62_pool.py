@@ -213,7 +213,7 @@ def test_pooling_route_refuses_bad_bodies(served_tokens, body, message):
     assert status == 400 and message in reply["error"]["message"], reply
 
 
-@pytest.mark.parametrize("route", ["/classify", "/score", "/rerank"])
+@pytest.mark.parametrize("route", ["/classify", "/score", "/rerank", "/v1/embeddings"])
 def test_token_classifier_server_refuses_the_sequence_routes(served_tokens, route):
     status, reply = _post(served_tokens, route, {"input": "a", "text_1": "a", "text_2": "b", "query": "a",
                                                  "documents": ["b"]})

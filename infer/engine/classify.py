@@ -25,6 +25,9 @@ CLASSIFIER_NOT_GENERATING = ("this server runs the model as a classifier (a *For
 GENERATE_NOT_CLASSIFIER = ("LLM.generate() is only supported for generative models: this engine runs the model as a "
                            "classifier (a *ForSequenceClassification model), which gives class probabilities and "
                            "scores, not text")
+TOKEN_CLASSIFIER_ONLY = ("this model is a token classifier (a *ForTokenClassification model): it classifies each "
+                         "token of a prompt (LLM.encode with pooling_task \"token_classify\", POST /pooling), and "
+                         "makes no embeddings, sequence classes nor scores")
 CLASSIFY_INSTEAD = "classify or score instead (LLM.classify, LLM.score, POST /classify, /score, /rerank)"
 
 

@@ -327,7 +327,8 @@ class EngineConfig:
         self.pooler_config = parse_pooler_config(self.pooler_config)
         if self.runner in ("auto", "generate") and classifier_folder(self.model):  # (vLLM's: a classifier pools)
             if self.runner == "generate":
-                raise ConfigError(f"{self.model} is a classifier (a *ForSequenceClassification model): it has a "
+                raise ConfigError(f"{self.model} is a classifier (a *ForSequenceClassification or "
+                                  "*ForTokenClassification model): it has a "
                                   "score head, no language-model head, and generates no text",
                                   "use --runner pooling (or auto) and classify or score with it")
             self.runner = "pooling"

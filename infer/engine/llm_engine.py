@@ -256,8 +256,9 @@ class LLMEngine:
         self.pooler = resolve_pooler(parts.path, self.model_config.hidden_size, config.pooler_config,
                                      self.model_config) if config.pooling() else None
         if self.pooler is None and is_classifier(self.model_config):  # (a name config.py could not read as a folder)
-            raise ConfigError(f"{config.model} is a classifier (a *ForSequenceClassification model): it generates "
-                              "no text", "start it with --runner pooling and classify or score with it")
+            raise ConfigError(f"{config.model} is a classifier (a *ForSequenceClassification or "
+                              "*ForTokenClassification model): it generates no text",
+                              "start it with --runner pooling and classify or score with it")
         caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.caches_prefixes)
         groups = kv_groups(config, self.model_config, self.max_model_len,
                            draft_parts.model_config if draft_parts is not None else None)

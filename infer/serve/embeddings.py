@@ -18,7 +18,7 @@ import torch
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
     embedding_inputs, embedding_request_id, pooling_task_params
-from ..engine.classify import CLASSIFIER_NOT_GENERATING, NOT_EMBEDDER
+from ..engine.classify import CLASSIFIER_NOT_GENERATING, NOT_EMBEDDER, TOKEN_CLASSIFIER_ONLY
 from ..errors import RequestError
 from . import protocol as p
 from .body import DEFAULT_MAX_JSON_DEPTH, check_values, load_json
@@ -156,8 +156,9 @@ async def create(server, request, raw: bytes, pooling: bool = False):
     if pooler is None and pooling:
         raise p.ApiError(400, f"The model does not support Pooling API: {POOLING_ONLY}", code="model_not_supported")
     if not pooling and (pooler is None or pooler.task != "embed"):
-        raise p.ApiError(400, f"The model does not support Embeddings API: "
-                              f"{EMBED_ONLY if pooler is None else NOT_EMBEDDER}", code="model_not_supported")
+        why = EMBED_ONLY if pooler is None else TOKEN_CLASSIFIER_ONLY if pooler.task == "token_classify" else \
+            NOT_EMBEDDER
+        raise p.ApiError(400, f"The model does not support Embeddings API: {why}", code="model_not_supported")
     req = await asyncio.to_thread(parse, raw, server.tokenizer, server.engine.max_model_len,
                                   server.parser.trust_template, server.limits.max_json_depth,
                                   pooler if pooling else None)

@@ -12,8 +12,8 @@ import numbers
 import re
 import uuid
 
-from ..engine.classify import (NOT_CLASSIFIER, check_activation, check_cross_encoder, check_query_room,
-                               check_texts, cosine, one_text, pair_ids, pair_labels, score_pairs)
+from ..engine.classify import (NOT_CLASSIFIER, TOKEN_CLASSIFIER_ONLY, check_activation, check_cross_encoder,
+                               check_query_room, check_texts, cosine, one_text, pair_ids, pair_labels, score_pairs)
 from ..engine.inputs import CHAT_TEMPLATE_FIELDS, encode_prompt
 from ..engine.pooling import PoolingParams, embedding_inputs, embedding_request_id
 from ..errors import RequestError
@@ -23,8 +23,6 @@ from .embeddings import EmbeddingRequest, pooled
 
 NOT_POOLING_SERVER = ("this server runs the model for text generation: {api} needs the server started with --runner "
                       "pooling (a classifier, or an embedding model for scores)")
-TOKEN_CLASSIFIER_ONLY = ("this model is a token classifier (a *ForTokenClassification model): it classifies each "
-                         "token of a prompt through POST /pooling (task token_classify), and scores no pairs")
 _FIELDS = ("input", "messages", "model", "text_1", "text_2", "data_1", "data_2", "queries", "items", "query",
            "documents", "top_n", "return_documents",
            "truncate_prompt_tokens", "use_activation", "activation", "softmax", "priority", "request_id")
