@@ -80,6 +80,8 @@ def test_token_classify_equals_transformers(tok_llama, tokens):
         check_rows(llm.encode(prompts[:2]), [torch.softmax(x, -1) for x in logits[:2]])  # (the model's own task)
         check_rows(llm.encode(prompts[:3], PoolingParams(use_activation=False), pooling_task="token_classify"),
                    logits[:3])
+        cut = llm.encode(prompts[2:3], pooling_task="token_classify", truncate_prompt_tokens=5)  # (the last 5 kept)
+        check_rows(cut, [torch.softmax(hf_token_logits(hf, prompts[2][-5:]), -1)])
         assert llm.engine.block_manager.num_used_blocks == 0
 
 
@@ -170,6 +172,9 @@ def test_refusals(tok_llama):
         with pytest.raises(RequestError, match="'token_classify' is not supported by this model: it does embed, "
                                                "token_embed"):
             llm.encode(["hi"], pooling_task="token_classify")
+    with LLM("tiny-llama", block_size=4) as llm:
+        with pytest.raises(RequestError, match="LLM.encode needs the LLM started with --runner pooling"):
+            llm.encode(["hi"], pooling_task="token_embed")
 
 
 @pytest.fixture(scope="module")

@@ -597,7 +597,8 @@ class LLM:
         """The outputs of embed (task "embed") or classify: the engine's pooler must do that task."""
         pooler = self._engine().pooler
         if pooler is None:
-            raise RequestError(EMBED_ONLY.replace("/v1/embeddings", f"LLM.{task}").replace("server", "LLM"),
+            call = f"LLM.{task}" if task in ("embed", "classify") else "LLM.encode"  # (no LLM.token_embed)
+            raise RequestError(EMBED_ONLY.replace("/v1/embeddings", call).replace("server", "LLM"),
                                'create it with LLM(MODEL, runner="pooling")')
         if task not in pooler.tasks:
             from .pooling import task_refusal
