@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from infer import LLM, PoolingParams
+from infer.engine.pooling import PoolingRequestOutput
 from infer.errors import ConfigError, RequestError
 from infer.models.tiny import ensure_builtin
 
@@ -77,6 +78,7 @@ def test_token_classify_equals_transformers(tok_llama, tokens):
         outs = llm.encode(prompts, pooling_task="token_classify")
         check_rows(outs, [torch.softmax(x, -1) for x in logits])
         assert [o.prompt_token_ids for o in outs] == prompts
+        assert all(type(o) is PoolingRequestOutput for o in outs)  # (vLLM's LLM.encode's)
         check_rows(llm.encode(prompts[:2]), [torch.softmax(x, -1) for x in logits[:2]])  # (the model's own task)
         check_rows(llm.encode(prompts[:3], PoolingParams(use_activation=False), pooling_task="token_classify"),
                    logits[:3])
