@@ -8,7 +8,10 @@ refused (engine.inputs.chat_messages)."""
 
 from __future__ import annotations
 
+import json
+
 from ..errors import UnsupportedModelError
+from ..quant.convert import CONFIG_HINT
 
 # the multimodal architecture -> its config's model_type
 WRAPPERS = {"Gemma3ForConditionalGeneration": "gemma3", "Mistral3ForConditionalGeneration": "mistral3"}
@@ -65,7 +68,12 @@ def text_config(cfg, raw: dict):
                          ("dtype", raw.get("dtype") or raw.get("torch_dtype")),
                          ("eos_token_id", raw.get("eos_token_id"))):
         if value is not None:
-            setattr(text, field, value)
+            try:
+                setattr(text, field, value)
+            except Exception as e:  # (a typed field: eos_token_id "2", true, [2, "x"])
+                raise UnsupportedModelError(
+                    f"config.json's {field} {json.dumps(value)[:80]} is not a value {wrapper}'s text model takes: "
+                    f"{str(e).splitlines()[-1].strip()[:200]}", CONFIG_HINT) from e
     if "tie_word_embeddings" in raw:
         text.tie_word_embeddings = bool(raw["tie_word_embeddings"])
     return text
