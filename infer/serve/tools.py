@@ -236,7 +236,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
     calls = []
     for whole, last in _HERMES.findall(text):
         try:
-            call = json.loads(whole or last)
+            call = json.loads(whole or last, parse_constant=_not_json)
         except ValueError:
             return None
         # no "arguments" (a call written with Llama's "parameters" among them): text, as vLLM's, not a call whose
@@ -256,7 +256,7 @@ def llama3_calls(text: str) -> tuple[str | None, list[dict]] | None:
     if not (text.startswith(LLAMA_START) or text.startswith("{")):
         return None
     body, at, calls = text[len(LLAMA_START):] if text.startswith(LLAMA_START) else text, 0, []
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_constant=_not_json)
     while True:
         at = len(body) - len(body[at:].lstrip())
         if at >= len(body):
@@ -350,7 +350,7 @@ def pythonic_calls(text: str) -> tuple[str | None, list[dict]] | None:
             if not isinstance(e.func, ast.Name):
                 return None
             args = {kw.arg: _literal(kw.value) for kw in e.keywords}
-            calls.append(_call(e.func.id, json.dumps(args, ensure_ascii=False)))
+            calls.append(_call(e.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))  # (1e999: inf)
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
     return None, calls
@@ -373,7 +373,7 @@ def _mistral_named(raw: str) -> tuple[str, str] | None:
     if _MISTRAL_NAME.fullmatch(name) is None:
         return None
     try:
-        value = json.loads(args)
+        value = json.loads(args, parse_constant=_not_json)
     except ValueError:
         return None
     return (name, json.dumps(value, ensure_ascii=False)) if isinstance(value, dict) else None
@@ -402,11 +402,11 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
             return None
         body = raws[0].strip()
         try:
-            items = json.loads(body)
+            items = json.loads(body, parse_constant=_not_json)
         except ValueError:
             found = _bracketed(body)
             try:
-                items = json.loads(found) if found else None
+                items = json.loads(found, parse_constant=_not_json) if found else None
             except ValueError:
                 return None
         if not isinstance(items, list) or not items or not all(
@@ -526,8 +526,8 @@ def _typed(value: str, schema: Any, family: str, root: Any = None) -> Any:
         return value.lower() == "true"
     as_json = ("object", "array", "arr") if family == "qwen3_coder" else ("object",)
     if kind in as_json or kind.startswith("dict") or (family == "qwen3_coder" and kind.startswith("list")):
-        try:
-            return json.loads(value)
+        try:  # (NaN and Infinity, which Python's JSON reads, are no JSON: a client's JSON.parse refuses them)
+            return json.loads(value, parse_constant=_not_json)
         except (ValueError, RecursionError):
             pass
     try:
