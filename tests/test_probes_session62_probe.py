@@ -55,3 +55,52 @@ def test_a_call_holding_nan_or_infinity_never_sends_them_as_arguments(parser, re
         assert (content, calls) == (reply, None)
     else:
         assert [_strict_json(c["function"]["arguments"]) for c in calls] == want
+
+
+def _on_a_gpu_that_never_times(monkeypatch):
+    """What a GPU machine answers, with every timing entry point failing the test if the bench got that far."""
+    import torch
+
+    def never(*a, **k):
+        raise AssertionError("the bench ran")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for target in ("infer.bench.kernels.copy_bandwidth", "infer.bench.kernels.tune",
+                   "infer.bench.kernels.tune_missing", "infer.bench.lora_kernels.main",
+                   "infer.bench.attention_kernels.main"):
+        monkeypatch.setattr(target, never)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{tmp}/missing/k.csv"], "missing does not exist"),
+    (["--out", "{tmp}"], "is a folder: give the CSV file to write"),
+    (["--out", "{tmp}/k.csv", "--tune", "--tuned-out", "{tmp}/missing/t.json"], "--tuned-out {tmp}/missing/t.json"),
+    (["--out", "{tmp}/k.csv", "--quick"], "--quick goes with --tune"),
+    (["--out", "{tmp}/k.csv", "--tuned-out", "{tmp}/t.json"], "--tuned-out goes with --tune"),
+    (["--out", "{tmp}/k.csv", "--tune-m", "1"], "--tune-m goes with --tune"),
+    (["--out", "{tmp}/k.csv", "--pdl-prefetch", "2"], "--pdl-prefetch times the kernels launched with --pdl"),
+    (["--out", "{tmp}/k.csv", "--lora", "--attention"], "--lora and --attention time different kernels"),
+    (["--out", "{tmp}/k.csv", "--lora", "--m", "1"], "--lora times its kernels at its own sizes"),
+    (["--out", "{tmp}/k.csv", "--attention", "--pdl"], "--attention times its kernels at its own sizes"),
+])
+def test_the_kernels_bench_refuses_an_unwritable_out_and_ignored_flags_first(tmp_path, monkeypatch, capsys, argv,
+                                                                              message):
+    """`python -m infer.bench.kernels --out DIR/missing/k.csv` (or a folder) timed every kernel for minutes, then
+    ended in pandas' traceback, the rows lost; --quick, --tuned-out and --tune-m without --tune, --pdl-prefetch
+    without --pdl, and --tune / --m / --pdl with --lora or --attention were ignored silently. Each is refused naming
+    the flag before the GPU times anything, exit code 2."""
+    from infer.bench.kernels import main
+    _on_a_gpu_that_never_times(monkeypatch)
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out, message", [("missing/m.csv", "missing does not exist"),
+                                          ("", "is a folder: give the CSV file to write")])
+def test_the_moe_bench_refuses_an_out_it_cannot_write_first(tmp_path, monkeypatch, capsys, out, message):
+    """`python -m infer.bench.moe --oai --out DIR/missing/m.csv` timed the experts, then ended in open()'s
+    traceback, the rows lost: refused naming --out before the GPU times anything, exit code 2."""
+    from infer.bench.moe import main
+    _on_a_gpu_that_never_times(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        main(["--oai", "--out", str(tmp_path / out)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

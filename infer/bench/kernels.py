@@ -360,8 +360,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def out_problem(out: str, flag: str = "--out") -> str | None:
+    """What keeps the CSV file `out` from being written, found before the GPU times anything (it was written at
+    the end: a missing folder or a folder given as the file was a traceback after minutes of timing, the rows
+    lost), or None."""
+    import os
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        return f"{flag} {out} is a folder: give the CSV file to write, e.g. {flag} {os.path.join(out, 'bench.csv')}"
+    if not os.path.isdir(folder):
+        return f"{flag} {out}: the folder {folder} does not exist (create it, or give a file in another folder)"
+    try:  # (for real, as infer bench's --out: os.access says yes to root on a read-only mount)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        return f"{flag} {out}: {folder} is not writable ({e.strerror or e})"
+    return None
+
+
+def _flag_problem(args) -> str | None:
+    """A flag that the run would ignore, or an output it could not write, said before the GPU starts: --quick,
+    --tuned-out and --tune-m tune (without --tune nothing is tuned), --pdl-prefetch times with --pdl, and --lora
+    and --attention time their own kernels over --out and --models alone."""
+    for flag, given in (("--quick", args.quick), ("--tuned-out", args.tuned_out is not None),
+                        ("--tune-m", args.tune_m != list(BUCKETS))):
+        if given and not args.tune:
+            return f"{flag} goes with --tune (without it nothing is tuned): add --tune, or drop {flag}"
+    if args.pdl_prefetch and not args.pdl:
+        return "--pdl-prefetch times the kernels launched with --pdl: add --pdl, or drop --pdl-prefetch"
+    if args.lora and args.attention:
+        return "--lora and --attention time different kernels: give one"
+    if args.lora or args.attention:
+        ignored = [f for f, given in (("--tune", args.tune), ("--m", args.m != list(MS)), ("--pdl", args.pdl))
+                   if given]
+        if ignored:
+            return (f"{'--lora' if args.lora else '--attention'} times its kernels at its own sizes (--out and "
+                    f"--models alone): drop {ignored[0]}")
+    return out_problem(args.out) or (out_problem(args.tuned_out, "--tuned-out") if args.tuned_out else None)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = _flag_problem(args)
+    if problem:
+        print(f"python -m infer.bench.kernels: error: {problem}", file=sys.stderr)
+        return 2
     if args.lora:
         from .lora_kernels import main as lora_main
         return lora_main(args.out, args.models)

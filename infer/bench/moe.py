@@ -180,6 +180,9 @@ def main(argv=None) -> int:
     if args.tune and args.block_m:
         ap.error("--block-m lists BLOCK_M candidates of the timing table; --tune searches BLOCK_M itself: drop one")
     why = _bad_shape(args)  # (before the GPU check: a wrong flag is named on any machine, never a traceback)
+    if why is None and args.out:
+        from .kernels import out_problem
+        why = out_problem(args.out)
     if why:
         ap.error(why)
     if not torch.cuda.is_available():
