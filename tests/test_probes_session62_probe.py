@@ -10,7 +10,7 @@ import pytest
 
 from infer import LLM
 from infer.errors import UnsupportedModelError
-from infer.serve.tools import parse_tools, split
+from infer.serve.tools import parse_tools, split, visible
 
 from helpers import tiny_llama_with_json
 from test_probes_session61_tools import TOOLS
@@ -104,3 +104,23 @@ def test_the_moe_bench_refuses_an_out_it_cannot_write_first(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as exc:
         main(["--oai", "--out", str(tmp_path / out)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reply", [
+    " to=functions.get_time<|channel|>commentary json<|message|>{\"zone\": \"Europe/Paris\"}",
+    "to=functions.get_time<|channel|>commentary<|message|>{}",
+    " toast, then<|channel|>final<|message|>done",
+])
+def test_a_harmony_reply_that_starts_with_its_recipient_streams_no_stray_content(reply):
+    """gpt-oss's first header may start with its recipient (the prompt ends `<|start|>assistant`, the model writes
+    " to=functions.f<|channel|>commentary json<|message|>..."): streamed, its first tokens " to" went out as content
+    (they did not yet read as "to="), a content the whole reply does not have. What the stream sends (the tool
+    parser's and the reasoning parser's content) is now always a start of the whole reply's content."""
+    from infer.serve.reasoning import ReasoningRequest, parts
+    req = parse_tools({"tools": TOOLS}, "openai")
+    content = split(req, reply)[0]
+    reasoning = ReasoningRequest("openai_gptoss")
+    whole = parts(reasoning, reply)[1]
+    for k in range(len(reply) + 1):
+        assert content.startswith(visible(req, reply[:k])), reply[:k]
+        assert whole.startswith(parts(reasoning, reply[:k], False)[1]), reply[:k]

@@ -50,6 +50,7 @@ class ReasoningRequest:
 _H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_MARKERS = (_H_START, _H_CHANNEL, _H_MESSAGE, "<|constrain|>", *_H_ENDS)
+_H_TO = "to="  # a header's recipient (the reply's first header may start with it)
 _H_NEXT = re.compile("|".join(re.escape(m) for m in (*_H_ENDS, _H_START, _H_CHANNEL)))  # where a message's text ends
 
 
@@ -60,6 +61,8 @@ def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
     be " to=functions.f<|channel|>commentary json" (after the prompt's `<|start|>assistant`). Not `finished`: a tail
     that may still become a marker ("<|en") held back, a header not yet closed by <|message|> left out."""
     if not finished:
+        if _H_TO.startswith(text.lstrip(" ")):  # (" to" may still become the first header's " to=functions.f")
+            return []
         for k in range(min(max(map(len, _H_MARKERS)) - 1, len(text)), 0, -1):
             if any(m.startswith(text[-k:]) for m in _H_MARKERS):
                 text = text[:-k]
@@ -68,7 +71,7 @@ def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
     while at < len(text):
         header = ""
         # (the reply's first header may start with its recipient, the prompt having written `<|start|>assistant`)
-        if text.startswith((_H_START, _H_CHANNEL), at) or (at == 0 and text.lstrip(" ").startswith("to=")):
+        if text.startswith((_H_START, _H_CHANNEL), at) or (at == 0 and text.lstrip(" ").startswith(_H_TO)):
             head = text.find(_H_MESSAGE, at)
             if head < 0:
                 break  # a header without its text (yet)
