@@ -9,6 +9,7 @@ import json
 import pytest
 
 from infer import LLM
+from infer.engine.inputs import chat_messages
 from infer.errors import UnsupportedModelError
 from infer.serve.tools import parse_tools, split, visible
 
@@ -124,3 +125,12 @@ def test_a_harmony_reply_that_starts_with_its_recipient_streams_no_stray_content
     for k in range(len(reply) + 1):
         assert content.startswith(visible(req, reply[:k])), reply[:k]
         assert whole.startswith(parts(reasoning, reply[:k], False)[1]), reply[:k]
+
+
+def test_an_assistants_reasoning_reaches_thinking_beside_a_null_thinking():
+    """An assistant message sent back with its reasoning and "thinking": null (a client that writes every field of
+    its message type; a null field is not given, as vLLM reads it) lost the reasoning for gpt-oss's template, which
+    reads `thinking`: the null kept it from being filled. It is filled as when thinking is absent."""
+    out = chat_messages([{"role": "assistant", "content": "x", "reasoning": "r", "thinking": None},
+                         {"role": "assistant", "content": "y", "reasoning_content": "old", "thinking": None}])
+    assert [m.get("thinking") for m in out] == ["r", "old"]

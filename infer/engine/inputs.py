@@ -330,7 +330,7 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
             # the reply's `reasoning` (--reasoning-parser's field) sent back, as vLLM takes it: chat templates read
             # reasoning_content (Qwen3's renders it in the turns after the last user message, tool loops' turns)
             out[-1]["reasoning_content"] = m["reasoning"]
-        if m["role"] == "assistant" and isinstance(out[-1].get("reasoning_content"), str) and "thinking" not in m:
+        if m["role"] == "assistant" and isinstance(out[-1].get("reasoning_content"), str) and m.get("thinking") is None:
             # gpt-oss's template reads `thinking` (the analysis it renders before a tool call of the turn in progress),
             # as vLLM's harmony rendering takes `reasoning` (or reasoning_content)
             out[-1]["thinking"] = out[-1]["reasoning_content"]
