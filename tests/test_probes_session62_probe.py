@@ -134,3 +134,20 @@ def test_an_assistants_reasoning_reaches_thinking_beside_a_null_thinking():
     out = chat_messages([{"role": "assistant", "content": "x", "reasoning": "r", "thinking": None},
                          {"role": "assistant", "content": "y", "reasoning_content": "old", "thinking": None}])
     assert [m.get("thinking") for m in out] == ["r", "old"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "pick"}}])
+@pytest.mark.parametrize("kind", ["array", "integer", ["array", "null"]])
+def test_a_forced_call_of_parameters_that_are_no_object_is_refused(choice, kind):
+    """A function whose parameters schema is typed "array" (or "integer"), forced by tool_choice "required" or by
+    name, constrained its call's arguments to that type: `[343460083]`, which no client can call a function with
+    (a call's arguments are a JSON object). Refused naming the function's tools entry; "auto" and "none", which
+    only render the tools, take it as before."""
+    from infer.errors import RequestError
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "pick", "parameters": {"type": kind}}}]
+    with pytest.raises(RequestError, match=r"tools\[1\]\.function\.parameters has type .*: a forced call's "
+                                           "arguments are constrained to it") as e:
+        parse_tools({"tools": tools, "tool_choice": choice}, "hermes")
+    assert e.value.field == "tools"
+    assert parse_tools({"tools": tools, "tool_choice": "auto"}, "hermes").mode == "auto"
+    assert parse_tools({"tools": tools[:1], "tool_choice": "required"}, "hermes").mode == "required"

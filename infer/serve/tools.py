@@ -177,6 +177,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
                      '"tool_choice": "required" or a named function (the reply is then constrained to a call), or '
                      '"none" (the model writes text)')
     if choice == "required":
+        _check_object_arguments(functions, functions)
         functions, defs = _lift_defs(functions)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}
@@ -193,7 +194,26 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     if name not in functions:
         raise _error("tool_choice", f"tool_choice names {name!r}, which is not among the tools",
                      f"tools has: {', '.join(functions)}")
+    _check_object_arguments({name: functions[name]}, functions)
     return ToolRequest(_rendered(tools), "named", name=name, schema=functions[name], parser=parser)
+
+
+_JSON_TYPES = {"array", "string", "integer", "number", "boolean", "null"}
+
+
+def _check_object_arguments(forced: dict[str, dict], functions: dict[str, dict]) -> None:
+    """A forced call's (named, "required") parameters schema must describe an object: the reply is constrained to
+    it, and a call's arguments are a JSON object (OpenAI's: a client calls the function with them). A schema typed
+    "array" or "integer" made arguments such as `[343460083]` that no client can call with."""
+    for name, params in forced.items():
+        kinds = params.get("type") if isinstance(params.get("type"), list) else [params.get("type")]
+        # (a type JSON schema does not have, "foo", is the structured output's compile error)
+        if "$ref" not in params and "object" not in kinds and set(map(str, kinds)) <= _JSON_TYPES:
+            raise _error("tools", f"tools[{list(functions).index(name)}].function.parameters has type "
+                         f"{json.dumps(params.get('type'))}: a forced call's arguments are constrained to it, and "
+                         "a call's arguments are a JSON object",
+                         'describe the arguments as an object, e.g. {"type": "object", "properties": {"items": '
+                         '{"type": "array"}}}')
 
 
 def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
