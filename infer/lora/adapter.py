@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoRAError
-from ..models.moe import expert_size, is_moe, is_sparse, num_experts
+from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED
 from ..models.shapes import ModelShapes
@@ -69,7 +69,7 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|
 # a decoder layer's module as the base names it (model.layers.N..., or layers.N... for an adapter saved on the bare
 # decoder): another path that ends the same way (a VLM's language_model.layers.N..., a vision tower's) is another
 # module, which peft would not load into this base
-_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+(?:\.shared_expert)?)"
+_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+(?:\.shared_experts?)?)"
                      r"\.(?P<proj>[A-Za-z0-9_]+)$")
 # a sparse layer's stacked experts as peft's ParamWrapper saves their LoRA (one wrapper per targeted parameter,
 # nested: the first target's tensors under experts.base_layer, the next's under experts)
@@ -424,8 +424,8 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
         if not all(layers):
             out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
         if any(layers):
-            shared = int(getattr(base_config, "shared_expert_intermediate_size", 0) or 0)
-            if base_config.model_type == "qwen2_moe" and shared:
+            shared = shared_width(base_config)  # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts)
+            if shared:
                 out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
                             "shared_expert.down_proj": (shared, hidden)})
             width = expert_size(base_config)
@@ -861,12 +861,14 @@ MOE_LAYER_PROJECTIONS = {True: ("shared_expert.gate_proj", "shared_expert.up_pro
 
 def _module_of(path: str) -> tuple[str, int, str] | None:
     """(the base's module path, its layer, its projection as expected_shapes names it) of an adapted module; None for
-    a module infer does not adapt. Qwen2-MoE's shared expert is "shared_expert.gate_proj" ..."""
+    a module infer does not adapt. Qwen2-MoE's shared expert is "shared_expert.gate_proj" ..., and so are GLM-4.5's
+    shared experts (mlp.shared_experts.gate_proj ...)."""
     m = _MODULE.match(path)
     if m is None:
         return None
     parent, proj = m["parent"], m["proj"]
-    if parent == "mlp.shared_expert" and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:
+    if parent in ("mlp.shared_expert", "mlp.shared_experts") and proj in LLAMA_PROJECTIONS \
+            and LLAMA_PROJECTIONS[proj] == MLP:
         proj = f"shared_expert.{proj}"
     elif PROJECTIONS.get(proj) != parent:
         return None

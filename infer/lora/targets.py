@@ -46,10 +46,10 @@ def parse_target_modules(value) -> list[str] | None:
 
 def model_target_names(model_config) -> list[str]:
     """The names --lora-target-modules takes for a model of `model_config` (those of the layers it has)."""
-    from ..models.moe import is_sparse
+    from ..models.moe import is_sparse, shared_name
     layers = range(int(model_config.num_hidden_layers))
     sparse = [is_sparse(model_config, i) for i in layers]
-    shared = model_config.model_type == "qwen2_moe" and any(sparse)
+    shared = shared_name(model_config) is not None and any(sparse)  # (Qwen2-MoE's, GLM-4.5's)
     from ..models.registry import UNGATED
     names = list(ATTENTION)
     if model_config.model_type == "starcoder2":
@@ -135,9 +135,11 @@ def target_name(proj: str, ungated: bool = False) -> str:
 
 def module_proj(name: str) -> str:
     """A base module path's projection as lora.adapter names it: model.layers.0.self_attn.q_proj -> q_proj,
-    model.layers.1.mlp.shared_expert.up_proj -> shared_expert.up_proj, model.layers.1.mlp.experts.down_proj ->
-    experts.down_proj."""
+    model.layers.1.mlp.shared_expert.up_proj -> shared_expert.up_proj (GLM-4.5's mlp.shared_experts.up_proj too),
+    model.layers.1.mlp.experts.down_proj -> experts.down_proj."""
     parts = name.split(".")
+    if len(parts) > 1 and parts[-2] == SHARED + "s":
+        return f"{SHARED}.{parts[-1]}"
     return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2] in (SHARED, EXPERTS) else parts[-1]
 
 

@@ -90,7 +90,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     (lora.experts.ExpertLoRA). `target_modules` (--lora-target-modules, lora.targets): only the layers it selects."""
     from ..lora.experts import expert_slot_elements
     from ..lora.targets import check_target_modules, selects, selects_as
-    from ..models.moe import expert_size, is_sparse, num_experts
+    from ..models.moe import expert_size, is_sparse, num_experts, shared_name, shared_width
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
@@ -105,8 +105,8 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
         if not is_sparse(model_config, layer):
             per_rank += mlp(inter)
             continue
-        if model_config.model_type == "qwen2_moe":
-            per_rank += mlp(int(model_config.shared_expert_intermediate_size or 0), "shared_expert.")
+        if shared_name(model_config) is not None:  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)
+            per_rank += mlp(shared_width(model_config), "shared_expert.")
         if selects(chosen, "experts.gate_up_proj"):
             per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
     return max_loras * max_rank * per_rank * element_bytes(dtype)
@@ -198,7 +198,7 @@ def _slotted_peak(model_config, chosen: frozenset[str] | None, base: int, qkv: i
     none is chosen."""
     from ..lora.targets import selects_as
     terms = {"qkv_proj": qkv, "o_proj": o, "gate_up_proj": gate_up, "down_proj": down}
-    shared = model_config.model_type == "qwen2_moe"
+    shared = model_config.model_type in ("qwen2_moe", "glm4_moe")  # (a shared expert: models.moe.shared_name)
     picked = [t for proj, t in terms.items()
               if selects_as(chosen, proj) or (shared and proj in _MLP and selects_as(chosen, "shared_expert." + proj))]
     return base + max(picked) if picked else 0
@@ -276,7 +276,7 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them. With adapter slots
     (`lora_rank`), each pair's experts' LoRA (kernels.moe._LoRAPairs, kernels.reference.moe_lora_delta): its shrink
     [T * k, r] and the gate_up delta [T * k, 2I], with the int64 alignment of the pairs by slot and expert."""
-    from ..models.moe import expert_size, is_moe, num_experts
+    from ..models.moe import expert_size, is_moe, num_experts, shared_width
     if not is_moe(model_config):
         return 0
     b, h = element_bytes(dtype), model_config.hidden_size
@@ -284,7 +284,7 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     experts = k * ((3 * inter + h) * b + 4 * 8)
     if lora_rank:
         experts += k * ((2 * inter + lora_rank) * b + 5 * 8)
-    shared = 4 * int(getattr(model_config, "shared_expert_intermediate_size", 0) or 0) * b
+    shared = 4 * shared_width(model_config) * b  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)
     return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
 
 

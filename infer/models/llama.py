@@ -134,7 +134,8 @@ class Attention(nn.Module):
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
         qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
-            or declared or (kind in GLM and bool(getattr(cfg, "attention_bias", True)))  # (GLM-4: no o bias)
+            or declared or (kind in GLM and bool(getattr(cfg, "attention_bias", True))) \
+            or (kind == "glm4_moe" and bool(getattr(cfg, "attention_bias", False)))  # (GLM-4, GLM-4.5: no o bias)
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
@@ -143,7 +144,8 @@ class Attention(nn.Module):
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
         # (Gemma 3's by 1 + w; Hunyuan's after the rotary: norm_after_rope)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense")
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense") \
+            or (kind == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False)))  # (GLM-4.5's: per head)
         # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
         self.qk_norm_whole = kind in OLMO
         # Hunyuan norms q and k after the rotary (transformers' HunYuanDenseV1Attention), the others before it: its

@@ -279,7 +279,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
         if on_cpu:
             _check_finite(name, raw, t)
         key = module_key(name)
-        into = experts(key, t, name) if experts is not None else None  # a mixture of experts' (models.moe)
+        into = experts(key, t, name, raw) if experts is not None else None  # a mixture of experts' (models.moe)
         if into is not None:
             loaded.add(into)
             continue

@@ -49,7 +49,9 @@ from ..kernels.reference import Int4Experts, MoELoRA, OaiExperts
 from .layers import UnquantizedLinearMethod
 
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
-BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama"}
+# (GLM-4.5's attention is its own: q/k/v biases where attention_bias says, q/k norms per head where use_qk_norm says,
+# half of each head rotated as NeoX pairs: models.llama.Attention)
+BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe"}
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -68,19 +70,28 @@ def is_moe(cfg) -> bool:
     return getattr(cfg, "model_type", None) in BASE
 
 
+def experts_field(cfg) -> str:
+    """config.json's name of E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts, GLM-4.5's
+    n_routed_experts."""
+    return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
+            "glm4_moe": "n_routed_experts"}.get(cfg.model_type, "num_experts")
+
+
 def num_experts(cfg) -> int:
-    """E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts."""
-    field = "num_local_experts" if cfg.model_type in ("mixtral", "gpt_oss") else "num_experts"
-    return int(getattr(cfg, field, 0) or 0)
+    """E (`experts_field`)."""
+    return int(getattr(cfg, experts_field(cfg), 0) or 0)
 
 
 def is_sparse(cfg, layer: int) -> bool:
     """Whether decoder layer `layer` has the experts (as transformers builds each): every Mixtral layer; a Qwen layer
-    not in mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step (with num_experts > 0)."""
+    not in mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step (with num_experts > 0); a GLM-4.5
+    layer from first_k_dense_replace on (the first k dense)."""
     if not is_moe(cfg):
         return False
     if cfg.model_type in ("mixtral", "gpt_oss"):
         return True
+    if cfg.model_type == "glm4_moe":
+        return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     return (layer not in (getattr(cfg, "mlp_only_layers", None) or []) and num_experts(cfg) > 0
             and (layer + 1) % step == 0)
@@ -92,15 +103,50 @@ def expert_size(cfg) -> int:
     return int(cfg.intermediate_size if cfg.model_type in ("mixtral", "gpt_oss") else cfg.moe_intermediate_size)
 
 
+def shared_width(cfg) -> int:
+    """The width of a sparse layer's shared expert (0: none): Qwen2-MoE's shared_expert_intermediate_size, GLM-4.5's
+    n_shared_experts experts' (n_shared_experts * moe_intermediate_size)."""
+    if cfg.model_type == "qwen2_moe":
+        return int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+    if cfg.model_type == "glm4_moe":
+        return int(getattr(cfg, "n_shared_experts", 0) or 0) * expert_size(cfg)
+    return 0
+
+
+def shared_name(cfg) -> str | None:
+    """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
+    return {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts"}.get(cfg.model_type)
+
+
 def check_moe(cfg) -> None:
     """What an MoE config may ask that infer cannot run, refused up front."""
     if not is_moe(cfg):
         return
     e, k = num_experts(cfg), int(getattr(cfg, "num_experts_per_tok", 0) or 0)
-    field = "num_local_experts" if cfg.model_type in ("mixtral", "gpt_oss") else "num_experts"
-    if any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)) and not 0 < k <= e:
+    field = experts_field(cfg)
+    if not any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)):
+        return
+    if not 0 < k <= e:
         raise UnsupportedModelError(f"config.json has num_experts_per_tok {k} with {field} {e}",
                                     f"each token is routed to between 1 and {field} experts")
+    if cfg.model_type == "glm4_moe":
+        check_groups(cfg, e, k)
+
+
+def check_groups(cfg, e: int, k: int) -> None:
+    """GLM-4.5's group-limited routing (`SparseMoeBlock.route`): n_group groups of E / n_group experts, each scored by
+    its two best, the topk_group best groups kept, the top k of their experts; what transformers' router cannot
+    compute refused (its view, topk(2) of a group, topk of the groups and of the experts left)."""
+    groups, keep = int(getattr(cfg, "n_group", 1) or 0), int(getattr(cfg, "topk_group", 1) or 0)
+    hint = ("GLM-4.5's router splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
+            "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
+    if groups < 1 or e % groups or e // groups < 2:
+        raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
+    if not 0 < keep <= groups:
+        raise UnsupportedModelError(f"config.json has topk_group {keep} with n_group {groups}", hint)
+    if k > keep * (e // groups):
+        raise UnsupportedModelError(f"config.json has num_experts_per_tok {k}, more than the {keep * (e // groups)} "
+                                    f"experts of its topk_group {keep} groups of {e // groups}", hint)
 
 
 def on_gpu(t: torch.Tensor) -> bool:
@@ -223,7 +269,17 @@ class SparseMoeBlock(nn.Module):
         # biases and a clamped SwiGLU (reference.OaiExperts)
         self.oai = cfg.model_type == "gpt_oss"
         self.alpha, self.limit = float(getattr(cfg, "swiglu_alpha", 1.702)), float(getattr(cfg, "swiglu_limit", 7.0))
-        self.gate = _Gate(e, h, dtype, bias=self.oai)
+        # GLM-4.5 (transformers' Glm4MoeTopkRouter): a float32 router (its weight and e_score_correction_bias kept
+        # float32 in any dtype), sigmoid scores, the bias added for the choice only, group-limited top k (n_group,
+        # topk_group), renormalised where norm_topk_prob says, scaled by routed_scaling_factor; float32 weights
+        self.glm = cfg.model_type == "glm4_moe"
+        self.gate = _Gate(e, h, torch.float32 if self.glm else dtype, bias=self.oai)
+        if self.glm:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
+                                                             requires_grad=False)
+            self.groups, self.topk_group = int(getattr(cfg, "n_group", 1)), int(getattr(cfg, "topk_group", 1))
+            self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
+            self.float_weights = True
         self.lora = None  # the experts' adapter slots (lora.experts.ExpertLoRA), set by a LoRA manager
         # GPTQ experts (GPTQModel's qwen3_moe, mixtral): on the CPU each dequantized once at load into the stacked
         # float weights (as the CPU path does every GPTQ layer); on the GPU path (`int4_path`) kept int4, stacked,
@@ -264,6 +320,13 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(cfg, f"{prefix}.shared_expert", method_for, dtype, inter=shared)
             self.shared_expert.down_proj.lora_consumer = None  # its output is gated: no delta left to the next norm
             self.shared_expert_gate = _Gate(1, h, dtype)
+        # GLM-4.5's: a SwiGLU MLP of n_shared_experts * I every token runs, added unscaled; 0 wide where
+        # n_shared_experts is 0 (transformers builds it empty, its output 0: loaded, never run)
+        self.shared_experts = None
+        if self.glm:
+            self.shared_width = shared_width(cfg)
+            self.shared_experts = MLP(cfg, f"{prefix}.shared_experts", method_for, dtype, inter=self.shared_width)
+            self.shared_experts.down_proj.lora_consumer = None  # (its output is added to the experts': no delta left)
 
     def gptq_layer(self, index: int, part: int, proj: str):
         """Expert `index`'s GPTQ projection `part` (0 gate, 1 up, 2 down), a one-shard MergedLinear of its own
@@ -330,6 +393,8 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
+        if self.glm:
+            return self._glm_route(x)
         logits = self.gate(x)  # in the model's dtype, as transformers' F.linear
         if self.oai:  # gpt-oss's GptOssTopKRouter: the top k logits, then their softmax (in the logits' dtype)
             top, ids = torch.topk(logits, self.top_k, dim=-1)
@@ -340,11 +405,27 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float_weights else weights.to(x.dtype)), ids
 
+    def _glm_route(self, x: torch.Tensor):
+        """GLM-4.5's routing, transformers' Glm4MoeTopkRouter's ops: (float32 weights [T, k], experts [T, k])."""
+        scores = torch.sigmoid(self.gate(x.float()))
+        choice = scores + self.gate.e_score_correction_bias
+        t, e = choice.shape
+        per = e // self.groups
+        group_scores = choice.view(t, self.groups, per).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(group_scores).scatter_(1, best, 1).bool()
+        choice = choice.masked_fill(~kept.unsqueeze(-1).expand(t, self.groups, per).reshape(t, e), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
     def moe_experts(self):
         """(w13, w2, top_k, x's dtype, the routing weights' dtype) as the fused MoE takes them (the float stacks, or
         the int4 ones' reference.Int4Experts): what kernels.moe_tune tunes at an engine start."""
         ex = self.experts
-        dtype = self.gate.weight.dtype
+        dtype = ex.w13.dtype  # (the model's: GLM-4.5's router is float32)
         w13, w2 = (ex.w13_int4.experts(), ex.w2_int4.experts()) if self.int4 is not None else (ex.w13, ex.w2)
         return w13, w2, self.top_k, dtype, torch.float32 if self.float_weights else dtype
 
@@ -359,7 +440,7 @@ class SparseMoeBlock(nn.Module):
         decode's BLOCK_M too (reload_weights: new experts' layout, no requests to reach it). Returns the token
         counts run; none without Triton."""
         ex = self.experts
-        probe = self.gate.weight
+        probe = ex.w13  # (the model's dtype and device; [E, 0, 0] on the int4 path)
         w13, w2 = self.moe_experts()[:2]
         counts = {t for t in kernels.fused_moe_config_steps(probe, max_tokens, w13, w2, self.top_k).values()
                   if t > 1 or decode}
@@ -403,12 +484,14 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None and self.shared_width:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        if self.shared_experts is not None and self.shared_width:
+            out = out + self.shared_experts(x, ctx)[0]
         return out, None
 
 
 # a sparse layer's tensors as checkpoints name them (after the loader drops "model."): the router, an expert's
 # projection, or the stacked experts of transformers' own parameter names
-_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|experts\.(\d+)\.(\w+)\.(weight|qweight|"
+_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.(?:weight|e_score_correction_bias)|experts\.(\d+)\.(\w+)\.(weight|qweight|"
                      r"qzeros|scales|g_idx|bias)|experts\.(gate_up_proj|down_proj))$")
 
 
@@ -437,6 +520,9 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+
+
 def layer_index(key: str) -> int:
     return int(key.split(".")[1])
 
@@ -458,9 +544,16 @@ class MoeForCausalLM:
             return None, m
         return block, m
 
-    def load_expert_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
-        """Load checkpoint tensor `name` (`key` without "model.") into a sparse layer; returns the model's parameter
-        it went into, or None where it is no sparse layer's (the loader's usual routing then)."""
+    def load_expert_tensor(self, key: str, t: torch.Tensor, name: str, raw: torch.Tensor | None = None) -> str | None:
+        """Load checkpoint tensor `name` (`key` without "model."; `raw`: as stored, before the loader's cast to the
+        model's dtype) into a sparse layer; returns the model's parameter it went into, or None where it is no sparse
+        layer's (the loader's usual routing then). GLM-4.5's multi-token-prediction layers (after num_hidden_layers:
+        num_nextn_predict_layers of them, which transformers drops too) are skipped: "" (no parameter)."""
+        if self.config.model_type == "glm4_moe" and _LAYER_KEY.match(key):
+            n = self.config.num_hidden_layers
+            mtp = getattr(self.config, "num_nextn_predict_layers", getattr(self.config, "num_mtp_layers", 0))
+            if n <= int(_LAYER_KEY.match(key).group(1)) < n + int(mtp or 0):
+                return ""
         if self.config.model_type == "gpt_oss" and _OAI_TENSOR.match(key):
             return self._load_oai_tensor(key, t, name)
         block, m = self._moe_block(key)
@@ -478,10 +571,15 @@ class MoeForCausalLM:
                 raise ModelLoadError(f"{name} is {str(t.dtype).removeprefix('torch.')}: infer runs a mixture of "
                                      "experts only with float weights", "use the float checkpoint")
 
-        if m.group(3) is None and m.group(6) is None:  # the router
-            check((e, h), block.gate.weight)
-            block.gate.weight.data.copy_(t)
-            return f"layers.{layer}.mlp.gate.weight"
+        if m.group(3) is None and m.group(6) is None:  # the router (GLM-4.5's: float32, from the stored values)
+            part = key.rpartition(".")[2]
+            dest = getattr(block.gate, part, None)
+            if dest is None:
+                return None  # (the loader names it as a tensor config.json has no place for)
+            t = raw if block.glm and raw is not None else t
+            check(dest.shape, dest)
+            dest.data.copy_(t)
+            return f"layers.{layer}.mlp.gate.{part}"
         if block.int4 is not None and (m.group(6) is not None or m.group(5) == "weight"):
             raise ModelLoadError(f"{name} is a float expert's weight in a checkpoint whose config.json quantizes the "
                                  "experts (GPTQ)", "the checkpoint does not match its quantization_config")

@@ -71,6 +71,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                                                             num_experts_per_tok=2, norm_topk_prob=True)),
     "tiny-mixtral": TinySpec("mixtral", 12, config=dict(_TINY, intermediate_size=32, num_local_experts=8,
                                                         num_experts_per_tok=2)),
+    # GLM-4.5 (Air's shape): the first layer dense, then 8 experts of width 32 in 4 groups of 2 (the best 2 groups
+    # kept, top-2 of theirs, renormalised, scaled by 2.5) beside a shared expert; q/k/v biases, q/k norms, half of
+    # each head rotated (head_dim set: its config defaults to hidden_size / heads)
+    "tiny-glm4-moe": TinySpec("glm4_moe", 27, config=dict(
+        _TINY, num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        attention_bias=True, use_qk_norm=True, tie_word_embeddings=False)),
     # Granite 3.x: Llama's layers with its four scalars (Granite-3's embedding and residual multipliers; the attention
     # scale 1 / head_dim, as Granite-3's 1/128 of its heads of 128; the logits divided by 4)
     "tiny-granite": TinySpec("granite", 13, config=dict(_TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
