@@ -130,3 +130,186 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
     prompts = random_prompts(512, (5, 13), seed=4)
     want = greedy_each(hf, prompts, 6)
     assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# the attention (all of it, some of it) and the stacked experts (target_parameters: peft on transformers 5 also turns
+# target_modules gate_proj, up_proj, down_proj into those parameters, the dense layer's and shared experts' MLPs
+# left alone)
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=EXPERTS),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], target_parameters=EXPERTS)}
+
+
+@pytest.fixture(scope="module")
+def glm_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on a GLM-4.5."""
+    root = tmp_path_factory.mktemp("glm4moe_lora")
+    build(root / "base")
+    return base_and_adapters(root, ADAPTERS)
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(glm_lora):
+    base, hf, paths = glm_lora
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+def test_an_adapter_of_the_shared_experts_or_the_dense_mlp_is_refused_as_peft_ignores_it(glm_lora, tmp_path):
+    """Weights on mlp.shared_experts.gate_proj or a dense layer's mlp.up_proj (an adapter of transformers 4's GLM-4.5,
+    where those names were modules): peft on transformers 5 turns those target_modules into the experts' parameters
+    and ignores the weights, so infer refuses them, naming the module and what to do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    base, _, paths = glm_lora
+    for module, what in (("layers.1.mlp.shared_experts.gate_proj", "a shared expert's projection"),
+                         ("layers.0.mlp.up_proj", "a dense layer's MLP projection")):
+        folder = tmp_path / module
+        shutil.copytree(paths["qv4"], folder)
+        tensors = load_file(folder / "adapter_model.safetensors")
+        tensors[f"base_model.model.model.{module}.lora_A.weight"] = torch.randn(4, 64)
+        tensors[f"base_model.model.model.{module}.lora_B.weight"] = torch.randn(32 if "shared" in module else 96, 4)
+        save_file(tensors, folder / "adapter_model.safetensors")
+        config = json.loads((folder / "adapter_config.json").read_text())  # (as transformers 4's peft saved it)
+        config["target_modules"] += ["gate_proj", "up_proj", "down_proj"]
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        [problem] = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+        assert f"model.layers.{module.removeprefix('layers.')} is {what}, which peft (on transformers 5) does not " \
+            "adapt in a glm4_moe" in problem.message and "train the adapter again" in problem.hint, problem
+        with pytest.raises(LoRAError, match=what):
+            LLM(str(base), loras={"x": str(folder)})
+
+
+@interpreted
+def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(glm_lora, monkeypatch):
+    """Adapters beside a base-only row through the Triton kernels (interpreted: the fused MoE adding the experts'
+    deltas per token) and emulated decode graphs: peft's tokens."""
+    base, hf, paths = glm_lora
+
+    def check_model(model):
+        assert all(layer.mlp.lora is not None for layer in model.layers[1:])
+    check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
+
+
+# ------------------------------------------------------------------------ checkpoints, refusals, neighbours
+def test_the_hubs_multi_token_prediction_layer_is_skipped(tmp_path):
+    """GLM-4.5's checkpoints store num_nextn_predict_layers layers after the model's (model.layers.N: the MTP layer,
+    which transformers drops too): infer skips them and equals transformers; a layer past those is still named as
+    one config.json has no place for."""
+    from safetensors.torch import load_file, save_file
+
+    from infer.errors import ModelLoadError
+    hf = build(tmp_path, num_hidden_layers=2)
+    tensors = load_file(tmp_path / "model.safetensors")
+    extra = {k.replace("layers.1.", "layers.2."): v.clone() for k, v in tensors.items() if ".layers.1." in k}
+    extra["model.layers.2.eh_proj.weight"] = torch.randn(64, 128)
+    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    prompts = random_prompts(512, (7, 12), seed=5)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(tmp_path), block_size=4, dtype="bfloat16") as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)  # (the MTP layer not counted)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == greedy_each(hf, prompts, 6)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ModelLoadError, match="config.json has no place for: model.layers.2."):
+        LLM(str(tmp_path), block_size=4)
+
+
+REFUSED = {  # config -> words of the refusal
+    "n_group-not-dividing": (dict(n_group=3), "n_group 3 with n_routed_experts 8"),
+    "groups-of-one": (dict(n_group=8, topk_group=2), "n_group 8 with n_routed_experts 8"),
+    "topk_group-over-n_group": (dict(topk_group=5), "topk_group 5 with n_group 4"),
+    "top-k-past-the-kept-groups": (dict(num_experts_per_tok=3, topk_group=1), "num_experts_per_tok 3, more than the "
+                                                                              "2 experts of its topk_group 1 groups"),
+    "top-k-past-the-experts": (dict(num_experts_per_tok=9), "num_experts_per_tok 9 with n_routed_experts 8"),
+    "gelu": (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_the_router_cannot_compute_is_refused_up_front(tmp_path, name):
+    """A config.json transformers' router would fail on (or route otherwise than infer): `infer warmup --estimate`
+    refuses it naming the fields and what GLM-4.5 takes."""
+    from transformers import AutoConfig
+    config, words = REFUSED[name]
+    cfg = AutoConfig.for_model("glm4_moe", **{**SMALL, **config})
+    cfg.architectures = ["Glm4MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    text = " ".join(res.output.split())
+    assert words in text, text
+    if "group" in name:
+        assert "GLM-4.5's router splits n_routed_experts into n_group equal groups" in text, text
+
+
+def test_glm_47_flash_stays_refused_naming_the_glm_models_infer_runs(tmp_path):
+    """GLM-4.7-Flash (glm4_moe_lite: another attention, MLA) is still refused, the hint now naming GLM-4.5 too."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("glm4_moe_lite", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    cfg.architectures = ["Glm4MoeLiteForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    text = " ".join(res.output.split())
+    assert "(model_type 'glm4_moe_lite') is GLM-4.7-Flash" in text and "which infer does not run" in text, text
+    assert "GLM-4.5 / 4.6 (Glm4MoeForCausalLM, model_type glm4_moe)" in text, text
+
+
+# ------------------------------------------------------------------------------ warmup, run, bench, tiny
+def test_builtin_tiny_model_runs_and_warmup_sizes_it():
+    """tiny-glm4-moe equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights as
+    the loaded engine holds them (the float32 routers too)."""
+    path = ensure_builtin("tiny-glm4-moe")
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Glm4MoeForCausalLM"]
+    res = CliRunner().invoke(app, ["warmup", "tiny-glm4-moe", "--estimate", "--json", "--max-length", "256",
+                                   "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM("tiny-glm4-moe", max_model_len=256, dtype="bfloat16") as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        assert llm.engine.runner.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    with LLM("tiny-glm4-moe", max_model_len=256) as llm:
+        prompts = random_prompts(512, (6, 90), seed=1)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == greedy_each(hf_float(path), prompts, 6)
+    assert all(len(set(tokens)) > 2 for tokens in got)
+
+
+def test_infer_run_and_bench_on_the_builtin_model(tmp_path):
+    """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
+    prompt = random_prompts(512, (9,), seed=2)[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
+                                                   "ignore_eos": True}) + "\n")
+    res = CliRunner().invoke(app, ["run", "tiny-glm4-moe", str(tmp_path / "in.jsonl"), "-o",
+                                   str(tmp_path / "out.jsonl"), "-q"])
+    assert res.exit_code == 0, res.output
+    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert record["token_ids"] == greedy_each(hf_float(ensure_builtin("tiny-glm4-moe")), [prompt], 6)[0]
+    res = CliRunner().invoke(app, ["bench", "tiny-glm4-moe", "--out", str(tmp_path / "b"), "-c", "2",
+                                   "--num-prompts", "2", "--input-len", "8", "--output-len", "6", "-q"])
+    assert res.exit_code == 0, res.output
+    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert report["completed"] == 2
+
+
+def test_the_measured_cpu_peak_is_under_the_estimate(tmp_path):
+    """A step of 1,020 tokens (4 x 256) and decodes at 256: the measured peak (the float32 router's scores and
+    group masks, the shared expert after the experts) is under `warmup --estimate`'s activations, by less than 1.3x."""
+    build(tmp_path, intermediate_size=200, num_hidden_layers=4)
+    measured = measured_warmup([str(tmp_path), "--max-length", "256", "--concurrency", "4",
+                                "--max-num-batched-tokens", "1024"])
+    peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
+    assert peak <= formula <= 1.3 * peak, (formula, peak)

@@ -81,8 +81,10 @@ _EXPERT_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_
                             r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 # the target_modules peft (0.21, on transformers 5) turns into the stacked experts' parameters, by base model_type
-# (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs')
-V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+# (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs';
+# GLM-4.5's are turned, its dense layers' and shared experts' too: neither is adapted by those names)
+V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
+                     "glm4_moe": ("gate_proj", "up_proj", "down_proj")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj)")
@@ -320,10 +322,13 @@ def _misplaced(m: LoRAModule, base_config) -> Problem | None:
     if not is_moe(base_config) or m.proj not in MOE_LAYER_PROJECTIONS[True] + MOE_LAYER_PROJECTIONS[False]:
         return None
     sparse = is_sparse(base_config, m.layer)
-    if not sparse and m.proj in V4_EXPERT_TARGETS.get(base_config.model_type, ()):
-        return Problem(f"{m.name} is a dense layer's MLP projection, which peft (on transformers 5) does not adapt "
-                       f"in a {base_config.model_type}: it turns target_modules {m.proj} into the experts' "
-                       "parameters", "these weights would be ignored: train the adapter again with peft on "
+    v4 = V4_EXPERT_TARGETS.get(base_config.model_type, ())
+    shared = m.proj.startswith("shared_expert.") and m.proj.rpartition(".")[2] in v4  # (GLM-4.5's shared experts)
+    if (not sparse and m.proj in v4) or shared:
+        what = "a shared expert's projection" if shared else "a dense layer's MLP projection"
+        return Problem(f"{m.name} is {what}, which peft (on transformers 5) does not adapt in a "
+                       f"{base_config.model_type}: it turns target_modules {m.proj.rpartition('.')[2]} into the "
+                       "experts' parameters", "these weights would be ignored: train the adapter again with peft on "
                        "transformers 5")
     if sparse == (m.proj in MOE_LAYER_PROJECTIONS[True]):
         return None

@@ -13,6 +13,7 @@ import torch
 from ..errors import ModelLoadError
 from ..kernels import cpu_gemm
 from ..models.classifier import is_classifier, token_head
+from ..models.moe import float32_tensor, mtp_tensor
 from ..models.multimodal import is_multimodal, text_name
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -113,6 +114,10 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 numel *= d
             is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
+            if float32_tensor(model_config, name):  # (GLM-4.5's router: float32 in any dtype)
+                size = numel * 4
+            if mtp_tensor(model_config, name):  # (GLM-4.5's multi-token-prediction layers: skipped at load)
+                continue
             if info["dtype"] == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
                 # gpt-oss's MXFP4 experts (models.moe.mxfp4_dequantize): two values a byte of blocks, loaded as
                 # float; the scales dropped

@@ -520,7 +520,25 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
-_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
+_LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_ROUTER32 = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
+
+
+def mtp_tensor(cfg, name: str) -> bool:
+    """Whether checkpoint tensor `name` is in one of GLM-4.5's multi-token-prediction layers (the
+    num_nextn_predict_layers layers after num_hidden_layers, which transformers drops too): the loader skips them."""
+    m = _LAYER_KEY.match(name)
+    if getattr(cfg, "model_type", None) != "glm4_moe" or m is None:
+        return False
+    n = int(cfg.num_hidden_layers)
+    mtp = getattr(cfg, "num_nextn_predict_layers", getattr(cfg, "num_mtp_layers", 0))
+    return n <= int(m.group(1)) < n + int(mtp or 0)
+
+
+def float32_tensor(cfg, name: str) -> bool:
+    """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
+    e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
+    return getattr(cfg, "model_type", None) == "glm4_moe" and _ROUTER32.search(name) is not None
 
 
 def layer_index(key: str) -> int:
@@ -549,11 +567,8 @@ class MoeForCausalLM:
         model's dtype) into a sparse layer; returns the model's parameter it went into, or None where it is no sparse
         layer's (the loader's usual routing then). GLM-4.5's multi-token-prediction layers (after num_hidden_layers:
         num_nextn_predict_layers of them, which transformers drops too) are skipped: "" (no parameter)."""
-        if self.config.model_type == "glm4_moe" and _LAYER_KEY.match(key):
-            n = self.config.num_hidden_layers
-            mtp = getattr(self.config, "num_nextn_predict_layers", getattr(self.config, "num_mtp_layers", 0))
-            if n <= int(_LAYER_KEY.match(key).group(1)) < n + int(mtp or 0):
-                return ""
+        if mtp_tensor(self.config, key):
+            return ""
         if self.config.model_type == "gpt_oss" and _OAI_TENSOR.match(key):
             return self._load_oai_tensor(key, t, name)
         block, m = self._moe_block(key)
