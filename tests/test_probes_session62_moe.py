@@ -196,6 +196,93 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(glm_lora, mon
     check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
 
 
+def test_convert_merges_an_adapter_and_a_bfloat16_copy_keeps_the_routers_float32(glm_lora, tmp_path):
+    """`infer convert --merge-lora`: the merged folder gives peft's tokens of the adapter (its experts' delta
+    merged); `--dtype bfloat16` keeps the routers float32 (transformers' _keep_in_fp32_modules_strict), and infer
+    loads their stored float32 values, not bfloat16 roundings of them (the choice of experts hangs on the bias)."""
+    from safetensors.torch import load_file
+
+    from lora_helpers import PeftOracle
+    base, hf, paths = glm_lora
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(tmp_path / "m"), "--merge-lora", str(paths["all8"])])
+    assert res.exit_code == 0, res.output
+    prompts = random_prompts(512, (6, 11), seed=8)
+    oracle = PeftOracle(hf, {"all8": paths["all8"]})
+    try:
+        want = [oracle.greedy("all8", p, 6) for p in prompts]
+    finally:
+        oracle.close()
+    with LLM(str(tmp_path / "m"), block_size=4) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))] == want
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(tmp_path / "b"), "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    stored = {}
+    for f in (tmp_path / "b").glob("*.safetensors"):
+        stored.update(load_file(f))
+    bias = stored["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and not torch.equal(bias, bias.bfloat16().float())
+    with LLM(str(tmp_path / "b"), block_size=4, dtype="bfloat16") as llm:
+        gate = llm.engine.runner.model.layers[1].mlp.gate
+        assert torch.equal(gate.e_score_correction_bias, bias)
+        assert torch.equal(gate.weight, stored["model.layers.1.mlp.gate.weight"].float())
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@pytest.fixture(scope="module")
+def gptq_glm(tmp_path_factory):
+    """(float folder, a GPTQ checkpoint of it in GPTQModel's layout: every attention, dense MLP, shared expert and
+    expert projection 4-bit by round to nearest, group 32, each expert's projections apart; the routers float)."""
+    from test_probes_session56_review_moeq import rtn_gptq
+    root = tmp_path_factory.mktemp("glm4moe_gptq")
+    build(root / "f")
+    rtn_gptq(root / "f", root / "q")
+    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
+    (root / "q" / "quantize_config.json").write_text(json.dumps(qc))  # (as GPTQModel writes it too)
+    return root / "f", root / "q"
+
+
+def test_a_gptq_checkpoint_equals_transformers_of_its_dequantized_weights(gptq_glm):
+    """infer's CPU path (each GPTQ expert dequantized at load into the stacks, in the scales' float16 as GPTQ runtimes
+    do) gives transformers' greedy tokens of the same weights dequantized in float32
+    (quant_helpers.dequantized_float_model); `warmup --estimate` counts the weights as loaded."""
+    from quant_helpers import dequantized_float_model
+    src, out = gptq_glm
+    hf = dequantized_float_model(src, out)
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        from infer.memory.sizes import weights_bytes
+        model = llm.engine.runner.model
+        assert plan["weights_bytes"] == weights_bytes(model)
+        assert model.layers[1].mlp.shared_experts.down_proj.qweight is not None and model.layers[1].mlp.method_for
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == greedy_each(hf, prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6  # (varied tokens: the comparison means something)
+
+
+@interpreted
+def test_int4_experts_through_the_kernels_equal_the_cpu_path(gptq_glm, monkeypatch):
+    """The GPTQ checkpoint on the GPU code path (the experts stacked int4, the int4 fused MoE with the float32
+    routing weights, interpreted): the CPU path's tokens."""
+    from quant_helpers import check_kernel_path_equals_cpu
+    check_kernel_path_equals_cpu(gptq_glm[1], monkeypatch)
+
+
+def test_infer_quantize_refuses_glm_45_naming_gptqmodels_failure(tmp_path):
+    """GPTQModel 7.6's glm4_moe definition fails on transformers 5 after loading the model: `infer quantize` refuses
+    it before, saying why and what to serve instead."""
+    build(tmp_path / "f", num_hidden_layers=2)
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q")],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code != 0 and not (tmp_path / "q").exists(), res.output
+    text = " ".join(res.output.split())
+    assert "is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5" in text, text
+    assert "serve the float checkpoint (infer runs it" in text, text
+
+
 # ------------------------------------------------------------------------ checkpoints, refusals, neighbours
 def test_the_hubs_multi_token_prediction_layer_is_skipped(tmp_path):
     """GLM-4.5's checkpoints store num_nextn_predict_layers layers after the model's (model.layers.N: the MTP layer,

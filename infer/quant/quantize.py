@@ -304,7 +304,16 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
     and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"), as does a Qwen2-MoE without a
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
-    before: infer runs both, float."""
+    before: infer runs both, float. GPTQModel 7.6's glm4_moe definition fails on transformers 5 (its MoE hooks take
+    the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
+    experts)): refused too."""
+    if config.get("model_type") == "glm4_moe":
+        raise UnsupportedModelError(
+            f"{src} is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its MoE "
+            "hooks take the router's output for a tensor of logits, where transformers 5's router returns a tuple "
+            "(\"'tuple' object has no attribute 'sigmoid'\", seen on the CPU)",
+            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
+            "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return
     layers = config.get("num_hidden_layers")
