@@ -375,6 +375,12 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it():
     assert all(len(set(tokens)) > 2 for tokens in got)
 
 
+def test_infer_serve_completes_as_transformers(glm_lora):
+    from helpers import check_served_completion_equals_transformers
+    base, hf, _ = glm_lora
+    check_served_completion_equals_transformers(base, "glm", hf)
+
+
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path):
     """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
     prompt = random_prompts(512, (9,), seed=2)[0]
