@@ -1,10 +1,12 @@
-"""Session 62: GLM-4.5 and GLM-4.6 (Glm4MoeForCausalLM, model_type glm4_moe), end to end on tiny random models built
+"""Session 62: mixture-of-experts families. GLM-4.5 and GLM-4.6 (Glm4MoeForCausalLM, model_type glm4_moe), end to end on tiny random models built
 from its config (float32) against transformers: the sigmoid router whose e_score_correction_bias steers the choice
 (not the weights), group-limited top k (n_group, topk_group), norm_topk_prob, routed_scaling_factor, shared experts,
 the first_k_dense_replace dense layers, half of each head rotated (NeoX pairs), q/k/v biases, q/k norms per head;
 chunked prefill, prefix caching, the GPU code path (interpreted), peft adapters (attention, dense MLP, shared
 experts, stacked experts) mixed in a batch, GPTQ, warmup --estimate, run, bench, the built-in tiny-glm4-moe, the
-multi-token-prediction layer of the hub's checkpoints skipped; what infer cannot run of it refused."""
+multi-token-prediction layer of the hub's checkpoints skipped; what infer cannot run of it refused. OLMoE
+(OlmoeForCausalLM): q and k normed over their whole projections, experts on every layer; the same paths, `infer
+quantize` through GPTQModel's olmoe definition against GPTQModel's own load."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_trans
                      measured_warmup, random_prompts, save_random_model)
 from lora_helpers import (base_and_adapters, check_mixed_adapters_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
                           hf_float)
-from quant_helpers import check_gpu_path_interpreted
+from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 # GLM-4.5-Air's shape, shrunk: 46 layers there (the first dense), 128 experts of 1408 (top 8) beside one shared
@@ -406,3 +408,118 @@ def test_the_measured_cpu_peak_is_under_the_estimate(tmp_path):
                                 "--max-num-batched-tokens", "1024"])
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert peak <= formula <= 1.3 * peak, (formula, peak)
+
+
+# ================================================================================================== OLMoE
+# OLMoE-1B-7B's shape, shrunk: 64 experts of 1024 (top 8) there, 8 of 32 (top 2) here, on every layer; q and k normed
+# over their whole projections (OLMo 2's), in Llama's layer of two norms
+OLMOE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=2,
+             pad_token_id=0)
+
+
+def build_olmoe(folder, seed: int = 0, **config):
+    """A random OLMoE folder (float32) with the tiny-llama tokenizer; returns transformers' model (eager)."""
+    return save_random_model(folder, "olmoe", "OlmoeForCausalLM", {**OLMOE, **config}, seed, shifted)
+
+
+OLMOE_CONFIGS = {
+    "gqa-top2": dict(),
+    "renormalised-biases-top1-mha": dict(norm_topk_prob=True, attention_bias=True, num_experts_per_tok=1,
+                                         num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", OLMOE_CONFIGS)
+def test_olmoe_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4; q and
+    k normed over their whole projections."""
+    hf = build_olmoe(tmp_path, **OLMOE_CONFIGS[name])
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        attn = llm.engine.runner.model.layers[0].self_attn
+        kv = hf.config.num_key_value_heads * 16
+        assert attn.qk_norm_whole and attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (kv,)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, name)
+
+
+def test_olmoe_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    hf = build_olmoe(tmp_path, seed=1)
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
+
+
+@interpreted
+def test_olmoe_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    hf = build_olmoe(tmp_path)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+
+
+def test_olmoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
+    """Adapters of the attention and the stacked experts (target_parameters), each alone and mixed with the base in
+    one batch: peft's tokens."""
+    build_olmoe(tmp_path / "base")
+    base, hf, paths = base_and_adapters(tmp_path, ADAPTERS)
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+@pytest.fixture(scope="module")
+def gptq_olmoe(tmp_path_factory):
+    """(float folder, `infer quantize`'s GPTQ checkpoint of it: GPTQModel's olmoe definition, every expert's
+    projections apart, the router float)."""
+    root = tmp_path_factory.mktemp("olmoe_gptq")
+    build_olmoe(root / "f")
+    res = CliRunner().invoke(app, ["quantize", str(root / "f"), "-o", str(root / "q"), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    return root / "f", root / "q"
+
+
+@needs_gptqmodel
+def test_olmoe_infer_quantize_writes_a_gptq_checkpoint_equal_to_gptqmodels_load(gptq_olmoe):
+    """GPTQModel's olmoe definition through `infer quantize`: infer's tokens of the checkpoint equal GPTQModel's own
+    load; the note says transformers leaves its experts float."""
+    from safetensors.torch import load_file
+    _, out = gptq_olmoe
+    assert {"model.layers.0.mlp.experts.3.gate_proj.qweight", "model.layers.1.self_attn.o_proj.qweight",
+            "model.layers.0.mlp.gate.weight"} <= set(load_file(out / "model.safetensors"))
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == gptqmodel_greedy(out, prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6  # (varied tokens: the comparison means something)
+
+
+@needs_gptqmodel
+@interpreted
+def test_olmoe_int4_experts_through_the_kernels_equal_the_cpu_path(gptq_olmoe, monkeypatch):
+    from quant_helpers import check_kernel_path_equals_cpu
+    check_kernel_path_equals_cpu(gptq_olmoe[1], monkeypatch)
+
+
+def test_olmoe_clip_qkv_is_refused(tmp_path):
+    """OLMoE's clip_qkv (OLMo's clamping of q, k and v): refused up front, naming the field."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("olmoe", **OLMOE, clip_qkv=8.0)
+    cfg.architectures = ["OlmoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    assert "config.json has clip_qkv 8.0: infer does not clip OLMoE's queries" in " ".join(res.output.split())
+
+
+def test_olmoe_builtin_tiny_model_runs_and_warmup_sizes_it():
+    path = ensure_builtin("tiny-olmoe")
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["OlmoeForCausalLM"]
+    res = CliRunner().invoke(app, ["warmup", "tiny-olmoe", "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM("tiny-olmoe", max_model_len=256) as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        prompts = random_prompts(512, (6, 90), seed=1)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == greedy_each(hf_float(path), prompts, 6)
+    assert all(len(set(tokens)) > 2 for tokens in got)

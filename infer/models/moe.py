@@ -51,7 +51,12 @@ from .layers import UnquantizedLinearMethod
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
 # (GLM-4.5's attention is its own: q/k/v biases where attention_bias says, q/k norms per head where use_qk_norm says,
 # half of each head rotated as NeoX pairs: models.llama.Attention)
-BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe"}
+# OLMoE's is OLMo 2's (q and k normed over their whole projections, biases where attention_bias says) in Llama's
+# layer of two norms (its RMSNorms Llama's: the normed row rounded first)
+BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
+        "olmoe": "olmo2"}
+# the families whose every decoder layer is sparse, its experts intermediate_size wide
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -88,7 +93,7 @@ def is_sparse(cfg, layer: int) -> bool:
     layer from first_k_dense_replace on (the first k dense)."""
     if not is_moe(cfg):
         return False
-    if cfg.model_type in ("mixtral", "gpt_oss"):
+    if cfg.model_type in _ALL_SPARSE:
         return True
     if cfg.model_type == "glm4_moe":
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
@@ -98,9 +103,9 @@ def is_sparse(cfg, layer: int) -> bool:
 
 
 def expert_size(cfg) -> int:
-    """I: an expert's intermediate width (Qwen's moe_intermediate_size; Mixtral's and gpt-oss's
-    intermediate_size)."""
-    return int(cfg.intermediate_size if cfg.model_type in ("mixtral", "gpt_oss") else cfg.moe_intermediate_size)
+    """I: an expert's intermediate width (Qwen's and GLM-4.5's moe_intermediate_size; Mixtral's, gpt-oss's and
+    OLMoE's intermediate_size)."""
+    return int(cfg.intermediate_size if cfg.model_type in _ALL_SPARSE else cfg.moe_intermediate_size)
 
 
 def shared_width(cfg) -> int:
@@ -131,6 +136,10 @@ def check_moe(cfg) -> None:
                                     f"each token is routed to between 1 and {field} experts")
     if cfg.model_type == "glm4_moe":
         check_groups(cfg, e, k)
+    if cfg.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
+        raise UnsupportedModelError(f"config.json has clip_qkv {cfg.clip_qkv}: infer does not clip OLMoE's queries, "
+                                    "keys and values", "serve an OLMoE checkpoint without clip_qkv (OLMoE-1B-7B's "
+                                    "config.json has none)")
 
 
 def check_groups(cfg, e: int, k: int) -> None:
@@ -491,8 +500,10 @@ class SparseMoeBlock(nn.Module):
 
 # a sparse layer's tensors as checkpoints name them (after the loader drops "model."): the router, an expert's
 # projection, or the stacked experts of transformers' own parameter names
-_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.(?:weight|e_score_correction_bias)|experts\.(\d+)\.(\w+)\.(weight|qweight|"
-                     r"qzeros|scales|g_idx|bias)|experts\.(gate_up_proj|down_proj))$")
+# (GLM-4.5's router has an e_score_correction_bias too)
+_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.(?:weight|e_score_correction_bias)|"
+                     r"experts\.(\d+)\.(\w+)\.(weight|qweight|qzeros|scales|g_idx|bias)|"
+                     r"experts\.(gate_up_proj|down_proj))$")
 
 
 # gpt-oss's sparse layer as transformers names it: the router (with a bias) and the stacked experts with biases

@@ -34,6 +34,9 @@ SUPPORTED = {
     # Zhipu's GLM-4.5 and GLM-4.6 (GLM-4.5-Air): a mixture of experts (models.moe) with a sigmoid router of
     # group-limited top k, shared experts and first_k_dense_replace dense layers; half of each head rotated
     "Glm4MoeForCausalLM": "glm4_moe",
+    # AllenAI's OLMoE (OLMoE-1B-7B): a mixture of experts (models.moe) with OLMo 2's q and k norms over the whole
+    # projections, in Llama's layer of two norms
+    "OlmoeForCausalLM": "olmoe",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
@@ -88,7 +91,8 @@ UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
             "granite-3.x-instruct) and Granite SWA (GraniteSWAForCausalLM, model_type granite_swa): use one of those")
-_OLMO = "infer runs OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): use one of those"
+_OLMO = ("infer runs OLMo 2, OLMo 3 and OLMoE (Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM): use one "
+         "of those")
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4), glm-4-9b-chat-hf (GlmForCausalLM, "
         "model_type glm) and GLM-4.5 / 4.6 (Glm4MoeForCausalLM, model_type glm4_moe): use one of those")
 _ERNIE = ("infer runs ERNIE 4.5's dense models (Ernie4_5ForCausalLM, model_type ernie4_5: ERNIE-4.5-0.3B): use one "
@@ -116,7 +120,6 @@ NEAR_FAMILIES = {
                          "(GraniteMoeHybridForCausalLM)", _GRANITE),
     "olmo": ("the first OLMo (OlmoForCausalLM: OLMo-1B/7B, OLMo-7B-0424), whose LayerNorms have no weights "
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
-    "olmoe": ("OLMoE, OLMo's mixture of experts (OlmoeForCausalLM)", _OLMO),
     "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
     "glm4_moe_lite": ("GLM-4.7-Flash, a mixture of experts (Glm4MoeLiteForCausalLM)", _GLM),
     "ernie4_5_moe": ("ERNIE 4.5's mixture of experts (Ernie4_5_MoeForCausalLM: ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B)",

@@ -78,6 +78,10 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
         n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
         attention_bias=True, use_qk_norm=True, tie_word_embeddings=False)),
+    # OLMoE (1B-7B's shape): 8 experts of width 32 on every layer (top-2, not renormalised), q and k normed over their
+    # whole projections
+    "tiny-olmoe": TinySpec("olmoe", 28, config=dict(_TINY, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                    tie_word_embeddings=False)),
     # Granite 3.x: Llama's layers with its four scalars (Granite-3's embedding and residual multipliers; the attention
     # scale 1 / head_dim, as Granite-3's 1/128 of its heads of 128; the logits divided by 4)
     "tiny-granite": TinySpec("granite", 13, config=dict(_TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
