@@ -4,9 +4,9 @@ once (transformers' Olmo2RMSNorm, Olmo3RMSNorm), where Llama's rounds the normed
 infer's norms give transformers' bits, on the CPU path and through the Triton kernel. The first GLM-4
 (GlmForCausalLM, model_type glm: glm-4-9b-chat-hf), GLM-4-0414's attention and MLP in Llama's layer of two norms,
 runs (transformers' tokens and logprobs, the GPU code path, peft adapters); GraniteMoe, GraniteMoeHybrid, the first
-OLMo, OLMoE and GLM-4.5 were refused naming what they are (session 62 runs OLMoE and GLM-4.5). The loops of GLM-4 (and Gemma 2's, which it shares) and
-OLMo no longer keep the old residual and the attention's output alive while the MLP runs (warmup --estimate's
-activations were under the measured peak)."""
+OLMo, OLMoE and GLM-4.5 were refused naming what they are (session 62 runs OLMoE and GLM-4.5). The loops of GLM-4
+(and Gemma 2's, which it shares) and OLMo no longer keep the old residual and the attention's output alive while
+the MLP runs (warmup --estimate's activations were under the measured peak)."""
 
 from __future__ import annotations
 
