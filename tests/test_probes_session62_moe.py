@@ -6,7 +6,9 @@ chunked prefill, prefix caching, the GPU code path (interpreted), peft adapters 
 experts, stacked experts) mixed in a batch, GPTQ, warmup --estimate, run, bench, the built-in tiny-glm4-moe, the
 multi-token-prediction layer of the hub's checkpoints skipped; what infer cannot run of it refused. OLMoE
 (OlmoeForCausalLM): q and k normed over their whole projections, experts on every layer; the same paths, `infer
-quantize` through GPTQModel's olmoe definition against GPTQModel's own load."""
+quantize` through GPTQModel's olmoe definition against GPTQModel's own load. Granite MoE (GraniteMoeForCausalLM):
+Granite's four scalars, the hub's input_linear / output_linear / router.layer names, the softmax over the top k
+logits; the same paths."""
 
 from __future__ import annotations
 
@@ -523,3 +525,108 @@ def test_olmoe_builtin_tiny_model_runs_and_warmup_sizes_it():
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
     assert got == greedy_each(hf_float(path), prompts, 6)
     assert all(len(set(tokens)) > 2 for tokens in got)
+
+
+# ============================================================================================= Granite MoE
+# granite-3.1-1b-a400m's shape, shrunk: 32 experts of 512 (top 8) there, 8 of 32 (top 2) here, on every layer;
+# Granite's scalars (embeddings x 12, the residual adds x 0.22, the attention's scale 1/16, the logits / 4)
+GRANITE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+               embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
+               eos_token_id=2, pad_token_id=0)
+GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
+
+
+def build_granite(folder, seed: int = 0, **config):
+    """A random Granite MoE folder (float32, the hub's names: block_sparse_moe.input_linear, output_linear,
+    router.layer) with the tiny-llama tokenizer; returns transformers' model (eager)."""
+    return save_random_model(folder, "granitemoe", "GraniteMoeForCausalLM", {**GRANITE, **config}, seed, shifted)
+
+
+GRANITE_CONFIGS = {"gqa-top2": dict(), "mha-top1-biases": dict(num_key_value_heads=4, num_experts_per_tok=1,
+                                                                attention_bias=True)}
+
+
+@pytest.mark.parametrize("name", GRANITE_CONFIGS)
+def test_granitemoe_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4; the
+    checkpoint in the hub's names (input_linear, output_linear, router.layer)."""
+    from safetensors.torch import load_file
+    hf = build_granite(tmp_path, **GRANITE_CONFIGS[name])
+    assert "model.layers.0.block_sparse_moe.router.layer.weight" in load_file(tmp_path / "model.safetensors")
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, name)
+
+
+def test_granitemoe_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    hf = build_granite(tmp_path, seed=1)
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
+
+
+@interpreted
+def test_granitemoe_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    hf = build_granite(tmp_path)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+
+
+def test_granitemoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
+    """Adapters of the attention and the stacked experts (target_parameters block_sparse_moe.experts.*), each alone
+    and mixed with the base in one batch: peft's tokens (their weights at 0.5's scale: Granite's residual_multiplier
+    of 0.22 leaves 0.15's deltas too small to change a token)."""
+    from lora_helpers import save_adapter
+    build_granite(tmp_path / "base")
+    hf = hf_float(tmp_path / "base")
+    adapters = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=GRANITE_EXPERTS),
+                "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                            target_parameters=GRANITE_EXPERTS)}
+    paths = {name: save_adapter(hf, tmp_path / name, seed=i + 1, scale=0.5, lora_dropout=0.0, **kw)
+             for i, (name, kw) in enumerate(adapters.items())}
+    check_mixed_adapters_equal_peft(tmp_path / "base", hf, paths, random_prompts(512, (5, 20, 8), seed=6),
+                                    ["all8", None, "qv4"])
+
+
+@needs_gptqmodel
+def test_granitemoe_infer_quantize_equals_gptqmodels_load(tmp_path):
+    """GPTQModel's granitemoe definition through `infer quantize` (the attention quantized, the stacked experts left
+    float, as GPTQModel 7.6 does on transformers 5): infer's tokens equal GPTQModel's own load."""
+    build_granite(tmp_path / "f")
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q"), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(tmp_path / "q"), block_size=4, dtype="float32") as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == gptqmodel_greedy(tmp_path / "q", prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6
+
+
+def test_granitemoe_builtin_tiny_model_runs_and_warmup_sizes_it():
+    path = ensure_builtin("tiny-granitemoe")
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["GraniteMoeForCausalLM"]
+    res = CliRunner().invoke(app, ["warmup", "tiny-granitemoe", "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM("tiny-granitemoe", max_model_len=256) as llm:
+        from infer.memory.sizes import weights_bytes
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        prompts = random_prompts(512, (6, 90), seed=1)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == greedy_each(hf_float(path), prompts, 6)
+    assert all(len(set(tokens)) > 2 for tokens in got)
+
+
+def test_granitemoe_multipliers_are_checked_as_granites(tmp_path):
+    """A logits_scaling of 0 (every logit inf) is refused as Granite's is."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("granitemoe", **{**GRANITE, "logits_scaling": 0.0})
+    cfg.architectures = ["GraniteMoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    assert "config.json has logits_scaling 0.0: Granite's logits_scaling must be a finite number" in \
+        " ".join(res.output.split())

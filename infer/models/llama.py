@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
-        if cfg.model_type in ("granite", "granite_swa"):  # Granite's attention_multiplier is the scale itself
+        if cfg.model_type in ("granite", "granite_swa", "granitemoe"):  # Granite's attention_multiplier: the scale
             self.scale = float(cfg.attention_multiplier)
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
@@ -437,7 +437,7 @@ class DecoderLayer(nn.Module):
         if cfg.model_type in UNGATED:
             self.mlp = UngatedMLP(cfg, f"{p}.mlp", method_for, dtype)
         elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
-            moe = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", "granitemoe") else "mlp"
             self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
@@ -482,7 +482,7 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     # (Cohere, StarCoder2, Nemotron: the outputs go to the residual, no norm with a residual after them)
-    if cfg.model_type in ("granite", "granite_swa", *COHERE, "starcoder2", "nemotron"):
+    if cfg.model_type in ("granite", "granite_swa", "granitemoe", *COHERE, "starcoder2", "nemotron"):
         return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)

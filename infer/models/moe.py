@@ -54,9 +54,9 @@ from .layers import UnquantizedLinearMethod
 # OLMoE's is OLMo 2's (q and k normed over their whole projections, biases where attention_bias says) in Llama's
 # layer of two norms (its RMSNorms Llama's: the normed row rounded first)
 BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
-        "olmoe": "olmo2"}
-# the families whose every decoder layer is sparse, its experts intermediate_size wide
-_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe")
+        "olmoe": "olmo2", "granitemoe": "granite"}
+# the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", "granitemoe")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -78,7 +78,7 @@ def is_moe(cfg) -> bool:
 def experts_field(cfg) -> str:
     """config.json's name of E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts, GLM-4.5's
     n_routed_experts."""
-    return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts",
+    return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "granitemoe": "num_local_experts",
             "glm4_moe": "n_routed_experts"}.get(cfg.model_type, "num_experts")
 
 
@@ -282,6 +282,9 @@ class SparseMoeBlock(nn.Module):
         # float32 in any dtype), sigmoid scores, the bias added for the choice only, group-limited top k (n_group,
         # topk_group), renormalised where norm_topk_prob says, scaled by routed_scaling_factor; float32 weights
         self.glm = cfg.model_type == "glm4_moe"
+        # Granite MoE (transformers' GraniteMoeTopKRouter): the top k of the logits (in float32), their softmax
+        # rounded to the model's dtype
+        self.granite = cfg.model_type == "granitemoe"
         self.gate = _Gate(e, h, torch.float32 if self.glm else dtype, bias=self.oai)
         if self.glm:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
@@ -405,6 +408,9 @@ class SparseMoeBlock(nn.Module):
         if self.glm:
             return self._glm_route(x)
         logits = self.gate(x)  # in the model's dtype, as transformers' F.linear
+        if self.granite:
+            top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), ids
         if self.oai:  # gpt-oss's GptOssTopKRouter: the top k logits, then their softmax (in the logits' dtype)
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), ids
@@ -531,6 +537,10 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out
 
 
+# Granite MoE's sparse layer as its checkpoints name it (transformers 5 renames them at load: its conversion_mapping),
+# by the name infer's loader reads
+_GRANITE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
+                  "router.layer.weight": "gate.weight", "router.weight": "gate.weight"}
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ROUTER32 = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 
@@ -580,6 +590,10 @@ class MoeForCausalLM:
         num_nextn_predict_layers of them, which transformers drops too) are skipped: "" (no parameter)."""
         if mtp_tensor(self.config, key):
             return ""
+        if self.config.model_type == "granitemoe":  # (the hub's names of Granite MoE's router and stacked experts)
+            head, sep, tail = key.partition(".block_sparse_moe.")
+            if sep and tail in _GRANITE_NAMES:
+                key = f"{head}{sep}{_GRANITE_NAMES[tail]}"
         if self.config.model_type == "gpt_oss" and _OAI_TENSOR.match(key):
             return self._load_oai_tensor(key, t, name)
         block, m = self._moe_block(key)
@@ -720,13 +734,15 @@ class MoeForCausalLM:
 _CLASS: list[type] = []
 
 
-def moe_model_class() -> type:
+def moe_model_class(granite: bool = False) -> type:
     """LlamaForCausalLM with the loader's routing of the experts' tensors (DecoderLayer builds a sparse layer's
-    SparseMoeBlock)."""
+    SparseMoeBlock); `granite`: GraniteForCausalLM's (Granite MoE: its four scalars)."""
     if not _CLASS:
-        from .llama import LlamaForCausalLM
+        from .llama import GraniteForCausalLM, LlamaForCausalLM
         _CLASS.append(type("MoeForCausalLM", (MoeForCausalLM, LlamaForCausalLM), {
             "__doc__": "A mixture-of-experts model (models.moe): Llama's loop over its layers, a sparse layer's MLP a "
                        "SparseMoeBlock."}))
-    return _CLASS[0]
+        _CLASS.append(type("GraniteMoeForCausalLM", (MoeForCausalLM, GraniteForCausalLM), {
+            "__doc__": "Granite MoE (models.moe): Granite's scalars, a sparse layer's MLP a SparseMoeBlock."}))
+    return _CLASS[1 if granite else 0]
 

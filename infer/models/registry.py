@@ -37,6 +37,9 @@ SUPPORTED = {
     # AllenAI's OLMoE (OLMoE-1B-7B): a mixture of experts (models.moe) with OLMo 2's q and k norms over the whole
     # projections, in Llama's layer of two norms
     "OlmoeForCausalLM": "olmoe",
+    # IBM's Granite MoE (granite-3.x-1b-a400m, 3b-a800m): Granite's four scalars, experts on every layer (the hub's
+    # input_linear / output_linear stacks), a router whose softmax is over the top k logits
+    "GraniteMoeForCausalLM": "granitemoe",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
@@ -90,7 +93,8 @@ UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu
 
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
-            "granite-3.x-instruct) and Granite SWA (GraniteSWAForCausalLM, model_type granite_swa): use one of those")
+            "granite-3.x-instruct), Granite SWA (GraniteSWAForCausalLM, model_type granite_swa) and Granite MoE "
+            "(GraniteMoeForCausalLM, model_type granitemoe: granite-3.x-1b-a400m, 3b-a800m): use one of those")
 _OLMO = ("infer runs OLMo 2, OLMo 3 and OLMoE (Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM): use one "
          "of those")
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4), glm-4-9b-chat-hf (GlmForCausalLM, "
@@ -113,7 +117,6 @@ _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, mode
             "Hunyuan-0.5B/1.8B/4B/7B-Instruct): use one of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
-    "granitemoe": ("Granite's mixture of experts (GraniteMoeForCausalLM: granite-3.x-1b-a400m, 3b-a800m)", _GRANITE),
     "granitemoeshared": ("Granite's mixture of experts with a shared expert (GraniteMoeSharedForCausalLM)", _GRANITE),
     "granitemoe_swa": ("Granite's mixture of experts with sliding-window layers (GraniteMoeSwa)", _GRANITE),
     "granitemoehybrid": ("Granite 4's hybrid of Mamba-2 and attention layers with experts "
@@ -323,7 +326,7 @@ def model_class(cfg):
     check_supported(cfg)
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
-        return moe_model_class()
+        return moe_model_class(cfg.model_type == "granitemoe")
     from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
                         Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, GraniteSWAForCausalLM,
                         HunYuanDenseV1ForCausalLM, LlamaForCausalLM, NemotronForCausalLM, Olmo2ForCausalLM,

@@ -82,6 +82,11 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # whole projections
     "tiny-olmoe": TinySpec("olmoe", 28, config=dict(_TINY, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                                     tie_word_embeddings=False)),
+    # Granite MoE (3.x-1b-a400m's shape): Granite's four scalars, 8 experts of width 32 on every layer (top-2, the
+    # softmax over the top 2 logits)
+    "tiny-granitemoe": TinySpec("granitemoe", 29, config=dict(
+        _TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0, tie_word_embeddings=False)),
     # Granite 3.x: Llama's layers with its four scalars (Granite-3's embedding and residual multipliers; the attention
     # scale 1 / head_dim, as Granite-3's 1/128 of its heads of 128; the logits divided by 4)
     "tiny-granite": TinySpec("granite", 13, config=dict(_TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
