@@ -1,5 +1,5 @@
-"""Session 62: mixture-of-experts families. GLM-4.5 and GLM-4.6 (Glm4MoeForCausalLM, model_type glm4_moe), end to end on tiny random models built
-from its config (float32) against transformers: the sigmoid router whose e_score_correction_bias steers the choice
+"""Session 62: mixture-of-experts families. GLM-4.5 and GLM-4.6 (Glm4MoeForCausalLM, model_type glm4_moe), end to
+end on tiny random models built from its config (float32) against transformers: the sigmoid router whose e_score_correction_bias steers the choice
 (not the weights), group-limited top k (n_group, topk_group), norm_topk_prob, routed_scaling_factor, shared experts,
 the first_k_dense_replace dense layers, half of each head rotated (NeoX pairs), q/k/v biases, q/k norms per head;
 chunked prefill, prefix caching, the GPU code path (interpreted), peft adapters (attention, dense MLP, shared
