@@ -1,5 +1,14 @@
 """Mixture-of-experts members of the Llama family: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B,
-8x22B), Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and OpenAI's gpt-oss (gpt-oss-20b, 120b).
+8x22B), Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), OpenAI's gpt-oss (gpt-oss-20b, 120b), GLM-4.5 / 4.6
+(GLM-4.5-Air), OLMoE (OLMoE-1B-7B) and Granite MoE (granite-3.x-1b-a400m, 3b-a800m).
+
+GLM-4.5: a float32 router of sigmoid scores whose e_score_correction_bias steers the choice only, group-limited
+top k (n_group groups scored by their two best, topk_group kept), renormalised where norm_topk_prob says, scaled by
+routed_scaling_factor (`SparseMoeBlock._glm_route`: float32 weights); shared experts (mlp.shared_experts, a dense
+MLP added unscaled); the first first_k_dense_replace layers dense; the checkpoints' multi-token-prediction layers
+skipped (`mtp_tensor`). OLMoE: OLMo 2's attention (q and k normed over their whole projections) in Llama's layer.
+Granite MoE: Granite's scalars (GraniteForCausalLM), the hub's block_sparse_moe.input_linear / output_linear /
+router.layer (`_GRANITE_NAMES`), the softmax over the top k logits in float32.
 
 gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
