@@ -427,3 +427,33 @@ def test_a_bad_eagle1_head_is_refused(tmp_path, target, case, message):
     with pytest.raises(InferError) as e:
         LLM(str(target[0]), speculative_config={"method": "eagle", "model": str(h), "num_speculative_tokens": 2})
     assert message in str(e.value) and e.value.hint
+
+
+def check_eagle_heads_drive(tmp_path, monkeypatch, model_type: str, arch: str, config: dict, aux_ids=None):
+    """A random target of `model_type` (`config` over TARGET's, its config.json naming `arch` as the family's
+    checkpoints do) driven by an EAGLE-3 head reading layers aux_ids (None: vLLM's default) and by an EAGLE-1 head:
+    each draft equals the independent reference over transformers' hidden states of the target, and greedy output
+    (batched, chunked) equals the target's alone."""
+    folder = tmp_path / "t"
+    hf = save_random_model(folder, model_type, arch, {**TARGET, **config}, seed=3)
+    saved = json.loads((folder / "config.json").read_text())  # (transformers saves InternLM3 as the Llama it runs)
+    (folder / "config.json").write_text(json.dumps({**saved, "architectures": [arch]}))
+    t = save_eagle3(tmp_path / "h", seed=7, aux_ids=aux_ids)
+    seen = _record(monkeypatch)
+    prompts = random_prompts(VOCAB, (9, 14), seed=4)
+    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    with LLM(str(folder), speculative_config=spec(tmp_path / "h"), **kw) as llm:
+        assert llm.engine.runner.model.config.model_type == model_type
+        got = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    assert len(seen) >= 10
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, t, tokens, len(drafts), aux_ids or (2, LAYERS // 2, LAYERS - 3)), tokens
+    with LLM(str(folder), **kw) as llm:
+        assert got == [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    t1, seen[:] = save_eagle1(tmp_path / "h1", seed=11), []  # an EAGLE-1 head (the target's last hidden state)
+    with LLM(str(folder), speculative_config={"method": "eagle", "model": str(tmp_path / "h1"),
+                                              "num_speculative_tokens": 3}, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == got
+    assert len(seen) >= 6
+    for tokens, drafts in seen:
+        assert drafts == reference_eagle1(hf, t1, tokens, len(drafts)), tokens

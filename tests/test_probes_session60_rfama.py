@@ -201,27 +201,6 @@ def test_eagle_heads_drive_a_smollm3_or_ernie_target(tmp_path, monkeypatch, fami
     target of the Llama family"). The head's drafts equal the independent reference over transformers' hidden states
     of the target (NoPE layers, interleaved rotary), and greedy output equals a run without speculation; an EAGLE-1
     head's drafts equal its reference too."""
-    from test_probes_session56_eagle import (LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts,
-                                             reference_eagle1, save_eagle1, save_eagle3, spec)
-
-    from helpers import save_random_model
+    from test_probes_session56_eagle import check_eagle_heads_drive
     arch = {"smollm3": "SmolLM3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}[family]
-    hf = save_random_model(tmp_path / "t", family, arch, TARGET, seed=3)
-    t = save_eagle3(tmp_path / "h", seed=7)
-    seen = _record(monkeypatch)
-    prompts = random_prompts(VOCAB, (9, 14), seed=4)
-    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
-    with LLM(str(tmp_path / "t"), speculative_config=spec(tmp_path / "h"), **kw) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, greedy(10))]
-    assert len(seen) >= 10
-    for tokens, drafts in seen:
-        assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens
-    with LLM(str(tmp_path / "t"), **kw) as llm:
-        assert got == [o.token_ids for o in llm.generate(prompts, greedy(10))]
-    t1, seen[:] = save_eagle1(tmp_path / "h1", seed=11), []  # an EAGLE-1 head (the target's last hidden state)
-    with LLM(str(tmp_path / "t"), speculative_config={"method": "eagle", "model": str(tmp_path / "h1"),
-                                                      "num_speculative_tokens": 3}, **kw) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == got
-    assert len(seen) >= 6
-    for tokens, drafts in seen:
-        assert drafts == reference_eagle1(hf, t1, tokens, len(drafts)), tokens
+    check_eagle_heads_drive(tmp_path, monkeypatch, family, arch, {})

@@ -38,8 +38,11 @@ from .rope import build_cos_sin_cache, rope_layer_types
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # the dense Llama-family forwards that expose aux states (vLLM's SupportsEagle3 models among those infer runs: its
-# Llama serves SmolLM3, its Ernie4_5ForCausalLM is its Llama)
-TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "ernie4_5")
+# Llama serves SmolLM3, InternLM3 and Ministral 3's language model, its Ernie4_5ForCausalLM is its Llama, its
+# HunYuanDenseV1ForCausalLM keeps aux states of its own). Those of the other families infer runs are refused: vLLM
+# taps none of them, and no head is trained for them
+TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "ernie4_5", "ministral3", "internlm3",
+                "hunyuan_v1_dense")
 HINT = "use an EAGLE-3 head trained for this target model (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B for Llama 3.1 8B)"
 
 

@@ -1,0 +1,61 @@
+"""Session 62 (gaps): EAGLE-3 targets of the families vLLM taps (Ministral 3, InternLM3, Hunyuan dense), their
+drafts equal to an independent reference over transformers' hidden states and greedy output equal to the target's
+alone; the families no EAGLE head is trained for refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infer import LLM
+from infer.errors import InferError
+
+from helpers import random_prompts
+from test_probes_session56_eagle import VOCAB, check_eagle_heads_drive, greedy, save_eagle3, spec
+from test_probes_session61_famb import ALPHA, DYNAMIC
+from test_probes_session61_mm import MINISTRAL3_ROPE
+
+# (model_type, the checkpoints' architecture, its settings): the EAGLE-3 targets added in session 62, in their
+# checkpoints' rope (Ministral 3's yarn and query scaling by position, InternLM3's dynamic NTK, Hunyuan's alpha)
+EAGLE_TARGETS = {
+    "ministral3": ("Ministral3ForCausalLM", dict(rope_parameters=MINISTRAL3_ROPE)),
+    "internlm3": ("InternLM3ForCausalLM", dict(rope_parameters=DYNAMIC, qkv_bias=True, bias=True)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1ForCausalLM", dict(rope_parameters=ALPHA, tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(EAGLE_TARGETS))
+def test_eagle_drafts_equal_the_reference_and_greedy_equals_the_target_alone(tmp_path, monkeypatch, model_type):
+    """An EAGLE-3 head reading the residual stream entering layers (5, 1, 6), and an EAGLE-1 head: every draft
+    equals the reference's over transformers' hidden states, greedy tokens equal the target's without a head."""
+    arch, config = EAGLE_TARGETS[model_type]
+    check_eagle_heads_drive(tmp_path, monkeypatch, model_type, arch, config, aux_ids=(5, 1, 6))
+
+
+def test_a_ministral3_multimodal_checkpoint_is_an_eagle3_target(tmp_path):
+    """Mistral3ForConditionalGeneration with a ministral3 language model (Ministral-3-3B/8B/14B): its text model
+    drives the head; greedy tokens equal its own."""
+    save_eagle3(tmp_path / "h", seed=4, aux_ids=(0, 1, 1))
+    prompts = random_prompts(VOCAB, (7, 12), seed=5)
+    with LLM("tiny-ministral3", block_size=4) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, greedy(8))]
+    with LLM("tiny-ministral3", block_size=4, speculative_config=spec(tmp_path / "h")) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy(8))] == want
+        assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("name, model_type", [("tiny-gemma3", "gemma3_text"), ("tiny-arcee", "arcee"),
+                                              ("tiny-granite-swa", "granite_swa"), ("tiny-cohere", "cohere")])
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_families_without_eagle_heads_are_refused_naming_the_targets(tmp_path, name, model_type, method):
+    h = tmp_path / "h"
+    save_eagle3(h, aux_ids=(0, 1, 1))
+    if method == "eagle":  # (an EAGLE-1 head's config: a Llama of one layer)
+        cfg = json.loads((h / "config.json").read_text())
+        (h / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(InferError) as e:
+        LLM(name, speculative_config={**spec(h), "method": method})
+    msg = str(e.value)
+    assert "needs a target of the Llama family" in msg and f"not model_type {model_type!r}" in msg
+    assert all(t in msg for t in ("ministral3", "internlm3", "hunyuan_v1_dense")) and "n-gram" in e.value.hint
