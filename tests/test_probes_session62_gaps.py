@@ -1,17 +1,20 @@
 """Session 62 (gaps): EAGLE-3 targets of the families vLLM taps (Ministral 3, InternLM3, Hunyuan dense), their
 drafts equal to an independent reference over transformers' hidden states and greedy output equal to the target's
-alone; the families no EAGLE head is trained for refused by name."""
+alone; the families no EAGLE head is trained for refused by name. `infer quantize` of a Mistral 3 (GPTQModel 7.6's
+definition given the hub's tensor names), equal to GPTQModel's own load."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from infer import LLM
 from infer.errors import InferError
 
-from helpers import random_prompts
+from helpers import greedy_tokens, random_prompts
+from quant_helpers import gptqmodel_greedy, infer_quantize, needs_gptqmodel
 from test_probes_session56_eagle import VOCAB, check_eagle_heads_drive, greedy, save_eagle3, spec
 from test_probes_session61_famb import ALPHA, DYNAMIC
 from test_probes_session61_mm import MINISTRAL3_ROPE
@@ -59,3 +62,27 @@ def test_families_without_eagle_heads_are_refused_naming_the_targets(tmp_path, n
     msg = str(e.value)
     assert "needs a target of the Llama family" in msg and f"not model_type {model_type!r}" in msg
     assert all(t in msg for t in ("ministral3", "internlm3", "hunyuan_v1_dense")) and "n-gram" in e.value.hint
+
+
+# ------------------------------------------------------------------------------------------ Mistral 3 quantized
+@needs_gptqmodel
+@pytest.mark.parametrize("name", ["tiny-ministral3", "tiny-mistral3"])
+def test_infer_quantize_of_a_mistral3_equals_gptqmodels_load(tmp_path, name):
+    """GPTQModel 7.6 failed on a Mistral3ForConditionalGeneration (its definition maps none of the hub's tensor names,
+    language_model.model.*: the embedding stayed on the meta device, "Tensor.item() cannot be called on meta
+    tensors"); `infer quantize` gives it the names: the language model's layers quantized, the Pixtral tower and the
+    projector kept in float, and infer's greedy tokens equal GPTQModel's own load's."""
+    from safetensors.torch import load_file
+
+    from infer.models.tiny import ensure_builtin
+    out = infer_quantize(name, tmp_path / "q")
+    tensors, source = load_file(out / "model.safetensors"), load_file(ensure_builtin(name) / "model.safetensors")
+    assert "model.language_model.layers.1.mlp.down_proj.qweight" in tensors
+    kept = [k for k in source if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    # (rounded to the checkpoint's dtype: GPTQModel's bfloat16 on a CPU for a float32 source)
+    assert kept and all(torch.equal(tensors["model." + k], source[k].to(tensors["model." + k].dtype)) for k in kept)
+    prompts = random_prompts(VOCAB, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        got = greedy_tokens(llm, prompts, 8)
+    assert got == gptqmodel_greedy(out, prompts, 8)

@@ -274,13 +274,6 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
         raise ConfigError(f"{src} is already an AWQ checkpoint (quant_config.json)",
                           "quantize the float model it came from, or rewrite it as GPTQ with "
                           f"`infer convert {src} -o OUT --to gptq`")
-    if "Mistral3ForConditionalGeneration" in (config.get("architectures") or []):
-        raise ConfigError(f"{src} is a Mistral3ForConditionalGeneration (Mistral Small 3.1/3.2), which GPTQModel 7.6 "
-                          "fails to quantize: its calibration pass of the language model stops at \"Tensor.item() "
-                          "cannot be called on meta tensors\" (seen on the CPU)",
-                          "serve the float checkpoint (infer runs its text model; --dtype bfloat16 halves it), or a "
-                          "GPTQ checkpoint of it made elsewhere: infer reads GPTQModel's layout of one "
-                          "(model.language_model.*)")
     config = _text_model_config(config)
     _check_moe_layers(src, config)
     _check_widths(_with_head_dim(src, config), group_size, bits)
@@ -550,7 +543,8 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
     try:
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
-        qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
+        with _mistral3_names(src):
+            qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
         qmodel.subset_callback = callbacks
@@ -563,6 +557,38 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
                          "rerun with --verbose to see GPTQModel's output, or `infer --debug quantize ...` for the "
                          "traceback") from e
     return log or {}
+
+
+# GPTQModel 7.6's Mistral 3 definition (Mistral3GPTQ) names no map from its modules (transformers 5's
+# model.language_model.*, model.vision_tower.*) to the hub's tensors (language_model.model.*, vision_tower.*), and
+# infers none: its lazy load finds no tensor for the language model, whose embedding stays on the meta device, and the
+# calibration pass stops at "Tensor.item() cannot be called on meta tensors". The map its Gemma 3 definition gives
+# (without its hop into SigLIP's vision_model: Pixtral has none), and the final norm named where it is.
+_MISTRAL3_NAMES = ((r"model\.language_model", r"^language_model.model"), (r"lm_head", r"^language_model.lm_head"),
+                   (r"model\.vision_tower", r"^vision_tower"),
+                   (r"model\.multi_modal_projector", r"^multi_modal_projector"))
+
+
+@contextlib.contextmanager
+def _mistral3_names(src: Path):
+    """GPTQModel's Mistral 3 definition, while a Mistral3ForConditionalGeneration loads, given the names of the hub's
+    tensors (_MISTRAL3_NAMES); any other model's as it is."""
+    if "Mistral3ForConditionalGeneration" not in (read_config_json(src).get("architectures") or []):
+        yield
+        return
+    from types import SimpleNamespace
+
+    from gptqmodel.models import auto
+    base = auto.MODEL_MAP["mistral3"]
+    named = type("Mistral3NamedGPTQ", (base,), {
+        "pre_lm_head_norm_module": "model.language_model.norm",
+        "HF_CONVERSION_MAP_REVERSED": tuple(SimpleNamespace(source_patterns=[a], target_patterns=[b], operations=[])
+                                            for a, b in _MISTRAL3_NAMES)})
+    auto.MODEL_MAP["mistral3"] = named
+    try:
+        yield
+    finally:
+        auto.MODEL_MAP["mistral3"] = base
 
 
 def source_half_dtype(src: Path):
