@@ -86,3 +86,61 @@ def test_infer_quantize_of_a_mistral3_equals_gptqmodels_load(tmp_path, name):
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
         got = greedy_tokens(llm, prompts, 8)
     assert got == gptqmodel_greedy(out, prompts, 8)
+
+
+# ------------------------------------------------------------------------------------------ bf16 rotary rounding
+def _transformers_rotated(model_type: str, q: torch.Tensor, positions: torch.Tensor, heads: int, d: int):
+    """q [T, heads * d] rotated by transformers' own rotary module and apply_rotary_pos_emb of `model_type`, in q's
+    dtype as its attention rotates it."""
+    import importlib
+
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model(model_type, hidden_size=heads * d, num_attention_heads=heads, head_dim=d,
+                               num_key_value_heads=heads, rope_theta=10000.0)
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary = next(getattr(mod, n) for n in dir(mod) if n.endswith("RotaryEmbedding"))(cfg)
+    cos, sin = rotary(q, positions[None])
+    x = q.view(1, -1, heads, d).transpose(1, 2)
+    return mod.apply_rotary_pos_emb(x, x, cos, sin)[0].transpose(1, 2).reshape(q.shape), cfg
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "hunyuan_v1_dense", "olmo2", "ernie4_5"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_cpu_rotary_rounds_as_transformers_in_bf16_and_is_unchanged_otherwise(model_type, dtype):
+    """A bfloat16 model's rotary on a CPU equals transformers' bit for bit: cos and sin cast to bfloat16 and each
+    product and sum rounded where the family rotates in bfloat16 (Llama's, Qwen3's, Hunyuan's), float32 rounded once
+    where it rotates in float32 (OLMo 2's, ERNIE 4.5's: their rotary keeps float32). float16 and float32 models keep
+    the float32 table and its one rounding (their greedy tokens as before)."""
+    from infer.kernels import reference
+    from infer.models.rope import build_cos_sin_cache
+    heads, d, positions = 2, 32, torch.tensor([0, 1, 7, 100, 513, 2047, 4000])
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(len(positions), heads * d, generator=g) * 3).to(dtype)
+    want, cfg = _transformers_rotated(model_type, q, positions, heads, d)
+    table = build_cos_sin_cache(cfg, 4096, None, dtype)
+    assert table.dtype == (torch.bfloat16 if dtype == torch.bfloat16 and model_type not in ("olmo2", "ernie4_5")
+                           else torch.float32)
+    got = reference.rotary_embedding(positions, q, q.clone(), table, d)[0]
+    float32_once = reference.rotary_embedding(positions, q, q.clone(), build_cos_sin_cache(cfg, 4096), d)[0]
+    if dtype == torch.bfloat16:
+        if model_type != "ernie4_5":  # (ERNIE's pairs interleave: infer rotates its deinterleaved weights' halves)
+            assert torch.equal(got, want)
+        assert torch.equal(got, float32_once) == (table.dtype == torch.float32)  # (the rounding tells them apart)
+    else:
+        assert torch.equal(got, float32_once)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-phi4", "tiny-mixtral", "tiny-hunyuan", "tiny-ministral3"])
+def test_bf16_greedy_tokens_equal_transformers_where_the_rotary_was_the_difference(name):
+    """bfloat16 on a CPU, against transformers' bfloat16 model (its default sdpa attention): these tiny models
+    differed (the rotary rounded once in float32) and now give transformers' greedy tokens."""
+    from helpers import _auto_class, greedy_each
+
+    from infer.models.tiny import ensure_builtin
+    path = ensure_builtin(name)
+    hf = _auto_class(json.loads((path / "config.json").read_text())).from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(VOCAB, (5, 17, 33, 50), seed=3)
+    with LLM(str(path), dtype="bfloat16", block_size=16) as llm:
+        assert greedy_tokens(llm, prompts, 24) == greedy_each(hf, prompts, 24)

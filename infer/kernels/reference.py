@@ -67,16 +67,19 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """Semantics: rotate q [T, Hq*head_dim] and k [T, Hk*head_dim] by the angles of their token's position,
     NeoX style (the first and second halves of the rotary dims form the pairs, HF's rotate_half):
     x1, x2 = halves; out = (x1*cos - x2*sin, x2*cos + x1*sin), with cos, sin = cos_sin_cache[positions].chunk(2).
-    cos_sin_cache is [max_positions, rot_dim] holding cos | sin; dims past rot_dim pass through. Returns (q, k)."""
+    cos_sin_cache is [max_positions, rot_dim] holding cos | sin; dims past rot_dim pass through. Returns (q, k).
+    In float32, rounded once to q's dtype; a bfloat16 table (a bfloat16 model's on a CPU: models.rope) in bfloat16,
+    each product and sum rounded, as transformers rotates."""
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rot_dim/2]
+    as_float = cos_sin_cache.dtype != torch.bfloat16
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, head_dim)
         rot = cos.shape[-1] * 2
         x_rot, x_pass = x[..., :rot], x[..., rot:]
-        x1, x2 = x_rot.float().chunk(2, dim=-1)
+        x1, x2 = (x_rot.float() if as_float else x_rot).chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         if x_pass.shape[-1]:
             out = torch.cat((out, x_pass), dim=-1)

@@ -572,7 +572,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("packed_head", None, persistent=False)
         types = rope_layer_types(cfg)  # [None]; Gemma 3's layer types: the full layers' table here (Gemma3ForCausalLM)
         self.register_buffer("cos_sin", build_cos_sin_cache(
-            cfg, max_positions, "full_attention" if "full_attention" in types else types[0]), persistent=False)
+            cfg, max_positions, "full_attention" if "full_attention" in types else types[0], dtype), persistent=False)
         for layer in self.layers:
             layer.self_attn.rot_dim = self.cos_sin.shape[-1]
 
@@ -767,7 +767,7 @@ class _RopePerLayerType:
         # the layers whose table is not cos_sin: the sliding ones, where the full layers' table is cos_sin
         self.local = [len(types) > 1 and i < len(layer_types) and layer_types[i] == "sliding_attention"
                       for i in range(len(self.layers))]
-        self.register_buffer("local_cos_sin", build_cos_sin_cache(cfg, max_positions, "sliding_attention")
+        self.register_buffer("local_cos_sin", build_cos_sin_cache(cfg, max_positions, "sliding_attention", dtype)
                              if any(self.local) else None, persistent=False)
 
     def _rope(self, i: int) -> torch.Tensor:

@@ -235,16 +235,37 @@ def _shown(params: dict) -> dict:
     return {k: f"[{len(v)} values]" if isinstance(v, list) else v for k, v in params.items()}
 
 
-def build_cos_sin_cache(cfg, max_positions: int | None = None, layer_type: str | None = None) -> torch.Tensor:
+# transformers' rotary in bfloat16 (measured on the tiny models against their ...ForCausalLM): most families cast
+# cos and sin (computed in float32) to the model's dtype and rotate in it, each product and sum rounded to bfloat16;
+# OLMo 2's, OLMo 3's and ERNIE 4.5's keep them in float32 and rotate in float32, rounding once; Cohere's cast them and
+# rotate in float32 (q.float()), rounding once
+ROPE_IN_FLOAT32 = ("olmo2", "olmo3", "ernie4_5")
+ROPE_CAST_ROTATED_IN_FLOAT32 = ("cohere", "cohere2")
+
+
+def _as_transformers_rounds(cfg, table: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A bfloat16 model's table on a CPU as transformers rounds it: in bfloat16 where the family rotates in bfloat16
+    (the reference kernel then rounds each product and sum, kernels.reference.rotary_embedding), rounded to bfloat16
+    but float32 where it rotates in float32 after the cast (Cohere's); else (float32 and float16 models, a GPU, the
+    families of ROPE_IN_FLOAT32) the float32 table as computed."""
+    kind = getattr(cfg, "model_type", None)
+    if dtype != torch.bfloat16 or table.device.type != "cpu" or kind in ROPE_IN_FLOAT32:
+        return table
+    return table.to(torch.bfloat16).float() if kind in ROPE_CAST_ROTATED_IN_FLOAT32 else table.to(torch.bfloat16)
+
+
+def build_cos_sin_cache(cfg, max_positions: int | None = None, layer_type: str | None = None,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
     """[max_positions, rot_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale;
     on the default device (the one the model is built on). rot_dim is head_dim but for a partial rotary (Phi-3's
     partial_rotary_factor < 1): every rotary kernel rotates the first rot_dim dims of each head, passes the rest.
-    `layer_type`: the table of those layers (Gemma 3's "sliding_attention" or "full_attention": rope_layer_types)."""
+    `layer_type`: the table of those layers (Gemma 3's "sliding_attention" or "full_attention": rope_layer_types).
+    `dtype`: the model's: a bfloat16 model's table on a CPU as transformers rounds it (_as_transformers_rounds)."""
     inv_freq, scale = _inv_freq(cfg, layer_type)
     n = max_positions or cfg.max_position_embeddings
     try:
         freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float().to(torch.get_default_device()))
-        return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+        return _as_transformers_rounds(cfg, torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1), dtype)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError; a CPU's allocator raises
         # RuntimeError ("can't allocate memory") for a config.json max_position_embeddings of 10**12
         if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
