@@ -192,3 +192,13 @@ def missing_file_hint(path: Path | str) -> str | None:
     if close:
         return f"did you mean {str(parent / close[0])!r}?"
     return None
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The chat template of a multimodal folder's processor (chat_template.json: {"chat_template": "..."}, which the
+    tokenizer does not read), else None."""
+    try:
+        template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template.strip() else None

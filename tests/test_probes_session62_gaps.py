@@ -144,3 +144,43 @@ def test_bf16_greedy_tokens_equal_transformers_where_the_rotary_was_the_differen
     prompts = random_prompts(VOCAB, (5, 17, 33, 50), seed=3)
     with LLM(str(path), dtype="bfloat16", block_size=16) as llm:
         assert greedy_tokens(llm, prompts, 24) == greedy_each(hf, prompts, 24)
+
+
+# ------------------------------------------------------------------------- calibration with a processor's template
+@pytest.mark.parametrize("processor_only", [True, False])
+def test_quantize_calibrates_chats_with_the_processors_template(tmp_path, monkeypatch, processor_only):
+    """A multimodal folder whose chat template sits only in its processor's chat_template.json (the tokenizer reads
+    none): `infer quantize` renders the calibration chats with it, as the engine serves them (not as the plain
+    'role: content' lines of a model without a template); a tokenizer's own template still wins over it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import infer.quant.quantize as quantize
+    from infer.errors import InferError
+    from infer.models.tiny import ensure_builtin
+    src = tmp_path / "src"
+    shutil.copytree(ensure_builtin("tiny-gemma3-mm"), src)
+    own = (src / "chat_template.jinja").read_text()
+    if processor_only:
+        (src / "chat_template.jinja").unlink()
+    (src / "chat_template.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"}))
+    chat = [{"role": "user", "content": "how tall is the tower"}, {"role": "assistant", "content": "three metres"}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"messages": chat}) for _ in range(20)) + "\n")
+    seen = []
+
+    def run(src_, out, opts, calib, *rest):
+        seen.append(calib.samples)
+        raise InferError("stopped after calibration", "(the test's)")
+    monkeypatch.setattr(quantize, "_run_gptqmodel", run)
+    with pytest.raises(InferError, match="stopped after calibration"):
+        quantize.quantize_model(src, tmp_path / "q", quantize.QuantizeOptions(group_size=32, num_samples=2, seq_len=32),
+                                calibration=tmp_path / "c.jsonl")
+    tok = AutoTokenizer.from_pretrained(src)
+    text = tok.decode(seen[0][0]["input_ids"])
+    if processor_only:
+        assert text.startswith("<<user>>how tall is the tower\n<<assistant>>three")
+    else:
+        tok.chat_template = own
+        assert text.startswith(tok.apply_chat_template(chat, tokenize=False)) and "<<user>>" not in text

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..checks import tokenizer_problem
+from ..checks import processor_chat_template, tokenizer_problem  # noqa: F401 (engine.setup's name too)
 from ..errors import ConfigError, ModelLoadError
 from ..models.limits import context_limit, sliding_window  # noqa: F401 (engine.setup's names too)
 from .config import EngineConfig
@@ -46,16 +46,6 @@ def load_tokenizer(path: Path, chat_template: str | None = None):
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
-
-
-def processor_chat_template(path: Path) -> str | None:
-    """The chat template of a multimodal folder's processor (chat_template.json: {"chat_template": "..."}, which the
-    tokenizer does not read), else None."""
-    try:
-        template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return template if isinstance(template, str) and template.strip() else None
 
 
 def eos_ids(path: Path, model_config, tokenizer) -> set[int]:

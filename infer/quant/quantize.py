@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from ..checks import tokenizer_problem
+from ..checks import processor_chat_template, tokenizer_problem
 from ..errors import ConfigError, InferError, ModelLoadError, UnsupportedModelError
 from .calibration import CalibrationSet, load_calibration
 from .config import dequantized_at_load
@@ -500,12 +500,17 @@ def _safetensors_end(f: Path) -> int:
 
 
 def _tokenizer(src: Path):
+    """The source's tokenizer, its chat template the processor's (chat_template.json) where it has none of its own
+    (a multimodal folder's), as the engine reads it: the calibration chats rendered as the model will see them."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(src)
+        tokenizer = AutoTokenizer.from_pretrained(src)
     except Exception as e:  # transformers raises KeyError, TypeError... for a broken file too
         message, hint = tokenizer_problem(src, e)
         raise ModelLoadError(message, f"calibration text must be tokenized: {hint}") from e
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = processor_chat_template(src) or tokenizer.chat_template
+    return tokenizer
 
 
 def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: CalibrationSet, work: Path,
