@@ -365,7 +365,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                     calls = stream.deltas(read or [], finished=True)
                 else:
                     content = visible(req.tools, text) if req.tools.mode == "auto" else ""
-                    calls = stream.deltas(partial_calls(req.tools, text))
+                    calls = stream.deltas(partial_calls(req.tools, text, stream.memo))
                 delta = content[sent.get(i, 0):]
             sent[i] = sent.get(i, 0) + len(delta)
             if delta or reasoning or records or reason or new_ids or calls:

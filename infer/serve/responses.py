@@ -498,7 +498,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 if req.tools is not None and req.tools.mode == "auto":
                     # the calls as they come, after the message (harmony's content may go on after a call: whole)
                     if not reads_whole_reply(req.tools):
-                        pieces = stream.deltas(partial_calls(req.tools, text))
+                        pieces = stream.deltas(partial_calls(req.tools, text, stream.memo))
                     text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text)
                 elif req.tools is not None and req.tools.mode != "none":
                     text = ""

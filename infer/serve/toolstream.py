@@ -28,15 +28,23 @@ _HEX = re.compile(r"[0-9a-fA-F]{4}")
 _PLAIN = re.compile(r'[^"\\\x00-\x1f]+')
 
 
-def _string(raw: str, at: int) -> tuple[str, int | None]:
+def _dumped(raw: str) -> str:
+    """json.dumps's text (no quotes) of the JSON string body `raw` (whole escapes only): written a character at a
+    time, so the texts of a string's pieces join to the whole string's."""
+    return json.dumps(json.loads('"' + raw + '"'), ensure_ascii=False)[1:-1]
+
+
+def _string(raw: str, at: int, k: int | None = None, head: str = '"') -> tuple[str, int | None, int]:
     """(the JSON text json.dumps writes for the string starting at raw[at] == '"', so far; the index after its
-    closing quote, None while it is open). A partial escape, or a high surrogate's escape whose pair may follow,
-    is held. ValueError when it is not a JSON string (a raw control character, a bad escape)."""
-    k, safe = at + 1, at + 1
+    closing quote, None while it is open; where its text so far ends in `raw`). A partial escape, or a high
+    surrogate's escape whose pair may follow, is held. Resumed at `k` (an earlier read's end of the same string,
+    `head` its text). ValueError when it is not a JSON string (a raw control character, a bad escape)."""
+    k = safe = at + 1 if k is None else k
+    start = k
     while k < len(raw):
         c = raw[k]
         if c == '"':
-            return json.dumps(json.loads(raw[at:k + 1]), ensure_ascii=False), k + 1
+            return head + _dumped(raw[start:k]) + '"', k + 1, k + 1
         if c == "\\":
             if k + 1 >= len(raw):
                 break
@@ -55,25 +63,44 @@ def _string(raw: str, at: int) -> tuple[str, int | None]:
         elif ord(c) < 0x20:
             raise ValueError("a control character in a string")
         else:
-            k = _PLAIN.match(raw, k).end()  # (the characters that need no care, at once: a long string is read
-        safe = k  # again at each step of the stream)
-    return json.dumps(json.loads(raw[at:safe] + '"'), ensure_ascii=False)[:-1], None
+            k = _PLAIN.match(raw, k).end()  # (the characters that need no care, at once)
+        safe = k
+    return head + _dumped(raw[start:safe]), None, safe
 
 
-def json_prefix(raw: str, at: int = 0, nan: bool = True) -> tuple[str, int | None]:
+def json_prefix(raw: str, at: int = 0, nan: bool = True, memo: dict | None = None) -> tuple[str, int | None]:
     """(what json.dumps(json.loads(raw[at:...]), ensure_ascii=False) of the JSON value starting at raw[at] (after
     blanks) surely starts with, so far; the index after the value when it is whole, else None). A piece of `raw`
-    that is not JSON (yet or for good) stops it there. `nan`: NaN and Infinity are read (Python's json.loads)."""
-    out, stack, expect = [], [], "value"  # expect: value, item (a value or "]"), key (a key or "}"), colon, next
-    k = at
+    that is not JSON (yet or for good) stops it there. `nan`: NaN and Infinity are read (Python's json.loads).
+    `memo`: where a read of the same text, shorter, stopped, kept there: a read that starts with its text goes on
+    from there (a streamed reply read again at each token, in time linear in its length)."""
+    state = memo.get((at, nan)) if memo is not None else None
+    if state is not None and raw.startswith(state[0]):
+        k, stack, expect, out, opened = state[1], list(state[2]), state[3], [state[4]], state[5]
+        if expect == "done":
+            return out[0], k
+    else:
+        k, stack, expect, out, opened = at, [], "value", [], None  # expect: value, item (a value or "]"), key (a
+        # key or "}"), name (a key), colon, next
+
+    def stop(end: int | None, string: tuple | None = None) -> tuple[str, int | None]:
+        text = "".join(out)
+        if memo is not None:  # (string: an open one's (start, read so far, its text); the read goes on from there)
+            memo[(at, nan)] = (raw[:string[1] if string else k], k, tuple(stack), "done" if end is not None else
+                               expect, text, string)
+        return text + (string[2] if string else ""), end
+
     while True:
-        k = _WS.match(raw, k).end()
-        if k >= len(raw):
-            return "".join(out), None
-        c = raw[k]
+        if opened is None:
+            k = _WS.match(raw, k).end()
+            if k >= len(raw):
+                return stop(None)
+            c = raw[k]
+        else:
+            c = '"'
         if expect == "colon":
             if c != ":":
-                return "".join(out), None
+                return stop(None)
             out.append(": ")
             k, expect = k + 1, "value"
             continue
@@ -87,55 +114,49 @@ def json_prefix(raw: str, at: int = 0, nan: bool = True) -> tuple[str, int | Non
                 stack.pop()
                 k += 1
                 if not stack:
-                    return "".join(out), k
+                    return stop(k)
                 continue
-            return "".join(out), None
+            return stop(None)
         if c in "]}" and expect in ("item", "key") and c == {"item": "]", "key": "}"}[expect]:
             out.append(c)
             stack.pop()
             k, expect = k + 1, "next"
             if not stack:
-                return "".join(out), k
+                return stop(k)
             continue
-        if expect in ("key", "name"):
-            if c != '"':
-                return "".join(out), None
+        if c == '"':
             try:
-                text, end = _string(raw, k)
+                text, end, safe = _string(raw, k) if opened is None else _string(raw, k, opened[1], opened[2])
             except ValueError:
-                return "".join(out), None
-            out.append(text)
+                return stop(None)
+            opened = None
             if end is None:
-                return "".join(out), None
-            k, expect = end, "colon"
-            continue
-        if c in "[{":
+                return stop(None, (k, safe, text))
+            out.append(text)
+            k = end
+            if expect in ("key", "name"):
+                expect = "colon"
+                continue
+        elif expect in ("key", "name"):
+            return stop(None)
+        elif c in "[{":
             out.append(c)
             stack.append(c)
             k, expect = k + 1, "item" if c == "[" else "key"
             continue
-        if c == '"':
-            try:
-                text, end = _string(raw, k)
-            except ValueError:
-                return "".join(out), None
-            out.append(text)
-            if end is None:
-                return "".join(out), None
-            k = end
         else:
             number = _NUMBER.match(raw, k)
             word = next((w for w in _WORDS if raw.startswith(w, k)), None) if nan else next(
                 (w for w in _WORDS[:3] if raw.startswith(w, k)), None)
             end = k + len(word) if word else number.end() if number else None
             if end is None or end >= len(raw):  # not a value, or one that may still grow ("12" of "123", "Infinit")
-                return "".join(out), None
+                return stop(None)
             if raw[end].isalnum() or raw[end] in ".+-_":
-                return "".join(out), None
+                return stop(None)
             out.append(json.dumps(json.loads(raw[k:end]), ensure_ascii=False))
             k = end
         if not stack:
-            return "".join(out), k
+            return stop(k)
         expect = "next"
 
 
@@ -145,9 +166,10 @@ _HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*"
          "mistral": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*')}
 
 
-def _json_call(kind: str, raw: str, at: int = 0) -> tuple[tuple[str, str] | None, int | None]:
+def _json_call(kind: str, raw: str, at: int = 0, memo: dict | None = None) -> tuple[tuple[str, str] | None,
+                                                                                  int | None]:
     """((name, arguments so far) of the JSON call at raw[at], or None before its head is whole; the index after the
-    call's object when it is whole)."""
+    call's object when it is whole). `memo`: json_prefix's, for this `raw`."""
     head = _HEAD[kind].match(raw, at)
     if head is None:
         return None, None
@@ -158,17 +180,17 @@ def _json_call(kind: str, raw: str, at: int = 0) -> tuple[tuple[str, str] | None
     k = _WS.match(raw, head.end()).end()
     if kind == "hermes" and k < len(raw) and raw[k] == '"':
         return (name, ""), None  # (a string: its text when it is JSON, else the string as JSON: known when whole)
-    args, end = json_prefix(raw, k)
+    args, end = json_prefix(raw, k, memo=memo)
     if end is None:
         return (name, args), None
-    return (name, args), json_prefix(raw, at)[1]  # (the call's other keys, if any, leave its arguments)
+    return (name, args), json_prefix(raw, at, memo=memo)[1]  # (the call's other keys, if any, leave its arguments)
 
 
-def _hermes(text: str) -> list[tuple[str, str]]:
+def _hermes(text: str, memo: dict) -> list[tuple[str, str]]:
     out = []
-    for block in text.split(t.HERMES_START)[1:]:
+    for n, block in enumerate(text.split(t.HERMES_START)[1:]):
         body = block.split(t.HERMES_END, 1)[0]
-        call, _ = _json_call("hermes", body)
+        call, _ = _json_call("hermes", body, memo=memo.setdefault(n, {}))
         if call is None:
             break
         out.append(call)
@@ -177,11 +199,11 @@ def _hermes(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def _llama3(text: str) -> list[tuple[str, str]]:
+def _llama3(text: str, memo: dict) -> list[tuple[str, str]]:
     body = text[len(t.LLAMA_START):] if text.startswith(t.LLAMA_START) else text
     out, at = [], 0
     while True:
-        call, end = _json_call("llama3_json", body, at)
+        call, end = _json_call("llama3_json", body, at, memo)
         if call is None:
             return out
         out.append(call)
@@ -193,7 +215,7 @@ def _llama3(text: str) -> list[tuple[str, str]]:
         at = rest + 1
 
 
-def _mistral(text: str) -> list[tuple[str, str]]:
+def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
     if t.MISTRAL_START not in text:
         return []
     raws = text.split(t.MISTRAL_START)[1:]
@@ -203,7 +225,7 @@ def _mistral(text: str) -> list[tuple[str, str]]:
         body, out = raws[0], []
         at = body.index("[") + 1
         while True:
-            call, end = _json_call("mistral", body, at)
+            call, end = _json_call("mistral", body, at, memo)
             if call is None:
                 return out
             out.append(call)
@@ -214,7 +236,7 @@ def _mistral(text: str) -> list[tuple[str, str]]:
                 return out
             at = rest + 1
     out = []
-    for raw in raws:
+    for n, raw in enumerate(raws):
         if t.MISTRAL_ARGS not in raw:
             break
         name, args = raw.split(t.MISTRAL_ARGS, 1)
@@ -222,19 +244,20 @@ def _mistral(text: str) -> list[tuple[str, str]]:
         k = _WS.match(args).end()
         if t._MISTRAL_NAME.fullmatch(name) is None or not args[k:k + 1] == "{":
             break
-        out.append((name, json_prefix(args, k)[0]))
+        out.append((name, json_prefix(args, k, memo=memo.setdefault(n, {}))[0]))
     return out
 
 
-def _harmony(text: str) -> list[tuple[str, str]]:
+def _harmony(text: str, memo: dict) -> list[tuple[str, str]]:
     out = []
-    for header, body, ended in t.harmony_messages(text, False):
+    for n, (header, body, ended) in enumerate(t.harmony_messages(text, False)):
         recipient = t._HARMONY_RECIPIENT.search(header)
         if recipient is None:
             continue
         k = _WS.match(body).end()
         # a text that is not JSON is a call of that text as a JSON string, known when it ends: held until then
-        out.append((recipient.group(1), json_prefix(body, k, nan=False)[0] if body[k:k + 1] in "{[" else ""))
+        args = json_prefix(body, k, nan=False, memo=memo.setdefault(n, {}))[0] if body[k:k + 1] in "{[" else ""
+        out.append((recipient.group(1), args))
         if not ended:
             break
     return out
@@ -244,7 +267,7 @@ _PY_CALL_END = re.compile(r"\)(?=\s*[,\]])")
 _PY_TRIES = 16  # (a ")" inside a string argument is no call's end: the ones before it are tried, a few)
 
 
-def _pythonic(text: str) -> list[tuple[str, str]]:
+def _pythonic(text: str, memo: dict) -> list[tuple[str, str]]:
     """The calls whose `)` has come (each whole: a literal is typed once whole)."""
     if text.startswith(t.PYTHON_START):
         text = text[len(t.PYTHON_START):].replace(t.PYTHON_END, "")
@@ -288,9 +311,10 @@ def _xml(family: str, text: str, functions: dict[str, Any]) -> list[tuple[str, s
     return out
 
 
-def partial_calls(req: t.ToolRequest, text: str) -> list[tuple[str, str]]:
+def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> list[tuple[str, str]]:
     """(name, arguments so far) of each call of a streamed "auto" reply (`text`: what the parser reads) that has
-    shown itself a call: each name final, each arguments text a start of the whole reply's (`split`)."""
+    shown itself a call: each name final, each arguments text a start of the whole reply's (`split`). `memo`: where
+    the read of the same reply, shorter, stopped (CallStream's): this one goes on from there."""
     if req is None or req.mode != "auto":
         return []
     try:
@@ -298,7 +322,7 @@ def partial_calls(req: t.ToolRequest, text: str) -> list[tuple[str, str]]:
             calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools})
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
-                     "pythonic": _pythonic}[req.name](text)
+                     "pythonic": _pythonic}[req.name](text, {} if memo is None else memo)
     except RecursionError:
         return []
     return calls if req.parallel else calls[:1]
@@ -310,6 +334,7 @@ class CallStream:
 
     def __init__(self, req: t.ToolRequest):
         self.req, self.sent = req, []  # sent: [id, name, arguments sent]
+        self.memo = {}  # partial_calls's, for this choice's reply
 
     def deltas(self, calls: list, finished: bool = False) -> list[dict]:
         if finished:
