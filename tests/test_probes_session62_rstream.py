@@ -5,15 +5,21 @@ same as a fresh read's; ..."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
 from infer.serve import toolstream  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split  # noqa: E402
 from infer.serve.toolstream import CallStream, json_prefix, partial_calls  # noqa: E402
 
+from helpers import tiny_chat_engine  # noqa: E402
 from test_probes_session62_stream import ARGS, REPLIES, TOOLS  # noqa: E402
 
 CODE = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}
@@ -65,3 +71,44 @@ def test_a_long_argument_streamed_is_read_once(monkeypatch, parser):
     assert "".join(p["function"]["arguments"] for p in pieces) == whole[0]["function"]["arguments"]
     assert json.loads(whole[0]["function"]["arguments"])["code"].startswith("x = 1\n\tprint(\"\u00e9\")")
     assert sum(decoded) < 2 * len(reply)
+
+
+# ------------------------------------------------------------------------------------------- served
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return tiny_chat_engine(tmp_path_factory, "rstream62")
+
+
+def _responses_events(base: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+
+
+def test_responses_stream_of_a_call_that_turns_out_malformed_keeps_its_items_apart(engine):
+    """/v1/responses streamed, the second call's text broken after its arguments went out (the known limit: they
+    cannot be taken back): each item added once at its own output_index (the reply's text after the calls a message
+    of its own after them, not the closed message again at the first call's index), each item done, the response's
+    output those items in that order, and the messages' texts joined the whole reply's text."""
+    reply = ('Ok.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+             '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}} oops</tool_call>')
+    body = {"input": "time?", "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "guided_regex": re.escape(reply), "max_output_tokens": 300, "temperature": 0}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", tool_parser="hermes")) as base:
+        whole = httpx.post(f"{base}/v1/responses", json=body, timeout=120).json()
+        events = _responses_events(base, body)
+    assert [o["type"] for o in whole["output"]] == ["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["output_index"] for e in added] == [e["output_index"] for e in done] == list(range(len(added)))
+    assert [e["item"]["id"] for e in added] == [e["item"]["id"] for e in done]
+    assert [e["item"]["type"] for e in added] == ["message", "function_call", "function_call", "message"]
+    final = events[-1]["response"]["output"]
+    assert events[-1]["type"] == "response.completed" and [o["id"] for o in final] == [e["item"]["id"] for e in done]
+    assert [o["status"] for o in final] == ["completed", "incomplete", "incomplete", "completed"]
+    for e in events:  # every delta lands on the item at its output_index
+        if e["type"].endswith(".delta"):
+            assert e["item_id"] == added[e["output_index"]]["item"]["id"], e
+    texts = "".join(o["content"][0]["text"] for o in final if o["type"] == "message")
+    assert texts == whole["output"][0]["content"][0]["text"] == reply
+    assert [json.loads(o["arguments"]) for o in final[1:3]] == [{"zone": "UTC"}, {"zone": "CET"}]

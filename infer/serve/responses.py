@@ -473,12 +473,44 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
         part = {"type": "reasoning_text", "text": text} if kind == "rs" else _output_text(text, extra["logprobs"])
         item = reply.reasoning_item(text, "incomplete" if cut else "completed") if kind == "rs" else \
             reply.message_item(text, status, records)
+        closed.append(item)
         return [event(done, item_id=reply.ids[kind], output_index=index, content_index=0, text=text, **extra),
                 event("response.content_part.done", item_id=reply.ids[kind], output_index=index, content_index=0,
                       part=part),
                 event("response.output_item.done", output_index=index, item=item)]
 
+    def stray(out, text: str, pieces: list[dict]):
+        """The end of a reply whose calls went out streamed but are not (all) read whole (its text broke after them,
+        serve/toolstream.py's known limit): what went out stands, each call done as it went out (those the whole
+        reply does not read "incomplete"), then the reply's text after what went out in a message of its own (a
+        fresh item at the next index, not the closed one again at a call's), the response's output these items."""
+        nonlocal index
+        for piece in pieces:  # (the rest of a call the whole reply reads)
+            call_id, name, _ = stream.sent[piece["index"]]
+            item = _call_item({"id": call_id, "function": {"name": name, "arguments": ""}})
+            yield event("response.function_call_arguments.delta", item_id=item["id"],
+                        output_index=index + piece["index"], delta=piece["function"]["arguments"])
+        for k, (call_id, name, args) in enumerate(stream.sent):
+            item = _call_item({"id": call_id, "function": {"name": name, "arguments": args}},
+                              "completed" if k < len(calls or []) else "incomplete")
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index + k,
+                        name=name, arguments=args)
+            yield event("response.output_item.done", output_index=index + k, item=item)
+            closed.append(item)
+        index += len(stream.sent)
+        rest, records = text[len(text_sent):] if text.startswith(text_sent) else "", (out.logprobs or [])[lp_sent:]
+        if rest:
+            reply.ids["msg"] = _ids("msg")
+            yield from start("msg")
+            yield event("response.output_text.delta", item_id=reply.ids["msg"], output_index=index, content_index=0,
+                        delta=rest, logprobs=reply.logprobs(records))
+            yield from finish("msg", rest, records)
+        reply.count(len(out.prompt_token_ids), out.num_generated, out.num_cached_tokens, final[0])
+        yield event("response.completed" if status == "completed" else "response.incomplete",
+                    response=reply.envelope(status, closed))
+
     status = "completed"
+    closed = []  # the items done, in order
     stream = CallStream(req.tools)  # the calls' items as they went out
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for _, out in outs:
@@ -491,6 +523,10 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 pieces = stream.deltas(calls or [], finished=True)
                 for call, call_id in zip(calls or [], stream.ids()):
                     call["id"] = call_id  # (the items streamed)
+                if len(stream.sent) > len(calls or []):
+                    for e in stray(out, text, pieces):
+                        yield e
+                    return
             else:
                 text, thought, pieces = out.text, "", []
                 if req.reasoning is not None:
