@@ -73,6 +73,27 @@ def test_a_long_argument_streamed_is_read_once(monkeypatch, parser):
     assert sum(decoded) < 2 * len(reply)
 
 
+# a call whose arguments hold what JSON has not: Python's NaN and Infinity, a number too large for a float
+NOT_JSON = {"hermes": '<tool_call>{{"name": "get_time", "arguments": {{"days": {}, "zone": "x"}}}}</tool_call>',
+            "llama3_json": '{{"name": "get_time", "parameters": {{"days": {}, "zone": "x"}}}}',
+            "mistral": '[TOOL_CALLS][{{"name": "get_time", "arguments": {{"days": {}, "zone": "x"}}}}]'}
+
+
+@pytest.mark.parametrize("parser", sorted(NOT_JSON))
+@pytest.mark.parametrize("number", ["1e400", "-1e999", "NaN", "-Infinity"])
+def test_a_call_with_a_number_json_has_not_is_text_whole_and_never_streams_it(parser, number):
+    """1e400 (json.loads reads it as inf) made the whole reply's arguments '{"days": Infinity, ...}', which no
+    client's JSON reader takes (NaN and Infinity were already text); and the stream sent NaN and Infinity as they
+    came (its read took them) though the whole reply is text. Now the whole reply is text and no piece holds them."""
+    reply = NOT_JSON[parser].format(number)
+    req = parse_tools({"tools": TOOLS}, parser)
+    assert split(req, reply) == (reply, None)
+    stream = CallStream(req)
+    for k in range(len(reply) + 1):
+        for piece in stream.deltas(partial_calls(req, reply[:k], stream.memo)):
+            assert not any(word in piece["function"]["arguments"] for word in ("NaN", "Infinity", "inf")), piece
+    assert json_prefix('{"a": 1e400}') == ('{"a": ', None) and json_prefix('[1e400]', nan=True)[0] == "[Infinity]"
+
 # ------------------------------------------------------------------------------------------- served
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):

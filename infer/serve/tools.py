@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import secrets
 import string
@@ -235,6 +236,15 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
+def _finite(number: str) -> float:
+    """A JSON number as json.loads reads it, but one too large for a float (1e400, which json.loads reads as inf):
+    refused, as NaN and Infinity are (json.dumps would write the call's arguments with Infinity, no JSON)."""
+    value = float(number)
+    if math.isinf(value):
+        raise ValueError(f"{number} is too large a number")
+    return value
+
+
 def _arguments(args: Any) -> str:
     """A parsed call's arguments as OpenAI's JSON text: written as JSON, but arguments the model gave as JSON text
     ("{\\"a\\": 1}") stay that text; text that is not JSON ("Paris", "") is written as a JSON string, as vLLM writes
@@ -256,7 +266,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
     calls = []
     for whole, last in _HERMES.findall(text):
         try:
-            call = json.loads(whole or last, parse_constant=_not_json)
+            call = json.loads(whole or last, parse_constant=_not_json, parse_float=_finite)
         except ValueError:
             return None
         # no "arguments" (a call written with Llama's "parameters" among them): text, as vLLM's, not a call whose
@@ -276,7 +286,7 @@ def llama3_calls(text: str) -> tuple[str | None, list[dict]] | None:
     if not (text.startswith(LLAMA_START) or text.startswith("{")):
         return None
     body, at, calls = text[len(LLAMA_START):] if text.startswith(LLAMA_START) else text, 0, []
-    decoder = json.JSONDecoder(parse_constant=_not_json)
+    decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
     while True:
         at = len(body) - len(body[at:].lstrip())
         if at >= len(body):
@@ -393,7 +403,7 @@ def _mistral_named(raw: str) -> tuple[str, str] | None:
     if _MISTRAL_NAME.fullmatch(name) is None:
         return None
     try:
-        value = json.loads(args, parse_constant=_not_json)
+        value = json.loads(args, parse_constant=_not_json, parse_float=_finite)
     except ValueError:
         return None
     return (name, json.dumps(value, ensure_ascii=False)) if isinstance(value, dict) else None
@@ -422,11 +432,11 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
             return None
         body = raws[0].strip()
         try:
-            items = json.loads(body, parse_constant=_not_json)
+            items = json.loads(body, parse_constant=_not_json, parse_float=_finite)
         except ValueError:
             found = _bracketed(body)
             try:
-                items = json.loads(found, parse_constant=_not_json) if found else None
+                items = json.loads(found, parse_constant=_not_json, parse_float=_finite) if found else None
             except ValueError:
                 return None
         if not isinstance(items, list) or not items or not all(
@@ -547,7 +557,7 @@ def _typed(value: str, schema: Any, family: str, root: Any = None) -> Any:
     as_json = ("object", "array", "arr") if family == "qwen3_coder" else ("object",)
     if kind in as_json or kind.startswith("dict") or (family == "qwen3_coder" and kind.startswith("list")):
         try:  # (NaN and Infinity, which Python's JSON reads, are no JSON: a client's JSON.parse refuses them)
-            return json.loads(value, parse_constant=_not_json)
+            return json.loads(value, parse_constant=_not_json, parse_float=_finite)
         except (ValueError, RecursionError):
             pass
     try:
@@ -636,7 +646,7 @@ def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[di
                 content = (content or "") + body
             continue
         try:
-            args = json.dumps(json.loads(body, parse_constant=_not_json), ensure_ascii=False)
+            args = json.dumps(json.loads(body, parse_constant=_not_json, parse_float=_finite), ensure_ascii=False)
         except (ValueError, RecursionError):
             args = _arguments(body) if ended else None
         if ended or (finished and k == len(messages) - 1 and args is not None):

@@ -68,10 +68,11 @@ def _string(raw: str, at: int, k: int | None = None, head: str = '"') -> tuple[s
     return head + _dumped(raw[start:safe]), None, safe
 
 
-def json_prefix(raw: str, at: int = 0, nan: bool = True, memo: dict | None = None) -> tuple[str, int | None]:
+def json_prefix(raw: str, at: int = 0, nan: bool = False, memo: dict | None = None) -> tuple[str, int | None]:
     """(what json.dumps(json.loads(raw[at:...]), ensure_ascii=False) of the JSON value starting at raw[at] (after
     blanks) surely starts with, so far; the index after the value when it is whole, else None). A piece of `raw`
-    that is not JSON (yet or for good) stops it there. `nan`: NaN and Infinity are read (Python's json.loads).
+    that is not JSON (yet or for good) stops it there, as do NaN, Infinity and a number too large for a float (1e400:
+    the whole reply's parse refuses them, serve/tools.py) unless `nan` (Python's json.loads reads them).
     `memo`: where a read of the same text, shorter, stopped, kept there: a read that starts with its text goes on
     from there (a streamed reply read again at each token, in time linear in its length)."""
     state = memo.get((at, nan)) if memo is not None else None
@@ -153,7 +154,10 @@ def json_prefix(raw: str, at: int = 0, nan: bool = True, memo: dict | None = Non
                 return stop(None)
             if raw[end].isalnum() or raw[end] in ".+-_":
                 return stop(None)
-            out.append(json.dumps(json.loads(raw[k:end]), ensure_ascii=False))
+            value = json.loads(raw[k:end])
+            if not nan and value in (float("inf"), float("-inf")):
+                return stop(None)
+            out.append(json.dumps(value, ensure_ascii=False))
             k = end
         if not stack:
             return stop(k)
