@@ -19,8 +19,8 @@ from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split  # noqa: E402
 from infer.serve.toolstream import CallStream, json_prefix, partial_calls  # noqa: E402
 
-from helpers import tiny_chat_engine  # noqa: E402
-from test_probes_session62_stream import ARGS, REPLIES, TOOLS  # noqa: E402
+from helpers import forced_chat_body, joined_deltas, joined_tool_calls, tiny_chat_engine  # noqa: E402
+from test_probes_session62_stream import ARGS, MESSAGES, REPLIES, TOOLS  # noqa: E402
 
 CODE = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}
 LONG = "x = 1\\n\\tprint(\\\"\\u00e9\\\")\\n" * 300  # a long argument, an escape every few characters
@@ -133,3 +133,39 @@ def test_responses_stream_of_a_call_that_turns_out_malformed_keeps_its_items_apa
     texts = "".join(o["content"][0]["text"] for o in final if o["type"] == "message")
     assert texts == whole["output"][0]["content"][0]["text"] == reply
     assert [json.loads(o["arguments"]) for o in final[1:3]] == [{"zone": "UTC"}, {"zone": "CET"}]
+
+
+def _chat_chunks(base: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("extra,n_calls", [({"n": 2, "logprobs": True, "top_logprobs": 1}, 2),
+                                           ({"parallel_tool_calls": False}, 1), ({"tool_choice": "none"}, 0)],
+                         ids=["n2-logprobs", "not-parallel", "none"])
+def test_streamed_calls_of_each_choice_join_to_its_whole_message(engine, extra, n_calls):
+    """Streamed with several choices and logprobs, parallel_tool_calls false, tool_choice none: each choice's
+    chunks (its own call indexes from 0, a call's id, type and name in its first delta only) join to that choice's
+    whole message (content, calls, finish_reason, logprobs); a second call never streams when calls are not
+    parallel; "none" streams the calls' text as content. (The arguments are written otherwise than json.dumps
+    writes them: the pieces join to the whole message's arguments all the same.)"""
+    reply = ('Ok.<tool_call>{"name": "get_weather", "arguments": {"city":"Paris" ,"days": 2}}</tool_call>'
+             '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    body = forced_chat_body(MESSAGES, reply, 300, tools=TOOLS, **extra)
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", tool_parser="hermes")) as base:
+        whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"]
+        chunks = _chat_chunks(base, body)
+    assert len(whole) == extra.get("n", 1)
+    for c in whole:
+        assert len(c["message"].get("tool_calls") or []) == n_calls
+        assert c["message"]["content"] == ("Ok." if n_calls else reply)
+        deltas = [x for chunk in chunks for x in chunk["choices"] if x["index"] == c["index"]]
+        calls = joined_tool_calls(deltas)
+        assert [x["function"] for x in calls] == [x["function"] for x in c["message"].get("tool_calls") or []]
+        assert joined_deltas(deltas, "content") == c["message"]["content"]
+        assert deltas[-1]["finish_reason"] == c["finish_reason"] == ("tool_calls" if n_calls else "stop")
+        assert all(p["type"] == "function" and p["function"]["name"] for d in deltas
+                   for p in d["delta"].get("tool_calls") or [] if "id" in p)
+        if "logprobs" in extra:
+            streamed = [t for d in deltas if d.get("logprobs") for t in d["logprobs"]["content"]]
+            assert [t["token"] for t in streamed] == [t["token"] for t in c["logprobs"]["content"]]
