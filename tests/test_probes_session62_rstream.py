@@ -1,6 +1,8 @@
 """Session 62 (p62rstream): a review of streamed tool calls. A streamed reply is read again at each token: its
 calls' JSON goes on from where the last read stopped (linear in the reply's length, not quadratic), the pieces the
-same as a fresh read's; ..."""
+same as a fresh read's; NaN, Infinity and 1e400 neither stream nor reach a whole call's arguments; the Responses
+stream of a call that turns out malformed keeps its items apart; several choices, logprobs, parallel_tool_calls
+false and tool_choice none streamed as their whole messages."""
 
 from __future__ import annotations
 
