@@ -171,3 +171,30 @@ def test_streamed_calls_of_each_choice_join_to_its_whole_message(engine, extra, 
         if "logprobs" in extra:
             streamed = [t for d in deltas if d.get("logprobs") for t in d["logprobs"]["content"]]
             assert [t["token"] for t in streamed] == [t["token"] for t in c["logprobs"]["content"]]
+
+
+def test_responses_stream_of_reasoning_then_calls_is_the_whole_responses_items_in_order(engine):
+    """/v1/responses streamed with a reasoning parser: the reasoning item, the message, then each call, added and
+    done in that order at consecutive output_index values (sequence_number counting every event), the completed
+    response's output the whole (non-streamed) response's items."""
+    reply = ('<think>Hmm.</think>Ok.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+             '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    body = {"input": "time?", "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+            "guided_regex": re.escape(reply), "max_output_tokens": 300, "temperature": 0}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", tool_parser="hermes",
+                                reasoning_parser="deepseek_r1")) as base:
+        whole = httpx.post(f"{base}/v1/responses", json=body, timeout=120).json()
+        events = _responses_events(base, body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = ["reasoning", "message", "function_call", "function_call"]
+    assert [o["type"] for o in whole["output"]] == kinds
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["item"]["type"] for e in added] == [e["item"]["type"] for e in done] == kinds
+    assert [e["output_index"] for e in added] == [e["output_index"] for e in done] == [0, 1, 2, 3]
+    assert events.index(done[0]) < events.index(added[1]) and events.index(done[1]) < events.index(added[2])
+    final = events[-1]["response"]["output"]
+    assert [o["id"] for o in final] == [e["item"]["id"] for e in done]
+    strip = ("id", "call_id")  # (each response its own ids)
+    assert [{k: v for k, v in o.items() if k not in strip} for o in final] == [
+        {k: v for k, v in o.items() if k not in strip} for o in whole["output"]]
