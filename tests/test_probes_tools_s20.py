@@ -134,9 +134,10 @@ def test_parameters_without_a_type_are_an_object():
     assert named.schema == {"type": "object"} and tools[0]["function"]["parameters"] == {}
     required = parse_tools({"tools": tools, "tool_choice": "required"})
     assert required.schema["items"]["properties"]["parameters"] == {"type": "object"}
-    kept = {"type": "string"}  # a type given stays as given
-    assert parse_tools({"tools": [{"type": "function", "function": {"name": "s", "parameters": kept}}],
-                        "tool_choice": "required"}).schema["items"]["properties"]["parameters"] == kept
+    # a type given that is no object is refused for a forced call (its arguments would be no object), named
+    with pytest.raises(RequestError, match=r"tools\[0\]\.function\.parameters has type \"string\""):
+        parse_tools({"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
+                     "tool_choice": "required"})
 
 
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "now"}}, "required"])
