@@ -126,3 +126,19 @@ def test_a_function_sent_without_parameters_reaches_the_template_with_null_param
         r = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, "tools": tools}, timeout=120)
         assert r.status_code == 200 and r.json()["tokens"] == ids
 
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "add"}}, "required"],
+                         ids=["named", "required"])
+def test_the_sdks_stream_helper_ends_a_forced_call_sent_at_the_finish(engine, choice):
+    """A forced call (named, "required") streams whole at the reply's end: its chunk must come before the finish's
+    own chunk (empty delta), or the SDK's stream helper never emits the call's arguments.done."""
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="hermes")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        kw = dict(model="tiny-tools", messages=MESSAGES, max_tokens=40, temperature=0, tools=ADD_TOOLS,
+                  tool_choice=choice)
+        whole = client.chat.completions.create(**kw).choices[0]
+        with client.chat.completions.stream(**kw) as stream:
+            done = [(e.index, e.name, e.arguments) for e in stream if e.type == "tool_calls.function.arguments.done"]
+    assert whole.message.tool_calls, whole
+    assert done == [(k, c.function.name, c.function.arguments) for k, c in enumerate(whole.message.tool_calls)]
