@@ -228,18 +228,19 @@ def test_token_classifier_server_refuses_the_sequence_routes(served_tokens, rout
 
 
 def test_pooling_route_of_an_embedding_server_and_a_generating_one():
-    """An embedding server's /pooling: token_embed by default (normalized rows), embed's one vector when asked;
-    use_activation refused; a generation server refuses the route."""
+    """An embedding server's /pooling: token_embed's normalized rows when asked, embed's one vector by default
+    (vLLM's get_pooling_task: the model's own task); use_activation refused; a generation server refuses the
+    route."""
     from helpers import served_tiny_llama
     path = ensure_builtin("tiny-qwen3")
     hf = hf_float(path)
     ids = random_prompts(hf.config.vocab_size, (6,), seed=2)[0]
     hidden = torch.nn.functional.normalize(hf_hidden(hf, ids), dim=-1)
     for base in _serve("tiny-qwen3", runner="pooling"):
-        status, body = _post(base, "/pooling", {"input": ids})
+        status, body = _post(base, "/pooling", {"input": ids, "task": "token_embed"})
         assert status == 200, body
         torch.testing.assert_close(torch.tensor(body["data"][0]["data"]), hidden, atol=1e-5, rtol=1e-4)
-        status, body = _post(base, "/pooling", {"input": ids, "task": "embed"})
+        status, body = _post(base, "/pooling", {"input": ids})
         torch.testing.assert_close(torch.tensor(body["data"][0]["data"]), hidden[-1], atol=1e-5, rtol=1e-4)
         status, reply = _post(base, "/pooling", {"input": ids, "use_activation": True})
         assert status == 400 and "use_activation is a classifier's field" in reply["error"]["message"], reply

@@ -184,7 +184,8 @@ def _probe_error(base: str, route: str, body: dict, headers: dict) -> dict:
     return error if isinstance(error, dict) else {}
 
 
-CLASSIFIER_BENCH = ("{model} is a classifier (a *ForSequenceClassification model, run on the pooling runner): "
+CLASSIFIER_BENCH = ("{model} is a classifier (a *ForSequenceClassification or *ForTokenClassification model, run on "
+                    "the pooling runner): "
                     "infer bench's pooling runner benches embeddings (POST /v1/embeddings), which a classifier does "
                     "not make")
 CLASSIFIER_HINT = ("bench an embedding model; a classifier's classes and scores (LLM.classify, POST /classify, "
@@ -194,9 +195,9 @@ CLASSIFIER_HINT = ("bench an embedding model; a classifier's classes and scores 
 def check_embeds(base: str, model_id: str, headers: dict) -> None:
     """--runner pooling with --url: refuse a server that runs its model for text generation or as a classifier
     (every embeddings request would fail after the whole run), asked with one short input to embed."""
-    from ..engine.classify import NOT_EMBEDDER
+    from ..engine.classify import NOT_EMBEDDER, TOKEN_CLASSIFIER_ONLY
     error = _probe_error(base, "/v1/embeddings", {"model": model_id, "input": "Hi"}, headers)
-    if NOT_EMBEDDER in str(error.get("message")):
+    if any(why in str(error.get("message")) for why in (NOT_EMBEDDER, TOKEN_CLASSIFIER_ONLY)):
         raise ConfigError(CLASSIFIER_BENCH.format(model=f"{model_id!r} at {base}"), CLASSIFIER_HINT)
     if error.get("code") == "model_not_supported" or "does not support Embeddings API" in str(error.get("message")):
         raise ConfigError(f"{base} serves {model_id!r} for text generation, and --runner pooling benches embeddings "

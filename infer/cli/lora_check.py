@@ -208,7 +208,8 @@ def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_r
         return {}
     from ..engine.pooling import classifier_folder
     if classifier_folder(base_path):  # (its engine pools: no generation to compare, no lm_head for peft's logits)
-        raise ConfigError(f"{base_path} is a classifier (a *ForSequenceClassification model): lora-validate's "
+        raise ConfigError(f"{base_path} is a classifier (a *ForSequenceClassification or *ForTokenClassification "
+                          "model): lora-validate's "
                           "numeric check compares the logits of generated tokens with peft's, and a classifier "
                           "generates none", "give --steps 0 for the static checks alone")
     llm = engine_for(base_path, adapters, max_rank, steps, device, target_modules)

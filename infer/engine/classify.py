@@ -29,6 +29,22 @@ TOKEN_CLASSIFIER_ONLY = ("this model is a token classifier (a *ForTokenClassific
                          "token of a prompt (LLM.encode with pooling_task \"token_classify\", POST /pooling), and "
                          "makes no embeddings, sequence classes nor scores")
 CLASSIFY_INSTEAD = "classify or score instead (LLM.classify, LLM.score, POST /classify, /score, /rerank)"
+# a token classifier's (*ForTokenClassification) refusals of generation: it answers none of the sequence routes
+TOKEN_CLASSIFIER_NOT_GENERATING = ("this server runs the model as a token classifier (a *ForTokenClassification "
+                                   "model, on the pooling runner): it answers /pooling (every token's class "
+                                   "probabilities), not text generation")
+GENERATE_NOT_TOKEN_CLASSIFIER = ("LLM.generate() is only supported for generative models: this engine runs the model "
+                                 "as a token classifier (a *ForTokenClassification model), which gives every "
+                                 "token's class probabilities, not text")
+TOKEN_CLASSIFY_INSTEAD = 'classify each token instead (LLM.encode(..., pooling_task="token_classify"), POST /pooling)'
+
+
+def not_generating(pooler, server: bool) -> tuple[str, str]:
+    """(message, hint) of a classifier's refusal of generation, naming its kind: a server's route (`server`) or
+    LLM.generate."""
+    if pooler.task == "token_classify":
+        return (TOKEN_CLASSIFIER_NOT_GENERATING if server else GENERATE_NOT_TOKEN_CLASSIFIER), TOKEN_CLASSIFY_INSTEAD
+    return (CLASSIFIER_NOT_GENERATING if server else GENERATE_NOT_CLASSIFIER), CLASSIFY_INSTEAD
 
 
 def score_rows(model, pooled: dict, pooler: Pooler) -> dict:

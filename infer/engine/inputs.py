@@ -568,9 +568,9 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
                            "form", "give the chat's rendered text (POST /tokenize with the messages gives its ids) as "
                            f"body.input, or send the messages to a server's POST {obj.get('url')}")
     params, fmt = embedding_fields(body, "body.")
-    pooling = obj.get("url") == POOLING_URL  # (vLLM's /pooling: a task of the model's, its per-token one unless named)
+    pooling = obj.get("url") == POOLING_URL  # (vLLM's /pooling: a task of the model's, its own unless named)
     if pooling:
-        params = pooling_task_params(body, params, bool(names.labels), prefix="body.")
+        params = pooling_task_params(body, params, bool(names.labels), prefix="body.", per_token=names.per_token)
     rid = embedding_request_id(body, "body.")
     keep = params.truncate_prompt_tokens is not None
     prompts = [[int(t) for t in item] if isinstance(item, list) else
@@ -595,7 +595,9 @@ def _classify_line(obj: dict, tokenizer, default_id: str, max_tokens: int | None
     chat template as vLLM's ClassificationChatRequest) and the pooling fields; a generation field is refused."""
     allowed = [*CLASSIFY_PROMPTS, *sorted(_OTHER_KEYS), *_CLASSIFY_FIELDS, *_CLASSIFY_CHAT]
     unknown = sorted(str(k) for k in obj if k not in allowed)
-    what = ("this model is a classifier (a *ForSequenceClassification model): a line classifies its prompt, "
+    what = ("this model is a token classifier (a *ForTokenClassification model): a line classifies every token of "
+            "its prompt, generating nothing" if per_token else
+            "this model is a classifier (a *ForSequenceClassification model): a line classifies its prompt, "
             "generating nothing")
     if unknown:
         sampling = [k for k in unknown if k in _PARAM_TYPES or k in _OPENAI_ALIASES]

@@ -27,7 +27,7 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
-from .classify import CLASSIFY_INSTEAD, GENERATE_NOT_CLASSIFIER, check_activation, pooled_output, pooled_prompt
+from .classify import check_activation, not_generating, pooled_output, pooled_prompt
 from .pooling import (EMBED_INSTEAD, NOT_GENERATING, NOT_POOLING, PoolingParams, every_token, finish_vector,
                       resolve_pooler, task_refusal)
 from .sampler import NOT_FINITE
@@ -468,7 +468,7 @@ class LLMEngine:
             return None, params
         if params is not None and not isinstance(params, PoolingParams):
             if self.pooler.classifies:
-                raise RequestError(GENERATE_NOT_CLASSIFIER, CLASSIFY_INSTEAD)
+                raise RequestError(*not_generating(self.pooler, server=False))
             raise RequestError(NOT_GENERATING, EMBED_INSTEAD)
         pooling = (params or PoolingParams()).checked()
         if pooling.task not in (None, *self.pooler.tasks):  # (an embeddings line of infer run on a classifier...)

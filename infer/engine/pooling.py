@@ -402,14 +402,22 @@ def embedding_fields(body: dict, prefix: str = "", chat: bool = False) -> tuple[
     return params, fmt
 
 
+def default_task(classifies: bool, per_token: bool = False) -> str:
+    """The task of a POST /pooling body without one (vLLM's ModelConfig.get_pooling_task): the model's own, embed for
+    an embedding model, classify for a sequence classifier (`classifies`), token_classify for a token classifier
+    (`per_token`); a per-token task of the others only when asked."""
+    return "token_classify" if per_token else "classify" if classifies else "embed"
+
+
 def pooling_task_params(body: dict, params: PoolingParams, classifies: bool, pooler: Pooler | None = None,
-                        prefix: str = "") -> PoolingParams:
-    """A POST /pooling body's params (vLLM's PoolingRequest): its `task` (by default the model's per-token task:
-    token_embed for an embedding model, token_classify for a classifier, `classifies`) and a classifier's
-    use_activation; RequestError naming the field for a task the model (`pooler`, where known) does not do, or a
-    field the task does not take."""
+                        prefix: str = "", per_token: bool = False) -> PoolingParams:
+    """A POST /pooling body's params (vLLM's PoolingRequest): its `task` (by default the model's own, default_task:
+    `pooler`'s where known, else `classifies` and `per_token` say it) and a classifier's use_activation;
+    RequestError naming the field for a task the model (`pooler`, where known) does not do, or a field the task does
+    not take."""
     task = body.get("task")
-    task = ("token_classify" if classifies else "token_embed") if task is None else task
+    if task is None:
+        task = pooler.task if pooler is not None else default_task(classifies, per_token)
     if task not in TASKS:
         raise RequestError(f"{prefix}task {task!r} is not one of {', '.join(TASKS)}"[:200],
                            "token_embed / token_classify: a row per prompt token; embed / classify: one vector")

@@ -18,7 +18,7 @@ import torch
 from ..engine.inputs import encode_prompt
 from ..engine.pooling import EMBED_DTYPES, EMBED_ONLY, GENERATE_ONLY, Encoding, PoolingParams, embedding_fields, \
     embedding_inputs, embedding_request_id, pooling_task_params
-from ..engine.classify import CLASSIFIER_NOT_GENERATING, NOT_EMBEDDER, TOKEN_CLASSIFIER_ONLY
+from ..engine.classify import NOT_EMBEDDER, TOKEN_CLASSIFIER_ONLY, not_generating
 from ..errors import RequestError
 from . import protocol as p
 from .body import DEFAULT_MAX_JSON_DEPTH, check_values, load_json
@@ -142,7 +142,7 @@ def generation_refusal(server, api: str) -> None:
     """A pooling server's answer to a generation route (vLLM's: the model does not support that API)."""
     pooler = getattr(server.engine, "pooler", None)
     if pooler is not None:
-        why = CLASSIFIER_NOT_GENERATING if pooler.classifies else GENERATE_ONLY
+        why = not_generating(pooler, server=True)[0] if pooler.classifies else GENERATE_ONLY
         raise p.ApiError(400, f"The model does not support {api} API: {why}",
                          code="model_not_supported")
 
@@ -150,7 +150,7 @@ def generation_refusal(server, api: str) -> None:
 async def create(server, request, raw: bytes, pooling: bool = False):
     """The response of POST /v1/embeddings (a SafeJSONResponse body as a dict, or an ApiError raised); `pooling`:
     of POST /pooling (vLLM's PoolingRequest: a `task` of the model's, embed, classify, token_embed or
-    token_classify, by default its per-token one; the answer a PoolingResponse)."""
+    token_classify, by default its own, as vLLM's get_pooling_task; the answer a PoolingResponse)."""
     arrival = time.monotonic()
     pooler = getattr(server.engine, "pooler", None)
     if pooler is None and pooling:

@@ -1,0 +1,128 @@
+"""Review of per-token pooling (vLLM's token_embed / token_classify, POST /pooling): the default task of /pooling and
+of infer run's /pooling lines is the model's own (vLLM's ModelConfig.get_pooling_task: embed, classify, or a token
+classifier's token_classify); a per-token request preempted mid-prompt recomputes its rows, none duplicated;
+AsyncLLM.encode takes a per-token task; a token classifier's refusals of generation name what it is."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from infer import LLM, PoolingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.errors import RequestError
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+from lora_helpers import hf_float
+from test_probes_session60_classify import _post, _serve, build_classifier
+from test_probes_session62_pool import build_token_classifier, check_rows, hf_hidden, hf_token_logits
+
+
+@pytest.fixture(scope="module")
+def tok_llama(tmp_path_factory):
+    return build_token_classifier("tiny-llama", tmp_path_factory.mktemp("rtok") / "llama", seed=4)
+
+
+def test_preempted_token_classify_recomputes_its_rows(tok_llama):
+    """Per-token requests preempted mid-prompt (as sleep(mode="keep") pauses them: a recompute) after a chunk or two
+    of 4 tokens: each one's rows are its prompt's, once each, as transformers' (none kept from before)."""
+    path, hf = tok_llama
+    prompts = random_prompts(hf.config.vocab_size, (14, 13, 15, 12), seed=21)
+    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=4, max_model_len=16,
+                                    max_num_batched_tokens=8))
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, PoolingParams(task="token_classify"))
+        outs, steps = {}, 0
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+            steps += 1
+            if steps in (1, 3):
+                for seq in list(engine.scheduler.running):
+                    if 0 < seq.num_computed_tokens < len(seq.prompt_token_ids):
+                        engine.scheduler.preempt(seq)
+        assert engine.stats()["num_preemptions"] > 0  # (the point of the setup)
+        check_rows([outs[str(i)] for i in range(4)], [torch.softmax(hf_token_logits(hf, p), -1) for p in prompts])
+    finally:
+        engine.close()
+
+
+def test_async_encode_takes_a_per_token_task():
+    """AsyncLLM.encode with PoolingParams(task="token_embed") (what vLLM's server hands it): every token's row."""
+    from infer.serve.async_llm import AsyncLLM
+    path = ensure_builtin("tiny-qwen3")
+    hf = hf_float(path)
+    ids = random_prompts(hf.config.vocab_size, (7,), seed=5)[0]
+    want = torch.nn.functional.normalize(hf_hidden(hf, ids), dim=-1)
+
+    async def run():
+        llm = AsyncLLM("tiny-qwen3", runner="pooling", block_size=4)
+        try:
+            return [o async for o in llm.encode({"prompt_token_ids": ids}, PoolingParams(task="token_embed"), "r")]
+        finally:
+            llm.shutdown()
+    outs = asyncio.run(run())
+    check_rows(outs[-1:], [want])
+
+
+def test_pooling_route_default_task_is_the_models(tmp_path):
+    """vLLM's /pooling without a task runs the model's own (get_pooling_task): a sequence classifier's one class
+    distribution of the prompt, not a row per token (token_classify only when asked)."""
+    from transformers import AutoTokenizer
+    path, hf = build_classifier("tiny-llama", tmp_path / "seq", 3, seed=9)
+    ids = AutoTokenizer.from_pretrained(path)("the cat sat")["input_ids"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+        rows = hf.score(hf.model(torch.tensor([ids])).last_hidden_state[0]).float()
+    for base in _serve(path):
+        status, body = _post(base, "/pooling", {"input": ids})
+        assert status == 200, body
+        torch.testing.assert_close(torch.tensor(body["data"][0]["data"]), torch.softmax(logits, -1), atol=1e-5,
+                                   rtol=1e-4)
+        status, body = _post(base, "/pooling", {"input": ids, "task": "token_classify"})
+        assert status == 200, body
+        torch.testing.assert_close(torch.tensor(body["data"][0]["data"]), torch.softmax(rows, -1), atol=1e-5,
+                                   rtol=1e-4)
+
+
+def test_infer_run_pooling_lines_default_to_the_models_task(tmp_path):
+    """infer run lines of url /pooling without a task: an embedding model's one normalized vector (embed), as the
+    server's; token_embed's rows when asked."""
+    from helpers import infer_run_records
+    path = ensure_builtin("tiny-qwen3")
+    hf = hf_float(path)
+    ids = random_prompts(hf.config.vocab_size, (6,), seed=13)[0]
+    hidden = torch.nn.functional.normalize(hf_hidden(hf, ids), dim=-1)
+    lines = [{"custom_id": "own", "url": "/pooling", "body": {"input": ids}},
+             {"custom_id": "rows", "url": "/pooling", "body": {"input": ids, "task": "token_embed"}}]
+    recs, _ = infer_run_records(tmp_path, lines, "--block-size", "4", "--runner", "pooling", "--output-format",
+                                "openai", key="custom_id", model=str(path))
+    torch.testing.assert_close(torch.tensor(recs["own"]["response"]["body"]["data"][0]["data"]), hidden[-1],
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(recs["rows"]["response"]["body"]["data"][0]["data"]), hidden, atol=1e-5,
+                               rtol=1e-4)
+
+
+def test_token_classifier_refuses_generation_naming_what_it_is(tok_llama, tmp_path):
+    """A token classifier's refusals of generation name a *ForTokenClassification model and what it does (they
+    said a *ForSequenceClassification model answering /classify, /score and /rerank, which it refuses)."""
+    from infer import SamplingParams
+    from infer.engine.inputs import parse_request
+    path, _ = tok_llama
+    for base in _serve(path):
+        status, reply = _post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 400, reply
+        assert "token classifier (a *ForTokenClassification" in reply["error"]["message"], reply
+        assert "/pooling" in reply["error"]["message"] and "ForSequence" not in reply["error"]["message"], reply
+    with LLM(str(path), block_size=4) as llm:
+        with pytest.raises(RequestError, match=r"token classifier \(a \*ForTokenClassification") as e:
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        assert "token_classify" in e.value.hint and "ForSequence" not in str(e.value)
+        from infer.cli.batch_io import model_names
+        names = model_names(llm.engine.config)
+    with pytest.raises(RequestError, match=r"\*ForTokenClassification model\): a line classifies every token"):
+        parse_request({"prompt": "hi", "max_tokens": 3}, llm.tokenizer, "0", names=names)
