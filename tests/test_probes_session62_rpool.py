@@ -13,7 +13,7 @@ import torch
 from infer import LLM, PoolingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.errors import RequestError
+from infer.errors import ConfigError, RequestError
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
@@ -29,7 +29,8 @@ def tok_llama(tmp_path_factory):
 
 def test_preempted_token_classify_recomputes_its_rows(tok_llama):
     """Per-token requests preempted mid-prompt (as sleep(mode="keep") pauses them: a recompute) after a chunk or two
-    of 4 tokens: each one's rows are its prompt's, once each, as transformers' (none kept from before)."""
+    of 4 tokens: each one's rows are its prompt's, once each, as transformers' (none kept from before), and the rows
+    it had gathered are let go as it is preempted (they held device memory outside the KV cache while it waited)."""
     path, hf = tok_llama
     prompts = random_prompts(hf.config.vocab_size, (14, 13, 15, 12), seed=21)
     engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=4, max_model_len=16,
@@ -44,7 +45,9 @@ def test_preempted_token_classify_recomputes_its_rows(tok_llama):
             if steps in (1, 3):
                 for seq in list(engine.scheduler.running):
                     if 0 < seq.num_computed_tokens < len(seq.prompt_token_ids):
+                        assert seq.pool_rows is not None
                         engine.scheduler.preempt(seq)
+                        assert seq.pool_rows is None  # (what it held on the device is let go while it waits)
         assert engine.stats()["num_preemptions"] > 0  # (the point of the setup)
         check_rows([outs[str(i)] for i in range(4)], [torch.softmax(hf_token_logits(hf, p), -1) for p in prompts])
     finally:
@@ -109,8 +112,10 @@ def test_infer_run_pooling_lines_default_to_the_models_task(tmp_path):
 
 def test_token_classifier_refuses_generation_naming_what_it_is(tok_llama, tmp_path):
     """A token classifier's refusals of generation name a *ForTokenClassification model and what it does (they
-    said a *ForSequenceClassification model answering /classify, /score and /rerank, which it refuses)."""
+    said a *ForSequenceClassification model answering /classify, /score and /rerank, which it refuses); infer
+    bench --url refuses its server as a classifier's."""
     from infer import SamplingParams
+    from infer.cli.bench import check_embeds
     from infer.engine.inputs import parse_request
     path, _ = tok_llama
     for base in _serve(path):
@@ -118,6 +123,8 @@ def test_token_classifier_refuses_generation_naming_what_it_is(tok_llama, tmp_pa
         assert status == 400, reply
         assert "token classifier (a *ForTokenClassification" in reply["error"]["message"], reply
         assert "/pooling" in reply["error"]["message"] and "ForSequence" not in reply["error"]["message"], reply
+        with pytest.raises(ConfigError, match=r"'cls' at .* is a classifier .*ForTokenClassification"):
+            check_embeds(base, "cls", {})  # (infer bench --url: it was taken for a generation server)
     with LLM(str(path), block_size=4) as llm:
         with pytest.raises(RequestError, match=r"token classifier \(a \*ForTokenClassification") as e:
             llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))

@@ -378,6 +378,7 @@ class Scheduler:
         False: not a preemption the stats and /metrics count (sleep(mode="keep") pausing it)."""
         self.running.remove(seq)
         seq.draft_token_ids = []
+        seq.pool_rows = seq.pool_sum = None  # (a pooling request's rows so far, on the device: recomputed too)
         self.bm.free_seq(seq)  # (draft_computed 0: recomputed, by the draft model too)
         if self.lora:
             self.lora.release(seq.lora)
