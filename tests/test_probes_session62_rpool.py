@@ -133,3 +133,42 @@ def test_token_classifier_refuses_generation_naming_what_it_is(tok_llama, tmp_pa
         names = model_names(llm.engine.config)
     with pytest.raises(RequestError, match=r"\*ForTokenClassification model\): a line classifies every token"):
         parse_request({"prompt": "hi", "max_tokens": 3}, llm.tokenizer, "0", names=names)
+
+
+def test_data_parallel_pooling_route_of_a_token_classifier(tok_llama):
+    """--data-parallel-size 2 (in-process replicas behind tests/fakeray.py): POST /pooling without a task gives
+    every input's rows (the token classifier's own task), inputs spread over both replicas, as transformers'."""
+    pytest.importorskip("fastapi")
+    from fakeray import FakeRay, Handle
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+    from infer.serve.app import Server, serve_in_thread
+    path, hf = tok_llama
+    cfg = EngineConfig(str(path), max_model_len=32, max_num_seqs=2, max_num_batched_tokens=4, block_size=4)
+    replicas = [Replica(cfg) for _ in range(2)]
+    engine = replicas[0].engine
+    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
+    aengine = RayAsyncEngine(FakeRay(), [Handle(r) for r in replicas], [r.info() for r in replicas], view)
+    prompts = random_prompts(hf.config.vocab_size, (3, 9, 5, 7, 2), seed=17)
+    with serve_in_thread(Server(aengine, "cls")) as base:
+        status, body = _post(base, "/pooling", {"input": prompts})
+    assert status == 200, body
+    for d, p in zip(body["data"], prompts):
+        torch.testing.assert_close(torch.tensor(d["data"]), torch.softmax(hf_token_logits(hf, p), -1), atol=1e-5,
+                                   rtol=1e-4)
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+
+def test_token_embed_rows_through_cuda_graphs_are_their_own():
+    """A float32 model's token_embed rows, not normalized, gathered over chunks of 8 tokens run by (emulated,
+    piecewise) CUDA graphs: each chunk's rows are copies, not views of the graphs' static hidden states that the
+    next replay overwrites."""
+    path = ensure_builtin("tiny-llama")
+    hf = hf_float(path)
+    prompts = random_prompts(hf.config.vocab_size, (5, 9, 1, 20, 3, 13), seed=1)
+    with LLM(str(path), runner="pooling", max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64,
+             cuda_graph_max_tokens=16, max_num_batched_tokens=8) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        outs = llm.encode(prompts, PoolingParams(normalize=False), pooling_task="token_embed")
+        assert llm.engine.stats()["piecewise_graph_steps"] > 1
+    check_rows(outs, [hf_hidden(hf, p) for p in prompts])
