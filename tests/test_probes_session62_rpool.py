@@ -172,3 +172,20 @@ def test_token_embed_rows_through_cuda_graphs_are_their_own():
         outs = llm.encode(prompts, PoolingParams(normalize=False), pooling_task="token_embed")
         assert llm.engine.stats()["piecewise_graph_steps"] > 1
     check_rows(outs, [hf_hidden(hf, p) for p in prompts])
+
+
+def test_encode_reads_the_task_of_its_params():
+    """LLM.encode(prompts, PoolingParams(task="token_embed")) without pooling_task runs the params' task (vLLM's
+    params carry it): it ran the model's embed, one vector, silently; a call whose task differs from its params'
+    is refused (vLLM's "You cannot overwrite"), not overwritten."""
+    path = ensure_builtin("tiny-qwen3")
+    hf = hf_float(path)
+    prompts = random_prompts(hf.config.vocab_size, (6, 3), seed=19)
+    with LLM(str(path), runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        outs = llm.encode(prompts, PoolingParams(task="token_embed", normalize=False))
+        check_rows(outs, [hf_hidden(hf, p) for p in prompts])
+        with pytest.raises(RequestError, match=r"pooling_params.task 'token_embed' differs from the task of "
+                                               r"LLM.embed\(\)"):
+            llm.embed(prompts, PoolingParams(task="token_embed"))
+        with pytest.raises(RequestError, match=r"pooling_params.task 'embed' differs .*pooling_task='token_embed'"):
+            llm.encode(prompts, [PoolingParams(), PoolingParams(task="embed")], pooling_task="token_embed")

@@ -554,7 +554,9 @@ class LLM:
             raise RequestError(f"pooling_task {pooling_task!r} is not one of {', '.join(TASKS)}"[:200],
                                "token_embed / token_classify: a row per prompt token; embed / classify: one vector")
         pooler = self._engine().pooler
-        task = pooling_task or (pooler.task if pooler is not None else "embed")
+        given = [p.task for p in (pooling_params if isinstance(pooling_params, (list, tuple)) else [pooling_params])
+                 if isinstance(p, PoolingParams) and p.task is not None]  # (the params' own task, as vLLM reads it)
+        task = pooling_task or (given[0] if given else pooler.task if pooler is not None else "embed")
         return self._pool(task, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority)
 
     def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None, use_tqdm=True,
@@ -606,6 +608,13 @@ class LLM:
         params = pooling_params if pooling_params is not None else PoolingParams()
         if isinstance(params, tuple):
             params = list(params)
+        other = next((p.task for p in (params if isinstance(params, list) else [params])
+                      if isinstance(p, PoolingParams) and p.task not in (None, task)), None)
+        if other is not None:  # (vLLM's PoolingParams.verify: "You cannot overwrite")
+            call = f"LLM.{task}()" if task in ("embed", "classify") else f"LLM.encode(pooling_task={task!r})"
+            raise RequestError(f"pooling_params.task {other!r} differs from the task of {call}: one task a call",
+                               f"leave the params' task out, or ask for {other!r} (LLM.encode(..., "
+                               f"pooling_task={other!r}))")
         # the prompts' params with the task asked (and vLLM's truncate_prompt_tokens keyword)
         cut = {} if truncate_prompt_tokens is None else {"truncate_prompt_tokens": truncate_prompt_tokens}
         params = [replace(p, task=task, **cut) if isinstance(p, PoolingParams) else p
