@@ -189,3 +189,26 @@ def test_encode_reads_the_task_of_its_params():
             llm.embed(prompts, PoolingParams(task="token_embed"))
         with pytest.raises(RequestError, match=r"pooling_params.task 'embed' differs .*pooling_task='token_embed'"):
             llm.encode(prompts, [PoolingParams(), PoolingParams(task="embed")], pooling_task="token_embed")
+
+
+def test_token_rows_are_held_in_the_models_dtype_and_gathered_in_float32():
+    """A bfloat16 model's token_embed over chunks of 4 tokens: the rows a prompt's chunks leave are held in
+    bfloat16 while it runs (float32 copies took twice the device memory, outside the KV cache, for a long
+    prompt's rows), and its rows come back in float32, as the prompt run in one chunk (to bfloat16's precision)."""
+    prompt = random_prompts(256, (13,), seed=23)[0]
+    got = {}
+    for tokens in (4, 16):
+        engine = LLMEngine(EngineConfig("tiny-qwen3", runner="pooling", dtype="bfloat16", block_size=4,
+                                        max_num_seqs=2, max_num_batched_tokens=tokens, max_model_len=16))
+        try:
+            engine.add_request("r", prompt, PoolingParams(task="token_embed", normalize=False))
+            held = []
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                held += [s.pool_rows[-1].dtype for s in engine.scheduler.running if s.pool_rows]
+                got.update({tokens: o.outputs.data for o in outs if o.finished})
+        finally:
+            engine.close()
+        assert held == ([torch.bfloat16] * 3 if tokens == 4 else [])
+    assert got[4].dtype == torch.float32 and got[4].shape == (13, got[16].shape[-1])
+    torch.testing.assert_close(got[4], got[16], atol=2e-2, rtol=2e-2)  # (bfloat16's precision: kernels per chunk)

@@ -457,9 +457,11 @@ def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[
         rows, start = hidden[at:at + n], seq.num_computed_tokens
         at += n
         if every_token(seq, pooler):  # each chunk's rows kept, in order, gathered when the prompt completes
-            seq.pool_rows = [_copied(rows)] if start == 0 else [*seq.pool_rows, _copied(rows)]
+            kept = rows.clone()  # (a copy, in the model's dtype: a long prompt's rows held on the device at half
+            # float32's size, outside the KV cache, while its chunks run; float32 of them is exact)
+            seq.pool_rows = [kept] if start == 0 else [*seq.pool_rows, kept]
             if start + n >= len(seq.prompt_token_ids):
-                out[i] = torch.cat(seq.pool_rows)
+                out[i] = _gathered(seq.pool_rows)
                 seq.pool_rows = None
             continue
         if pooler.pooling_type == "MEAN":
@@ -477,6 +479,18 @@ def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[
             out[i] = seq.pool_sum
         seq.pool_sum = None
     return out
+
+
+def _gathered(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A per-token request's rows, its chunks' in order, as one float32 tensor (filled part by part: no
+    model-dtype copy of them all beside it)."""
+    whole = torch.empty((sum(len(p) for p in parts), parts[0].shape[-1]), dtype=torch.float32,
+                        device=parts[0].device)
+    at = 0
+    for part in parts:
+        whole[at:at + len(part)] = part
+        at += len(part)
+    return whole
 
 
 def every_token(seq, pooler: Pooler) -> bool:
