@@ -212,3 +212,14 @@ def test_token_rows_are_held_in_the_models_dtype_and_gathered_in_float32():
         assert held == ([torch.bfloat16] * 3 if tokens == 4 else [])
     assert got[4].dtype == torch.float32 and got[4].shape == (13, got[16].shape[-1])
     torch.testing.assert_close(got[4], got[16], atol=2e-2, rtol=2e-2)  # (bfloat16's precision: kernels per chunk)
+
+
+def test_score_names_a_dict_that_is_no_prompt():
+    """LLM.score's data given a dict that is not vLLM's prompt dict ({} or {"text": ...}) is named as such (it was
+    "must be a text or a non-empty list of texts, got dict", though prompt dicts are taken)."""
+    with LLM("tiny-qwen3", runner="pooling", block_size=4) as llm:
+        with pytest.raises(RequestError, match=r"data_1 is a dict of no keys, which is no prompt") as e:
+            llm.score({}, "b")
+        assert '{"prompt": text}' in e.value.hint
+        with pytest.raises(RequestError, match=r"data_2\[1\] is a dict of 'text', which is no prompt"):
+            llm.score("a", [{"prompt": "b"}, {"text": "c"}])

@@ -877,11 +877,16 @@ def _score_data(value, name: str):
     """LLM.score's data_1 / data_2 with vLLM's prompt dicts ({"prompt": text}, {"prompt_token_ids": ids}, alone or
     in a list) read as their text or token ids (they were refused: "must be a text or a non-empty list of texts");
     a flat list of ints stays one text of token ids, as infer reads it (vLLM takes token ids only in a dict)."""
-    if _is_prompt_dict(value):
-        return _dict_prompt(value, name)[0]
-    if isinstance(value, (list, tuple)) and any(_is_prompt_dict(v) for v in value):
-        return [_dict_prompt(v, f"{name}[{i}]")[0] if _is_prompt_dict(v) else v for i, v in enumerate(value)]
+    if isinstance(value, dict):  # (another dict, {} or {"text": ...}: named as a dict, not "got dict")
+        return _dict_prompt(value, name)[0] if _is_prompt_dict(value) else _raise(_bad_dict(value, name))
+    if isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):
+        return [(_dict_prompt(v, f"{name}[{i}]")[0] if _is_prompt_dict(v) else _raise(_bad_dict(v, f"{name}[{i}]")))
+                if isinstance(v, dict) else v for i, v in enumerate(value)]
     return value
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def _check_unpaused(engine, running: bool = False) -> None:
