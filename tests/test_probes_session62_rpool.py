@@ -223,3 +223,29 @@ def test_score_names_a_dict_that_is_no_prompt():
         assert '{"prompt": text}' in e.value.hint
         with pytest.raises(RequestError, match=r"data_2\[1\] is a dict of 'text', which is no prompt"):
             llm.score("a", [{"prompt": "b"}, {"text": "c"}])
+
+
+def test_per_token_and_sequence_requests_sharing_a_prefix_in_one_batch():
+    """An embedding engine with prefix caching, chunks of 8 tokens: token_embed and embed requests of a shared
+    12-token prefix added together (each admission may find the blocks the earlier ones compute in the same step):
+    every token_embed row and every embed vector is transformers', the per-token ones computing every token."""
+    path = ensure_builtin("tiny-qwen3")
+    hf = hf_float(path)
+    prompts = random_prompts(hf.config.vocab_size, (17, 14, 19, 13), seed=29)
+    for p in prompts[1:]:
+        p[:12] = prompts[0][:12]
+    tasks = ["embed", "token_embed", "embed", "token_embed"]
+    engine = LLMEngine(EngineConfig(str(path), runner="pooling", enable_prefix_caching=True, block_size=4,
+                                    max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32))
+    try:
+        for i, (p, task) in enumerate(zip(prompts, tasks)):
+            engine.add_request(str(i), p, PoolingParams(task=task))
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+    finally:
+        engine.close()
+    hidden = [torch.nn.functional.normalize(hf_hidden(hf, p), dim=-1) for p in prompts]
+    check_rows([outs[str(i)] for i in range(4)], [h if t == "token_embed" else h[-1] for h, t in zip(hidden, tasks)])
+    assert [outs[str(i)].num_cached_tokens for i in (1, 3)] == [0, 0]
+    assert outs["2"].num_cached_tokens > 0  # (the point of the setup: the embed after them reads the cache)

@@ -145,7 +145,9 @@ class AsyncLLM:
                      lora: str | None = None, priority: int = 0, lora_request=None,
                      truncate_prompt_tokens: int | None = None):
         """vLLM's AsyncLLM.encode on a pooling engine (AsyncLLM(model, runner="pooling")): yields the prompt's one
-        finished EmbeddingRequestOutput (its vector in `.outputs.embedding`); the prompt, request_id, adapters and
+        finished EmbeddingRequestOutput (its vector in `.outputs.embedding`; PoolingParams(task="token_embed" or
+        "token_classify"): a PoolingRequestOutput, a row per prompt token in `.outputs.data`); the prompt,
+        request_id, adapters and
         priority as generate takes them; `truncate_prompt_tokens` (vLLM's argument: the prompt's last tokens
         kept, -1 the context's worth) overrides the params' own."""
         params = pooling_params if pooling_params is not None else PoolingParams()
