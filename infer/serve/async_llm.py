@@ -147,9 +147,8 @@ class AsyncLLM:
         """vLLM's AsyncLLM.encode on a pooling engine (AsyncLLM(model, runner="pooling")): yields the prompt's one
         finished EmbeddingRequestOutput (its vector in `.outputs.embedding`; PoolingParams(task="token_embed" or
         "token_classify"): a PoolingRequestOutput, a row per prompt token in `.outputs.data`); the prompt,
-        request_id, adapters and
-        priority as generate takes them; `truncate_prompt_tokens` (vLLM's argument: the prompt's last tokens
-        kept, -1 the context's worth) overrides the params' own."""
+        request_id, adapters and priority as generate takes them; `truncate_prompt_tokens` (vLLM's argument: the
+        prompt's last tokens kept, -1 the context's worth) overrides the params' own."""
         params = pooling_params if pooling_params is not None else PoolingParams()
         if not isinstance(params, PoolingParams):
             raise RequestError(f"pooling_params must be a PoolingParams, got {type(params).__name__}",
