@@ -8,7 +8,6 @@ the tool-call parser reads the content only; /v1/completions and a server withou
 from __future__ import annotations
 
 import functools
-import json
 import re
 
 import pytest
