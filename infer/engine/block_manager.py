@@ -106,6 +106,7 @@ class BlockManager:
         # hit its coordinator found for every group (None: look it up here)
         self.key_suffix = b""
         self.forced: list[int | None] | None = None
+        self.states = None  # a hybrid model's state slots (engine.state_cache.StateSlots), taken with the blocks
 
     def _key(self, seq: Sequence, i: int) -> bytes:
         key = block_key(seq, i, self.block_size)
@@ -320,6 +321,8 @@ class BlockManager:
         tokens = self.claim(seq, budget)
         for _ in range(self.blocks_needed(tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())
+        if self.states is not None:
+            self.states.take(seq)
 
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)  # least recently freed first
@@ -457,6 +460,8 @@ class BlockManager:
         for bid in reversed(held):
             self._release(self.blocks[bid])
         seq.block_table = []
+        if self.states is not None:
+            self.states.release(seq)
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = seq.num_freed_blocks = 0
         seq.last_block_hash = None
         seq.draft_hidden = None  # (EAGLE: the target's states not fed yet are of positions recomputed from 0)

@@ -37,6 +37,7 @@ from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
 from .sleep import MODES, PAUSED, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
+from .state_cache import StateSlots, prefix_caching_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
@@ -260,6 +261,7 @@ class LLMEngine:
                               "*ForTokenClassification model): it generates no text",
                               "start it with --runner pooling and classify or score with it")
         caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.caches_prefixes)
+        caching = prefix_caching_for(self.model_config, caching)  # (off for a hybrid model's states)
         groups = kv_groups(config, self.model_config, self.max_model_len,
                            draft_parts.model_config if draft_parts is not None else None)
         if groups is not None:
@@ -274,6 +276,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager,
                                   groups=layer_groups(self.model_config) if groups is not None else None)
+        if self.runner.hybrid:  # a state slot per running sequence, taken and freed with its blocks
+            self.block_manager.states = StateSlots(config.max_num_seqs)
         self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
         self._past_draft_context: set = set()  # the step's decodes left without drafts by the draft's context
         method = (config.speculative_config or {}).get("method")

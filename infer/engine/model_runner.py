@@ -40,6 +40,9 @@ class ModelRunner:
         self.lora_manager = lora_manager
         self.groups = groups
         self.kv_cache = self._allocate_kv(num_blocks)
+        # a hybrid model's linear-attention states: a slot per running sequence (engine.state_cache; 0: none)
+        self.hybrid = hasattr(model, "allocate_states")
+        self.state_bytes = model.allocate_states(config.max_num_seqs, device) if self.hybrid else 0
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured (and checked)
         self.pieces_check: float | None = None  # the check's relative difference (check_pieces)
@@ -161,6 +164,7 @@ class ModelRunner:
         first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
         parameters' floats, when a row draws or has penalties, in a second."""
         host = HostInputs(self.block_size, len(self.groups[1]) - 1 if self.groups is not None else 0)
+        host.states = [] if self.hybrid else None
         rows, row_seqs = [], []
         for i in order if order is not None else range(len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -187,6 +191,7 @@ class ModelRunner:
         tables = pack.add_rows(host.tables, width)
         groups_at = [(pack.add_rows(t, width), pack.add(s)) for t, s in zip(host.group_tables, host.group_slots)]
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
+        states = pack.add(host.states) if self.hybrid else None
         prompt = (pack.add(host.plp_rows), pack.add(host.plp_tokens)) if host.plp_rows else None
         groups = None  # the tokens grouped by adapter slot (LoRAGroups), made on the host, copied with the rest
         if self.lora_manager is not None and max(host.lora_slots, default=-1) >= 0:
@@ -203,6 +208,8 @@ class ModelRunner:
         ctx = ForwardContext(query_start_loc=data[starts].int(), seq_lens=data[lens].int(),
                              block_tables=data[tables].view(b, width).int(), slot_mapping=data[slots],
                              max_query_len=max(batch.num_new_tokens))
+        if states is not None:
+            ctx.state_slots = data[states]
         if groups_at:
             ctx.kv_groups = (torch.stack([data[t].view(b, width) for t, _ in groups_at]).int(),
                              torch.stack([data[s] for _, s in groups_at]))
@@ -353,6 +360,7 @@ class HostInputs:
         self.group_slots: list[list[int]] = [[] for _ in range(groups)]
         self.ids, self.pos, self.slots, self.lens, self.last, self.lora_slots = [], [], [], [], [], []
         self.tables: list[list[int]] = []
+        self.states: list[int] | None = None  # a hybrid model's state slot of each sequence (ModelRunner.prepare)
         self.sample: list[int] = []  # flat index of the last token of each sequence that samples
         self.fill: list[int] = []  # pairs: flat index, row of the previous step's sampled tokens
         # prompt_logprobs: the flat index of each hidden row that predicts a prompt token, that token, and per
@@ -392,6 +400,8 @@ class HostInputs:
             self.slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
         self.lens.append(start + n)
         self.last.append(len(self.ids) - 1)
+        if self.states is not None:
+            self.states.append(seq.state_slot)
         self.tables.append(table)
         for view, tables, slots in zip(seq.kv_views if self.group_tables else (), self.group_tables,
                                        self.group_slots):

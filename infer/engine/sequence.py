@@ -41,6 +41,7 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.state_slot: int | None = None  # a hybrid model's state slot while it runs (engine.state_cache)
         self.num_freed_blocks = 0  # leading blocks freed behind a sliding window (the placeholder in the table)
         self.last_block_hash: bytes | None = None
         self.block_keys: list[bytes] = []  # prefix cache keys of the leading full blocks (block_manager.block_key)

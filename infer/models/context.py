@@ -26,3 +26,6 @@ class ForwardContext:
     # KV layer groups (engine.hybrid_blocks): the block tables [G - 1, B, max_blocks] and slot mappings [G - 1, T] of
     # groups 1.. (group 0's: block_tables, slot_mapping); an attention layer reads its group's (kv_group); None: one
     kv_groups: Any = None
+    # a hybrid model's per-sequence state slots [B] int64 (models.qwen3_5: its linear-attention layers' states); None:
+    # no such layers
+    state_slots: Any = None

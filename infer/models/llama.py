@@ -557,7 +557,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = _uninitialized(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = norm_for(cfg)(cfg.hidden_size, norm_eps(cfg), dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         head = method_for(["lm_head"])  # a GPTQ head (GPTQModel's lm_head=True; stored on its own, tied or not)
@@ -574,8 +574,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin", build_cos_sin_cache(
             cfg, max_positions, "full_attention" if "full_attention" in types else types[0], dtype), persistent=False)
         for layer in self.layers:
-            layer.self_attn.rot_dim = self.cos_sin.shape[-1]
+            if hasattr(layer, "self_attn"):  # (Qwen3.5's linear-attention layers have none: models.qwen3_5)
+                layer.self_attn.rot_dim = self.cos_sin.shape[-1]
 
+    layer_class = DecoderLayer  # (Qwen3.5's: models.qwen3_5.HybridLayer)
     # EAGLE-3 speculation (engine.eagle): the layers whose input (the residual stream) each forward keeps in
     # aux_hidden, in this order; empty: none kept (no cost)
     aux_layers: tuple[int, ...] = ()

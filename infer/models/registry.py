@@ -59,7 +59,12 @@ SUPPORTED = {
     # IBM's Granite SWA (granite-swash): Granite's layers with sliding windows on the layers layer_types names, a
     # learned attention sink per head (gpt-oss's) and no rotary on the layers layer_rope_theta gives 0 (NoPE)
     "GraniteSWAForCausalLM": "granite_swa",
+    # Qwen3.5's text model: Gated DeltaNet (linear attention) layers and gated attention layers (models.qwen3_5), a
+    # state per sequence beside the paged KV
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
 }
+# the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5)
+HYBRID = ("qwen3_5_text",)
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
 # adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
@@ -324,6 +329,9 @@ def check_granite_swa(cfg) -> None:
 
 def model_class(cfg):
     check_supported(cfg)
+    if cfg.model_type in HYBRID:
+        from .qwen3_5 import Qwen3_5ForCausalLM
+        return Qwen3_5ForCausalLM
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class(cfg.model_type == "granitemoe")
@@ -340,3 +348,8 @@ def model_class(cfg):
             "starcoder2": Starcoder2ForCausalLM, "arcee": ArceeForCausalLM, "nemotron": NemotronForCausalLM,
             "apertus": ApertusForCausalLM, "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM,
             "granite_swa": GraniteSWAForCausalLM}.get(cfg.model_type, LlamaForCausalLM)
+
+
+def is_hybrid(cfg) -> bool:
+    """Whether the model keeps a linear-attention state per sequence (HYBRID: Qwen3.5)."""
+    return getattr(cfg, "model_type", None) in HYBRID

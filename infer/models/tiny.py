@@ -147,6 +147,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, num_hidden_layers=4, sliding_window=64, tie_word_embeddings=False, embedding_multiplier=12.0,
         residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
         layer_rope_theta=[0, 10000.0, 10000.0, 10000.0])),
+    # Qwen3.5's text model: 3 Gated DeltaNet layers and a gated attention layer (full_attention_interval 4), a
+    # partial rotary (a quarter of each head of 32), linear heads of 16 (2 key heads, 4 value heads), conv kernel 4
+    "tiny-qwen3_5": TinySpec("qwen3_5_text", 27, config=dict(
+        _TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 2], "mrope_interleaved": True})),
     # multimodal checkpoints (models.multimodal: infer serves their text model): a tiny vision tower (skipped) and
     # the language model of text_config, saved in the hub's layout (language_model.model.*). Gemma 3's (4B and
     # larger): Gemma 3's text layers as tiny-gemma3's; untied head (as Gemma's above)

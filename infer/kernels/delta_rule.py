@@ -1,0 +1,83 @@
+"""The gated delta rule of Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's linear attention), and their causal
+depthwise conv1d, in torch: the CPU path and the oracle (transformers' torch_chunk_gated_delta_rule and
+torch_recurrent_gated_delta_rule, the same ops in the same order). The GPU runs these too for now; Triton kernels
+(flash-linear-attention's chunked and fused recurrent forms) are a later step.
+
+Semantics: per value head, a state S [Dk, Dv] (float32) that each token t updates as
+S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T, with output o_t = S^T q_t; q and k L2-normed, q scaled by
+Dk ** -0.5."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _prepared(q, k, v, g, beta, divide: bool = False):
+    """[H, T, ...] float32 tensors of [T, H, ...] inputs (the k heads repeated to the value heads), q and k
+    L2-normed, q scaled (`divide`: divided by sqrt(Dk), as transformers' recurrent form rounds it)."""
+    hv, hk = v.shape[1], k.shape[1]
+    if hv != hk:
+        q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+    q, k, v, beta, g = [x.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g)]
+    q, k = _l2norm(q), _l2norm(k)
+    q = q / q.shape[-1] ** 0.5 if divide else q * q.shape[-1] ** -0.5
+    return q, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64):
+    """One sequence's T tokens: q, k [T, Hk, Dk], v [T, Hv, Dv], g and beta [T, Hv]; `state` [Hv, Dk, Dv] float32,
+    the state before them. Returns (o [T, Hv, Dv] in v's dtype, the state after them), in chunks of `chunk` tokens
+    (transformers' torch_chunk_gated_delta_rule)."""
+    dtype, t = v.dtype, v.shape[0]
+    q, k, v, g, beta = _prepared(q, k, v, g, beta)
+    pad = (chunk - t % chunk) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = [x.reshape(x.shape[0], -1, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta)]
+    g = g.reshape(g.shape[0], -1, chunk).cumsum(dim=-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    inner = (q @ k.transpose(-1, -2)) * decay
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    out = torch.zeros_like(values)
+    q = q * g.exp().unsqueeze(-1)
+    k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    last = g[..., -1].exp()[..., None, None]
+    s = state.to(values)
+    for i in range(q.shape[1]):
+        v_new = values[:, i] - k_cum[:, i] @ s
+        out[:, i] = q[:, i] @ s + inner[:, i] @ v_new
+        s = s * last[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :t]
+    return out.transpose(0, 1).to(dtype), s
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
+    """One token of each of B sequences: q, k [B, Hk, Dk], v [B, Hv, Dv], g and beta [B, Hv]; `state` [B, Hv, Dk,
+    Dv] float32. Returns (o [B, Hv, Dv] in v's dtype, the states after it) (transformers'
+    torch_recurrent_gated_delta_rule, a step)."""
+    dtype = v.dtype
+    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepared(q, k, v, g, beta, divide=True))  # (back to batch first)
+    s = state.to(torch.float32) * g.exp()[..., None, None]
+    mem = (s * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - mem) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (s * q.unsqueeze(-1)).sum(dim=-2).to(dtype), s
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+    """x [B, C, T] after the conv state [B, C, K - 1] (the inputs before it): (silu of the depthwise causal conv1d
+    [B, C, T] in x's dtype, the new conv state [B, C, K - 1]); weight [C, 1, K] (transformers' causal_conv1d_update:
+    F.conv1d over the state and x)."""
+    full = torch.cat([state.to(weight.dtype), x.to(weight.dtype)], dim=-1)
+    out = F.conv1d(full, weight, None, padding=0, groups=x.shape[1])[..., -x.shape[-1]:]
+    return F.silu(out).to(x.dtype), full[..., -state.shape[-1]:]

@@ -1,0 +1,226 @@
+"""Qwen3.5's text model (transformers' Qwen3_5ForCausalLM, model_type qwen3_5_text): a hybrid of Gated DeltaNet
+(linear attention) layers and gated full-attention layers (layer_types "linear_attention" / "full_attention", 3 of
+every 4 linear), each followed by Llama's MLP; RMSNorms by 1 + weight (Gemma's).
+
+A linear-attention layer keeps, per running sequence, a conv state [conv_dim, K - 1] and a recurrent state [Hv, Dk,
+Dv] (float32) of fixed size: the per-sequence state cache beside the paged KV (vLLM's mamba cache). The engine gives
+every running sequence a slot of the pool (`allocate_states`: max_num_seqs slots and one for the padding rows of a
+CUDA graph's decode step) and the forward context its step's slots (ctx.state_slots, one per sequence); a sequence
+whose step starts at position 0 (a new prefill, or a preempted one recomputed) starts from zero state. A prefill
+chunk runs the chunked delta rule from its slot's state, a decode the recurrent one, batched over the step's
+sequences with the slots indexed by a tensor (graph-safe)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..kernels import delta_rule
+from .context import ForwardContext
+from .layers import MergedLinear
+from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _NormConsumer
+
+
+class GatedRMSNorm(nn.Module):
+    """transformers' Qwen3_5RMSNormGated: the row normed in float32, weighted in the model's dtype, times
+    silu(gate) in float32, rounded once."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x, gate):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class _Conv(nn.Module):
+    """The depthwise conv1d's weight [C, 1, K] (no bias), under the checkpoint's name."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """transformers' Qwen3_5GatedDeltaNet on a flat batch: in_proj_qkv and in_proj_z merged (in_proj_qkvz), in_proj_b
+    and in_proj_a merged (in_proj_ba), the causal conv1d over q|k|v, the gated delta rule, the gated RMSNorm, out_proj.
+    Its states (conv_state, rec_state: [slots, ...]) are set by allocate_states."""
+
+    def __init__(self, cfg, prefix: str, method_for, dtype):
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim, self.kernel = 2 * self.key_dim + self.value_dim, cfg.linear_conv_kernel_dim
+        names = [f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z"]
+        self.in_proj_qkvz = MergedLinear(cfg.hidden_size, [self.conv_dim, self.value_dim], names, False,
+                                         method_for(names), dtype)
+        names = [f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"]
+        self.in_proj_ba = MergedLinear(cfg.hidden_size, [self.hv, self.hv], names, False, method_for(names), dtype)
+        self.out_proj = MergedLinear(self.value_dim, [cfg.hidden_size], [f"{prefix}.out_proj"], False,
+                                     method_for([f"{prefix}.out_proj"]), dtype)
+        self.out_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
+        self.conv1d = _Conv(self.conv_dim, self.kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.hv, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, float(cfg.rms_norm_eps), dtype)
+        self.conv_state = self.rec_state = None  # [slots, conv_dim, K - 1], [slots, Hv, Dk, Dv] (allocate_states)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A slot's (conv state, recurrent state) shapes."""
+        return (self.conv_dim, self.kernel - 1), (self.hv, self.dk, self.dv)
+
+    def forward(self, x, ctx: ForwardContext, kept):
+        """(the layer's output, out_proj's LoRA delta for the norm after it). kept [B] bool: whether each sequence's
+        slot holds its state (False: the step starts at position 0, from zero state)."""
+        t = x.shape[0]
+        mixed, z = self.in_proj_qkvz(x, ctx).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x, ctx).split([self.hv, self.hv], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if ctx.max_query_len == 1:
+            o = self._decode(mixed, g, beta, ctx.state_slots, kept)
+        else:
+            o = torch.cat([self._sequence(mixed, g, beta, s, e, slot, k) for s, e, slot, k in zip(
+                ctx.query_start_loc[:-1].tolist(), ctx.query_start_loc[1:].tolist(), ctx.state_slots.tolist(),
+                kept.tolist())])
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(t, self.value_dim)
+        return self.out_proj.forward_deferred(o, ctx)
+
+    def _split(self, conv_out):
+        """q, k [T, Hk, Dk], v [T, Hv, Dv] of the conv's output [T, conv_dim]."""
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        t = conv_out.shape[0]
+        return q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv)
+
+    def _decode(self, mixed, g, beta, slots, kept):
+        """One token of each sequence, its states read and written at `slots` (tensor indexing: no host sync)."""
+        keep = kept.to(self.rec_state.dtype)
+        conv = self.conv_state.index_select(0, slots) * keep[:, None, None].to(self.conv_state.dtype)
+        out, conv = delta_rule.causal_conv1d(mixed.unsqueeze(-1), self.conv1d.weight, conv)
+        self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
+        q, k, v = self._split(out.squeeze(-1))
+        state = self.rec_state.index_select(0, slots) * keep[:, None, None, None]
+        o, state = delta_rule.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        self.rec_state.index_copy_(0, slots, state)
+        return o
+
+    def _sequence(self, mixed, g, beta, s: int, e: int, slot: int, kept: bool):
+        """Tokens s..e-1 of one sequence from its slot's states (zero where not `kept`); the slot updated."""
+        conv = self.conv_state[slot:slot + 1] if kept else self.conv_state.new_zeros(1, *self.conv_state.shape[1:])
+        out, conv = delta_rule.causal_conv1d(mixed[s:e].t().unsqueeze(0), self.conv1d.weight, conv)
+        self.conv_state[slot] = conv[0]
+        q, k, v = self._split(out[0].t())
+        state = self.rec_state[slot] if kept else torch.zeros_like(self.rec_state[slot])
+        if e - s == 1 and kept:  # (a decode in a mixed step: the recurrent form, as transformers decodes)
+            o, new = delta_rule.recurrent_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state[None])
+            new = new[0]
+        else:
+            o, new = delta_rule.chunk_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state)
+        self.rec_state[slot] = new
+        return o
+
+
+class GatedAttention(Attention):
+    """transformers' Qwen3_5Attention: q_proj's output is each head's query and its output gate (interleaved by
+    head), q and k normed per head (by 1 + weight), a partial rotary, the attention's output times sigmoid(gate)
+    before o_proj."""
+
+    def __init__(self, cfg, prefix: str, method_for, dtype, layer: int = 0):
+        super().__init__(cfg, prefix, method_for, dtype, layer)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        names = [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [2 * self.q_size, self.kv_size, self.kv_size], names, bias,
+                                     method_for(names), dtype)
+        self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], bias,
+                                   method_for([f"{prefix}.o_proj"]), dtype)
+        self.o_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
+        self.qk_norm = True
+        eps = float(cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype, unit_offset=True)
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype, unit_offset=True)
+
+    def forward(self, positions, x, ctx: ForwardContext, cos_sin):
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        qg, k, v = self.qkv_proj(x, ctx).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.reshape(t, h, 2 * d)
+        gate = qg[..., d:].reshape(t, self.q_size)
+        q, k = self._normed(qg[..., :d].reshape(t, self.q_size), k, self.q_norm, self.k_norm)
+        q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, d, self.k_cache, self.v_cache, self._kv(ctx)[1])
+        o = self.attend(q.reshape(t, self.q_size), ctx) * torch.sigmoid(gate)
+        return self.o_proj.forward_deferred(o, ctx)
+
+
+
+class HybridLayer(nn.Module):
+    """A decoder layer of Qwen3.5: a Gated DeltaNet (linear_attn) or a gated attention (self_attn), Llama's MLP, two
+    norms by 1 + weight."""
+
+    def __init__(self, cfg, i: int, method_for, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.linear = cfg.layer_types[i] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, f"{p}.linear_attn", method_for, dtype)
+        else:
+            self.self_attn = GatedAttention(cfg, f"{p}.self_attn", method_for, dtype, i)
+        self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
+        self.mlp.down_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
+        eps = float(cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, unit_offset=True)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's text model: Llama's loop over HybridLayers; the final norm by 1 + weight. `allocate_states` sets
+    the state cache of its linear-attention layers."""
+
+    layer_class = HybridLayer
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
+                              "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.norm = RMSNorm(cfg.hidden_size, float(cfg.rms_norm_eps), dtype, unit_offset=True)
+        self.state_pad_slot = None  # the padding rows' slot (allocate_states)
+
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.layers if layer.linear]
+
+    def allocate_states(self, num_seqs: int, device) -> int:
+        """Give each linear-attention layer its states for num_seqs sequences and one padding slot (the last: a CUDA
+        graph's padding rows write there); their bytes."""
+        total = 0
+        for layer in self.linear_layers():
+            conv, rec = layer.state_shapes()
+            layer.conv_state = torch.zeros(num_seqs + 1, *conv, dtype=layer.conv1d.weight.dtype, device=device)
+            layer.rec_state = torch.zeros(num_seqs + 1, *rec, dtype=torch.float32, device=device)
+            total += layer.conv_state.nbytes + layer.rec_state.nbytes
+        self.state_pad_slot = num_seqs
+        return total
+
+    def embed_and_norm(self, input_ids: torch.Tensor):
+        return self._scaled_embed_and_norm(input_ids, 1.0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_and_norm(input_ids)
+        starts = ctx.query_start_loc
+        kept = (ctx.seq_lens - (starts[1:] - starts[:-1])) > 0  # each sequence's state carried from its last step
+        delta = None
+        for i, layer in enumerate(self.layers):
+            if i:
+                x, residual = layer.input_layernorm(x, residual, delta)
+            if layer.linear:
+                x, delta = layer.linear_attn(x, ctx, kept)
+            else:
+                x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
+            x, residual = layer.post_attention_layernorm(x, residual, delta)
+            x, delta = layer.mlp(x, ctx)
+        x, _ = self.norm(x, residual, delta)
+        return x
