@@ -20,11 +20,12 @@ from ..errors import ConfigError, OutOfMemoryError
 from ..kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 from ..models.limits import context_limit
 from ..lora.targets import slot_scope
+from ..models.registry import is_hybrid
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, group_kv_bytes_per_token,
-                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, pools, sampler_row_bytes, step_tokens,
-                    weights_bytes, window_blocks)
+                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, pools, sampler_row_bytes, state_bytes,
+                    step_tokens, weights_bytes, window_blocks)
 
 
 class PlanOptions(Protocol):
@@ -359,6 +360,9 @@ class MemoryPlan:
     # a block (kv_block_bytes) is one group's layers', a sequence holds a table per group (blocks_for)
     kv_groups: int = 0
     full_groups: int = 0
+    # a hybrid model's state cache (memory.sizes.state_bytes: max_num_seqs slots of its linear-attention layers'
+    # states), beside the KV blocks; 0: none
+    state_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -464,7 +468,9 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
             * engine_config.block_size
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
-    kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve) // block
+    # a hybrid model's state cache (engine.state_cache): a slot per sequence
+    states = state_bytes(model_config, dtype, engine_config.max_num_seqs) if is_hybrid(model_config) else 0
+    kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve - states) // block
     window, step = kv_window(engine_config, model_config, max_length, draft_config)
     if groups is not None:
         window, step = max(groups[1]), groups[2]
@@ -475,7 +481,7 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
                       window=window, window_batched=engine_config.max_num_batched_tokens if window else 0,
                       window_ahead=step - min(engine_config.max_num_batched_tokens, max_length) if window else 0,
                       kv_groups=len(groups[1]) if groups else 0,
-                      full_groups=groups[1].count(0) if groups else 0)
+                      full_groups=groups[1].count(0) if groups else 0, state_bytes=states)
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,

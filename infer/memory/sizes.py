@@ -16,7 +16,32 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    return 2 * model_config.num_hidden_layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
+    """K and V of every layer that attends (a hybrid model's linear-attention layers keep a state instead:
+    state_bytes)."""
+    layers = model_config.num_hidden_layers - len(_linear_layers(model_config))
+    return 2 * layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
+
+
+def _linear_layers(model_config) -> list[int]:
+    """A hybrid model's linear-attention layers (layer_types "linear_attention": Qwen3.5's), else none."""
+    from ..models.registry import is_hybrid
+    if not is_hybrid(model_config):
+        return []
+    return [i for i, t in enumerate(model_config.layer_types) if t == "linear_attention"]
+
+
+def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
+    """A hybrid model's state cache (engine.state_cache, models.qwen3_5.Qwen3_5ForCausalLM.allocate_states): per
+    linear-attention layer, num_seqs slots and a padding slot of a conv state [conv_dim, K - 1] in the model's dtype
+    and a float32 recurrent state [Hv, Dk, Dv]; 0 for other models."""
+    layers = len(_linear_layers(model_config))
+    if not layers:
+        return 0
+    c = model_config
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    conv = conv_dim * (c.linear_conv_kernel_dim - 1) * element_bytes(dtype)
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    return layers * (num_seqs + 1) * (conv + rec)
 
 
 def kv_window(engine_config, model_config, max_length: int, draft_config=None) -> tuple[int, int]:

@@ -1,0 +1,105 @@
+"""Qwen3.5's text model (Qwen3_5ForCausalLM: Gated DeltaNet layers and gated attention, models.qwen3_5) with its
+per-sequence state cache (engine.state_cache) equals transformers (float32): greedy tokens and logprobs of several
+concurrent prompts of different lengths, prompts cut into chunks, preemption by recompute under a tiny KV budget; the
+state slots are taken and given back; prefix caching is off for it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, greedy_each, greedy_tokens,
+                      hf_model, random_prompts)
+
+NAME = "tiny-qwen3_5"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model(str(ensure_builtin(NAME)))
+
+
+def _slots_all_free(llm) -> None:
+    """Every state slot back in the pool, no block held."""
+    states = llm.engine.block_manager.states
+    assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def _linear_layers_hold_states(model) -> None:
+    layers = model.linear_layers()
+    assert len(layers) == 3 and all(layer.rec_state.dtype == torch.float32 for layer in layers)
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(hf):
+    """Prompts of 5, 13 and 30 tokens, 10 tokens generated, batched (decodes of some beside the others' prefills):
+    transformers' tokens, each logprob within 1e-4."""
+    check_greedy_and_logprobs_equal_transformers(ensure_builtin(NAME), hf, NAME, _linear_layers_hold_states)
+
+
+def test_chunked_prefill_carries_the_state_across_steps(hf):
+    """Steps of 8 tokens: every prompt of 30 and 41 tokens runs in chunks whose states carry over, mixed with the
+    others' decodes; a prompt of one token too (its first step a decode-shaped step from zero state)."""
+    prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
+    with LLM(str(ensure_builtin(NAME)), block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        _slots_all_free(llm)
+
+
+def test_preemption_restarts_from_zero_state(hf):
+    """A KV budget of 16 blocks of 4 for 4 prompts: some are preempted and recomputed from position 0 (their slot
+    given back and a new one taken, zero state), and still give transformers' tokens."""
+    prompts = random_prompts(512, (20, 25, 17, 30), seed=4)
+    with LLM(str(ensure_builtin(NAME)), block_size=4, num_kv_blocks=16, max_model_len=64) as llm:
+        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
+        assert llm.engine.scheduler.num_preemptions > 0
+        _slots_all_free(llm)
+
+
+def test_prefix_caching_is_off_with_a_note(hf, caplog):
+    """enable_prefix_caching asked: the engine runs without it (a cached prefix's KV lacks the linear layers' state
+    at its end) and says so; a prompt sharing another's prefix still gives transformers' tokens."""
+    prompts = random_prompts(512, (24,), seed=6)
+    prompts.append(prompts[0][:16] + [7, 8, 9])
+    with caplog.at_level(logging.INFO, logger="infer"):
+        llm = LLM(str(ensure_builtin(NAME)), block_size=4, enable_prefix_caching=True)
+    with llm:
+        assert "prefix caching is off for qwen3_5_text" in caplog.text
+        assert not llm.engine.block_manager.enable_prefix_caching
+        want = greedy_each(hf, prompts, 6)
+        assert greedy_tokens(llm, prompts[:1], 6) == want[:1]
+        assert greedy_tokens(llm, prompts[1:], 6) == want[1:]
+        assert llm.engine.stats()["prefix_cache_hits"] == 0
+
+
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests({NAME: "Qwen3_5ForCausalLM"})
+
+
+def test_warmup_counts_the_state_cache():
+    """`infer warmup --estimate` counts the state slots of max_num_seqs sequences (the bytes the engine allocates)
+    and the KV of the attention layer only (1 of 4 layers): its KV blocks are fewer by the states' bytes."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.memory.sizes import kv_bytes_per_token
+    res = CliRunner().invoke(app, ["warmup", NAME, "--estimate", "--json", "--max-length", "256", "--max-num-seqs",
+                                   "8", "--memory-limit", "256MiB"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(NAME, max_model_len=256, max_num_seqs=8) as llm:
+        assert plan["state_bytes"] == llm.engine.runner.state_bytes > 0
+        assert plan["kv_bytes_per_token"] == kv_bytes_per_token(llm.engine.model_config, torch.float32) == 2 * 64 * 4
+        assert llm.engine.runner.kv_cache.shape[0] == 1  # (the attention layer's KV alone)
+    res = CliRunner().invoke(app, ["warmup", NAME, "--estimate", "--json", "--max-length", "256", "--max-num-seqs",
+                                   "64", "--memory-limit", "256MiB"])
+    more = json.loads(res.stdout.strip().splitlines()[-1])
+    assert more["state_bytes"] == plan["state_bytes"] * 65 // 9
+    assert more["kv_blocks"] < plan["kv_blocks"]
