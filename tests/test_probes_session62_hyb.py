@@ -103,3 +103,55 @@ def test_warmup_counts_the_state_cache():
     more = json.loads(res.stdout.strip().splitlines()[-1])
     assert more["state_bytes"] == plan["state_bytes"] * 65 // 9
     assert more["kv_blocks"] < plan["kv_blocks"]
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_emulated_decode_graphs_index_the_state_slots(hf, monkeypatch, triton):
+    """Decode steps through (emulated) CUDA graphs: the rows' state slots are a static buffer the step copies in,
+    padding rows read zero state and write the padding slot; 5 sequences of different output lengths replay every
+    bucket and give transformers' tokens. `triton`: every op through its Triton kernel (interpreted), the GPU's code
+    path. No piecewise graphs for this model (prefills run eagerly)."""
+    if triton:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU runs the real kernels and graphs")
+        from infer import kernels
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
+    lens = [3, 5, 8, 11, 14]
+    with LLM(NAME, max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96, cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(96, emulate=True)
+        assert llm.engine.runner.pieces is None
+        got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                          for n in lens])]
+        assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
+        _slots_all_free(llm)
+    assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]
+
+
+def test_mixed_adapters_on_attention_and_mlp_equal_peft(tmp_path):
+    """Two adapters (every attention and MLP projection, the gated q_proj included; q, v and up alone) and the base
+    model in one batch and each alone: peft's tokens."""
+    from lora_helpers import ALL, check_mixed_adapters_equal_peft, hf_float, save_adapters
+    base = ensure_builtin(NAME)
+    hf = hf_float(base)
+    paths = save_adapters(hf, tmp_path, {"all": dict(r=8, lora_alpha=16, target_modules=ALL),
+                                         "qvu": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"])})
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qvu"])
+
+
+def test_adapters_of_the_linear_attention_layers_are_refused(tmp_path):
+    """An adapter of the Gated DeltaNet's projections is refused at registration, naming them and what to adapt."""
+    from lora_helpers import hf_float, save_adapters
+
+    from infer.errors import LoRAError
+    paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"lin": dict(r=4, lora_alpha=8, target_modules=[
+        "in_proj_qkv", "out_proj", "down_proj"])})
+    with pytest.raises(LoRAError, match=r"targets \['in_proj_qkv', 'out_proj'\], the projections of qwen3_5_text's "
+                                        r"linear-attention \(Gated DeltaNet\) layers.*retrain with target_modules"):
+        LLM(NAME, loras={"lin": str(paths["lin"])}, max_lora_rank=8)
+
+
+def test_speculative_decoding_is_refused():
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match="--speculative-config cannot run qwen3_5_text: its linear-attention"):
+        LLM(NAME, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})

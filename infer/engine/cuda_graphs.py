@@ -173,6 +173,10 @@ class DecodeGraphs(_StaticTokens):
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the hidden states its graph writes
         self.extra: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its other outputs (_call; none: ())
         self.aux = len(getattr(model, "aux_layers", ()))  # EAGLE-3: the target's aux states kept (none: no cost)
+        # a hybrid model's state slot of each row (models.qwen3_5), padding rows the model's padding slot
+        self.state_pad = getattr(model, "state_pad_slot", None)
+        self.state_slots = torch.full((b,), self.state_pad, dtype=torch.long, device=dev) \
+            if self.state_pad is not None else None
 
     # ------------------------------------------------------------------ capture
     def _args(self, b: int) -> tuple:
@@ -200,6 +204,8 @@ class DecodeGraphs(_StaticTokens):
                              block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b], max_query_len=1)
         if self.extra_groups:
             ctx.kv_groups = (self.group_tables[:, :b], self.group_slots[:, :b])
+        if self.state_slots is not None:
+            ctx.state_slots = self.state_slots[:b]
         ctx.lora = self._lora_batch(b)
         return ctx
 
@@ -241,11 +247,15 @@ class DecodeGraphs(_StaticTokens):
         super()._pad(n, b)
         if b > n:
             self.seq_lens[n:b].fill_(0)
+            if self.state_slots is not None:  # (zero state, written to the padding slot)
+                self.state_slots[n:b].fill_(self.state_pad)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The hidden states [n, hidden] of a decode step of n sequences (ctx as the model runner built it)."""
         self.seq_lens[:input_ids.shape[0]].copy_(ctx.seq_lens)
         self.block_tables[:input_ids.shape[0], :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        if self.state_slots is not None:
+            self.state_slots[:input_ids.shape[0]].copy_(ctx.state_slots)
         if self.extra_groups:
             self.group_tables[:, :input_ids.shape[0], :ctx.block_tables.shape[1]].copy_(
                 ctx.block_tables if ctx.kv_groups is None else ctx.kv_groups[0])

@@ -37,7 +37,7 @@ from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
 from .sleep import MODES, PAUSED, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
-from .state_cache import StateSlots, prefix_caching_for
+from .state_cache import StateSlots, prefix_caching_for, refuse_hybrid_options
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
@@ -233,6 +233,7 @@ class LLMEngine:
         self.model_path, self.model_config, self.tokenizer = parts.path, parts.model_config, parts.tokenizer
         self.dtype, self.device, self.max_model_len = parts.dtype, parts.device, parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids
+        refuse_hybrid_options(config, self.model_config)  # (what a hybrid model's state cache cannot do)
         self.memory_plan = parts.memory_plan
         self.lora_manager = parts.lora_manager
         if self.lora_manager is not None:  # the expand in the int4 matmul's epilogue, or launched on its own

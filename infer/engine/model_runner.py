@@ -67,7 +67,7 @@ class ModelRunner:
         if self.draft is not None:  # the draft's one-token forwards (engine.draft), in the same pool
             self.draft.capture_graphs(self.config.max_num_seqs, max_blocks, emulate, pool=graphs.pool,
                                       high_priority=priority)
-        tokens = self.config.piecewise_tokens()
+        tokens = self.config.piecewise_tokens() if getattr(self.model, "piecewise", True) else 0
         if tokens:
             pieces = PiecewiseGraphs(self.model, tokens, self.device, self.lora_manager, emulate, pool=graphs.pool,
                                      high_priority=priority)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import ConfigError
 from ..models.registry import is_hybrid
 
 log = logging.getLogger("infer")
@@ -21,6 +22,15 @@ def prefix_caching_for(model_config, caching: bool) -> bool:
                  "KV blocks cannot restore (every prompt is computed in full)", model_config.model_type)
         return False
     return caching
+
+
+def refuse_hybrid_options(config, model_config) -> None:
+    """Speculative decoding on a hybrid model: a step's rejected draft tokens would leave the linear layers' states
+    advanced past them (no state to roll back to: vLLM needed per-token state copies): refused."""
+    if is_hybrid(model_config) and config.speculative_config is not None:
+        raise ConfigError(f"--speculative-config cannot run {model_config.model_type}: its linear-attention layers "
+                          "keep one state per sequence, which a rejected draft token would leave advanced",
+                          "leave --speculative-config out for this model")
 
 
 class StateSlots:

@@ -21,7 +21,7 @@ import torch
 from ..errors import LoRAError
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
-from ..models.registry import COHERE, GLM, UNGATED
+from ..models.registry import COHERE, GLM, UNGATED, is_hybrid
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
@@ -191,6 +191,7 @@ class LoRAAdapter:
         problems += _non_linear_targets(self.config, base_config)
         problems[:0] = _moe_problems(self, base_config)  # first: whatever else is wrong, this is why
         problems[:0] = _multimodal_problems(self, base_config)
+        problems[:0] = _linear_attention_problems(self, base_config)  # first: the reason, not "absent"
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
@@ -237,6 +238,26 @@ def _multimodal_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         f"use an adapter trained on the {base} checkpoint (its text model's adapters fit its text "
                         "model's checkpoint)")]
     return []
+
+
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
+
+
+def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
+    """An adapter of a hybrid model's linear-attention projections (Qwen3.5's Gated DeltaNet: models.qwen3_5), which
+    infer does not adapt (yet): refused naming them (its attention's and MLP's projections are adapted)."""
+    if not is_hybrid(base_config):
+        return []
+    targets = adapter.config.get("target_modules")
+    names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
+    names |= {m.proj for m in adapter.modules.values()}
+    listed = sorted(names & set(LINEAR_ATTENTION))
+    if not listed:
+        return []
+    return [Problem(f"targets {listed}, the projections of {base_config.model_type}'s linear-attention (Gated "
+                    "DeltaNet) layers, which infer's adapters do not adapt", "retrain with target_modules among the "
+                    "attention's and the MLP's projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                    "down_proj)")]
 
 
 def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> list[Problem]:
@@ -448,7 +469,9 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     if getattr(base_config, "model_type", None) in GLM:  # q, k and v apart, gate|up one module
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+    # Qwen3.5's gated attention: q_proj's output is each head's query and its gate (models.qwen3_5)
+    wide = 2 if is_hybrid(base_config) else 1
+    return {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 

@@ -152,8 +152,15 @@ class GatedAttention(Attention):
         qg = qg.reshape(t, h, 2 * d)
         gate = qg[..., d:].reshape(t, self.q_size)
         q, k = self._normed(qg[..., :d].reshape(t, self.q_size), k, self.q_norm, self.k_norm)
-        q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, d, self.k_cache, self.v_cache, self._kv(ctx)[1])
-        o = self.attend(q.reshape(t, self.q_size), ctx) * torch.sigmoid(gate)
+        tables, slots = self._kv(ctx)
+        if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU
+            o = kernels.decode_attention(positions, q, k, v, cos_sin, d, self.k_cache, self.v_cache, slots, tables,
+                                         ctx.seq_lens, ctx.query_start_loc, self.scale, None, self.softcap,
+                                         self.window, self.sinks).reshape(t, self.q_size)
+        else:
+            q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, d, self.k_cache, self.v_cache, slots)
+            o = self.attend(q.reshape(t, self.q_size), ctx)
+        o = o * torch.sigmoid(gate)
         return self.o_proj.forward_deferred(o, ctx)
 
 
@@ -182,6 +189,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     the state cache of its linear-attention layers."""
 
     layer_class = HybridLayer
+    piecewise = False  # no piecewise CUDA graphs (its `piece` is Llama's): prefills and mixed steps run eagerly
     packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
                               "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
 
