@@ -14,7 +14,8 @@ from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
 from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, greedy_each, greedy_tokens,
-                      hf_model, random_prompts)
+                     hf_model, random_prompts)
+from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-qwen3_5"
 
@@ -155,3 +156,37 @@ def test_speculative_decoding_is_refused():
     from infer.errors import ConfigError
     with pytest.raises(ConfigError, match="--speculative-config cannot run qwen3_5_text: its linear-attention"):
         LLM(NAME, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+@needs_gptqmodel
+def test_infer_quantize_and_the_gptq_checkpoint_equal_transformers_dequantized(tmp_path):
+    """`infer quantize` (GPTQModel's qwen3_5_text definition) writes the linear attention's in_proj_qkv, in_proj_z and
+    out_proj and the attention's and MLP's projections int4, in_proj_b and in_proj_a float; infer loads it (the int4
+    layers merged, in_proj_ba float) and gives transformers' greedy tokens on the dequantized weights; `infer warmup
+    --estimate` counts its weights as loaded."""
+    import json
+
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.memory.sizes import weights_bytes
+    from quant_helpers import dequantized_float_model, infer_quantize
+    out = infer_quantize(NAME, tmp_path / "q")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    prefix = "model.layers.0.linear_attn."
+    assert {prefix + p + ".qweight" for p in ("in_proj_qkv", "in_proj_z", "out_proj")} <= names
+    assert {prefix + "in_proj_b.weight", prefix + "in_proj_a.weight", "model.layers.3.self_attn.q_proj.qweight"} \
+        <= names
+    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+        model = llm.engine.runner.model
+        assert model.layers[0].linear_attn.in_proj_qkvz.qweight is not None
+        assert model.layers[0].linear_attn.in_proj_ba.weight.is_floating_point()
+        assert plan["weights_bytes"] == weights_bytes(model)
+        got = greedy_tokens(llm, prompts, 8)
+    assert got == greedy_each(dequantized_float_model(ensure_builtin(NAME), out), prompts, 8)

@@ -19,7 +19,7 @@ from torch import nn
 from .. import kernels
 from ..kernels import delta_rule
 from .context import ForwardContext
-from .layers import MergedLinear
+from .layers import MergedLinear, UnquantizedLinearMethod
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _NormConsumer
 
 
@@ -62,7 +62,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = MergedLinear(cfg.hidden_size, [self.conv_dim, self.value_dim], names, False,
                                          method_for(names), dtype)
         names = [f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"]
-        self.in_proj_ba = MergedLinear(cfg.hidden_size, [self.hv, self.hv], names, False, method_for(names), dtype)
+        # (float in a GPTQ checkpoint too: GPTQModel's qwen3_5 definitions never quantize them, one output a head)
+        method = method_for(names) and UnquantizedLinearMethod("GPTQModel leaves in_proj_b and in_proj_a in float")
+        self.in_proj_ba = MergedLinear(cfg.hidden_size, [self.hv, self.hv], names, False, method, dtype)
         self.out_proj = MergedLinear(self.value_dim, [cfg.hidden_size], [f"{prefix}.out_proj"], False,
                                      method_for([f"{prefix}.out_proj"]), dtype)
         self.out_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
