@@ -1,5 +1,6 @@
 """Qwen3.5's text model (Qwen3_5ForCausalLM: Gated DeltaNet layers and gated attention, models.qwen3_5) with its
-per-sequence state cache (engine.state_cache) equals transformers (float32): greedy tokens and logprobs of several
+per-sequence state cache (engine.state_cache) equals transformers (float32), and Qwen3.5's multimodal checkpoints
+(Qwen3_5ForConditionalGeneration) served as that text model: greedy tokens and logprobs of several
 concurrent prompts of different lengths, prompts cut into chunks, preemption by recompute under a tiny KV budget; the
 state slots are taken and given back; prefix caching is off for it."""
 
@@ -79,7 +80,7 @@ def test_prefix_caching_is_off_with_a_note(hf, caplog):
 
 
 test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
-    builtin_model_tests({NAME: "Qwen3_5ForCausalLM"})
+    builtin_model_tests({NAME: "Qwen3_5ForCausalLM", "tiny-qwen3_5-mm": "Qwen3_5ForConditionalGeneration"})
 
 
 def test_warmup_counts_the_state_cache():

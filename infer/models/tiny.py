@@ -35,6 +35,12 @@ class TinySpec:
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=4096)
+# Qwen3.5's language model: 3 Gated DeltaNet layers and a gated attention layer (full_attention_interval 4), a partial
+# rotary (a quarter of each head of 32), linear heads of 16 (2 key heads, 4 value heads), conv kernel 4
+_QWEN3_5 = dict(_TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 2], "mrope_interleaved": True})
 BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-llama": TinySpec("llama", 1, config=dict(_TINY)),
     "tiny-qwen2": TinySpec("qwen2", 2, config=dict(_TINY)),
@@ -147,13 +153,8 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, num_hidden_layers=4, sliding_window=64, tie_word_embeddings=False, embedding_multiplier=12.0,
         residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
         layer_rope_theta=[0, 10000.0, 10000.0, 10000.0])),
-    # Qwen3.5's text model: 3 Gated DeltaNet layers and a gated attention layer (full_attention_interval 4), a
-    # partial rotary (a quarter of each head of 32), linear heads of 16 (2 key heads, 4 value heads), conv kernel 4
-    "tiny-qwen3_5": TinySpec("qwen3_5_text", 27, config=dict(
-        _TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [1, 1, 2], "mrope_interleaved": True})),
+    # Qwen3.5's text model (_QWEN3_5). Untied head (as Gemma's above)
+    "tiny-qwen3_5": TinySpec("qwen3_5_text", 27, config=dict(_QWEN3_5, tie_word_embeddings=False)),
     # multimodal checkpoints (models.multimodal: infer serves their text model): a tiny vision tower (skipped) and
     # the language model of text_config, saved in the hub's layout (language_model.model.*). Gemma 3's (4B and
     # larger): Gemma 3's text layers as tiny-gemma3's; untied head (as Gemma's above)
@@ -162,6 +163,11 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                          tie_word_embeddings=False),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14), mm_tokens_per_image=4, tie_word_embeddings=False)),
+    # Qwen3.5's (Qwen3.5-*: natively multimodal): tiny-qwen3_5's language model, a tiny vision tower
+    "tiny-qwen3_5-mm": TinySpec("qwen3_5", 28, config=dict(
+        text_config=dict(_QWEN3_5),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, num_position_embeddings=16), tie_word_embeddings=False)),
     # Mistral 3's (Mistral Small 3.1/3.2): a Mistral language model (no sliding window), a Pixtral vision tower
     "tiny-mistral3": TinySpec("mistral3", 23, config=dict(
         text_config=dict(_TINY, model_type="mistral", head_dim=16, tie_word_embeddings=False),
