@@ -136,8 +136,8 @@ def test_mixed_adapters_on_attention_and_mlp_equal_peft(tmp_path):
     from lora_helpers import ALL, check_mixed_adapters_equal_peft, hf_float, save_adapters
     base = ensure_builtin(NAME)
     hf = hf_float(base)
-    paths = save_adapters(hf, tmp_path, {"all": dict(r=8, lora_alpha=16, target_modules=ALL),
-                                         "qvu": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"])})
+    qvu = dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"])
+    paths = save_adapters(hf, tmp_path, {"all": dict(r=8, lora_alpha=16, target_modules=ALL), "qvu": qvu})
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qvu"])
 
 
