@@ -80,7 +80,8 @@ def test_prefix_caching_is_off_with_a_note(hf, caplog):
 
 
 test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
-    builtin_model_tests({NAME: "Qwen3_5ForCausalLM", "tiny-qwen3_5-mm": "Qwen3_5ForConditionalGeneration"})
+    builtin_model_tests({NAME: "Qwen3_5ForCausalLM", "tiny-qwen3_5-mm": "Qwen3_5ForConditionalGeneration",
+                         "tiny-qwen3-next": "Qwen3NextForCausalLM"})
 
 
 def test_warmup_counts_the_state_cache():
@@ -191,3 +192,30 @@ def test_infer_quantize_and_the_gptq_checkpoint_equal_transformers_dequantized(t
         assert plan["weights_bytes"] == weights_bytes(model)
         got = greedy_tokens(llm, prompts, 8)
     assert got == greedy_each(dequantized_float_model(ensure_builtin(NAME), out), prompts, 8)
+
+
+def test_qwen3_next_equals_transformers_batched_and_chunked():
+    """Qwen3-Next (Qwen3.5's layers with in_proj_qkvz and in_proj_ba stored fused by key head, two value heads a key
+    head; Qwen2-MoE's experts and gated shared expert): transformers' tokens and logprobs of prompts of 5, 13 and 30
+    batched, and its tokens in steps of 8 (prompts in chunks, mixed with decodes)."""
+    path = ensure_builtin("tiny-qwen3-next")
+    hf = hf_model(str(path))
+
+    def check_model(model):
+        layer = model.layers[0].linear_attn
+        assert layer.fused and layer.hv == 2 * layer.hk and model.layers[0].mlp.shared_expert is not None
+    check_greedy_and_logprobs_equal_transformers(path, hf, "tiny-qwen3-next", check_model)
+    prompts = random_prompts(512, (30, 17, 1), seed=5)
+    with LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=3) as llm:
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+        _slots_all_free(llm)
+
+
+def test_adapters_on_qwen3_next_are_refused(tmp_path):
+    from lora_helpers import ALL, hf_float, save_adapters
+
+    from infer.errors import LoRAError
+    path = ensure_builtin("tiny-qwen3-next")
+    paths = save_adapters(hf_float(path), tmp_path, {"a": dict(r=4, lora_alpha=8, target_modules=ALL[:4])})
+    with pytest.raises(LoRAError, match=r"adapters on Qwen3-Next \(qwen3_next\) are not supported yet"):
+        LLM(str(path), loras={"a": str(paths["a"])}, max_lora_rank=8)

@@ -248,6 +248,9 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
     infer does not adapt (yet): refused naming them (its attention's and MLP's projections are adapted)."""
     if not is_hybrid(base_config):
         return []
+    if base_config.model_type == "qwen3_next":
+        return [Problem("adapters on Qwen3-Next (qwen3_next) are not supported yet",
+                        "serve it without adapters (Qwen3.5's are: its attention's and MLP's projections)")]
     targets = adapter.config.get("target_modules")
     names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
     names |= {m.proj for m in adapter.modules.values()}

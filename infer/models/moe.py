@@ -63,9 +63,12 @@ from .layers import UnquantizedLinearMethod
 # OLMoE's is OLMo 2's (q and k normed over their whole projections, biases where attention_bias says) in Llama's
 # layer of two norms (its RMSNorms Llama's: the normed row rounded first)
 BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
-        "olmoe": "olmo2", "granitemoe": "granite"}
+        "olmoe": "olmo2", "granitemoe": "granite",
+        "qwen3_next": "qwen3_next"}  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
 _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", "granitemoe")
+# the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -333,7 +336,7 @@ class SparseMoeBlock(nn.Module):
             self.int4 = (gate_up.config, down.config)
         self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai)
         self.shared_expert = None
-        if cfg.model_type == "qwen2_moe":
+        if cfg.model_type in SHARED_EXPERT:
             shared = int(cfg.shared_expert_intermediate_size)
             # 0 wide (no shared expert: transformers builds it empty, its output 0): loaded, never run (its kernels
             # take no 0-wide rows)

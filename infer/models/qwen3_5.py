@@ -21,6 +21,7 @@ from ..kernels import delta_rule
 from .context import ForwardContext
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _NormConsumer
+from .moe import MoeForCausalLM, SparseMoeBlock, is_sparse
 
 
 class GatedRMSNorm(nn.Module):
@@ -58,13 +59,16 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim, self.kernel = 2 * self.key_dim + self.value_dim, cfg.linear_conv_kernel_dim
-        names = [f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z"]
-        self.in_proj_qkvz = MergedLinear(cfg.hidden_size, [self.conv_dim, self.value_dim], names, False,
-                                         method_for(names), dtype)
-        names = [f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"]
+        # Qwen3-Next stores q|k|v|z as one in_proj_qkvz and b|a as one in_proj_ba, each by key head (_qkvz, _ba)
+        self.fused = cfg.model_type == "qwen3_next"
+        names = [f"{prefix}.in_proj_qkvz"] if self.fused else [f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z"]
+        widths = [self.conv_dim + self.value_dim] if self.fused else [self.conv_dim, self.value_dim]
+        self.in_proj_qkvz = MergedLinear(cfg.hidden_size, widths, names, False, method_for(names), dtype)
+        names = [f"{prefix}.in_proj_ba"] if self.fused else [f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"]
+        widths = [2 * self.hv] if self.fused else [self.hv, self.hv]
         # (float in a GPTQ checkpoint too: GPTQModel's qwen3_5 definitions never quantize them, one output a head)
         method = method_for(names) and UnquantizedLinearMethod("GPTQModel leaves in_proj_b and in_proj_a in float")
-        self.in_proj_ba = MergedLinear(cfg.hidden_size, [self.hv, self.hv], names, False, method, dtype)
+        self.in_proj_ba = MergedLinear(cfg.hidden_size, widths, names, False, method, dtype)
         self.out_proj = MergedLinear(self.value_dim, [cfg.hidden_size], [f"{prefix}.out_proj"], False,
                                      method_for([f"{prefix}.out_proj"]), dtype)
         self.out_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
@@ -82,8 +86,8 @@ class GatedDeltaNet(nn.Module):
         """(the layer's output, out_proj's LoRA delta for the norm after it). kept [B] bool: whether each sequence's
         slot holds its state (False: the step starts at position 0, from zero state)."""
         t = x.shape[0]
-        mixed, z = self.in_proj_qkvz(x, ctx).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x, ctx).split([self.hv, self.hv], dim=-1)
+        mixed, z = self._qkvz(self.in_proj_qkvz(x, ctx))
+        b, a = self._ba(self.in_proj_ba(x, ctx))
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if ctx.max_query_len == 1:
@@ -94,6 +98,23 @@ class GatedDeltaNet(nn.Module):
                 kept.tolist())])
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(t, self.value_dim)
         return self.out_proj.forward_deferred(o, ctx)
+
+    def _qkvz(self, out):
+        """(q|k|v [T, conv_dim], z [T, value_dim]) of in_proj_qkvz's output: Qwen3-Next's by key head (each head's
+        q, k, then its value heads' v and z: transformers' fix_query_key_value_ordering)."""
+        if not self.fused:
+            return out.split([self.conv_dim, self.value_dim], dim=-1)
+        t, r = out.shape[0], self.hv // self.hk
+        q, k, v, z = out.view(t, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1), z.reshape(t, -1)
+
+    def _ba(self, out):
+        """(b, a) [T, Hv] of in_proj_ba's output (Qwen3-Next's by key head)."""
+        if not self.fused:
+            return out.split([self.hv, self.hv], dim=-1)
+        t, r = out.shape[0], self.hv // self.hk
+        b, a = out.view(t, self.hk, 2 * r).split([r, r], dim=-1)
+        return b.reshape(t, self.hv), a.reshape(t, self.hv)
 
     def _split(self, conv_out):
         """q, k [T, Hk, Dk], v [T, Hv, Dv] of the conv's output [T, conv_dim]."""
@@ -179,8 +200,11 @@ class HybridLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, f"{p}.linear_attn", method_for, dtype)
         else:
             self.self_attn = GatedAttention(cfg, f"{p}.self_attn", method_for, dtype, i)
-        self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
-        self.mlp.down_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
+        if is_sparse(cfg, i):  # Qwen3-Next's experts and gated shared expert (models.moe)
+            self.mlp = SparseMoeBlock(cfg, f"{p}.mlp", method_for, dtype)
+        else:
+            self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
+            self.mlp.down_proj.lora_consumer = _NormConsumer(dtype, unit_offset=True)
         eps = float(cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, unit_offset=True)
@@ -234,3 +258,16 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             x, delta = layer.mlp(x, ctx)
         x, _ = self.norm(x, residual, delta)
         return x
+
+
+_NEXT: list = []
+
+
+def qwen3_next_class() -> type:
+    """Qwen3-Next (transformers' Qwen3NextForCausalLM): Qwen3_5ForCausalLM with the loader's routing of a mixture of
+    experts' tensors (models.moe.MoeForCausalLM)."""
+    if not _NEXT:
+        _NEXT.append(type("Qwen3NextForCausalLM", (MoeForCausalLM, Qwen3_5ForCausalLM), {
+            "__doc__": "Qwen3-Next: Qwen3.5's hybrid layers, its MLPs a mixture of experts with a gated shared "
+                       "expert (models.moe)."}))
+    return _NEXT[0]

@@ -62,9 +62,12 @@ SUPPORTED = {
     # Qwen3.5's text model: Gated DeltaNet (linear attention) layers and gated attention layers (models.qwen3_5), a
     # state per sequence beside the paged KV
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    # Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5's hybrid layers (its in_proj_qkvz and in_proj_ba stored fused, by key
+    # head) with Qwen2-MoE's experts and gated shared expert (models.moe)
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5)
-HYBRID = ("qwen3_5_text",)
+HYBRID = ("qwen3_5_text", "qwen3_next")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
 # adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
@@ -330,8 +333,8 @@ def check_granite_swa(cfg) -> None:
 def model_class(cfg):
     check_supported(cfg)
     if cfg.model_type in HYBRID:
-        from .qwen3_5 import Qwen3_5ForCausalLM
-        return Qwen3_5ForCausalLM
+        from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_next_class
+        return qwen3_next_class() if cfg.model_type == "qwen3_next" else Qwen3_5ForCausalLM
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class(cfg.model_type == "granitemoe")

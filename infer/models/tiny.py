@@ -163,6 +163,12 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                          tie_word_embeddings=False),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14), mm_tokens_per_image=4, tie_word_embeddings=False)),
+    # Qwen3-Next: Qwen3.5's layers (_QWEN3_5, in_proj_qkvz and in_proj_ba stored fused), 8 experts of width 32 (top 2,
+    # renormalised) and a gated shared expert of 32 on every layer
+    "tiny-qwen3-next": TinySpec("qwen3_next", 29, config=dict(
+        _QWEN3_5, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
     # Qwen3.5's (Qwen3.5-*: natively multimodal): tiny-qwen3_5's language model, a tiny vision tower
     "tiny-qwen3_5-mm": TinySpec("qwen3_5", 28, config=dict(
         text_config=dict(_QWEN3_5),
