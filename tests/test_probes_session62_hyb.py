@@ -53,6 +53,17 @@ def test_chunked_prefill_carries_the_state_across_steps(hf):
         _slots_all_free(llm)
 
 
+def test_a_long_prompt_spans_several_chunks_of_the_delta_rule(hf):
+    """A prompt of 150 tokens in one step (three chunks of 64 of the chunked delta rule, the state decayed across
+    them) and one of 70 cut into steps of 40 (a chunk boundary inside a step's piece): transformers' tokens."""
+    prompts = random_prompts(512, (150, 70), seed=7)
+    want = greedy_each(hf, prompts, 6)
+    with LLM(NAME, block_size=4) as llm:
+        assert greedy_tokens(llm, prompts[:1], 6) == want[:1]
+    with LLM(NAME, block_size=4, max_num_batched_tokens=40, max_num_seqs=2) as llm:
+        assert greedy_tokens(llm, prompts[1:], 6) == want[1:]
+
+
 def test_preemption_restarts_from_zero_state(hf):
     """A KV budget of 16 blocks of 4 for 4 prompts: some are preempted and recomputed from position 0 (their slot
     given back and a new one taken, zero state), and still give transformers' tokens."""
