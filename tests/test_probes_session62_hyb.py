@@ -230,3 +230,18 @@ def test_adapters_on_qwen3_next_are_refused(tmp_path):
     paths = save_adapters(hf_float(path), tmp_path, {"a": dict(r=4, lora_alpha=8, target_modules=ALL[:4])})
     with pytest.raises(LoRAError, match=r"adapters on Qwen3-Next \(qwen3_next\) are not supported yet"):
         LLM(str(path), loras={"a": str(paths["a"])}, max_lora_rank=8)
+
+
+def test_beam_search_equals_transformers_beams(hf):
+    """A beam search (LLM.beam_search: a request per beam and step, each recomputed from position 0 with prefix
+    caching off) gives transformers' two beams; every state slot comes back."""
+    from infer.engine.beam import BeamSearchParams
+    prompt = random_prompts(512, (9,), seed=12)[0]
+    with LLM(NAME, block_size=4, max_num_seqs=4) as llm:
+        out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                                 ignore_eos=True))
+        _slots_all_free(llm)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), num_beams=2, num_return_sequences=2, max_new_tokens=4,
+                           do_sample=False, length_penalty=1.0, early_stopping=True, pad_token_id=0)
+    assert [s.tokens for s in out[0].sequences] == want.tolist()
