@@ -123,7 +123,7 @@ def expert_size(cfg) -> int:
 def shared_width(cfg) -> int:
     """The width of a sparse layer's shared expert (0: none): Qwen2-MoE's shared_expert_intermediate_size, GLM-4.5's
     n_shared_experts experts' (n_shared_experts * moe_intermediate_size)."""
-    if cfg.model_type == "qwen2_moe":
+    if cfg.model_type in SHARED_EXPERT:  # (Qwen3-Next's too)
         return int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
     if cfg.model_type == "glm4_moe":
         return int(getattr(cfg, "n_shared_experts", 0) or 0) * expert_size(cfg)
@@ -132,7 +132,8 @@ def shared_width(cfg) -> int:
 
 def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
-    return {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts"}.get(cfg.model_type)
+    return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "glm4_moe": "shared_experts"}.get(
+        cfg.model_type)
 
 
 def check_moe(cfg) -> None:
