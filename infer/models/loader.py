@@ -158,10 +158,31 @@ def linear_method_factory(path: Path, cfg):
                           for name, _ in text_tensors(cfg, iter_tensors(weight_files(path), meta=True)))
         return split if any(module_key(n) in stored for n in split) else names
 
+    quantized: dict[str, bool] = {}  # layers.N -> whether it stores its experts quantized ("": any qweight at all)
+
+    def float_experts(names: list[str]) -> bool:
+        """Whether `names` are a mixture of experts' expert projections (models.moe) that a GPTQ checkpoint stores in
+        float, its other layers quantized but none of this layer's experts (a qweight): GPTQModel 7.6 on transformers
+        5 leaves Granite MoE's stacked experts float with no `dynamic` rule saying so. (The headers read once, when
+        first asked; a checkpoint without any qweight is left to the config's word, as before.)"""
+        block, sep, _ = module_key(names[0]).partition(".experts.")
+        if not sep:
+            return False
+        if not quantized:
+            quantized[""] = False
+            for name, _ in text_tensors(cfg, iter_tensors(weight_files(path), meta=True)):
+                if name.endswith(".qweight"):
+                    quantized[""] = True
+                    if ".experts." in name:  # (layers.N: Mixtral's experts stored under block_sparse_moe or mlp)
+                        quantized[module_key(name).partition(".experts.")[0].rpartition(".")[0]] = True
+        return quantized[""] and block.rpartition(".")[0] not in quantized
+
     def method_for(names):
         if names == ["lm_head"]:  # the output head: quantized only where the checkpoint says lm_head (None: float)
             head = gcfg.for_head()
             return None if head is None else GPTQLinearMethod(head)
+        if float_experts(names):
+            return UnquantizedLinearMethod("the checkpoint stores these experts in float (no qweight)")
         names = stored_names(names)
         configs = [gcfg.for_module(n) for n in names]
         quantized = [n for n, c in zip(names, configs) if c is not None]
