@@ -2,7 +2,8 @@
 what test_probes_session62_moe.py left unexercised. A GPTQ checkpoint whose experts are stored in float while its
 quantization_config quantizes every module (as GPTQModel 7.6 on transformers 5 writes a Granite MoE: `infer quantize`
 of one) runs on the GPU path with float experts beside the int4 attention (it was refused there: "a float expert's
-weight in a checkpoint whose config.json quantizes the experts")."""
+weight in a checkpoint whose config.json quantizes the experts"). `warmup --estimate` of a bfloat16 model on a CPU
+counts its rotary table in bfloat16, as the model builds it since this session (it counted float32)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,22 @@ def test_gptq_granitemoe_with_float_experts_runs_on_the_gpu_path(tmp_path, monke
         assert model.layers[0].self_attn.qkv_proj.qweight is not None and model.layers[0].mlp.int4 is None
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert len({t for tokens in want for t in tokens}) > 3  # (varied tokens: the comparison means something)
+
+
+@pytest.mark.parametrize("name", ["tiny-olmoe", "tiny-granitemoe", "tiny-glm4-moe", "tiny-olmo2"])
+def test_a_bfloat16_estimate_on_a_cpu_counts_the_rotary_table_as_loaded(name):
+    """`infer warmup --estimate --dtype bfloat16` on a CPU: the weights' bytes are the loaded engine's, its rotary
+    table counted in bfloat16 as a bfloat16 model's table on a CPU is built (float32 where the family rotates in
+    float32: OLMo 2's); it counted float32 tables, above the engine by the table's half."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.memory.sizes import weights_bytes
+    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256", "--dtype",
+                                   "bfloat16"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(name, max_model_len=256, dtype="bfloat16") as llm:
+        model = llm.engine.runner.model
+        assert model.cos_sin.dtype == (torch.float32 if name == "tiny-olmo2" else torch.bfloat16)
+        assert plan["weights_bytes"] == weights_bytes(model)

@@ -119,7 +119,8 @@ def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtyp
         if concurrency > RANGES["max_num_seqs"][1]:
             return 0
         act = int(_formula(engine_config, model_config, dtype, concurrency, length, rank, tokens, int4_layer) * scale)
-        rope = rope_table_bytes(model_config, length) - rope_table_bytes(model_config, plan.max_length)
+        rope = (rope_table_bytes(model_config, length, dtype, device)
+                - rope_table_bytes(model_config, plan.max_length, dtype, device))
         return make_plan(engine_config, model_config, dtype, device, plan.weights_bytes + rope, act, length,
                          concurrency, plan.max_length_limit, plan.lora_bytes, budget=plan.budget_bytes,
                          draft_config=_draft_cfg(engine_config)).usable_blocks
@@ -160,7 +161,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     check_weights(path, device)  # what a load on `device` refuses of the layers and tensors, from the headers (read
     # above: a damaged one named as such) alone
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
-    weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
+    weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config), dtype, device)
     weights += _draft_weights(engine_config, model_config, dtype, device, max_length)
     from ..lora.adapter import load_adapter
     copies = []  # on a CPU the adapters' copies count, as many as the engine's CPU LRU keeps (LoRAManager)
@@ -204,7 +205,8 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     path, config = found
     weights = checkpoint_load_bytes(path, config, dtype, device)
     check_weights(path, device)  # (as the target's: what its load refuses)
-    return weights + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
+    # (its table: its own positions)
+    return weights + rope_table_bytes(config, draft_context(config, max_length), dtype, device)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):

@@ -1508,7 +1508,7 @@ class LLMEngine:
         from ..models.rope import rope_table_bytes
         cfg = load_config(self.model_path)
         new = checkpoint_load_bytes(self.model_path, cfg, self.dtype, self.device)
-        new += rope_table_bytes(cfg, self.max_model_len)  # (the rotary table load_model builds)
+        new += rope_table_bytes(cfg, self.max_model_len, self.dtype, self.device)  # (the table load_model builds)
         old = weights_bytes(self.runner.model)
         plan = self.memory_plan
         # what the plan holds besides the model's weights: activations, adapter slots, reserve, KV cache, a draft's

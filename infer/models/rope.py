@@ -89,14 +89,18 @@ def rope_max_positions(cfg) -> int | None:
     return min(limits) if limits else None
 
 
-def rope_table_bytes(cfg, max_positions: int) -> int:
-    """The bytes of build_cos_sin_cache(cfg, max_positions) (of each layer type's table: rope_layer_types): loaded
-    with the weights, not in the checkpoint. A row is the rotary dims (2 * the frequencies: Phi-3's partial rotary
-    narrower than the head)."""
+def rope_table_bytes(cfg, max_positions: int, dtype: torch.dtype | None = None, device=None) -> int:
+    """The bytes of build_cos_sin_cache(cfg, max_positions, dtype=dtype) on `device` (of each layer type's table:
+    rope_layer_types): loaded with the weights, not in the checkpoint. A row is the rotary dims (2 * the frequencies:
+    Phi-3's partial rotary narrower than the head); float32, but bfloat16 where a bfloat16 model's table on a CPU is
+    (_as_transformers_rounds; dtype or device None: float32, an EAGLE head's)."""
     width = sum(2 * _inv_freq(cfg, layer_type)[0].numel() for layer_type in rope_layer_types(cfg))
-    # (the NoPE layers' identity_cos_sin; Hunyuan's layers hand it the fused kernels: models.llama)
-    width += 2 if any(nope_layers(cfg)) or getattr(cfg, "model_type", None) == "hunyuan_v1_dense" else 0
-    return max_positions * width * torch.finfo(torch.float32).bits // 8
+    kind = getattr(cfg, "model_type", None)
+    bf16 = (dtype == torch.bfloat16 and device is not None and torch.device(device).type == "cpu"
+            and kind not in ROPE_IN_FLOAT32 + ROPE_CAST_ROTATED_IN_FLOAT32)
+    # (the NoPE layers' identity_cos_sin, float32; Hunyuan's layers hand it the fused kernels: models.llama)
+    nope = 2 if any(nope_layers(cfg)) or kind == "hunyuan_v1_dense" else 0
+    return max_positions * (width * (2 if bf16 else 4) + nope * 4)
 
 
 def partial_rotary(cfg) -> bool:
