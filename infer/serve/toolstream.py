@@ -190,6 +190,23 @@ def _json_call(kind: str, raw: str, at: int = 0, memo: dict | None = None) -> tu
     return (name, args), json_prefix(raw, at, memo=memo)[1]  # (the call's other keys, if any, leave its arguments)
 
 
+def _json_calls(kind: str, body: str, at: int, memo: dict, sep: str) -> list[tuple[str, str]]:
+    """The JSON calls from body[at], one after another with `sep` between them (llama3_json's ";", the "," of
+    mistral's list), as far as they are read."""
+    out = []
+    while True:
+        call, end = _json_call(kind, body, at, memo)
+        if call is None:
+            return out
+        out.append(call)
+        if end is None:
+            return out
+        rest = _WS.match(body, end).end()
+        if not body.startswith(sep, rest):
+            return out
+        at = rest + len(sep)
+
+
 def _hermes(text: str, memo: dict) -> list[tuple[str, str]]:
     out = []
     for n, block in enumerate(text.split(t.HERMES_START)[1:]):
@@ -205,18 +222,7 @@ def _hermes(text: str, memo: dict) -> list[tuple[str, str]]:
 
 def _llama3(text: str, memo: dict) -> list[tuple[str, str]]:
     body = text[len(t.LLAMA_START):] if text.startswith(t.LLAMA_START) else text
-    out, at = [], 0
-    while True:
-        call, end = _json_call("llama3_json", body, at, memo)
-        if call is None:
-            return out
-        out.append(call)
-        if end is None:
-            return out
-        rest = _WS.match(body, end).end()
-        if not body.startswith(";", rest):
-            return out
-        at = rest + 1
+    return _json_calls("llama3_json", body, 0, memo, ";")
 
 
 def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
@@ -226,19 +232,7 @@ def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
     if raws[0].lstrip().startswith("["):  # the JSON list
         if len(raws) != 1:
             return []
-        body, out = raws[0], []
-        at = body.index("[") + 1
-        while True:
-            call, end = _json_call("mistral", body, at, memo)
-            if call is None:
-                return out
-            out.append(call)
-            if end is None:
-                return out
-            rest = _WS.match(body, end).end()
-            if not body.startswith(",", rest):
-                return out
-            at = rest + 1
+        return _json_calls("mistral", raws[0], raws[0].index("[") + 1, memo, ",")
     out = []
     for n, raw in enumerate(raws):
         if t.MISTRAL_ARGS not in raw:
