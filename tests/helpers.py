@@ -127,6 +127,32 @@ def save_random_model(folder, model_type: str, arch: str, config: dict, seed: in
     return model
 
 
+def build_score_head_model(src_name: str, folder, auto_class: str, num_labels: int, seed: int, labels: dict,
+                           bias: bool = False, **config):
+    """A transformers `auto_class` (AutoModelForSequenceClassification, ...ForTokenClassification) folder from the
+    built-in tiny model `src_name`: its decoder and a random score head drawn from N(0, 1) after torch.manual_seed(seed)
+    (its bias too where `bias`), `labels` its id2label where num_labels is 3, `config` set on its config; returns
+    (folder, transformers' model in float32)."""
+    import shutil
+
+    import transformers
+
+    from infer.models.tiny import ensure_builtin
+    src = ensure_builtin(src_name)
+    shutil.copytree(src, folder)
+    torch.manual_seed(seed)
+    kw = {"id2label": labels} if num_labels == 3 else {}
+    hf = getattr(transformers, auto_class).from_pretrained(src, num_labels=num_labels, dtype=torch.float32, **kw)
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 1.0)
+        if bias:
+            hf.score.bias.normal_(0, 1.0)
+    for key, value in config.items():
+        setattr(hf.config, key, value)
+    hf.save_pretrained(folder)
+    return folder, hf.eval()
+
+
 def norms_drawn(mean: float):
     """A save_random_model perturb: every norm weight drawn from N(mean, 0.3) (Gemma's 1 + w norms: mean 0)."""
     def perturb(name, p):
@@ -258,10 +284,10 @@ def check_chunked_prefill_and_prefix_caching(folder, hf) -> None:
         assert llm.engine.stats()["prefix_cache_hits"] > 0
 
 
-def check_builtin_runs_and_warmup_sizes_it(name: str, arch: str, nope: bool) -> None:
-    """The built-in model `name` (architecture `arch`) equals transformers and writes varied tokens; `infer warmup
-    --estimate` counts its weights as the loaded engine holds them (a NoPE table with its rope table where `nope`:
-    models.llama._NoPE)."""
+def check_builtin_runs_and_warmup_sizes_it(name: str, arch: str, nope: bool, lengths=(6, 40)) -> None:
+    """The built-in model `name` (architecture `arch`) equals transformers on prompts of `lengths` tokens and writes
+    varied tokens; `infer warmup --estimate` counts its weights as the loaded engine holds them (a NoPE table with its
+    rope table where `nope`: models.llama._NoPE)."""
     import json
 
     from typer.testing import CliRunner
@@ -275,7 +301,7 @@ def check_builtin_runs_and_warmup_sizes_it(name: str, arch: str, nope: bool) -> 
     res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout.strip().splitlines()[-1])
-    prompts = random_prompts(512, (6, 40), seed=1)
+    prompts = random_prompts(512, lengths, seed=1)
     with LLM(name, max_model_len=256) as llm:
         model = llm.engine.runner.model
         assert (getattr(model, "nope_cos_sin", None) is not None) == nope

@@ -5,7 +5,6 @@ cosine similarity; the other runner's requests and bad bodies get clear errors."
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from infer import LLM, PoolingParams
 from infer.errors import ConfigError, LoRAError, RequestError
 from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import build_score_head_model, random_prompts
 
 LENGTHS = (11, 3, 17, 1, 8)
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
@@ -24,17 +23,8 @@ DOCS = ["the cat sat on the mat", "a dog", "hello world, again and again", "b c 
 def build_classifier(src_name: str, folder, num_labels: int, seed: int):
     """A *ForSequenceClassification folder from a built-in tiny model: its decoder and a random score head (no pad
     token: transformers scores the last token); returns (folder, transformers' model in float32)."""
-    from transformers import AutoModelForSequenceClassification
-    src = ensure_builtin(src_name)
-    shutil.copytree(src, folder)
-    torch.manual_seed(seed)
-    kw = {"id2label": LABELS} if num_labels == 3 else {}
-    hf = AutoModelForSequenceClassification.from_pretrained(src, num_labels=num_labels, dtype=torch.float32, **kw)
-    with torch.no_grad():
-        hf.score.weight.normal_(0, 1.0)
-    hf.config.pad_token_id = None
-    hf.save_pretrained(folder)
-    return folder, hf.eval()
+    return build_score_head_model(src_name, folder, "AutoModelForSequenceClassification", num_labels, seed, LABELS,
+                                  pad_token_id=None)
 
 
 @pytest.fixture(scope="module")

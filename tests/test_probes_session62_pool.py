@@ -7,7 +7,6 @@ prefix cache; tasks a model lacks and fields a task does not take are refused.""
 from __future__ import annotations
 
 import base64
-import shutil
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from infer.engine.pooling import PoolingRequestOutput
 from infer.errors import ConfigError, RequestError
 from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import build_score_head_model, random_prompts
 from lora_helpers import THREE, hf_float, save_adapter
 from test_probes_session60_classify import _post, _serve, build_classifier
 
@@ -29,17 +28,8 @@ LABELS = {0: "O", 1: "B-PER", 2: "I-PER"}
 def build_token_classifier(src_name: str, folder, seed: int, num_labels: int = 3):
     """A *ForTokenClassification folder from a built-in tiny model: its decoder and a random score head and bias;
     returns (folder, transformers' model in float32)."""
-    from transformers import AutoModelForTokenClassification
-    src = ensure_builtin(src_name)
-    shutil.copytree(src, folder)
-    torch.manual_seed(seed)
-    kw = {"id2label": LABELS} if num_labels == 3 else {}
-    hf = AutoModelForTokenClassification.from_pretrained(src, num_labels=num_labels, dtype=torch.float32, **kw)
-    with torch.no_grad():
-        hf.score.weight.normal_(0, 1.0)
-        hf.score.bias.normal_(0, 1.0)
-    hf.save_pretrained(folder)
-    return folder, hf.eval()
+    return build_score_head_model(src_name, folder, "AutoModelForTokenClassification", num_labels, seed, LABELS,
+                                  bias=True)
 
 
 @pytest.fixture(scope="module")
