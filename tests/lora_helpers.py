@@ -86,6 +86,13 @@ def check_lora_validate_ok(base, adapter) -> None:
     assert report["ok"] and report["shapes"] == "ok"
 
 
+def check_all8_qv4_equal_peft(base, hf, paths: dict) -> None:
+    """check_mixed_adapters_equal_peft of adapters "all8" and "qv4" (FAMILY_ADAPTERS' names, ADAPTERS' of a family's
+    test file) and the base between them, on prompts of 5, 20 and 8 tokens."""
+    from helpers import random_prompts
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
 def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: int = 6, **engine) -> None:
     """The engine's greedy tokens of `prompts`, each with its adapter of `names` (None: the base), in one mixed batch
     and each alone, equal peft's; the first prompt's adapter changes its tokens (so the check means something).
@@ -254,9 +261,7 @@ def family_lora_fixture(build, biases: dict):
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
-    from helpers import random_prompts
-    _, base, hf, paths = family_lora
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+    check_all8_qv4_equal_peft(*family_lora[1:])
 
 
 @needs_gptqmodel

@@ -195,6 +195,15 @@ def check_gpu_path_interpreted(folder, monkeypatch, prompts, want) -> dict:
         return llm.engine.stats()
 
 
+def check_gpu_path_equals_transformers(folder, monkeypatch, hf) -> None:
+    """check_gpu_path_interpreted of the model in `folder` on prompts of 5 and 13 tokens: transformers' (`hf`'s)
+    greedy tokens, some steps through the piecewise graphs."""
+    from helpers import greedy_each, random_prompts
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = greedy_each(hf, prompts, 6)
+    assert check_gpu_path_interpreted(folder, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+
+
 def infer_quantize(src, out):
     """`infer quantize` of the model `src` (a folder or a built-in's name) into `out`: groups of 32, 8 random
     samples of 32 tokens. Returns `out`."""

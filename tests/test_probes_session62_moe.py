@@ -1,7 +1,8 @@
 """Session 62: mixture-of-experts families. GLM-4.5 and GLM-4.6 (Glm4MoeForCausalLM, model_type glm4_moe), end to
-end on tiny random models built from its config (float32) against transformers: the sigmoid router whose e_score_correction_bias steers the choice
-(not the weights), group-limited top k (n_group, topk_group), norm_topk_prob, routed_scaling_factor, shared experts,
-the first_k_dense_replace dense layers, half of each head rotated (NeoX pairs), q/k/v biases, q/k norms per head;
+end on tiny random models built from its config (float32) against transformers: the sigmoid router whose
+e_score_correction_bias steers the choice (not the weights), group-limited top k (n_group, topk_group),
+norm_topk_prob, routed_scaling_factor, shared experts, the first_k_dense_replace dense layers, half of each head
+rotated (NeoX pairs), q/k/v biases, q/k norms per head;
 chunked prefill, prefix caching, the GPU code path (interpreted), peft adapters (attention, dense MLP, shared
 experts, stacked experts) mixed in a batch, GPTQ, warmup --estimate, run, bench, the built-in tiny-glm4-moe, the
 multi-token-prediction layer of the hub's checkpoints skipped; what infer cannot run of it refused. OLMoE
@@ -20,14 +21,14 @@ from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
-from infer.errors import UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_chunked_prefill_and_prefix_caching, check_equal_transformers, greedy_each,
-                     measured_warmup, random_prompts, save_random_model)
-from lora_helpers import (base_and_adapters, check_mixed_adapters_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
+from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
+                     check_equal_transformers, check_run_and_bench_builtin, greedy_each, measured_warmup,
+                     random_prompts, save_random_model)
+from lora_helpers import (base_and_adapters, check_all8_qv4_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
                           hf_float)
-from quant_helpers import check_gpu_path_interpreted, gptqmodel_greedy, needs_gptqmodel
+from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 # GLM-4.5-Air's shape, shrunk: 46 layers there (the first dense), 128 experts of 1408 (top 8) beside one shared
@@ -120,20 +121,23 @@ def test_the_router_equals_transformers_where_groups_and_the_bias_decide(tmp_pat
     torch.testing.assert_close(weights.sum(-1), torch.full((64,), 2.5))  # (renormalised, then scaled)
 
 
-def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
-    hf = build(tmp_path, seed=1)
+FAMILIES = ("glm4_moe", "olmoe", "granitemoe")  # (their builders: BUILDERS, below)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family):
+    hf = BUILDERS[family](tmp_path, seed=1)
     check_chunked_prefill_and_prefix_caching(tmp_path, hf)
 
 
 @interpreted
-def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
-    """Every op through its Triton kernel (interpreted on CPU): the partial rotary with the q/k norms, the fused MoE
-    with the router's float32 weights, the shared expert; decodes through emulated CUDA graphs, the other steps
-    through emulated piecewise graphs: transformers' tokens."""
-    hf = build(tmp_path)
-    prompts = random_prompts(512, (5, 13), seed=4)
-    want = greedy_each(hf, prompts, 6)
-    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, family):
+    """Every op through its Triton kernel (interpreted on CPU): GLM-4.5's partial rotary with the q/k norms, OLMoE's
+    whole-projection q/k norms, Granite's scalars, the fused MoE with the router's float32 weights, GLM-4.5's shared
+    expert; decodes through emulated CUDA graphs, the other steps through emulated piecewise graphs: transformers'
+    tokens."""
+    check_gpu_path_equals_transformers(tmp_path, monkeypatch, BUILDERS[family](tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------------- LoRA
@@ -155,8 +159,7 @@ def glm_lora(tmp_path_factory):
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(glm_lora):
-    base, hf, paths = glm_lora
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+    check_all8_qv4_equal_peft(*glm_lora)
 
 
 def test_an_adapter_of_the_shared_experts_or_the_dense_mlp_is_refused_as_peft_ignores_it(glm_lora, tmp_path):
@@ -387,19 +390,7 @@ def test_infer_serve_completes_as_transformers(glm_lora):
 
 def test_infer_run_and_bench_on_the_builtin_model(tmp_path):
     """`infer run` writes transformers' greedy tokens of a token prompt; `infer bench` completes its requests."""
-    prompt = random_prompts(512, (9,), seed=2)[0]
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": prompt, "max_new_tokens": 6,
-                                                   "ignore_eos": True}) + "\n")
-    res = CliRunner().invoke(app, ["run", "tiny-glm4-moe", str(tmp_path / "in.jsonl"), "-o",
-                                   str(tmp_path / "out.jsonl"), "-q"])
-    assert res.exit_code == 0, res.output
-    [record] = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert record["token_ids"] == greedy_each(hf_float(ensure_builtin("tiny-glm4-moe")), [prompt], 6)[0]
-    res = CliRunner().invoke(app, ["bench", "tiny-glm4-moe", "--out", str(tmp_path / "b"), "-c", "2",
-                                   "--num-prompts", "2", "--input-len", "8", "--output-len", "6", "-q"])
-    assert res.exit_code == 0, res.output
-    [report] = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert report["completed"] == 2
+    check_run_and_bench_builtin(tmp_path, "tiny-glm4-moe")
 
 
 def test_the_measured_cpu_peak_is_under_the_estimate(tmp_path):
@@ -446,25 +437,11 @@ def test_olmoe_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
     check_equal_transformers(hf, prompts, outs, 10, name)
 
 
-def test_olmoe_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
-    hf = build_olmoe(tmp_path, seed=1)
-    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
-
-
-@interpreted
-def test_olmoe_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
-    hf = build_olmoe(tmp_path)
-    prompts = random_prompts(512, (5, 13), seed=4)
-    want = greedy_each(hf, prompts, 6)
-    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
-
-
 def test_olmoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
     """Adapters of the attention and the stacked experts (target_parameters), each alone and mixed with the base in
     one batch: peft's tokens."""
     build_olmoe(tmp_path / "base")
-    base, hf, paths = base_and_adapters(tmp_path, ADAPTERS)
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+    check_all8_qv4_equal_peft(*base_and_adapters(tmp_path, ADAPTERS))
 
 
 @pytest.fixture(scope="module")
@@ -513,18 +490,7 @@ def test_olmoe_clip_qkv_is_refused(tmp_path):
 
 
 def test_olmoe_builtin_tiny_model_runs_and_warmup_sizes_it():
-    path = ensure_builtin("tiny-olmoe")
-    assert json.loads((path / "config.json").read_text())["architectures"] == ["OlmoeForCausalLM"]
-    res = CliRunner().invoke(app, ["warmup", "tiny-olmoe", "--estimate", "--json", "--max-length", "256"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM("tiny-olmoe", max_model_len=256) as llm:
-        from infer.memory.sizes import weights_bytes
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        prompts = random_prompts(512, (6, 90), seed=1)
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
-    assert got == greedy_each(hf_float(path), prompts, 6)
-    assert all(len(set(tokens)) > 2 for tokens in got)
+    check_builtin_runs_and_warmup_sizes_it("tiny-olmoe", "OlmoeForCausalLM", False, lengths=(6, 90))
 
 
 # ============================================================================================= Granite MoE
@@ -560,17 +526,7 @@ def test_granitemoe_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name
     check_equal_transformers(hf, prompts, outs, 10, name)
 
 
-def test_granitemoe_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
-    hf = build_granite(tmp_path, seed=1)
-    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
-
-
-@interpreted
-def test_granitemoe_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
-    hf = build_granite(tmp_path)
-    prompts = random_prompts(512, (5, 13), seed=4)
-    want = greedy_each(hf, prompts, 6)
-    assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
+BUILDERS = {"glm4_moe": build, "olmoe": build_olmoe, "granitemoe": build_granite}
 
 
 def test_granitemoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
@@ -585,8 +541,7 @@ def test_granitemoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
                             target_parameters=GRANITE_EXPERTS)}
     paths = {name: save_adapter(hf, tmp_path / name, seed=i + 1, scale=0.5, lora_dropout=0.0, **kw)
              for i, (name, kw) in enumerate(adapters.items())}
-    check_mixed_adapters_equal_peft(tmp_path / "base", hf, paths, random_prompts(512, (5, 20, 8), seed=6),
-                                    ["all8", None, "qv4"])
+    check_all8_qv4_equal_peft(tmp_path / "base", hf, paths)
 
 
 @needs_gptqmodel
@@ -606,18 +561,7 @@ def test_granitemoe_infer_quantize_equals_gptqmodels_load(tmp_path):
 
 
 def test_granitemoe_builtin_tiny_model_runs_and_warmup_sizes_it():
-    path = ensure_builtin("tiny-granitemoe")
-    assert json.loads((path / "config.json").read_text())["architectures"] == ["GraniteMoeForCausalLM"]
-    res = CliRunner().invoke(app, ["warmup", "tiny-granitemoe", "--estimate", "--json", "--max-length", "256"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM("tiny-granitemoe", max_model_len=256) as llm:
-        from infer.memory.sizes import weights_bytes
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        prompts = random_prompts(512, (6, 90), seed=1)
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
-    assert got == greedy_each(hf_float(path), prompts, 6)
-    assert all(len(set(tokens)) > 2 for tokens in got)
+    check_builtin_runs_and_warmup_sizes_it("tiny-granitemoe", "GraniteMoeForCausalLM", False, lengths=(6, 90))
 
 
 def test_granitemoe_multipliers_are_checked_as_granites(tmp_path):
