@@ -49,9 +49,11 @@ def save_adapters(hf, root, adapters: dict) -> dict:
             enumerate(adapters.items())}
 
 
-def base_and_adapters(root, adapters: dict):
-    """The float model saved in root / "base" and `adapters` on it, saved under root (save_adapters): (base folder,
-    the model in transformers, {name: path})."""
+def base_and_adapters(root, adapters: dict, build=None):
+    """The float model saved in root / "base" (by `build`(root / "base") first where given) and `adapters` on it,
+    saved under root (save_adapters): (base folder, the model in transformers, {name: path})."""
+    if build is not None:
+        build(root / "base")
     hf = hf_float(root / "base")
     return root / "base", hf, save_adapters(hf, root, adapters)
 

@@ -28,7 +28,7 @@ from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefi
                      random_prompts, save_random_model)
 from lora_helpers import (base_and_adapters, check_all8_qv4_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
                           hf_float)
-from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, needs_gptqmodel
+from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, infer_quantize, needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 # GLM-4.5-Air's shape, shrunk: 46 layers there (the first dense), 128 experts of 1408 (top 8) beside one shared
@@ -153,9 +153,7 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_pa
 @pytest.fixture(scope="module")
 def glm_lora(tmp_path_factory):
     """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on a GLM-4.5."""
-    root = tmp_path_factory.mktemp("glm4moe_lora")
-    build(root / "base")
-    return base_and_adapters(root, ADAPTERS)
+    return base_and_adapters(tmp_path_factory.mktemp("glm4moe_lora"), ADAPTERS, build)
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(glm_lora):
@@ -440,8 +438,7 @@ def test_olmoe_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
 def test_olmoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
     """Adapters of the attention and the stacked experts (target_parameters), each alone and mixed with the base in
     one batch: peft's tokens."""
-    build_olmoe(tmp_path / "base")
-    check_all8_qv4_equal_peft(*base_and_adapters(tmp_path, ADAPTERS))
+    check_all8_qv4_equal_peft(*base_and_adapters(tmp_path, ADAPTERS, build_olmoe))
 
 
 @pytest.fixture(scope="module")
@@ -450,10 +447,7 @@ def gptq_olmoe(tmp_path_factory):
     projections apart, the router float)."""
     root = tmp_path_factory.mktemp("olmoe_gptq")
     build_olmoe(root / "f")
-    res = CliRunner().invoke(app, ["quantize", str(root / "f"), "-o", str(root / "q"), "--group-size", "32",
-                                   "--num-samples", "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
-    return root / "f", root / "q"
+    return root / "f", infer_quantize(root / "f", root / "q")
 
 
 @needs_gptqmodel
@@ -549,9 +543,7 @@ def test_granitemoe_infer_quantize_equals_gptqmodels_load(tmp_path):
     """GPTQModel's granitemoe definition through `infer quantize` (the attention quantized, the stacked experts left
     float, as GPTQModel 7.6 does on transformers 5): infer's tokens equal GPTQModel's own load."""
     build_granite(tmp_path / "f")
-    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q"), "--group-size", "32",
-                                   "--num-samples", "8", "--seq-len", "32"])
-    assert res.exit_code == 0, res.output
+    infer_quantize(tmp_path / "f", tmp_path / "q")
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(tmp_path / "q"), block_size=4, dtype="float32") as llm:
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
