@@ -124,12 +124,12 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, g, beta, slots, kept):
         """One token of each sequence, its states read and written at `slots` (tensor indexing: no host sync)."""
-        keep = kept.to(self.rec_state.dtype)
-        conv = self.conv_state.index_select(0, slots) * keep[:, None, None].to(self.conv_state.dtype)
+        # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
+        conv = torch.where(kept[:, None, None], self.conv_state.index_select(0, slots), 0)
         out, conv = delta_rule.causal_conv1d(mixed.unsqueeze(-1), self.conv1d.weight, conv)
         self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
         q, k, v = self._split(out.squeeze(-1))
-        state = self.rec_state.index_select(0, slots) * keep[:, None, None, None]
+        state = torch.where(kept[:, None, None, None], self.rec_state.index_select(0, slots), 0)
         o, state = delta_rule.recurrent_gated_delta_rule(q, k, v, g, beta, state)
         self.rec_state.index_copy_(0, slots, state)
         return o
