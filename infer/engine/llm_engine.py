@@ -1250,6 +1250,9 @@ class LLMEngine:
             for layer in [*self.lora_manager.layers, *self.lora_manager.expert_layers]:  # (a13.. of the experts')
                 kept += object_tensors(layer)
         kv = [runner.kv_cache]
+        if runner.hybrid:  # the linear layers' states: of no use once every request is aborted or preempted (mode
+            # "keep": recomputed from position 0): freed as the KV cache is, never copied, zeros on waking
+            kv += [t for layer in runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
         if drafter is not None:
             kept += module_tensors(drafter.model.modules())
             kv.append(drafter.kv_cache)
