@@ -1,0 +1,139 @@
+"""Review of the hybrid linear-attention models' state cache (engine.state_cache, models.qwen3_5): a slot a request
+left non-finite does not poison the next sequence's zero state; sleep mode frees the states as the KV cache (never
+copied, zeros on waking) and reload_weights keeps them; every path that ends a sequence (abort, stop, an
+interrupted LLM.generate, n > 1 and beams past max_num_seqs, overlapped steps under preemption) gives its slot back,
+with transformers' tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+from helpers import greedy_each, greedy_tokens, hf_model, random_prompts
+
+NAME = "tiny-qwen3_5"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model(str(ensure_builtin(NAME)))
+
+
+def _slots_all_free(llm) -> None:
+    states = llm.engine.block_manager.states
+    assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def _states(llm) -> list[torch.Tensor]:
+    return [t for layer in llm.engine.runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
+
+
+def test_a_slot_left_non_finite_does_not_poison_a_one_token_prompt(hf):
+    """Every slot holding NaN (what a request whose model output went non-finite leaves there): prompts of one token
+    (their first step a decode from zero state, not NaN times zero) give transformers' tokens."""
+    prompts = random_prompts(512, (1, 1), seed=3)
+    with LLM(NAME, block_size=4, max_num_seqs=4) as llm:
+        for t in _states(llm):
+            t.fill_(float("nan"))
+        assert greedy_tokens(llm, prompts, 4) == greedy_each(hf, prompts, 4)
+        _slots_all_free(llm)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_states_as_the_kv_cache_and_reload_keeps_them(hf, level):
+    """sleep(): the states are freed with the KV cache (not copied to host memory at level 1: worthless once the
+    requests are aborted or preempted), zeros on waking (level 1: not the last run's); level 2's reload_weights()
+    leaves them (it freed them: every later step failed): transformers' tokens after, every slot back."""
+    prompts = random_prompts(512, (1, 13, 30, 9), seed=3)
+    want = greedy_each(hf, prompts, 6)
+    with LLM(NAME, block_size=4, max_num_seqs=4, enable_sleep_mode=True) as llm:
+        assert greedy_tokens(llm, prompts, 6) == want
+        assert any(bool(t.any()) for t in _states(llm))  # (the last run's states)
+        runner = llm.engine.runner
+        kv_bytes = runner.kv_cache.untyped_storage().nbytes()
+        llm.engine.sleep(level=level)
+        assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == kv_bytes + runner.state_bytes
+        llm.engine.wake_up()
+        if level == 2:
+            llm.engine.reload_weights()
+        assert all(not t.any() for t in _states(llm))
+        assert greedy_tokens(llm, prompts, 6) == want
+        _slots_all_free(llm)
+
+
+def test_sleep_keep_resumes_running_requests_from_zero_state(hf):
+    """sleep(mode="keep") with four requests mid-run (one-token prompts among them): preempted, their states
+    dropped, recomputed from position 0 after wake_up: transformers' tokens, every slot back."""
+    prompts = random_prompts(512, (1, 13, 30, 1), seed=8)
+    with LLM(NAME, block_size=4, max_num_seqs=4, enable_sleep_mode=True) as llm:
+        eng, out = llm.engine, {}
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        eng.sleep(level=1, mode="keep")
+        _slots_all_free(llm)
+        eng.wake_up()
+        while eng.has_unfinished_requests():
+            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        assert [out[str(i)] for i in range(len(prompts))] == greedy_each(hf, prompts, 8)
+        _slots_all_free(llm)
+
+
+def test_every_end_of_a_sequence_gives_its_slot_back(hf):
+    """Two slots: an abort mid-run, a stop token, an LLM.generate interrupted mid-run, n=3 sampled sequences of two
+    prompts, a beam search of width 3: every slot back after each, and greedy tokens equal transformers' after."""
+    from infer.engine.beam import BeamSearchParams
+    prompts = random_prompts(512, (5, 13, 30, 9), seed=3)
+    want = greedy_each(hf, prompts, 8)
+    with LLM(NAME, block_size=4, max_num_seqs=2) as llm:
+        eng = llm.engine
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        eng.step(), eng.step()
+        for i in range(len(prompts)):
+            eng.abort_request(str(i))
+        while eng.has_unfinished_requests():
+            eng.step()
+        _slots_all_free(llm)
+        out = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[want[1][2]]))
+        assert out[1].token_ids == want[1][:3] and out[1].finish_reason == "stop"
+        _slots_all_free(llm)
+        step, calls = eng.step, []
+
+        def interrupted():
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return step()
+        eng.step = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            greedy_tokens(llm, prompts, 8)
+        del eng.step
+        while eng.has_unfinished_requests():
+            eng.step()
+        _slots_all_free(llm)
+        out = llm.generate(prompts[:2], SamplingParams(n=3, max_new_tokens=4, temperature=1.0, seed=1))
+        assert [len(o.outputs) for o in out] == [3, 3]
+        _slots_all_free(llm)
+        beams = llm.beam_search([{"prompt_token_ids": prompts[1]}], BeamSearchParams(beam_width=3, max_tokens=3,
+                                                                                      ignore_eos=True))
+        assert len(beams[0].sequences) == 3
+        _slots_all_free(llm)
+        assert greedy_tokens(llm, prompts, 8) == want
+
+
+def test_overlapped_steps_under_preemption_equal_transformers(hf):
+    """Overlapped scheduling (the next step launched before this one completes: a slot freed by a sequence that
+    finished or was preempted is taken by a later step only) under a KV budget that preempts: transformers'
+    tokens, every slot back."""
+    prompts = random_prompts(512, (20, 25, 17, 30, 1), seed=4)
+    with LLM(NAME, block_size=4, num_kv_blocks=16, max_model_len=64, overlap=True) as llm:
+        assert llm.engine.overlap
+        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
+        assert llm.engine.scheduler.num_preemptions > 0
+        _slots_all_free(llm)
