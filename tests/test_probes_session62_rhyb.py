@@ -13,6 +13,7 @@ from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
 from helpers import greedy_each, greedy_tokens, hf_model, random_prompts
+from test_probes_parallel_bench_s35 import local_ray  # noqa: F401 (a fixture)
 
 NAME = "tiny-qwen3_5"
 
@@ -137,3 +138,95 @@ def test_overlapped_steps_under_preemption_equal_transformers(hf):
         assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
         assert llm.engine.scheduler.num_preemptions > 0
         _slots_all_free(llm)
+
+
+def test_structured_output_and_prompt_logprobs(hf):
+    """A JSON schema on three prompts through two slots: each reply parses as the schema asks; prompt_logprobs:
+    transformers' log-probabilities of every prompt token (within 1e-4)."""
+    import json
+
+    from infer import StructuredOutputsParams
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+    with LLM(NAME, block_size=4, max_num_seqs=2) as llm:
+        out = llm.generate(prompts, SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputsParams(
+            json=schema)))
+        for o in out:
+            assert o.finish_reason == "stop"
+            got = json.loads(o.text)
+            assert isinstance(got, list) and len(got) <= 3 and all(isinstance(x, int) for x in got)
+        out = llm.generate(prompts, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+        _slots_all_free(llm)
+    with torch.no_grad():
+        for p, o in zip(prompts, out):
+            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
+            assert o.prompt_logprobs[0] is None
+            assert torch.allclose(torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]]), want, atol=1e-4)
+
+
+def test_data_parallel_run_equals_one_engine_and_transformers(tmp_path, local_ray, hf):
+    """`infer run --data-parallel 2` (in-process replicas) of five prompts and a bad line: one engine's records,
+    each reply transformers' greedy tokens, the bad line an error record."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    prompts = random_prompts(512, (5, 13, 30, 1, 9), seed=3)
+    lines = [{"id": str(i), "prompt_token_ids": p, "max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+             for i, p in enumerate(prompts)]
+    lines.insert(2, {"id": "bad", "prompt_token_ids": [1, 2], "max_new_tokens": -1})
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    records = {}
+    for name, extra in (("one", ()), ("dp", ("--data-parallel", "2"))):
+        res = CliRunner().invoke(app, ["run", NAME, str(src), "-o", str(tmp_path / name), "-q", "--max-num-seqs",
+                                       "2", *extra])
+        assert res.exit_code == 1, res.output  # (the bad line)
+        records[name] = {r["id"]: r for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+    assert records["dp"] == records["one"]
+    assert "max_new_tokens must be in" in records["dp"]["bad"]["error"]
+    assert [records["dp"][str(i)]["token_ids"] for i in range(len(prompts))] == greedy_each(hf, prompts, 6)
+
+
+def test_served_concurrent_streams_and_a_disconnect(hf):
+    """`infer serve` (in a thread, two slots): four concurrent streamed /v1/completions give transformers' greedy
+    text; a client that disconnects after its first chunk frees its slot (the engine ends the request
+    before its 400 tokens)."""
+    pytest.importorskip("fastapi")
+    import json
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    prompts = random_prompts(512, (5, 13, 30, 1), seed=9)
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin(NAME)))
+    want = [tok.decode(t) for t in greedy_each(hf, prompts, 8)]
+    engine = LLMEngine(EngineConfig(NAME, block_size=4, max_model_len=512, max_num_seqs=2))
+
+    def body(prompt, n):
+        return {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    with serve_in_thread(Server(AsyncEngine(engine), NAME)) as base:
+        def streamed(prompt) -> str:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body(prompt, 8), timeout=120) as s:
+                return "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                               if line.startswith("data: {"))
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(streamed, prompts)) == want
+        steps = engine.num_steps
+        with httpx.stream("POST", f"{base}/v1/completions", json=body(prompts[2], 400), timeout=120) as s:
+            next(line for line in s.iter_lines() if line.startswith("data: {"))
+        for _ in range(600):  # (the server notices the disconnect and aborts the request)
+            if engine.block_manager.states.num_free == 2 and not engine.has_unfinished_requests():
+                break
+            time.sleep(0.05)
+        assert engine.block_manager.states.num_free == 2 and engine.block_manager.num_used_blocks == 0
+        assert engine.num_steps - steps < 400  # (aborted, not run to its end)
+        assert streamed(prompts[0]) == want[0]
