@@ -230,3 +230,15 @@ def test_served_concurrent_streams_and_a_disconnect(hf):
         assert engine.block_manager.states.num_free == 2 and engine.block_manager.num_used_blocks == 0
         assert engine.num_steps - steps < 400  # (aborted, not run to its end)
         assert streamed(prompts[0]) == want[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_equals_transformers_in_the_same_dtype(dtype):
+    """--dtype bfloat16 / float16 (the conv state in the model's dtype, the recurrent state float32): transformers'
+    greedy tokens in that dtype, batched, one-token prompt included."""
+    hf = hf_model(str(ensure_builtin(NAME))).to(getattr(torch, dtype))
+    prompts = random_prompts(512, (5, 13, 30, 1), seed=3)
+    with LLM(NAME, block_size=4, dtype=dtype, max_num_seqs=2) as llm:
+        assert llm.engine.runner.model.linear_layers()[0].conv_state.dtype == getattr(torch, dtype)
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        _slots_all_free(llm)
