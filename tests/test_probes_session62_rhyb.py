@@ -242,3 +242,16 @@ def test_half_precision_equals_transformers_in_the_same_dtype(dtype):
         assert llm.engine.runner.model.linear_layers()[0].conv_state.dtype == getattr(torch, dtype)
         assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
         _slots_all_free(llm)
+
+
+def test_a_pooling_runner_embeds_as_transformers(hf):
+    """--runner pooling on Qwen3.5 (last-token pooling, normalized), prompts cut into steps of 8 tokens (the state
+    carried across chunks): transformers' last hidden state, normalized, of each prompt; every slot back."""
+    prompts = random_prompts(512, (5, 30, 1, 19), seed=13)
+    with LLM(NAME, runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        got = [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
+        _slots_all_free(llm)
+    with torch.no_grad():
+        for p, e in zip(prompts, got):
+            want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+            assert torch.allclose(e, want, atol=1e-4)
