@@ -255,3 +255,20 @@ def test_a_pooling_runner_embeds_as_transformers(hf):
         for p, e in zip(prompts, got):
             want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
             assert torch.allclose(e, want, atol=1e-4)
+
+
+
+def test_a_failing_step_in_llm_generate_gives_every_slot_back(hf, monkeypatch):
+    """LLM.generate whose steps holding its third request raise (a kernel failure): those running with it end
+    "error", the others transformers' tokens, every slot back; the engine then gives transformers' tokens."""
+    from helpers import fail_steps_of
+    prompts = random_prompts(512, (5, 13, 30, 9), seed=3)
+    want = greedy_each(hf, prompts, 8)
+    with LLM(NAME, block_size=4, max_num_seqs=2) as llm:
+        with monkeypatch.context() as m:
+            fail_steps_of(m, "llm-3")
+            out = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert out[2].finish_reason == "error" and "simulated kernel failure" in out[2].error
+        assert all(o.token_ids == w for o, w in zip(out, want) if o.finish_reason == "length")
+        _slots_all_free(llm)
+        assert greedy_tokens(llm, prompts, 8) == want
