@@ -233,10 +233,11 @@ def test_served_concurrent_streams_and_a_disconnect(hf):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_equals_transformers_in_the_same_dtype(dtype):
+def test_half_precision_equals_transformers_in_the_same_dtype(hf, dtype):
     """--dtype bfloat16 / float16 (the conv state in the model's dtype, the recurrent state float32): transformers'
     greedy tokens in that dtype, batched, one-token prompt included."""
-    hf = hf_model(str(ensure_builtin(NAME))).to(getattr(torch, dtype))
+    import copy
+    hf = copy.deepcopy(hf).to(getattr(torch, dtype))  # (hf_model's is cached: the other tests' float32 model)
     prompts = random_prompts(512, (5, 13, 30, 1), seed=3)
     with LLM(NAME, block_size=4, dtype=dtype, max_num_seqs=2) as llm:
         assert llm.engine.runner.model.linear_layers()[0].conv_state.dtype == getattr(torch, dtype)
