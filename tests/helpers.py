@@ -887,3 +887,10 @@ def check_reload_refuses_a_changed_config_field(tmp_path, builtin: str, key: str
             llm.collective_rpc("reload_weights")
         assert "start a new engine" in e.value.hint
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+def check_state_slots_all_free(llm) -> None:
+    """A hybrid model's engine (Qwen3.5, Qwen3-Next): every state slot back in the pool, no KV block held."""
+    states = llm.engine.block_manager.states
+    assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
+    assert llm.engine.block_manager.num_used_blocks == 0

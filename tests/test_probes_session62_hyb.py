@@ -14,8 +14,8 @@ import torch
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
-from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, greedy_each, greedy_tokens,
-                     hf_model, random_prompts)
+from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, check_state_slots_all_free,
+                     greedy_each, greedy_tokens, hf_model, random_prompts)
 from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-qwen3_5"
@@ -24,13 +24,6 @@ NAME = "tiny-qwen3_5"
 @pytest.fixture(scope="module")
 def hf():
     return hf_model(str(ensure_builtin(NAME)))
-
-
-def _slots_all_free(llm) -> None:
-    """Every state slot back in the pool, no block held."""
-    states = llm.engine.block_manager.states
-    assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
-    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def _linear_layers_hold_states(model) -> None:
@@ -50,7 +43,7 @@ def test_chunked_prefill_carries_the_state_across_steps(hf):
     prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
     with LLM(str(ensure_builtin(NAME)), block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
         assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_a_long_prompt_spans_several_chunks_of_the_delta_rule(hf):
@@ -71,7 +64,7 @@ def test_preemption_restarts_from_zero_state(hf):
     with LLM(str(ensure_builtin(NAME)), block_size=4, num_kv_blocks=16, max_model_len=64) as llm:
         assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
         assert llm.engine.scheduler.num_preemptions > 0
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_prefix_caching_is_off_with_a_note(hf, caplog):
@@ -138,7 +131,7 @@ def test_emulated_decode_graphs_index_the_state_slots(hf, monkeypatch, triton):
         got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                                           for n in lens])]
         assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
     assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]
 
 
@@ -219,7 +212,7 @@ def test_qwen3_next_equals_transformers_batched_and_chunked():
     prompts = random_prompts(512, (30, 17, 1), seed=5)
     with LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=3) as llm:
         assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_adapters_on_qwen3_next_are_refused(tmp_path):
@@ -240,7 +233,7 @@ def test_beam_search_equals_transformers_beams(hf):
     with LLM(NAME, block_size=4, max_num_seqs=4) as llm:
         out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=4,
                                                                                  ignore_eos=True))
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), num_beams=2, num_return_sequences=2, max_new_tokens=4,
                            do_sample=False, length_penalty=1.0, early_stopping=True, pad_token_id=0)

@@ -12,7 +12,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, greedy_tokens, hf_model, random_prompts
+from helpers import check_state_slots_all_free, greedy_each, greedy_tokens, hf_model, random_prompts
 from test_probes_parallel_bench_s35 import local_ray  # noqa: F401 (a fixture)
 
 NAME = "tiny-qwen3_5"
@@ -21,12 +21,6 @@ NAME = "tiny-qwen3_5"
 @pytest.fixture(scope="module")
 def hf():
     return hf_model(str(ensure_builtin(NAME)))
-
-
-def _slots_all_free(llm) -> None:
-    states = llm.engine.block_manager.states
-    assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
-    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def _states(llm) -> list[torch.Tensor]:
@@ -41,7 +35,7 @@ def test_a_slot_left_non_finite_does_not_poison_a_one_token_prompt(hf):
         for t in _states(llm):
             t.fill_(float("nan"))
         assert greedy_tokens(llm, prompts, 4) == greedy_each(hf, prompts, 4)
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -63,7 +57,7 @@ def test_sleep_frees_the_states_as_the_kv_cache_and_reload_keeps_them(hf, level)
             llm.engine.reload_weights()
         assert all(not t.any() for t in _states(llm))
         assert greedy_tokens(llm, prompts, 6) == want
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_sleep_keep_resumes_running_requests_from_zero_state(hf):
@@ -77,12 +71,12 @@ def test_sleep_keep_resumes_running_requests_from_zero_state(hf):
         for _ in range(3):
             eng.step()
         eng.sleep(level=1, mode="keep")
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         eng.wake_up()
         while eng.has_unfinished_requests():
             out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
         assert [out[str(i)] for i in range(len(prompts))] == greedy_each(hf, prompts, 8)
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_every_end_of_a_sequence_gives_its_slot_back(hf):
@@ -100,10 +94,10 @@ def test_every_end_of_a_sequence_gives_its_slot_back(hf):
             eng.abort_request(str(i))
         while eng.has_unfinished_requests():
             eng.step()
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         out = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[want[1][2]]))
         assert out[1].token_ids == want[1][:3] and out[1].finish_reason == "stop"
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         step, calls = eng.step, []
 
         def interrupted():
@@ -117,14 +111,14 @@ def test_every_end_of_a_sequence_gives_its_slot_back(hf):
         del eng.step
         while eng.has_unfinished_requests():
             eng.step()
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         out = llm.generate(prompts[:2], SamplingParams(n=3, max_new_tokens=4, temperature=1.0, seed=1))
         assert [len(o.outputs) for o in out] == [3, 3]
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         beams = llm.beam_search([{"prompt_token_ids": prompts[1]}], BeamSearchParams(beam_width=3, max_tokens=3,
                                                                                       ignore_eos=True))
         assert len(beams[0].sequences) == 3
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         assert greedy_tokens(llm, prompts, 8) == want
 
 
@@ -137,7 +131,7 @@ def test_overlapped_steps_under_preemption_equal_transformers(hf):
         assert llm.engine.overlap
         assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
         assert llm.engine.scheduler.num_preemptions > 0
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_structured_output_and_prompt_logprobs(hf):
@@ -156,7 +150,7 @@ def test_structured_output_and_prompt_logprobs(hf):
             got = json.loads(o.text)
             assert isinstance(got, list) and len(got) <= 3 and all(isinstance(x, int) for x in got)
         out = llm.generate(prompts, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
     with torch.no_grad():
         for p, o in zip(prompts, out):
             lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
@@ -242,7 +236,7 @@ def test_half_precision_equals_transformers_in_the_same_dtype(hf, dtype):
     with LLM(NAME, block_size=4, dtype=dtype, max_num_seqs=2) as llm:
         assert llm.engine.runner.model.linear_layers()[0].conv_state.dtype == getattr(torch, dtype)
         assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
 
 
 def test_a_pooling_runner_embeds_as_transformers(hf):
@@ -251,7 +245,7 @@ def test_a_pooling_runner_embeds_as_transformers(hf):
     prompts = random_prompts(512, (5, 30, 1, 19), seed=13)
     with LLM(NAME, runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
         got = [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
     with torch.no_grad():
         for p, e in zip(prompts, got):
             want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
@@ -271,5 +265,5 @@ def test_a_failing_step_in_llm_generate_gives_every_slot_back(hf, monkeypatch):
             out = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
         assert out[2].finish_reason == "error" and "simulated kernel failure" in out[2].error
         assert all(o.token_ids == w for o, w in zip(out, want) if o.finish_reason == "length")
-        _slots_all_free(llm)
+        check_state_slots_all_free(llm)
         assert greedy_tokens(llm, prompts, 8) == want
