@@ -399,34 +399,46 @@ class RayAsyncEngine(AsyncEngine):
             if ref in self._starting:
                 self._started(ref, *self._starting.pop(ref))
                 continue
-            r = self._calls.pop(ref)
-            carried = self._carried.pop(ref, 0)
-            r.calls -= 1
-            if not r.alive:
-                continue
-            try:
-                outputs, rejected, r.stats = self.ray.get(ref)
-            except self.ray.exceptions.RayError as e:
-                self._lost(r, e)
-                continue
-            r.unseen -= carried  # its figures count them now (set first: a request is never out of both)
-            tokens = r.stats.get("step_tokens", 0)
-            if tokens and self.on_step is not None:  # the step's tokens, on the replica's own series
-                self.on_step(tokens, r.index)
-            for rid, reason in rejected:
-                self._fail(rid, "error", reason)  # (while the request's replica is known: its engine label)
-                self._done(r, rid)
-            for out in outputs:
-                if out.request_id in r.inflight:
-                    r.started.add(out.request_id)
-                    if out.finished:
-                        self._done(r, out.request_id)
-                    out.engine_index = r.index
-                    self._deliver(out)
+            # ray.wait answers any of the calls that are ready, not the oldest: a replica's earlier calls (it ran
+            # them first, so they are answered) are read before this one, or a stream's tokens came out of order
+            r = self._calls.get(ref)
+            for earlier in [c for c, owner in self._calls.items() if owner is r]:  # (in the order they were sent)
+                self._answer(earlier)
+                if earlier == ref:
+                    break
         self._unplaced()
         stats = self._aggregate()
         with self._cond:
             self._num_waiting = stats["num_waiting"]
+
+    def _answer(self, ref) -> None:
+        """Driver thread: read the result of step call `ref` (waiting for it) and deliver its outputs."""
+        if ref not in self._calls:  # (the replica was lost while an earlier call was read)
+            return
+        r = self._calls.pop(ref)
+        carried = self._carried.pop(ref, 0)
+        r.calls -= 1
+        if not r.alive:
+            return
+        try:
+            outputs, rejected, r.stats = self.ray.get(ref)
+        except self.ray.exceptions.RayError as e:
+            self._lost(r, e)
+            return
+        r.unseen -= carried  # its figures count them now (set first: a request is never out of both)
+        tokens = r.stats.get("step_tokens", 0)
+        if tokens and self.on_step is not None:  # the step's tokens, on the replica's own series
+            self.on_step(tokens, r.index)
+        for rid, reason in rejected:
+            self._fail(rid, "error", reason)  # (while the request's replica is known: its engine label)
+            self._done(r, rid)
+        for out in outputs:
+            if out.request_id in r.inflight:
+                r.started.add(out.request_id)
+                if out.finished:
+                    self._done(r, out.request_id)
+                out.engine_index = r.index
+                self._deliver(out)
 
     def _deliver(self, out) -> None:
         r = self._owner.get(out.request_id)  # an output the driver made (an error): the replica it was on, if any
