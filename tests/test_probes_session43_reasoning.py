@@ -94,7 +94,7 @@ def test_infer_run_splits_the_reasoning_of_openai_batch_lines(special_model, tmp
                                    "qwen3"])
     assert res.exit_code == 2 and "--output-format openai" in res.output
     res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(tmp_path / "o3.jsonl"), "--output-format",
-                                   "openai", "--reasoning-parser", "granite"])
+                                   "openai", "--reasoning-parser", "step3"])
     assert res.exit_code == 2 and "deepseek_r1 | qwen3" in res.output
 
 

@@ -103,7 +103,7 @@ def test_the_cli_takes_seed_oss():
     from infer.cli.main import app
     from infer.cli.serve import _reasoning_parser
     assert _reasoning_parser("seed_oss") == "seed_oss"
-    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--reasoning-parser", "granite"])
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--reasoning-parser", "step3"])
     assert res.exit_code != 0 and "deepseek_r1 | qwen3 | seed_oss" in res.output
 
 

@@ -99,13 +99,13 @@ def test_the_cli_option_names_vllms_parsers_and_refuses_others():
     assert _reasoning_parser("deepseek_r1") == "deepseek_r1" and _reasoning_parser("qwen3") == "qwen3"
     assert _reasoning_parser(None) is None
     with pytest.raises(ConfigError) as e:
-        _reasoning_parser("granite")
-    assert "--reasoning-parser 'granite'" in str(e.value) and "deepseek_r1 | qwen3" in e.value.hint
+        _reasoning_parser("step3")
+    assert "--reasoning-parser 'step3'" in str(e.value) and "deepseek_r1 | qwen3" in e.value.hint
     from typer.testing import CliRunner
     from infer.cli.main import app
     res = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "--reasoning-parser" in res.output and "deepseek_r1" in res.output
-    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--reasoning-parser", "granite"])
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--reasoning-parser", "step3"])
     assert res.exit_code != 0 and "deepseek_r1 | qwen3" in res.output
 
 

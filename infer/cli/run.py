@@ -72,7 +72,8 @@ def run(
                                                             "message's `reasoning`, as infer serve's option (and "
                                                             "vllm run-batch's): deepseek_r1 | qwen3 | "
                                                             "seed_oss | openai_gptoss | hunyuan_a13b | "
-                                                            "exaone4 | mistral.")] = None,
+                                                            "exaone4 | mistral | olmo3 | ernie45 | glm45 | "
+                                                            "apertus | cohere_command | granite.")] = None,
     enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
                                                                help="With --output-format openai: each body's usage "
                                                                     "reports prompt_tokens_details.cached_tokens, "

@@ -106,8 +106,11 @@ def serve(
         "QwQ, SmolLM3; reads chat_template_kwargs enable_thinking), seed_oss (Seed-OSS's "
         "<seed:think>...</seed:think>) or openai_gptoss (gpt-oss: its harmony analysis channel is the reasoning, the "
         "final channel the answer), hunyuan_a13b (Hunyuan's <think>...</think><answer>...</answer>), exaone4 "
-        "(EXAONE 4.0: thinks with chat_template_kwargs enable_thinking true) or mistral (Magistral's "
-        "[THINK]...[/THINK]). Tool calls are read from the answer only.")] = None,
+        "(EXAONE 4.0: thinks with chat_template_kwargs enable_thinking true), mistral (Magistral's "
+        "[THINK]...[/THINK]), olmo3 (Olmo 3 Think), ernie45 (ERNIE 4.5 Thinking: its <response> wrapper left out), "
+        "glm45 (GLM-4.5/4.6), apertus (Apertus's <|inner_prefix|>...<|inner_suffix|>), cohere_command (Command A "
+        "Reasoning's <|START_THINKING|>...<|END_THINKING|>) or granite (Granite 3.x's 'Here is my thought "
+        "process:' ... 'Here is my response:'). Tool calls are read from the answer only.")] = None,
     trust_request_chat_template: Annotated[bool, _server(
         "--trust-request-chat-template", help="Let a chat request's own chat_template field render its messages (the "
         "template runs on the server: only for clients you trust).")] = False,

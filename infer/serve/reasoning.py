@@ -13,6 +13,19 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
   reply without it is all content, as vLLM's mistral parser reads it; one cut short in the block all reasoning).
 - hunyuan_a13b: Hunyuan's `<think>\n...\n</think>\n<answer>\n...\n</answer>` (see _hunyuan_parts).
 - seed_oss: deepseek_r1's rules with Seed-OSS's tags, <seed:think> and </seed:think> (vLLM's SeedOSSReasoningParser).
+- olmo3: deepseek_r1's rules (Olmo 3 Think's template may open the block), a reasoning or content left empty null.
+- ernie45: deepseek_r1's rules for ERNIE 4.5 Thinking's `abc\n</think>\n\n<response>\ndef\n</response>\n`: an
+  answer wrapped in <response>...</response> is the text inside (what follows </response> dropped, as vLLM's).
+- glm45: GLM-4.5's <think>...</think>, reasoning only in a reply that starts with <think> (vLLM's glm45 stream: a
+  reply without it is all content); with thinking off its template closes the block in the prompt.
+- apertus: Apertus's <|inner_prefix|>...<|inner_suffix|> (special tokens), mistral's rules: a reply that writes no
+  block (a plain answer, a tool call) is all content.
+- cohere_command: Command A Reasoning's <|START_THINKING|>...<|END_THINKING|> (special tokens), mistral's rules,
+  and the answer's <|START_RESPONSE|>...<|END_RESPONSE|> wrapper left out of the content.
+- granite: Granite 3.x's plain-text markers: a reply that starts with "Here is my thought process:" (or "Here's")
+  reasons up to "Here is my response:" (or "Here's"), the rest is the content; a reply that does not start so is
+  all content, one cut short before its response marker all reasoning (vLLM's stream; its whole reply made it
+  content).
 A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the
 reply all content too, with either parser (vLLM's prompt_is_reasoning_end), and so does a reply constrained to
 JSON or a choice (response_format, structured_outputs, a named or "required" tool_choice): the constraint holds from
@@ -103,11 +116,13 @@ def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
 _HY_THINK, _HY_ANSWER, _HY_END = "<think>\n", "\n</think>\n<answer>\n", "\n</answer>"
 
 
-def _less_tag_start(text: str, tag: str, finished: bool) -> str:
-    """`text` less an end that may still become `tag` ("\n</th"), while the reply goes on (held as stop strings are)."""
+def _less_tag_start(text: str, tag: str | tuple[str, ...], finished: bool) -> str:
+    """`text` less an end that may still become `tag` ("\n</th"; one of the tags, a tuple), while the reply goes on
+    (held as stop strings are)."""
     if not finished:
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if tag.startswith(text[-k:]):
+        alike = (tag,) if isinstance(tag, str) else tag
+        for k in range(min(max(map(len, alike)) - 1, len(text)), 0, -1):
+            if any(t.startswith(text[-k:]) for t in alike):
                 return text[:-k]
     return text
 
@@ -133,14 +148,54 @@ def _hunyuan_parts(text: str, finished: bool) -> tuple[str, str]:
     return reasoning, rest[:end] if end >= 0 else _less_tag_start(rest, _HY_END, finished)
 
 
+# granite: Granite 3.x writes its reasoning and its answer after plain-text markers (vLLM's GraniteReasoningParser)
+_GR_THINK = ("Here is my thought process:", "Here's my thought process:")
+_GR_RESPONSE = ("Here is my response:", "Here's my response:")
+
+
+def _granite_parts(text: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of a Granite reply: one that starts with a thought-process marker reasons up to the
+    first response marker, whose rest is the content; one that does not start so is all content. The markers are
+    read at the reply's start (the thought's) and anywhere after it (the response's), so that a stream's parts only
+    grow: vLLM's whole reply finds the thought marker anywhere, and makes a reply without a response marker all
+    content (its stream: reasoning, as here)."""
+    opener = next((m for m in _GR_THINK if text.startswith(m)), None)
+    if opener is None:
+        return ("", "") if not finished and any(m.startswith(text) for m in _GR_THINK) else ("", text)
+    body = text[len(opener):]
+    found = min(((body.find(m), m) for m in _GR_RESPONSE if m in body), default=None)
+    if found is None:
+        return _less_tag_start(body, _GR_RESPONSE, finished), ""
+    return body[:found[0]], body[found[0] + len(found[1]):]
+
+
+def _unwrapped(parser: str, content: str, finished: bool) -> str:
+    """The answer `content` less the wrapper its parser's model writes around it (PARSERS' "wrap": ERNIE's
+    <response>...</response>, Command A's <|START_RESPONSE|>...<|END_RESPONSE|>): where it opens the answer (after
+    whitespace) the text inside, up to the closing tag (what follows that dropped, as vLLM's); an answer that does
+    not open with it stays as written. Not `finished`: a start that may still become the wrapper held back."""
+    wrap = PARSERS[parser].get("wrap")
+    if wrap is None:
+        return content
+    start, end = wrap
+    lead = content.lstrip()
+    if not lead.startswith(start):
+        return "" if not finished and start.startswith(lead) else content
+    inner = lead[len(start):]
+    at = inner.find(end)
+    return inner[:at] if at >= 0 else _less_tag_start(inner, end, finished)
+
+
 # --reasoning-parser: the parsers vLLM names so, whether chat_template_kwargs.enable_thinking false turns thinking
 # off (vLLM's qwen3 reads it; the others do not), and the tags that open and close the block; a parser of no think
-# block (tags None) has its own split of the reply (text, finished) -> (reasoning, content), which reads markers that
-# are special tokens (kept in the text with it): openai_gptoss, gpt-oss's harmony channels
+# block (tags None) has its own split of the reply (text, finished) -> (reasoning, content): openai_gptoss reads
+# gpt-oss's harmony channels, whose markers are special tokens ("keeps_special": kept in the text with it), granite
+# its plain-text markers
 PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END)},
            "qwen3": {"reads_enable_thinking": True, "tags": (THINK_START, THINK_END)},
            "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")},
-           "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts},
+           "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts,
+                             "keeps_special": True},
            # EXAONE 4.0: deepseek_r1's rules with chat_template_kwargs enable_thinking true, else all content (its
            # template thinks only when asked: vLLM's exaone4 reads enable_thinking, false when absent)
            "exaone4": {"reads_enable_thinking": True, "thinking_by_default": False, "tags": (THINK_START, THINK_END)},
@@ -148,7 +203,23 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            # opens the block); the tags are special tokens of its tokenizer, kept in the text for the split
            "mistral": {"reads_enable_thinking": False, "tags": ("[THINK]", "[/THINK]"), "needs_start": True},
            # (the tags a prompt may close the block with: Hunyuan's no-think template)
-           "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts}}
+           "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts},
+           # Olmo 3 Think: deepseek_r1's rules; an empty reasoning or content is null, as vLLM's olmo3 writes them
+           "olmo3": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "empty_is_null": True},
+           # ERNIE 4.5 Thinking: deepseek_r1's rules, its answer in <response>...</response> ("wrap": the content's
+           # own wrapper, left out; its tags are read as the think tags are, special tokens or not)
+           "ernie45": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END),
+                       "wrap": ("<response>", "</response>")},
+           # GLM-4.5/4.6: <think> opens the block in the reply (its template closes it in the prompt with thinking off)
+           "glm45": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "needs_start": True},
+           # Apertus: its tokenizer's special tokens; a reply that writes no block is content (vLLM's apertus)
+           "apertus": {"reads_enable_thinking": False, "tags": ("<|inner_prefix|>", "<|inner_suffix|>"),
+                       "needs_start": True},
+           # Command A Reasoning: its thinking tokens, the answer wrapped in its response tokens (special tokens)
+           "cohere_command": {"reads_enable_thinking": False, "tags": ("<|START_THINKING|>", "<|END_THINKING|>"),
+                              "needs_start": True, "wrap": ("<|START_RESPONSE|>", "<|END_RESPONSE|>")},
+           # Granite 3.x: plain-text markers, no think block (the template asks for them with thinking true)
+           "granite": {"reads_enable_thinking": False, "tags": None, "split": _granite_parts}}
 
 
 def tags(parser: str) -> tuple[str, str] | None:
@@ -176,13 +247,16 @@ def tags_are_skipped(tokenizer, parser: str = "deepseek_r1") -> bool:
                      if getattr(t, "special", False))
     except Exception:  # no added-token table to read: the named special tokens
         pass
-    return any(tag in named for tag in tags(parser))
+    return any(tag in named for tag in (*(tags(parser) or ()), *PARSERS[parser].get("wrap", ())))
 
 
 def keeps_special_tokens(parser: str, tokenizer) -> bool:
     """Whether the reply's text must keep its special tokens for `parser` to split it: harmony's markers always
-    (they are gpt-oss's special tokens), think tags where the tokenizer made them special (`tags_are_skipped`)."""
-    return tags(parser) is None or tags_are_skipped(tokenizer, parser)
+    (they are gpt-oss's special tokens), think tags (and an answer's wrapper: ERNIE's <response>) where the tokenizer
+    made them special (`tags_are_skipped`); granite's plain-text markers never."""
+    if PARSERS[parser].get("keeps_special"):
+        return True
+    return tags(parser) is not None and tags_are_skipped(tokenizer, parser)
 
 
 def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tokenizer,
@@ -232,7 +306,7 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
     that may still become the opening tag ("<thi") and an end of the reasoning that may be the start of the
     closing one ("</th"), held back as stop strings are; each part only grows as the text does."""
     if req.ended:
-        return "", text
+        return "", _unwrapped(req.parser, text, finished)
     own = PARSERS[req.parser].get("split")
     if own is not None:
         return own(text, finished)
@@ -242,10 +316,10 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
     elif not finished and start.startswith(text):
         return "", ""
     elif PARSERS[req.parser].get("needs_start"):
-        return "", text  # no block opened: all content
+        return "", _unwrapped(req.parser, text, finished)  # no block opened: all content
     at = text.find(end)
     if at >= 0:
-        return text[:at], text[at + len(end):]
+        return text[:at], _unwrapped(req.parser, text[at + len(end):], finished)
     return _less_tag_start(text, end, finished), ""  # no closing tag (yet, or the reply was cut short): reasoning
 
 
@@ -253,8 +327,9 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a finished reply as vLLM's message has them: reasoning null when there is none;
     content null when the reply stops at (or before) the closing tag."""
     if req.ended:
-        return None, text
+        return None, _unwrapped(req.parser, text, True)
     reasoning, content = parts(req, text)
-    own = tags(req.parser) is None or "split" in PARSERS[req.parser]  # (a parser of its own split: as vLLM's)
+    # (a parser of its own split, or olmo3's: an empty reasoning null, as vLLM's)
+    own = tags(req.parser) is None or "split" in PARSERS[req.parser] or PARSERS[req.parser].get("empty_is_null")
     unopened = PARSERS[req.parser].get("needs_start") and not text.startswith(tags(req.parser)[0])  # no block: null
     return (reasoning or None) if own or unopened else reasoning, content or None
