@@ -202,7 +202,7 @@ def test_pooling_route_equals_transformers(served_tokens, tok_llama):
     ({"input": "hi", "task": "classify"}, "task: pooling task 'classify' is not supported by this model"),
     ({"input": "hi", "task": "nope"}, "task 'nope' is not one of"),
     ({"input": "hi", "normalize": True}, "normalize is an embedding's field"),
-    ({"input": "hi", "dimensions": 2}, "matryoshka"),
+    ({"input": "hi", "dimensions": 2}, "dimensions is an embedding's field: task token_classify"),
     ({"input": ""}, "input[0] is an empty string"),
 ])
 def test_pooling_route_refuses_bad_bodies(served_tokens, body, message):

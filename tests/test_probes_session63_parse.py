@@ -141,3 +141,89 @@ def test_a_server_splits_the_new_parsers_replies_on_chat_and_responses_whole_and
         assert ("".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"),
                 "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")) == (reasoning or "",
                                                                                                      content)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+HISTORY = [{"role": "user", "content": "weather?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def _history(arguments: str) -> list[dict]:
+    call = {**HISTORY[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": arguments}}
+    return [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}, HISTORY[2]]
+
+
+def test_a_history_call_whose_arguments_repeat_a_key_reaches_the_template_with_the_last_value():
+    """vLLM's json.loads of the history's arguments: a key written twice holds its last value."""
+    from infer.engine.inputs import chat_messages
+    assert chat_messages(_history('{"city": "Rome", "city": "Paris"}'))[1]["tool_calls"][0]["function"][
+        "arguments"] == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("arguments", ["Paris", "{\"city\": ", "{'city': 'Paris'}"])
+def test_a_history_call_whose_arguments_are_not_json_is_refused_naming_it(arguments):
+    """vLLM's json.loads raises on them (a 400); infer gave the template the string, which it quoted again."""
+    from infer.engine.inputs import chat_messages
+    from infer.errors import RequestError
+    with pytest.raises(RequestError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not JSON") as e:
+        chat_messages(_history(arguments))
+    assert e.value.field == "messages" and "JSON text" in e.value.hint
+    for none in ("", None):  # no arguments: {} (as vLLM)
+        assert chat_messages(_history(none))[1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+@pytest.mark.parametrize("parser,reply", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "city": "Paris"}}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "city": "Paris"}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "city": "Paris"}}]'),
+    ("pythonic", '[get_weather(city="Rome", city="Paris")]'),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=city>\n"
+                    "Paris\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_a_model_call_whose_arguments_repeat_a_key_keeps_the_last_value_as_vllm(parser, reply):
+    """vLLM's parsers read the call with json.loads (a dict, ast keywords, XML parameters into a dict): the last
+    value of a repeated key, written once in the call's arguments."""
+    import json
+
+    from infer.serve.tools import parse_tools, split
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    _, calls = split(parse_tools({"tools": tools}, parser), reply)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    assert calls[0]["function"]["arguments"].count("city") == 1
+
+
+def test_the_server_refuses_history_arguments_that_are_not_json_on_chat_and_responses(engine):
+    httpx = pytest.importorskip("httpx")
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": _history("Paris"), "max_tokens": 2},
+                       timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "messages[1].tool_calls[0].function.arguments is not JSON: 'Paris'" in r.json()["error"]["message"]
+        items = [{"role": "user", "content": "weather?"},
+                 {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "Paris"},
+                 {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+        r = httpx.post(f"{base}/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert "input[1].arguments is not JSON" in r.json()["error"]["message"]
+        ok = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "messages": _history('{"city": "Rome", "city": "Paris"}'), "max_tokens": 2})
+        assert ok.status_code == 200, ok.text  # (a repeated key is no error, as in vLLM)
+
+
+@pytest.mark.parametrize("task", ["classify", "token_classify"])
+def test_pooling_dimensions_are_refused_for_a_classifiers_task(task):
+    """vLLM's PoolingParams: dimensions (as normalize) is embed's and token_embed's field; a classify task's
+    dimensions was refused with the matryoshka message (or, on a matryoshka model, not at all)."""
+    from infer.engine.pooling import PoolingParams, pooling_task_params
+    from infer.errors import RequestError
+    params = PoolingParams(dimensions=4, task="embed").checked()
+    with pytest.raises(RequestError, match=f"dimensions is an embedding's field: task {task}") as e:
+        pooling_task_params({"task": task, "dimensions": 4}, params, classifies=True, prefix="")
+    assert "leave dimensions out" in e.value.hint
+    for embed in ("embed", "token_embed"):
+        assert pooling_task_params({"task": embed, "dimensions": 4}, params, classifies=False).dimensions == 4

@@ -325,7 +325,7 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
         if calls == [] and m["role"] == "assistant":  # no call: the template's plain assistant turn (as vLLM)
             del out[-1]["tool_calls"]
         elif calls is not None:
-            out[-1]["tool_calls"] = [_tool_call(c) for c in calls]
+            out[-1]["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
         if m["role"] == "assistant" and isinstance(m.get("reasoning"), str):
             # the reply's `reasoning` (--reasoning-parser's field) sent back, as vLLM takes it: chat templates read
             # reasoning_content (Qwen3's renders it in the turns after the last user message, tool loops' turns)
@@ -337,20 +337,29 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
     return out
 
 
-def _tool_call(call: Any) -> Any:
+def tool_arguments(text: str, where: str) -> Any:
+    """A tool call's `arguments` sent back in a request's history (`where` names the field): the value its JSON text
+    encodes, a key written twice its last value (json.loads, as vLLM reads it); RequestError when the text is not
+    JSON, which vLLM refuses too (its json.loads raises) rather than give the template a string to quote."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise _field_error("messages", f"{where} is not JSON: {text[:60]!r}",
+                           'send the call\'s arguments as the JSON text the model wrote, e.g. "{\\"city\\": '
+                           '\\"Paris\\"}" ("" or null: none)') from None
+
+
+def _tool_call(call: Any, where: str) -> Any:
     """An OpenAI tool call as chat templates read it: `function.arguments` sent as a JSON string (OpenAI's form)
     becomes the object it encodes, as vLLM does (a template that writes `arguments | tojson` would otherwise quote
-    the string again); none (null or "", a call without arguments) is {}, as vLLM has it. The caller's message is
-    left as it was."""
+    the string again); none (null or "", a call without arguments) is {}, as vLLM has it; text that is not JSON is
+    refused (`tool_arguments`; `where`: the call's field). The caller's message is left as it was."""
     fn = call.get("function") if isinstance(call, dict) else None
     if isinstance(fn, dict) and fn.get("arguments", "") in (None, ""):
         return {**call, "function": {**fn, "arguments": {}}}
     if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
         return call
-    try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
-        return call
+    args = tool_arguments(fn["arguments"], f"{where}.function.arguments")
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 

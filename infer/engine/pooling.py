@@ -428,9 +428,12 @@ def pooling_task_params(body: dict, params: PoolingParams, classifies: bool, poo
     if use is not None and "classify" not in task:
         raise RequestError(f"{prefix}use_activation is a classifier's field: task {task} gives hidden states",
                            "leave use_activation out")
-    if body.get("normalize") is not None and "embed" not in task:
-        raise RequestError(f"{prefix}normalize is an embedding's field: task {task} gives class probabilities",
-                           "leave normalize out (use_activation false gives the raw logits)")
+    # (vLLM's PoolingParams: embed and token_embed's fields only)
+    for key, why in (("normalize", "use_activation false gives the raw logits"),
+                     ("dimensions", "a classifier's output has one value per label")):
+        if body.get(key) is not None and "embed" not in task:
+            raise RequestError(f"{prefix}{key} is an embedding's field: task {task} gives class probabilities",
+                               f"leave {key} out ({why})")
     try:
         return replace(params, task=task, use_activation=use).checked()
     except RequestError as e:

@@ -30,6 +30,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..engine.inputs import tool_arguments
+from ..errors import RequestError
 from . import protocol as p
 from .body import SafeJSONResponse, request_body
 from .embeddings import generation_refusal
@@ -138,6 +140,11 @@ def _messages(body: dict) -> list[dict]:
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
                 raise _bad(f"{where}: a function_call item needs string call_id, name and arguments", "input")
+            if arguments:
+                try:  # (as chat's history: JSON text, else refused as vLLM's json.loads refuses it)
+                    tool_arguments(arguments, f"{where}.arguments")
+                except RequestError as e:
+                    raise _bad(str(e), "input") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and thought is None:  # the same turn's calls
