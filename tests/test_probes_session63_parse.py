@@ -113,7 +113,9 @@ def engine(tmp_path_factory):
     ("olmo3", "abc</think>xyz", ("abc", "xyz")), ("ernie45", ERNIE, ("abc\n", "\nxyz\n")),
     ("glm45", "<think>abc</think>xyz", ("abc", "xyz")), ("glm45", "xyz", (None, "xyz")),
     ("apertus", APERTUS, ("abc", "xyz")), ("apertus", "xyz", (None, "xyz")),
-    ("cohere_command", COHERE, ("abc", "xyz")), ("granite", GRANITE, ("\nabc\n", "\nxyz")),
+    ("cohere_command", COHERE, ("abc", "xyz")),
+    ("cohere_command", "<|START_RESPONSE|>xyz<|END_RESPONSE|>", (None, "xyz")),  # no block: the answer unwrapped
+    ("granite", GRANITE, ("\nabc\n", "\nxyz")),
 ])
 def test_a_server_splits_the_new_parsers_replies_on_chat_and_responses_whole_and_streamed(engine, parser, reply,
                                                                                            want):
@@ -227,3 +229,15 @@ def test_pooling_dimensions_are_refused_for_a_classifiers_task(task):
     assert "leave dimensions out" in e.value.hint
     for embed in ("embed", "token_embed"):
         assert pooling_task_params({"task": embed, "dimensions": 4}, params, classifies=False).dimensions == 4
+
+
+def test_infer_run_splits_a_new_parsers_batch_line(engine, tmp_path):
+    """`infer run --output-format openai --reasoning-parser cohere_command`: its special tokens kept in the line's
+    text, split as the server splits them."""
+    from helpers import infer_run_records
+    body = forced_chat_body([{"role": "user", "content": "think, then answer"}], COHERE, 120)
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    recs, out = infer_run_records(tmp_path, [line], "--output-format", "openai", "--reasoning-parser",
+                                  "cohere_command", key="custom_id", model=str(engine.config.model))
+    message = recs["a"]["response"]["body"]["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("abc", "xyz"), out
