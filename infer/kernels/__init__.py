@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from . import lora_reference, reference
+from . import delta_rule, lora_reference, reference
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,6 +139,21 @@ def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cac
     return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
                                       block_tables, seq_lens, query_start_loc, scale, lora, **_cap(softcap),
                                       **_win(window), **_sinks(sinks))
+
+
+def causal_conv1d_update(x, weight, states, slots, kept):
+    """A Gated DeltaNet decode step's conv (delta_rule.causal_conv1d_update): one Triton launch on CUDA."""
+    if use_triton(x):
+        return _triton("delta_triton").causal_conv1d_update(x, weight, states, slots, kept)
+    return delta_rule.causal_conv1d_update(x, weight, states, slots, kept)
+
+
+def gated_delta_decode(q, k, v, g, beta, states, slots, kept):
+    """A Gated DeltaNet decode step's recurrent gated delta rule on the states at `slots`
+    (delta_rule.recurrent_gated_delta_rule_slots): one Triton launch on CUDA."""
+    if use_triton(v):
+        return _triton("delta_triton").recurrent_gated_delta_rule_slots(q, k, v, g, beta, states, slots, kept)
+    return delta_rule.recurrent_gated_delta_rule_slots(q, k, v, g, beta, states, slots, kept)
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):

@@ -1,7 +1,9 @@
 """The gated delta rule of Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's linear attention), and their causal
 depthwise conv1d, in torch: the CPU path and the oracle (transformers' torch_chunk_gated_delta_rule and
-torch_recurrent_gated_delta_rule, the same ops in the same order). The GPU runs these too for now; Triton kernels
-(flash-linear-attention's chunked and fused recurrent forms) are a later step.
+torch_recurrent_gated_delta_rule, the same ops in the same order). A decode step's two ops on states kept at slots of
+a pool (causal_conv1d_update, recurrent_gated_delta_rule_slots) have Triton kernels on CUDA (kernels.delta_triton,
+dispatched by kernels.causal_conv1d_update and kernels.gated_delta_decode); prefill chunks run these torch ops on
+every device.
 
 Semantics: per value head, a state S [Dk, Dv] (float32) that each token t updates as
 S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T, with output o_t = S^T q_t; q and k L2-normed, q scaled by
@@ -81,3 +83,24 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
     full = torch.cat([state.to(weight.dtype), x.to(weight.dtype)], dim=-1)
     out = F.conv1d(full, weight, None, padding=0, groups=x.shape[1])[..., -x.shape[-1]:]
     return F.silu(out).to(x.dtype), full[..., -state.shape[-1]:]
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                         kept: torch.Tensor) -> torch.Tensor:
+    """One token of each of B sequences: x [B, C], the conv states [slots, C, K - 1] read at `slots` [B] (zero where
+    `kept` [B] is False) and written back there, shifted by the token. Returns silu(conv) [B, C] in x's dtype."""
+    # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
+    conv = torch.where(kept[:, None, None], states.index_select(0, slots), 0)
+    out, conv = causal_conv1d(x.unsqueeze(-1), weight, conv)
+    states.index_copy_(0, slots, conv.to(states.dtype))
+    return out.squeeze(-1)
+
+
+def recurrent_gated_delta_rule_slots(q, k, v, g, beta, states: torch.Tensor, slots: torch.Tensor,
+                                     kept: torch.Tensor) -> torch.Tensor:
+    """recurrent_gated_delta_rule with each sequence's state at its slot of `states` [slots, Hv, Dk, Dv] float32
+    (`slots` [B]; zero where `kept` [B] is False), the states after the token written back there. Returns o."""
+    state = torch.where(kept[:, None, None, None], states.index_select(0, slots), 0)
+    o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    states.index_copy_(0, slots, state)
+    return o

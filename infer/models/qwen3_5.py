@@ -8,7 +8,8 @@ every running sequence a slot of the pool (`allocate_states`: max_num_seqs slots
 CUDA graph's decode step) and the forward context its step's slots (ctx.state_slots, one per sequence); a sequence
 whose step starts at position 0 (a new prefill, or a preempted one recomputed) starts from zero state. A prefill
 chunk runs the chunked delta rule from its slot's state, a decode the recurrent one, batched over the step's
-sequences with the slots indexed by a tensor (graph-safe)."""
+sequences with the slots indexed by a tensor (graph-safe): on CUDA two Triton launches (kernels.delta_triton: the
+conv update and the fused recurrent rule, each reading and writing the states in place at the slots)."""
 
 from __future__ import annotations
 
@@ -124,15 +125,9 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, g, beta, slots, kept):
         """One token of each sequence, its states read and written at `slots` (tensor indexing: no host sync)."""
-        # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
-        conv = torch.where(kept[:, None, None], self.conv_state.index_select(0, slots), 0)
-        out, conv = delta_rule.causal_conv1d(mixed.unsqueeze(-1), self.conv1d.weight, conv)
-        self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
-        q, k, v = self._split(out.squeeze(-1))
-        state = torch.where(kept[:, None, None, None], self.rec_state.index_select(0, slots), 0)
-        o, state = delta_rule.recurrent_gated_delta_rule(q, k, v, g, beta, state)
-        self.rec_state.index_copy_(0, slots, state)
-        return o
+        out = kernels.causal_conv1d_update(mixed, self.conv1d.weight, self.conv_state, slots, kept)
+        q, k, v = self._split(out)
+        return kernels.gated_delta_decode(q, k, v, g, beta, self.rec_state, slots, kept)
 
     def _sequence(self, mixed, g, beta, s: int, e: int, slot: int, kept: bool):
         """Tokens s..e-1 of one sequence from its slot's states (zero where not `kept`); the slot updated."""

@@ -1,0 +1,128 @@
+"""Triton kernels of a Gated DeltaNet layer's decode step (Qwen3.5's and Qwen3-Next's linear attention), in the
+manner of flash-linear-attention's fused recurrent form and vLLM's causal_conv1d_update: the states are read and
+written in place at each sequence's slot of the pool (`slots`, a tensor: a CUDA graph replays them through its static
+buffer), zero where a sequence's step starts from zero state (`kept` False: masked loads, so a slot that holds NaN
+gives zero, as the reference's torch.where). Padding rows of a graph's step name the model's padding slot (several
+rows may write it: it is never read as a state).
+
+Same semantics as their references in `delta_rule.py` (causal_conv1d_update, recurrent_gated_delta_rule_slots):
+float32 arithmetic, each output rounded once to its tensor's dtype (the conv's output to the weight's dtype first,
+as F.conv1d rounds it, before the silu)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .intmath import cdiv, next_power_of_2
+
+CONV_BLOCK = 256  # channels a causal_conv1d_update program computes
+VALUE_BLOCK = 32  # value columns of a recurrent program's state tile [Dk, VALUE_BLOCK] (float32 in registers)
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, channels, s_x, s_o, s_w, s_s, s_sc,
+                        TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """One sequence's token, BLOCK channels: out = silu(w[:, :K-1] . state + w[:, K-1] x); the state shifted by one
+    token (its oldest column dropped, x the newest)."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, TAPS_P2)
+    mask = offs < channels
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kept = tl.load(kept_ptr + b).to(tl.int32) != 0
+    x = tl.load(x_ptr + b * s_x + offs, mask=mask, other=0.0)
+    rows = state_ptr + slot * s_s + offs[:, None] * s_sc
+    old_mask = mask[:, None] & (cols[None, :] < tl.where(kept, TAPS - 1, 0))  # (no state columns where not kept)
+    old = tl.load(rows + cols[None, :], mask=old_mask, other=0.0)
+    # the state after this token: column j holds the old column j + 1, the last one x
+    shift_mask = mask[:, None] & (cols[None, :] < tl.where(kept, TAPS - 2, 0))
+    shifted = tl.load(rows + cols[None, :] + 1, mask=shift_mask, other=0.0)
+    new = tl.where(cols[None, :] == TAPS - 2, x.to(state_ptr.dtype.element_ty)[:, None], shifted)
+    w = tl.load(w_ptr + offs[:, None] * s_w + cols[None, :], mask=mask[:, None] & (cols[None, :] < TAPS - 1),
+                other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + offs * s_w + TAPS - 1, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.sum(w * old.to(w_ptr.dtype.element_ty).to(tl.float32), axis=1)
+    acc += w_last * x.to(w_ptr.dtype.element_ty).to(tl.float32)
+    acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rows + cols[None, :], new, mask=mask[:, None] & (cols[None, :] < TAPS - 1))
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                         kept: torch.Tensor) -> torch.Tensor:
+    """delta_rule.causal_conv1d_update in one launch: x [B, C] (unit stride along C), weight [C, 1, K], states
+    [slots, C, K - 1] written in place at `slots` [B]; `kept` [B] bool. Returns silu(conv) [B, C] in x's dtype."""
+    b, c = x.shape
+    taps = weight.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert states.stride(-1) == 1 and weight.stride(-1) == 1 and taps >= 2, "contiguous conv state and weight"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if b:
+        _conv_update_kernel[(b, cdiv(c, CONV_BLOCK))](
+            x, weight, out, states, slots, kept, c, x.stride(0), out.stride(0), weight.stride(0), states.stride(0),
+            states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1), BLOCK=CONV_BLOCK)
+    return out
+
+
+@triton.jit
+def _l2normed(x):
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr, kept_ptr, dk, dv, root,
+                      s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_ob, s_oh, s_s, s_sh, s_sk,
+                      GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One sequence's token, one value head, BV value columns: the state tile [Dk, BV] loaded from the slot (zero
+    where not kept), decayed by exp(g), corrected by the delta rule (k L2-normed, beta), read by q (L2-normed,
+    divided by sqrt(Dk)); the output and the tile stored."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP  # (the key head of value head h: transformers' repeat_interleave)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = offs_k < dk
+    mv = offs_v < dv
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kept = tl.load(kept_ptr + b).to(tl.int32) != 0
+    q = tl.load(q_ptr + b * s_qb + hk * s_qh + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * s_kb + hk * s_kh + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_v, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * s_gb + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b * s_bb + h).to(tl.float32)
+    q = _l2normed(q) / root
+    k = _l2normed(k)
+    tile = state_ptr + slot * s_s + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
+    mask = mk[:, None] & mv[None, :]
+    s = tl.load(tile, mask=(offs_k < tl.where(kept, dk, 0))[:, None] & mv[None, :], other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s += k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(o_ptr + b * s_ob + h * s_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(tile, s, mask=mask)
+
+
+def recurrent_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                                     kept: torch.Tensor) -> torch.Tensor:
+    """delta_rule.recurrent_gated_delta_rule_slots in one launch: q, k [B, Hk, Dk], v [B, Hv, Dv] (each unit stride
+    along its last dim), g and beta [B, Hv], states [slots, Hv, Dk, Dv] float32 written in place at `slots` [B];
+    `kept` [B] bool. Returns o [B, Hv, Dv] in v's dtype."""
+    bsz, hv, dv = v.shape
+    hk, dk = k.shape[1], k.shape[2]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
+    assert states.dtype == torch.float32 and states.stride(-1) == 1, "float32 states, unit stride along Dv"
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    bv = min(VALUE_BLOCK, next_power_of_2(dv))
+    if bsz:
+        _recurrent_kernel[(bsz, hv, cdiv(dv, bv))](
+            q, k, v, g, beta, out, states, slots, kept, dk, dv, float(dk ** 0.5),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
+            GROUP=hv // hk, BK=next_power_of_2(dk), BV=bv)
+    return out
