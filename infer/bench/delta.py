@@ -1,0 +1,127 @@
+"""Gated DeltaNet decode micro-benchmark: the Triton kernels of a decode step (kernels.delta_triton: the causal conv1d
+update, the fused recurrent gated delta rule) beside the torch code they replace (delta_rule.causal_conv1d_update,
+recurrent_gated_delta_rule_slots: gather the slots' states, compute, scatter them back), in one run.
+
+    python -m infer.bench.delta --out delta.csv
+
+Each row is one decode step of one linear-attention layer at Qwen3-Next's / Qwen3.5's head shape (16 key heads and
+32 value heads of 128, conv kernel 4, conv over q|k|v: 8,192 channels), bfloat16 activations, float32 recurrent
+states in a pool of batch + 1 slots (the last the padding slot) visited in a random order, for a batch of sequences
+that all carry their state. Timed under CUDA graphs (triton.testing.do_bench_cudagraph; the states updated in place
+at every replay). Columns: `conv_us` / `conv_torch_us` and `rule_us` / `rule_torch_us` the Triton kernel / the torch
+code; `conv_gain` and `rule_gain` torch / Triton (> 1: Triton is faster); `*_GBps` the bytes each op must move (its
+states read and written, its inputs and outputs) per second of the Triton kernel; `*_floor_us` those bytes at the
+copy bandwidth measured in the same run (small batches' states fit in L2: their floor is not a DRAM floor);
+`max_abs_err` the largest difference of the Triton outputs from torch's. GPU only."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+HK, HV, DK, DV, TAPS = 16, 32, 128, 128, 4
+BATCHES = (1, 8, 32, 64, 128, 256)
+COLUMNS = ["batch", "conv_us", "conv_torch_us", "conv_gain", "conv_floor_us", "conv_GBps", "rule_us", "rule_torch_us",
+           "rule_gain", "rule_floor_us", "rule_GBps", "max_abs_err"]
+
+
+def build(batch: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dict:
+    """One step's inputs: the conv input row of every sequence, the layer's conv weight, g and beta, and two copies
+    of each state pool (one for the kernels, one for torch), the sequences' slots a random order of the pool's."""
+    channels = 2 * HK * DK + HV * DV
+    kw = dict(device=device, generator=gen)
+    conv = torch.randn(batch + 1, channels, TAPS - 1, **kw).to(dtype)
+    rec = torch.randn(batch + 1, HV, DK, DV, **kw) * 0.1
+    weight = (torch.randn(channels, 1, TAPS, **kw) * 0.5).to(dtype)
+    return dict(x=torch.randn(batch, channels, **kw).to(dtype), weight=weight,
+                g=-torch.rand(batch, HV, **kw), beta=torch.rand(batch, HV, **kw).to(dtype),
+                slots=torch.randperm(batch, **kw), kept=torch.ones(batch, dtype=torch.bool, device=device),
+                conv=[conv, conv.clone()], rec=[rec, rec.clone()])
+
+
+def split(out: torch.Tensor):
+    """q, k [B, Hk, Dk], v [B, Hv, Dv]: views of the conv's output, as the model splits it."""
+    b = out.shape[0]
+    q, k, v = out.split([HK * DK, HK * DK, HV * DV], dim=-1)
+    return q.reshape(b, HK, DK), k.reshape(b, HK, DK), v.reshape(b, HV, DV)
+
+
+def bytes_moved(batch: int, dtype=torch.bfloat16) -> tuple[int, int]:
+    """(the conv update's, the recurrent rule's) bytes a step must read and write."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    channels = 2 * HK * DK + HV * DV
+    conv = batch * channels * (2 * (TAPS - 1) + 2) * e + channels * TAPS * e
+    rule = batch * (HV * DK * DV * 4 * 2 + (2 * HK * DK + 2 * HV * DV) * e + HV * (4 + e))
+    return conv, rule
+
+
+def measure(batch: int, bandwidth: float, timer, gen: torch.Generator, device="cuda") -> dict:
+    """One row: `timer(fn)` gives milliseconds per call of fn."""
+    from ..kernels import delta_rule, delta_triton
+    s = build(batch, device, gen)
+    ops = {"triton": (delta_triton, 0), "torch": (delta_rule, 1)}
+    conv_out = {n: m.causal_conv1d_update(s["x"], s["weight"], s["conv"][i], s["slots"], s["kept"])
+                for n, (m, i) in ops.items()}
+    qkv = split(conv_out["torch"])
+    rule_out = {n: m.recurrent_gated_delta_rule_slots(*qkv, s["g"], s["beta"], s["rec"][i], s["slots"], s["kept"])
+                for n, (m, i) in ops.items()}
+    err = max(float((conv_out["triton"].float() - conv_out["torch"].float()).abs().max()),
+              float((rule_out["triton"].float() - rule_out["torch"].float()).abs().max()))
+    us = {}
+    for n, (m, i) in ops.items():
+        us[f"conv_{n}"] = 1e3 * timer(lambda m=m, i=i: m.causal_conv1d_update(s["x"], s["weight"], s["conv"][i],
+                                                                                 s["slots"], s["kept"]))
+        us[f"rule_{n}"] = 1e3 * timer(lambda m=m, i=i: m.recurrent_gated_delta_rule_slots(
+            *qkv, s["g"], s["beta"], s["rec"][i], s["slots"], s["kept"]))
+    conv_bytes, rule_bytes = bytes_moved(batch)
+    return dict(batch=batch, conv_us=us["conv_triton"], conv_torch_us=us["conv_torch"],
+                conv_gain=us["conv_torch"] / us["conv_triton"], conv_floor_us=conv_bytes / bandwidth * 1e6,
+                conv_GBps=round(conv_bytes / us["conv_triton"] / 1e3, 1), rule_us=us["rule_triton"],
+                rule_torch_us=us["rule_torch"], rule_gain=us["rule_torch"] / us["rule_triton"],
+                rule_floor_us=rule_bytes / bandwidth * 1e6, rule_GBps=round(rule_bytes / us["rule_triton"] / 1e3, 1),
+                max_abs_err=float(f"{err:.2e}"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m infer.bench.delta", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="delta.csv", help="the CSV file to write (default delta.csv)")
+    p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES), help="decode batch sizes to time")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from .kernels import out_problem
+    problem = out_problem(args.out) or next((f"--batch {b}: give batch sizes of 1 or more" for b in args.batch
+                                             if b < 1), None)
+    if problem:
+        print(f"python -m infer.bench.delta: error: {problem}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("infer.bench.delta needs a CUDA GPU (the Triton delta rule kernels run only there); none was found",
+              file=sys.stderr)
+        return 2
+    import csv
+
+    import triton.testing
+
+    from .kernels import copy_bandwidth, print_table
+    bandwidth = copy_bandwidth()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [measure(b, bandwidth, triton.testing.do_bench_cudagraph, gen) for b in args.batch]
+    device = torch.cuda.get_device_name()
+    print_table(rows, f"Gated DeltaNet decode step on {device} (copy bandwidth {bandwidth / 1e12:.2f} TB/s), "
+                      f"microseconds under CUDA graphs, Hk {HK} Hv {HV} Dk {DK} Dv {DV}, bfloat16", COLUMNS)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS + ["device", "copy_GBps"])
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(r, device=device, copy_GBps=bandwidth / 1e9))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
