@@ -97,27 +97,30 @@ def test_recurrent_rule_equals_torch_over_steps(delta, dtype, tol, hk, hv, dk, d
 
 
 def test_interpreted_triton_qwen3_5_decodes_give_hf_tokens(monkeypatch):
-    """tiny-qwen3_5 with every op through its Triton kernel (interpreted on CPU) and the decode steps through
-    emulated CUDA graphs (padding rows on the padding slot): the decode steps run the delta kernels (counted), the
-    tokens are transformers'."""
+    """tiny-qwen3_5 with every op through its Triton kernel (interpreted on CPU), prompts cut into steps of 8 tokens
+    (a 20-token prompt's conv state carried across chunks, beside the others' decodes) and the decode steps through
+    emulated CUDA graphs (padding rows on the padding slot): the steps run the delta kernels (counted), the tokens
+    are transformers'."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (the engine tests of tiny-qwen3_5 on cuda)")
     from infer import LLM, SamplingParams, kernels
     from infer.kernels import delta_triton
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     calls = []
-    for name in ("causal_conv1d_update", "recurrent_gated_delta_rule_slots"):
+    for name in ("causal_conv1d_update", "recurrent_gated_delta_rule_slots", "causal_conv1d_varlen"):
         real = getattr(delta_triton, name)
         monkeypatch.setattr(delta_triton, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
     path = ensure_builtin("tiny-qwen3_5")
-    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16)
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16,
+              max_num_batched_tokens=8)
     llm.engine.runner.capture_graphs(64, emulate=True)
-    prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 9, 3), seed=1)
-    lens = [4, 6, 3]
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 20, 3, 4), seed=1)
+    lens = [3, 6, 9, 12]
     got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                                        for n in lens])]
     assert set(llm.engine.runner.graphs.replays) == {1, 2, 4}  # 3 rows padded to 4: a row on the padding slot
     assert calls.count("causal_conv1d_update") >= 3 and calls.count("recurrent_gated_delta_rule_slots") >= 3
+    assert calls.count("causal_conv1d_varlen") >= 3 * 3  # (3 linear layers, at least 3 prefill steps)
     assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
 
 
@@ -137,3 +140,26 @@ def test_bench_row_on_interpreted_kernels(delta):
     assert row["conv_gain"] == row["rule_gain"] == 1.0 and row["max_abs_err"] < 0.1
     assert row["rule_GBps"] == round(rule_bytes / 1e6, 1) and row["conv_floor_us"] == conv_bytes / 1e6
     assert rule_bytes > 32 * 128 * 128 * 8  # the float32 state read and written
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, BF16_TOL)])
+def test_conv_varlen_equals_torch(delta, dtype, tol):
+    """A prefill step's conv: sequences of 70 tokens (3 token tiles: only the first reads the state), 2 (shorter
+    than the state: the new state mixes the old one and the tokens), 1 and 5 from zero state over a NaN slot, on 150
+    channels (2 channel tiles); outputs and states equal the reference's, twice in a row (the state carried)."""
+    gen = torch.Generator().manual_seed(2)
+    c, taps, lens = 150, 4, [70, 2, 1, 5]
+    slots, kept = torch.tensor([3, 0, 1, 4], device=DEV), torch.tensor([True, True, True, False], device=DEV)
+    weight = torch.randn(c, 1, taps, generator=gen).to(DEV, dtype)
+    mine = _pool((c, taps - 1), 6, dtype, gen)
+    mine[4] = float("nan")
+    ref = mine.clone()
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    for step in range(2):
+        x = torch.randn(sum(lens), c, generator=gen).to(DEV, dtype)
+        want = delta_rule.causal_conv1d_varlen(x, weight, ref, starts, slots, kept, max(lens))
+        got = delta.causal_conv1d_varlen(x, weight, mine, starts, slots, kept, max(lens))
+        assert torch.isfinite(got.float()).all()
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), step
+        assert torch.allclose(mine[:-1].float(), ref[:-1].float(), atol=tol, rtol=tol, equal_nan=True), step
+        kept = torch.ones_like(kept)

@@ -148,6 +148,14 @@ def causal_conv1d_update(x, weight, states, slots, kept):
     return delta_rule.causal_conv1d_update(x, weight, states, slots, kept)
 
 
+def causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len):
+    """A Gated DeltaNet prefill step's conv over each sequence's tokens from its state (delta_rule.
+    causal_conv1d_varlen): one Triton launch on CUDA."""
+    if use_triton(x):
+        return _triton("delta_triton").causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len)
+    return delta_rule.causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len)
+
+
 def gated_delta_decode(q, k, v, g, beta, states, slots, kept):
     """A Gated DeltaNet decode step's recurrent gated delta rule on the states at `slots`
     (delta_rule.recurrent_gated_delta_rule_slots): one Triton launch on CUDA."""

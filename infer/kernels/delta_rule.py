@@ -1,9 +1,9 @@
 """The gated delta rule of Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's linear attention), and their causal
 depthwise conv1d, in torch: the CPU path and the oracle (transformers' torch_chunk_gated_delta_rule and
-torch_recurrent_gated_delta_rule, the same ops in the same order). A decode step's two ops on states kept at slots of
-a pool (causal_conv1d_update, recurrent_gated_delta_rule_slots) have Triton kernels on CUDA (kernels.delta_triton,
-dispatched by kernels.causal_conv1d_update and kernels.gated_delta_decode); prefill chunks run these torch ops on
-every device.
+torch_recurrent_gated_delta_rule, the same ops in the same order). A step's ops on states kept at slots of a pool
+(a decode step's causal_conv1d_update and recurrent_gated_delta_rule_slots, a prefill step's conv,
+causal_conv1d_varlen) have Triton kernels on CUDA (kernels.delta_triton, dispatched by kernels.causal_conv1d_update,
+kernels.gated_delta_decode and kernels.causal_conv1d_varlen); a prefill's chunked rule runs in torch on every device.
 
 Semantics: per value head, a state S [Dk, Dv] (float32) that each token t updates as
 S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T, with output o_t = S^T q_t; q and k L2-normed, q scaled by
@@ -104,3 +104,18 @@ def recurrent_gated_delta_rule_slots(q, k, v, g, beta, states: torch.Tensor, slo
     o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
     states.index_copy_(0, slots, state)
     return o
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
+                         slots: torch.Tensor, kept: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """A step's conv over each sequence's tokens x[query_start_loc[i]:query_start_loc[i + 1]] ([T, C] in all) after
+    its conv state at slots[i] (zero where kept[i] is False), the state after them written back there. Returns
+    silu(conv) [T, C] in x's dtype. (`max_len`, the longest sequence, sizes the Triton launch.)"""
+    outs = []
+    bounds = query_start_loc.tolist()
+    for s, e, slot, k in zip(bounds[:-1], bounds[1:], slots.tolist(), kept.tolist()):
+        conv = states[slot:slot + 1] if k else states.new_zeros(1, *states.shape[1:])
+        out, conv = causal_conv1d(x[s:e].t().unsqueeze(0), weight, conv)
+        states[slot] = conv[0]
+        outs.append(out[0].t())
+    return torch.cat(outs) if outs else x.new_empty(0, x.shape[1])

@@ -48,6 +48,7 @@ def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, c
     acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     out = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + b * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.debug_barrier()  # (every thread's reads of the state before any write: another thread may hold a column)
     tl.store(rows + cols[None, :], new, mask=mask[:, None] & (cols[None, :] < TAPS - 1))
 
 
@@ -65,6 +66,76 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
         _conv_update_kernel[(b, cdiv(c, CONV_BLOCK))](
             x, weight, out, states, slots, kept, c, x.stride(0), out.stride(0), weight.stride(0), states.stride(0),
             states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1), BLOCK=CONV_BLOCK)
+    return out
+
+
+VARLEN_TOKENS = 32  # tokens of a causal_conv1d_varlen program (at least K - 1: only a sequence's first tile reads
+VARLEN_CHANNELS = 128  # its state)
+
+
+@triton.jit
+def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr, kept_ptr, channels, s_x, s_o, s_w,
+                        s_s, s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """BT tokens of one sequence, BC channels: each token's conv over the K - 1 inputs before it (from x inside the
+    sequence, from the slot's state before its start: zero where not kept) and itself, silu; the sequence's first
+    tile also writes the state after its last token (its K - 1 last inputs), after every read of the old one."""
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
+    mc = offs_c < channels
+    start = tl.load(starts_ptr + seq)
+    end = tl.load(starts_ptr + seq + 1)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    kept = tl.load(kept_ptr + seq).to(tl.int32) != 0
+    rows = state_ptr + slot * s_s + offs_c * s_sc
+    lo = tl.where(kept, start - (TAPS - 1), start)  # the first input a token may read (the state's only where kept)
+    t0 = start + tile * BT
+    if t0 < end:
+        offs_t = t0 + tl.arange(0, BT)
+        mt = offs_t < end
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            p = offs_t - (TAPS - 1) + j  # the input tap j multiplies
+            xv = tl.load(x_ptr + p[:, None] * s_x + offs_c[None, :], mask=(mt & (p >= start))[:, None] & mc[None, :],
+                         other=0.0)
+            sv = tl.load(rows[None, :] + (TAPS - 1 + p - start)[:, None],
+                         mask=(mt & (p < start) & (p >= lo))[:, None] & mc[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_c * s_w + j, mask=mc, other=0.0).to(tl.float32)
+            acc += w[None, :] * (xv.to(w_ptr.dtype.element_ty).to(tl.float32)
+                                 + sv.to(w_ptr.dtype.element_ty).to(tl.float32))
+        acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+        out = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + offs_t[:, None] * s_o + offs_c[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mc[None, :])
+    if tile == 0:
+        cols = tl.arange(0, TAPS_P2)
+        p = end - (TAPS - 1) + cols  # the input state column i holds after the sequence
+        mcol = cols < TAPS - 1
+        xv = tl.load(x_ptr + p[None, :] * s_x + offs_c[:, None], mask=mc[:, None] & (mcol & (p >= start))[None, :],
+                     other=0.0)
+        sv = tl.load(rows[:, None] + (TAPS - 1 + p - start)[None, :],
+                     mask=mc[:, None] & (mcol & (p < start) & (p >= lo))[None, :], other=0.0)
+        new = tl.where((p >= start)[None, :], xv.to(state_ptr.dtype.element_ty), sv)
+        tl.debug_barrier()  # (every read of the old state, this program's outputs' included, before the write)
+        tl.store(rows[:, None] + cols[None, :], new, mask=mc[:, None] & mcol[None, :])
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
+                         slots: torch.Tensor, kept: torch.Tensor, max_len: int) -> torch.Tensor:
+    """delta_rule.causal_conv1d_varlen in one launch: x [T, C] (unit stride along C), each sequence's tokens
+    query_start_loc[i]:query_start_loc[i + 1] (at most `max_len`) after its conv state at slots[i] (zero where not
+    kept[i]), the states after them written in place. Returns silu(conv) [T, C] in x's dtype."""
+    c, taps = x.shape[1], weight.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert states.stride(-1) == 1 and weight.stride(-1) == 1 and taps - 1 <= VARLEN_TOKENS, "conv state, weight"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    n = slots.shape[0]
+    if n and max_len > 0:
+        _conv_varlen_kernel[(n, cdiv(max_len, VARLEN_TOKENS), cdiv(c, VARLEN_CHANNELS))](
+            x, weight, out, states, query_start_loc, slots, kept, c, x.stride(0), out.stride(0), weight.stride(0),
+            states.stride(0), states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1), BT=VARLEN_TOKENS,
+            BC=VARLEN_CHANNELS)
     return out
 
 

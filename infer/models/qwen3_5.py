@@ -7,7 +7,8 @@ Dv] (float32) of fixed size: the per-sequence state cache beside the paged KV (v
 every running sequence a slot of the pool (`allocate_states`: max_num_seqs slots and one for the padding rows of a
 CUDA graph's decode step) and the forward context its step's slots (ctx.state_slots, one per sequence); a sequence
 whose step starts at position 0 (a new prefill, or a preempted one recomputed) starts from zero state. A prefill
-chunk runs the chunked delta rule from its slot's state, a decode the recurrent one, batched over the step's
+step's conv runs over all its sequences at once (each from its slot's conv state), then each sequence's chunk
+the chunked delta rule from its slot's state, a decode the recurrent one, batched over the step's
 sequences with the slots indexed by a tensor (graph-safe): on CUDA two Triton launches (kernels.delta_triton: the
 conv update and the fused recurrent rule, each reading and writing the states in place at the slots)."""
 
@@ -94,7 +95,9 @@ class GatedDeltaNet(nn.Module):
         if ctx.max_query_len == 1:
             o = self._decode(mixed, g, beta, ctx.state_slots, kept)
         else:
-            o = torch.cat([self._sequence(mixed, g, beta, s, e, slot, k) for s, e, slot, k in zip(
+            conv = kernels.causal_conv1d_varlen(mixed, self.conv1d.weight, self.conv_state, ctx.query_start_loc,
+                                                ctx.state_slots, kept, ctx.max_query_len)
+            o = torch.cat([self._sequence(conv, g, beta, s, e, slot, k) for s, e, slot, k in zip(
                 ctx.query_start_loc[:-1].tolist(), ctx.query_start_loc[1:].tolist(), ctx.state_slots.tolist(),
                 kept.tolist())])
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(t, self.value_dim)
@@ -129,12 +132,10 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split(out)
         return kernels.gated_delta_decode(q, k, v, g, beta, self.rec_state, slots, kept)
 
-    def _sequence(self, mixed, g, beta, s: int, e: int, slot: int, kept: bool):
-        """Tokens s..e-1 of one sequence from its slot's states (zero where not `kept`); the slot updated."""
-        conv = self.conv_state[slot:slot + 1] if kept else self.conv_state.new_zeros(1, *self.conv_state.shape[1:])
-        out, conv = delta_rule.causal_conv1d(mixed[s:e].t().unsqueeze(0), self.conv1d.weight, conv)
-        self.conv_state[slot] = conv[0]
-        q, k, v = self._split(out[0].t())
+    def _sequence(self, conv, g, beta, s: int, e: int, slot: int, kept: bool):
+        """The delta rule over tokens s..e-1 of one sequence (`conv`: the step's conv output) from its slot's
+        recurrent state (zero where not `kept`); the slot updated."""
+        q, k, v = self._split(conv[s:e])
         state = self.rec_state[slot] if kept else torch.zeros_like(self.rec_state[slot])
         if e - s == 1 and kept:  # (a decode in a mixed step: the recurrent form, as transformers decodes)
             o, new = delta_rule.recurrent_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state[None])
