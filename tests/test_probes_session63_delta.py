@@ -163,3 +163,30 @@ def test_conv_varlen_equals_torch(delta, dtype, tol):
         assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), step
         assert torch.allclose(mine[:-1].float(), ref[:-1].float(), atol=tol, rtol=tol, equal_nan=True), step
         kept = torch.ones_like(kept)
+
+
+@pytest.mark.gpu
+def test_qwen3_5_on_gpu_with_graphs_gives_hf_tokens():
+    """On a GPU: tiny-qwen3_5 in float32 through the compiled delta kernels, eager and under real CUDA graphs (the
+    slots through the graph's static buffer, padding rows on the padding slot): transformers' tokens both ways."""
+    from infer import LLM, SamplingParams
+    path = ensure_builtin("tiny-qwen3_5")
+    prompts = random_prompts(256, (5, 20, 3, 4), seed=1)
+    lens = [3, 6, 9, 12]
+    want = [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+    for eager in (True, False):
+        with LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+                 enforce_eager=eager) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                               for n in lens])]
+            assert got == want, eager
+
+
+@pytest.mark.parametrize("argv, message", [(["--out", "{tmp}/missing/d.csv"], "missing does not exist"),
+                                           (["--out", "{tmp}/d.csv", "--batch", "0"], "--batch 0: give batch sizes")])
+def test_bench_refuses_a_bad_out_or_batch_before_timing(tmp_path, monkeypatch, capsys, argv, message):
+    from test_probes_session62_probe import _on_a_gpu_that_never_times
+    from infer.bench import delta as bench
+    _on_a_gpu_that_never_times(monkeypatch)
+    assert bench.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
