@@ -98,26 +98,39 @@ class ReplicaPool:
             if ready[0] in self._starting:
                 self._started(self._starting.pop(ready[0]), ready[0])
                 continue
-            r = self._calls.pop(ready[0])
-            r.calls -= 1
-            if not r.alive:
-                continue
-            try:
-                result = self.ray.get(ready[0])
-            except self.ray.exceptions.RayError as e:
-                self._lost(r, queue, e, on_rejected)
-                continue
-            for rid, reason in result.rejected:
-                item = r.inflight.pop(rid, None)
-                if item is not None:
-                    on_rejected(item, reason)
-            for out in result.finished:
-                item = r.inflight.pop(out.request_id, None)
-                if item is not None:
-                    r.done += 1
-                    on_output(item, out, r.index)
-            r.tokens += result.tokens
+            # ray.wait answers any ready call, not the oldest: the replica's earlier calls (it ran them first) are
+            # read before this one, or a failed later call (the actor died after an earlier one answered) dropped the
+            # outputs of the earlier one: finished requests ran again, or were written as errors (MAX_LOST)
+            r = self._calls[ready[0]]
+            for earlier in [c for c, owner in self._calls.items() if owner is r]:  # (in the order they were sent)
+                self._answer(earlier, queue, on_output, on_rejected)
+                if earlier == ready[0]:
+                    break
             on_tick()
+
+    def _answer(self, ref, queue: deque, on_output: Callable, on_rejected: Callable) -> None:
+        """Read step call `ref` (waiting for it) and hand back what it finished or rejected."""
+        if ref not in self._calls:  # (its replica was lost while an earlier call was read)
+            return
+        r = self._calls.pop(ref)
+        r.calls -= 1
+        if not r.alive:
+            return
+        try:
+            result = self.ray.get(ref)
+        except self.ray.exceptions.RayError as e:
+            self._lost(r, queue, e, on_rejected)
+            return
+        for rid, reason in result.rejected:
+            item = r.inflight.pop(rid, None)
+            if item is not None:
+                on_rejected(item, reason)
+        for out in result.finished:
+            item = r.inflight.pop(out.request_id, None)
+            if item is not None:
+                r.done += 1
+                on_output(item, out, r.index)
+        r.tokens += result.tokens
 
     def _dispatch(self, queue: deque) -> None:
         ready = [r for r in sorted(self.live(), key=lambda r: len(r.inflight)) if r.calls < DEPTH]
