@@ -56,3 +56,55 @@ def test_run_reads_a_replicas_earlier_call_before_a_later_one_that_failed():
         pool.run(work, lambda w, out, i: got.append((w.id, out.request_id, i)), lambda w, reason: pytest.fail(reason))
     assert got == [("w0", "w0", 0), ("w1", "w1", 0)]
     assert len(notes) == 2 and "its 1 unfinished request(s)" in notes[1]
+
+
+def test_a_failed_in_place_reload_removes_the_adapter_behind_the_requests_routed_with_it():
+    """load_inplace that one replica cannot read removes the name from every replica (the others have no old weights
+    left): the removal was sent from the event loop's thread, ahead of a request accepted while the name was served
+    and routed to a replica with its step calls queued (not sent yet), which the replica then refused as naming an
+    unknown adapter. As remove_lora does, the driver thread sends the routed requests first."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.errors import LoRAError
+    from infer.parallel.serve_engine import DEPTH, RayAsyncEngine, _Adapters, _Replica
+    from test_probes_session49_review2 import _engine, _Fresh, _Pending
+
+    ray = FakeRay(eager=True)
+    first = _Replica(0, Handle(_Fresh(), ray), {}, alive=True)
+
+    class _Steps(_Fresh):
+        def serve_step(self, new, aborts, holds=()):
+            self.calls.append(("serve_step", *[w[0] for w in new]))
+            return [], [], {}
+
+    class _Loads(_Steps):  # replica 0: it takes the new weights; meanwhile a request naming them is routed to it
+        def add_lora(self, name, path, replace=False):
+            super().add_lora(name, path, replace)
+            request = _Pending("uses-a")
+            request.lora = name
+            first.new.append(request)
+            first.inflight[request.request_id] = request
+            first.calls = DEPTH  # (its step calls queued: the request waits for the next)
+
+    class _Cannot(_Steps):
+        def add_lora(self, name, path, replace=False):
+            super().add_lora(name, path, replace)
+            return {"message": f"no adapter_config.json in {path}"}
+
+    first.handle = Handle(_Loads(), ray)
+    other = _Replica(1, Handle(_Cannot(), ray), {"host": "h1"}, alive=True)
+    engine = _engine([first, other])
+    engine.ray, engine._lora_changes, engine._carried = ray, None, {}
+    adapters = _Adapters(["a"], {"a": "/a"})
+    engine.engine = SimpleNamespace(lora_slots=lambda: adapters, lora_manager=adapters)
+
+    async def on_driver_thread(fn):
+        return fn(engine)
+    engine._call = on_driver_thread
+    with pytest.raises(LoRAError, match="replica 1 .*no adapter_config.json.*'a' is no longer served"):
+        asyncio.run(RayAsyncEngine.add_lora(engine, "a", "/a2", replace=True))
+    assert not adapters.has("a")
+    calls = first.handle.replica.calls
+    assert ("serve_step", "uses-a") in calls and ("remove_lora", "a") in calls
+    assert calls.index(("serve_step", "uses-a")) < calls.index(("remove_lora", "a")), calls

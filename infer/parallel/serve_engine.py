@@ -634,7 +634,10 @@ class RayAsyncEngine(AsyncEngine):
                     adapters.discard(name)
                     loaded = list(live)
                     gone = f"; {name!r} is no longer served, since the other replicas had taken the new weights"
-                await self._on_replicas([r.handle.remove_lora.remote(name) for r in loaded])
+                # (as remove_lora: behind the requests routed there, sent first by the driver thread; sent from here,
+                # the removal overtook a request accepted while the name was served, refused as an unknown adapter)
+                await self._on_replicas(await self._call(lambda engine: engine._on_replicas_after_sent(
+                    lambda r: r.handle.remove_lora.remote(name), loaded)))
                 r, e = failed[0]
                 kind = LoRANameError if e.get("name") else LoRAError  # the name, or the folder, is the problem
                 raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}{gone}", e.get("hint"))
