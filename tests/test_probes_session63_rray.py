@@ -108,3 +108,41 @@ def test_a_failed_in_place_reload_removes_the_adapter_behind_the_requests_routed
     calls = first.handle.replica.calls
     assert ("serve_step", "uses-a") in calls and ("remove_lora", "a") in calls
     assert calls.index(("serve_step", "uses-a")) < calls.index(("remove_lora", "a")), calls
+
+
+class _Resets:
+    def reset_prefix_cache(self):
+        return True
+
+
+def test_reset_prefix_cache_skips_a_replica_that_stopped_while_it_read_them():
+    """POST /reset_prefix_cache read each replica's `alive`, then its handle, in the server's thread: the driver
+    thread marks a stopped replica dead, then puts a fresh actor in its place; between the two reads the call went
+    to the fresh actor, which Ray had not placed yet (the reset waited for it: for ever where no node has room), or
+    which had no engine yet (the reset failed)."""
+    import asyncio
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+    from test_probes_session49_review2 import _engine
+
+    ray = FakeRay(eager=True)
+
+    class _Stops:
+        """Replica 0: stopped (the driver thread's _lost, then _replace) while the server read it."""
+
+        def __init__(self):
+            self.index, self.handle, self._alive = 0, Handle(_Resets(), ray), True
+            self.fresh = Handle(_Resets(), ray, pending=True)  # (pending: Ray has not placed it)
+
+        @property
+        def alive(self):
+            alive, self._alive = self._alive, False
+            if alive:
+                ray.kill(self.handle)
+                self.handle = self.fresh
+            return alive
+
+    engine = _engine([_Stops(), _Replica(1, Handle(_Resets(), ray), {}, alive=True)])
+    engine.ray = ray
+    assert asyncio.run(RayAsyncEngine.reset_prefix_cache(engine)) is True
+    assert engine.replicas[0].fresh.calls == 0, "a call went to the fresh actor before it was placed"

@@ -666,7 +666,11 @@ class RayAsyncEngine(AsyncEngine):
     async def reset_prefix_cache(self) -> bool:
         """Forget the cached prefixes of every live replica; True when each of them did (one that died meanwhile
         has none left to forget)."""
-        results = await self._on_replicas([r.handle.reset_prefix_cache.remote() for r in self.replicas if r.alive])
+        # each handle read before `alive` (as add_lora's): the driver thread marks a stopped replica dead before it puts
+        # a fresh actor in its place, which has no engine until loaded (the call failed there, or waited for Ray to
+        # place it)
+        handles = [(r.handle, r.alive) for r in self.replicas]
+        results = await self._on_replicas([handle.reset_prefix_cache.remote() for handle, alive in handles if alive])
         return all(r is True or (isinstance(r, dict) and r.get("died")) for r in results)
 
     def _on_replicas_after_sent(self, call, replicas: list) -> list:
