@@ -146,3 +146,33 @@ def test_reset_prefix_cache_skips_a_replica_that_stopped_while_it_read_them():
     engine.ray = ray
     assert asyncio.run(RayAsyncEngine.reset_prefix_cache(engine)) is True
     assert engine.replicas[0].fresh.calls == 0, "a call went to the fresh actor before it was placed"
+
+
+def test_no_metrics_counter_of_a_replaced_replica_goes_down():
+    """Every counter /metrics shows (each engine's series and the sums) keeps the figures of the replica a fresh one
+    replaced: kv_blocks_freed_window (a sliding window's model: infer:kv_cache_window_freed_blocks) was not moved to
+    the replica's base, and went back to the fresh replica's count."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+    from infer.serve.metrics import _EngineCollector
+
+    counters = ("num_preemptions", "num_steps", "prefix_cache_queries", "prefix_cache_hits", "lora_swaps",
+                "kv_blocks_freed_window")
+    old = {**dict.fromkeys(counters, 50), "lora_max": 2, "num_running": 2, "kv_blocks_total": 64}
+    r = _Replica(0, None, {}, stats=dict(old))
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    engine.ray, engine.replicas, engine._starting = FakeRay(), [r], {}
+    engine._restart, engine.max_restarts = lambda index: Handle(_Finishes()), 1
+
+    def samples() -> dict:
+        collector = _EngineCollector(lambda: RayAsyncEngine._aggregate(engine), ["tiny", "0"])
+        return {(m.name, s.labels.get("engine")): s.value for m in collector.collect()
+                if isinstance(m, CounterMetricFamily) for s in m.samples if s.name.endswith("_total")}
+    before = samples()
+    engine._replace(r)
+    r.stats, r.alive = {**dict.fromkeys(counters, 1), "lora_max": 2, "num_running": 1, "kv_blocks_total": 64}, True
+    after = samples()
+    assert ("infer:kv_cache_window_freed_blocks", "0") in before and ("infer:lora_swaps", "0") in before
+    assert set(after) == set(before)
+    assert {k: v for k, v in after.items() if v < before[k]} == {}, "a counter went down"

@@ -40,7 +40,7 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
           "num_steps", "cuda_graph_replays", "piecewise_graph_steps", "prefix_cache_queries", "prefix_cache_hits")
 # what only grows (the /metrics counters): a dead replica's last figures stay in the sums, so they never go back
 CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays", "piecewise_graph_steps",
-              "prefix_cache_queries", "prefix_cache_hits")
+              "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_freed_window")
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 # a draft model's forwards, and the decodes its context left without drafts
 DRAFT_COUNTERS = ("draft_cuda_graph_replays", "draft_eager_forwards", "draft_context_skipped_steps")
