@@ -176,3 +176,40 @@ def test_no_metrics_counter_of_a_replaced_replica_goes_down():
     assert ("infer:kv_cache_window_freed_blocks", "0") in before and ("infer:lora_swaps", "0") in before
     assert set(after) == set(before)
     assert {k: v for k, v in after.items() if v < before[k]} == {}, "a counter went down"
+
+
+def test_an_adapter_given_late_skips_a_replica_that_stopped_while_it_was_read():
+    """add_lora gives the adapter to a fresh replica that began to serve while the others loaded it (`late`): it read
+    the replica's `alive`, then its handle; a replica that stopped again between the two reads had a fresh actor,
+    not placed yet, in its place, and the load waited for Ray to place it (for ever where no node has room)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Adapters, _Replica
+    from test_probes_session49_review2 import _engine, _Fresh
+
+    ray = FakeRay(eager=True)
+
+    class _Flaps:
+        """Replica 1: restarting when the live replicas were read; then it serves, and stops as it is read again."""
+
+        def __init__(self):
+            self.index, self.handle, self.reads = 1, Handle(_Fresh(), ray), 0
+            self.fresh = Handle(_Fresh(), ray, pending=True)  # (pending: Ray has not placed it)
+
+        @property
+        def alive(self):
+            self.reads += 1
+            if self.reads == 2:  # (the driver thread, meanwhile: it stopped, a fresh actor is put in its place)
+                ray.kill(self.handle)
+                self.handle = self.fresh
+            return self.reads == 2
+
+    flaps = _Flaps()
+    engine = _engine([_Replica(0, Handle(_Fresh(), ray), {}, alive=True), flaps])
+    engine.ray, engine._lora_changes = ray, None
+    adapters = _Adapters(["a"], {"a": "/a"})
+    engine.engine = SimpleNamespace(lora_slots=lambda: adapters, lora_manager=adapters)
+    asyncio.run(RayAsyncEngine.add_lora(engine, "c", "/c"))
+    assert adapters.has("c") and ("add_lora", "c", "/c", False) in engine.replicas[0].handle.replica.calls
+    assert flaps.fresh.calls == 0, "a call went to the fresh actor before it was placed"

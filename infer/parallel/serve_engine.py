@@ -645,10 +645,10 @@ class RayAsyncEngine(AsyncEngine):
             # a fresh replica that began to serve meanwhile (after `live` was read, before the name was added: its
             # own check of the adapters, _started, did not see it) is given it too, also one in place of a replica
             # that stopped while it was asked (the same slot, another actor)
+            # (through `load`: one that stops again meanwhile is left out, not its fresh actor, not placed yet)
             late = [r for r in self.replicas if r.alive and not any(r.handle is h for h in asked)]
             if late:
-                await self._on_replicas([r.handle.add_lora.remote(name, path, *([True] if replace else []))
-                                         for r in late])
+                await self._on_replicas([load(r, *([True] if replace else [])) for r in late])
 
     async def remove_lora(self, name: str) -> int:
         """Refuse `name` to new requests, then retire it on every replica behind the requests already sent there
