@@ -213,3 +213,32 @@ def test_an_adapter_given_late_skips_a_replica_that_stopped_while_it_was_read():
     asyncio.run(RayAsyncEngine.add_lora(engine, "c", "/c"))
     assert adapters.has("c") and ("add_lora", "c", "/c", False) in engine.replicas[0].handle.replica.calls
     assert flaps.fresh.calls == 0, "a call went to the fresh actor before it was placed"
+
+
+def test_an_abort_not_sent_to_a_replica_that_stopped_never_reaches_the_fresh_one():
+    """A client's abort waits for the replica's next step call; the replica stopped first, and the abort went to the
+    fresh replica in its place, where it aborted a request that reused the id (the client's X-Request-Id): added and
+    aborted in one call, the retried request ended at once."""
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+    from test_probes_session49_review2 import _engine, _Fresh, _Pending
+
+    ray = FakeRay(eager=True)
+
+    class _Records(_Fresh):
+        def serve_step(self, new, aborts, holds=()):
+            self.calls.append(("serve_step", [w[0] for w in new], list(aborts)))
+            return [], [], {}
+
+    r = _Replica(0, Handle(_Records(), ray), {}, alive=True)
+    engine = _engine([r])
+    engine.ray, engine._carried, engine.max_restarts = ray, {}, 1
+    fresh = Handle(_Records(), ray)
+    engine._restart = lambda index: fresh
+    r.aborts.append("cmpl-x")  # (the client went away; the driver sends it with the replica's next call)
+    RayAsyncEngine._lost(engine, r, FakeRay.exceptions.ActorDiedError("the actor died"))
+    assert r.starting and r.handle is fresh
+    r.starting, r.alive = False, True  # (the fresh replica loaded the model: it serves)
+    engine._sinks["cmpl-x"] = object()  # the client sends it again, with the same X-Request-Id
+    RayAsyncEngine._route(engine, [_Pending("cmpl-x")], [])
+    RayAsyncEngine._send(engine)
+    assert fresh.replica.calls[-1] == ("serve_step", ["cmpl-x"], [])

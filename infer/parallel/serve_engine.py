@@ -492,7 +492,9 @@ class RayAsyncEngine(AsyncEngine):
         again = [p for p in again if p not in twice]
         for rid in list(r.inflight):
             self._owner.pop(rid, None)
-        r.inflight, r.new, r.started, r.unseen, r.holds = {}, [], set(), 0, []
+        # (its aborts too: kept, they went to the fresh replica in its place, and aborted there a request that reused
+        # an aborted one's id, the client's X-Request-Id)
+        r.inflight, r.new, r.started, r.unseen, r.holds, r.aborts = {}, [], set(), 0, [], []
         with self._cond:
             self._adds.extendleft(reversed([p for p in again if p.request_id in self._sinks]))
         log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)%s", r.index,
