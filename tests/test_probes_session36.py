@@ -56,6 +56,10 @@ def _engine(answers):
     eng.ray, eng._lora_changes, slots = FakeRay(), None, _Slots()
     eng.replicas = [_replica(i, a, removed) for i, a in enumerate(answers)]
     eng.engine = SimpleNamespace(lora_slots=lambda: slots)
+
+    async def on_driver_thread(fn):  # (what the driver thread runs: here, with no request routed to send first)
+        return fn(eng)
+    eng._call, eng._send = on_driver_thread, lambda flush=False: None
     return eng, slots, removed
 
 
