@@ -894,3 +894,16 @@ def check_state_slots_all_free(llm) -> None:
     states = llm.engine.block_manager.states
     assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def kill_actor(ray, handle) -> None:
+    """ray.kill(handle), then wait until the actor is gone: ray.kill returns before its process has stopped, and a
+    call sent meanwhile may still run there (a request routed to the replica began there and failed as started, or
+    was even answered)."""
+    ray.kill(handle, no_restart=True)
+    for _ in range(1000):
+        try:
+            ray.get(handle.where.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+    pytest.fail("the killed replica still answers")

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import fail_steps_of
+from helpers import fail_steps_of, kill_actor
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'infer[ray]')")
 httpx = pytest.importorskip("httpx")
@@ -177,7 +177,7 @@ def test_a_request_whose_last_replica_died_under_it_is_a_503(url, server, monkey
     monkeypatch.setattr(serve_engine, "PING_S", 1000.0)  # no idle check between the kill and the request
     assert _complete(url).status_code == 200
     for r in server.aengine.replicas:
-        ray.kill(r.handle, no_restart=True)
+        kill_actor(ray, r.handle)
     r = _complete(url)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "no_engine_replica" and "retry-after" in r.headers

@@ -17,6 +17,8 @@ from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.sampling_params import SamplingParams  # noqa: E402
 from infer.serve.app import serve_in_thread  # noqa: E402
 
+from helpers import kill_actor  # noqa: E402
+
 MAX_LEN = 256
 PROMPTS = [[5, 17, 99, 230, 41, 7], [8, 9, 10], [300, 301, 302, 303, 304, 305, 306, 307], [42] * 5]
 
@@ -168,20 +170,8 @@ def test_adapters_load_and_unload_on_every_replica(client, url, server, adapter,
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "r"}).status_code == 404
 
 
-def _kill(handle) -> None:
-    """ray.kill, then wait until the actor is gone: ray.kill returns before its process has stopped, and a call sent
-    meanwhile may still run there (a request routed to it then began there, and failed as one that had started)."""
-    ray.kill(handle, no_restart=True)
-    for _ in range(1000):
-        try:
-            ray.get(handle.where.remote(), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-    pytest.fail("the killed replica still answers")
-
-
 def test_killed_replica_fails_no_request_that_had_not_started(client, url, server, want):
-    _kill(server.aengine.replicas[0].handle)
+    kill_actor(ray, server.aengine.replicas[0].handle)
     assert _all(client) == want * 2  # requests sent to the dead replica ran again on the other
     health = httpx.get(f"{url}/health").json()["engine"]
     assert [r["alive"] for r in health["replicas"]] == [False, True] and health["num_replicas_alive"] == 1
