@@ -543,8 +543,8 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                     if not reads_whole_reply(req.tools):
                         pieces = stream.deltas(partial_calls(req.tools, text, stream.memo))
                     text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text)
-                elif req.tools is not None and req.tools.mode != "none":
-                    text = ""
+                elif req.tools is not None and req.tools.mode != "none":  # a forced call: no message, the call
+                    pieces, text = stream.deltas(partial_calls(req.tools, text, stream.memo)), ""  # as it comes
             if not thought_done and thought and len(thought) > len(thought_sent):
                 if open_item is None:
                     open_item = "rs"

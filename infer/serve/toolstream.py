@@ -309,18 +309,66 @@ def _xml(family: str, text: str, functions: dict[str, Any]) -> list[tuple[str, s
     return out
 
 
-def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> list[tuple[str, str]]:
-    """(name, arguments so far) of each call of a streamed "auto" reply (`text`: what the parser reads) that has
-    shown itself a call: each name final, each arguments text a start of the whole reply's (`split`). `memo`: where
-    the read of the same reply, shorter, stopped (CallStream's): this one goes on from there."""
-    if req is None or req.mode != "auto":
+_IN_STRING = re.compile(r'[^"\\\x00-\x1f]*')  # (a string's characters up to its end, an escape or a control one)
+_OUT_STRING = re.compile(r'[^"]*')
+
+
+def _named(text: str, memo: dict) -> str:
+    """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
+    reply's arguments are its text), up to a raw control character in a string (the whole reply writes the value
+    again, escaped: serve/tools.py's _read), held from there. `memo`: where the last read stopped."""
+    state = memo.get("named")
+    k, in_string, held = (state[1], state[2], state[3]) if state and text.startswith(state[0]) else (0, False, False)
+    while not held and k < len(text):
+        if not in_string:
+            k = _OUT_STRING.match(text, k).end()
+            if k < len(text):
+                k, in_string = k + 1, True
+            continue
+        k = _IN_STRING.match(text, k).end()
+        if k >= len(text):
+            break
+        if text[k] == '"':
+            k, in_string = k + 1, False
+        elif text[k] == "\\":
+            if k + 1 >= len(text):
+                break
+            k += 2
+        else:
+            held = True
+    memo["named"] = (text[:k], k, in_string, held)
+    return text[:k] if held else text
+
+
+def _required(text: str, memo: dict) -> list[tuple[str, str]]:
+    """The calls so far of a reply constrained to a JSON list of {"name", "parameters"} objects (tool_choice
+    "required"), as llama3_json's calls read: a call's name once its "parameters" key has come, then its
+    parameters as json.dumps writes them (the whole reply's arguments)."""
+    k = _WS.match(text).end()
+    if not text.startswith("[", k):
         return []
+    return _json_calls("llama3_json", text, k + 1, memo, ",")
+
+
+def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> list[tuple[str, str]]:
+    """(name, arguments so far) of each call of a streamed reply (`text`: what the parser reads) that has shown
+    itself a call: each name final, each arguments text a start of the whole reply's (`split`). A forced call (a
+    named tool_choice, "required") streams as vLLM's does: the named function's arguments as the reply writes them,
+    "required"'s list a call at a time. `memo`: where the read of the same reply, shorter, stopped (CallStream's):
+    this one goes on from there."""
+    if req is None or req.mode == "none":
+        return []
+    memo = {} if memo is None else memo
+    if req.mode == "named":
+        return [(req.name, _named(text, memo))] if text else []
     try:
-        if req.name in t.TYPED_PARSERS:
+        if req.mode == "required":
+            calls = _required(text, memo)
+        elif req.name in t.TYPED_PARSERS:
             calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools})
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
-                     "pythonic": _pythonic}[req.name](text, {} if memo is None else memo)
+                     "pythonic": _pythonic}[req.name](text, memo)
     except RecursionError:
         return []
     return calls if req.parallel else calls[:1]
