@@ -19,6 +19,8 @@ from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
+from helpers import joined_tool_calls  # noqa: E402
+
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -94,8 +96,8 @@ def test_a_forced_call_whose_string_holds_control_characters_is_still_a_call(bas
     if stream:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        *_, made, last = [c["choices"][0] for c in chunks if c["choices"]]  # the calls, then the finish alone
-        calls, reason = made["delta"].get("tool_calls"), last["finish_reason"]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]  # the call in pieces, then the finish alone
+        calls, reason = joined_tool_calls(deltas), deltas[-1]["finish_reason"]
     else:
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
