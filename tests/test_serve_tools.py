@@ -106,7 +106,7 @@ def test_a_forced_call_is_the_constrained_reply_as_tool_calls(served, direct, mo
             assert args["a"] in (1, 2, 3) and args["b"] in (10, 20)
 
 
-def test_streamed_calls_come_whole_in_the_last_chunk(served):
+def test_streamed_forced_call_comes_in_pieces_then_the_finish_alone(served):
     whole = _chat(served, tool_choice=NAMED).json()["choices"][0]
     with httpx.stream("POST", f"{served}/v1/chat/completions",
                       json={"messages": MESSAGES, "max_tokens": 48, "temperature": 0, "tools": TOOLS,
@@ -116,8 +116,10 @@ def test_streamed_calls_come_whole_in_the_last_chunk(served):
     assert not "".join(d["delta"].get("content") or "" for d in deltas)  # no JSON text before the call
     last = deltas[-1]  # the finish alone, after the calls (as OpenAI streams them)
     assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
-    (call,) = deltas[-2]["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"] == whole["message"]["tool_calls"][0]["function"]
+    pieces = [d for d in deltas if d["delta"].get("tool_calls")]  # its name first, then its arguments as they come
+    assert len(pieces) > 1 and pieces[0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    (call,) = joined_tool_calls(deltas)
+    assert call["function"] == whole["message"]["tool_calls"][0]["function"]
 
 
 def test_a_call_cut_short_by_max_tokens_stays_text(served):

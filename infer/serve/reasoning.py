@@ -63,6 +63,7 @@ class ReasoningRequest:
 _H_START, _H_CHANNEL, _H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 _H_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _H_MARKERS = (_H_START, _H_CHANNEL, _H_MESSAGE, "<|constrain|>", *_H_ENDS)
+_H_LONGEST = max(map(len, _H_MARKERS))
 _H_TO = "to="  # a header's recipient (the reply's first header may start with it)
 _H_NEXT = re.compile("|".join(re.escape(m) for m in (*_H_ENDS, _H_START, _H_CHANNEL)))  # where a message's text ends
 
@@ -76,10 +77,12 @@ def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
     if not finished:
         if _H_TO.startswith(text.lstrip(" ")):  # (" to" may still become the first header's " to=functions.f")
             return []
-        for k in range(min(max(map(len, _H_MARKERS)) - 1, len(text)), 0, -1):
-            if any(m.startswith(text[-k:]) for m in _H_MARKERS):
-                text = text[:-k]
+        at = text.find("<", max(0, len(text) - _H_LONGEST + 1))  # (every marker starts with "<")
+        while at >= 0:
+            if any(m.startswith(text[at:]) for m in _H_MARKERS):
+                text = text[:at]
                 break
+            at = text.find("<", at + 1)
     out, at = [], 0
     while at < len(text):
         header = ""

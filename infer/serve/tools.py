@@ -645,6 +645,8 @@ def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[di
             if not header or harmony_channel(header) in ("final", "commentary"):
                 content = (content or "") + body
             continue
+        if not ended and not finished:  # (a call still written: not read at each token of a stream)
+            continue
         try:
             args = json.dumps(json.loads(body, parse_constant=_not_json, parse_float=_finite), ensure_ascii=False)
         except (ValueError, RecursionError):

@@ -207,16 +207,47 @@ def _json_calls(kind: str, body: str, at: int, memo: dict, sep: str) -> list[tup
         at = rest + len(sep)
 
 
+def _grown(text: str, memo: dict) -> dict:
+    """The reads of `memo` kept for `text`: those of the text the last read had, which `text` goes on (a streamed
+    reply); none when it does not. (The last text is kept as it was given: no copy.)"""
+    last = memo.get("text")
+    if last is None or len(text) < len(last) or not text.startswith(last):
+        memo.clear()
+    memo["text"] = text
+    return memo.setdefault("whole", {})
+
+
 def _hermes(text: str, memo: dict) -> list[tuple[str, str]]:
-    out = []
-    for n, block in enumerate(text.split(t.HERMES_START)[1:]):
-        body = block.split(t.HERMES_END, 1)[0]
-        call, _ = _json_call("hermes", body, memo=memo.setdefault(n, {}))
+    """Each <tool_call> block's call: a block that has ended read once (kept), the open one in place (no copy of
+    the reply at each token)."""
+    out, whole = [], _grown(text, memo)
+    at, n = text.find(t.HERMES_START), 0
+    while at >= 0:
+        start = at + len(t.HERMES_START)
+        if ("next", start) in whole:  # (a block the next one's tag ended: where that one starts, its own end)
+            at, end = whole[("next", start)]
+        else:  # the last block: its tags looked for in the text it did not have (the last read's: `seen`)
+            last, seen, end = memo.get("last", (None, 0, -1))
+            seen, end = (max(start, seen - len(t.HERMES_END)), end) if last == start else (start, -1)
+            at = text.find(t.HERMES_START, seen)
+            end = end if end >= 0 else text.find(t.HERMES_END, seen, len(text) if at < 0 else at)
+            if at >= 0:
+                whole[("next", start)] = (at, end)
+            else:
+                memo["last"] = (start, len(text), end)
+        stop = len(text) if at < 0 else at
+        if end < 0 and at < 0:  # the open block: the reply's end
+            call, _ = _json_call("hermes", text, start, memo=memo.setdefault(n, {}))
+        else:  # (a block cut by the next <tool_call> reads as far as it)
+            if (start, end) not in whole:
+                whole[(start, end)] = _json_call("hermes", text[start:end if end >= 0 else stop])[0]
+            call = whole[(start, end)]
         if call is None:
             break
         out.append(call)
-        if t.HERMES_END not in block:
+        if end < 0:
             break
+        n += 1
     return out
 
 
@@ -269,40 +300,78 @@ def _pythonic(text: str, memo: dict) -> list[tuple[str, str]]:
     """The calls whose `)` has come (each whole: a literal is typed once whole)."""
     if text.startswith(t.PYTHON_START):
         text = text[len(t.PYTHON_START):].replace(t.PYTHON_END, "")
-    ends = [m.start() for m in _PY_CALL_END.finditer(text)]
+    reads = _grown(text, memo)  # (each end's read, kept: the same calls are not parsed again at each token)
+    ends, at = memo.get("ends", ([], 0))  # (the ends found, where the text may still make one: read on from there)
+    ends = ends + [m.start() for m in _PY_CALL_END.finditer(text, at)]
+    at = len(text)
+    while at > 0 and text[at - 1].isspace():
+        at -= 1
+    memo["ends"] = (ends, at - 1 if text[at - 1:at] == ")" else at)  # (a ")" that blanks alone follow: not known)
     for k in reversed(ends[-_PY_TRIES:]):  # the last end that closes a list of whole calls
-        parsed = t.pythonic_calls(text[:k + 1] + "]")
-        if parsed is not None:
-            return [(x["function"]["name"], x["function"]["arguments"]) for x in parsed[1]]
+        if k not in reads:
+            parsed = t.pythonic_calls(text[:k + 1] + "]")
+            reads[k] = None if parsed is None else [(x["function"]["name"], x["function"]["arguments"])
+                                                    for x in parsed[1]]
+        if reads[k] is not None:
+            return list(reads[k])
     return []
 
 
-def _xml(family: str, text: str, functions: dict[str, Any]) -> list[tuple[str, str]]:
+def _xml_arguments(raw: str, functions: dict[str, Any], family: str) -> str | None:
+    try:
+        return t._xml_call(raw, functions, family)["function"]["arguments"]
+    except ValueError:
+        return None
+
+
+def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[tuple[str, str]]:
     """The calls whose `<function=NAME>` has come, each with its parameters whole so far (a parameter's value is
-    typed once whole: one followed by the next <parameter= or by </function>)."""
-    body = text
+    typed once whole: one followed by the next <parameter= or by </function>). Each call's parameters read once
+    (kept, `memo`); the open call's tags looked for in its new text alone."""
+    body = 0
     if family == "seed_oss" and t.SEED_THINK_START in text:
         if t.SEED_THINK_END not in text:
             return []
-        body = text[text.index(t.SEED_THINK_END) + len(t.SEED_THINK_END):]
-    out = []
-    raws = body.split(t.XML_FUNCTION)[1:]
-    for n, raw in enumerate(raws):
-        last = n == len(raws) - 1
-        name, sep, params = raw.partition(">")
-        if not sep or not name or "<" in name or any(c.isspace() for c in name):
+        body = text.index(t.SEED_THINK_END) + len(t.SEED_THINK_END)
+    out, whole = [], _grown(text, memo)
+    at = text.find(t.XML_FUNCTION, body)
+    while at >= 0:
+        start = at + len(t.XML_FUNCTION)
+        # the last call: (its start, how far its text was read, its last <parameter=, whether its end came)
+        last, seen, cut, done = memo.get("last", (None, 0, -1, False))
+        if last != start:
+            seen, cut, done = start, -1, False
+        seen = max(start, seen - len(t.XML_FUNCTION) - 1)
+        if ("next", start) in whole:  # (a call the next one's tag ended: where that one starts)
+            at = whole[("next", start)]
+        else:
+            at = text.find(t.XML_FUNCTION, seen)
+            if at >= 0:
+                whole[("next", start)] = at
+        stop = len(text) if at < 0 else at
+        name_end = text.find(">", start, stop)
+        name = text[start:name_end]
+        if name_end < 0 or not name or "<" in name or any(c.isspace() for c in name):
             break
-        done = not last or "</function>" in params
-        if not done:
-            cut = params.rfind("<parameter=")
-            params = params[:cut] if cut >= 0 else params
-            if family == "seed_oss" and "<parameter=" in params and not params.rstrip().endswith("</parameter>"):
-                break  # (seed_oss: a parameter ends at its end tag alone)
-        try:
-            call = t._xml_call(f"{name}>{params}", functions, family)
-        except ValueError:
+        if at >= 0:
+            done, params_end = True, stop
+        else:
+            seen = max(seen, name_end + 1)
+            done = done or text.find("</function>", seen) >= 0
+            new = text.rfind("<parameter=", seen)
+            cut = new if new >= 0 else cut
+            memo["last"] = (start, len(text), cut, done)
+            params_end = stop if done or cut < 0 else cut
+        params = text[name_end + 1:params_end]
+        if not done and family == "seed_oss" and "<parameter=" in params and not params.rstrip().endswith(
+                "</parameter>"):
+            break  # (seed_oss: a parameter ends at its end tag alone)
+        key = (start, params_end)  # (kept where its text can no longer grow: a call ended, or before its last tag)
+        args = whole[key] if key in whole else _xml_arguments(f"{name}>{params}", functions, family)
+        if at >= 0 or (not done and cut >= 0):
+            whole[key] = args
+        if args is None:
             break
-        args = call["function"]["arguments"]
         out.append((name, args if done else args[:-1]))
         if not done:
             break
@@ -365,7 +434,8 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
         if req.mode == "required":
             calls = _required(text, memo)
         elif req.name in t.TYPED_PARSERS:
-            calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools})
+            calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools},
+                         memo)
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
                      "pythonic": _pythonic}[req.name](text, memo)
