@@ -169,3 +169,56 @@ def test_the_sdks_stream_accumulation_of_a_forced_call_is_the_whole_message(base
     assert final.finish_reason == whole.finish_reason == "tool_calls" and not final.message.content
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+# ------------------------------------------------------------------------------------------- linear reading
+MANY = {  # several calls, each parsed whole once it has ended (kept), not again at each token
+    "pythonic": "[" + ", ".join(f'get_time(zone="zone {k})")' for k in range(6)) + "]",
+    "qwen3_coder": "".join(f"<tool_call>\n<function=get_time>\n<parameter=zone>\nz{k}\n</parameter>\n</function>\n"
+                           "</tool_call>" for k in range(6)),
+    "hermes": "".join(f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "z{k}"}}}}</tool_call>'
+                      for k in range(6)),
+}
+PARSE = {"pythonic": "pythonic_calls", "qwen3_coder": "_xml_call", "hermes": None}
+
+
+@pytest.mark.parametrize("parser", sorted(MANY))
+def test_a_call_that_has_ended_is_parsed_once_not_at_each_token(monkeypatch, parser):
+    """Streamed a character at a time, a call whose text has ended is parsed a few times in all (pythonic's list
+    and qwen3_coder's parameters were parsed again at each token: time quadratic in the reply; hermes' ended blocks
+    are read once, the open one read on from where the last read stopped, in place)."""
+    from infer.serve import tools, toolstream
+    reply, counted, req = MANY[parser], [], parse_tools({"tools": TOOLS}, parser)
+    if PARSE[parser]:
+        real = getattr(tools, PARSE[parser])
+        monkeypatch.setattr(tools, PARSE[parser], lambda *a, **k: counted.append(1) or real(*a, **k))
+    else:  # (a read without the stream's memo: a block's own text, read afresh)
+        real = toolstream._json_call
+        monkeypatch.setattr(toolstream, "_json_call", lambda kind, raw, at=0, memo=None: counted.append(
+            memo is None) or real(kind, raw, at, memo))
+    stream, pieces = CallStream(req), []
+    for k in range(len(reply)):
+        pieces += stream.deltas(partial_calls(req, reply[:k], stream.memo))
+    whole = split(req, reply)[1]
+    pieces += stream.deltas(whole, finished=True)
+    assert len(whole) == 6 and [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
+    assert sum(counted) <= 5 * len(whole) < len(reply) // 4, sum(counted)  # (not one a token)
+
+
+@pytest.mark.parametrize("parser", sorted(REPLIES))
+def test_a_memo_of_another_text_is_not_read_on(parser):
+    """The stream's memo kept for a text that the next one does not go on (not a stream's reply): read afresh."""
+    req = parse_tools({"tools": TOOLS}, parser)
+    for first, then in ((REPLIES[parser][0], REPLIES[parser][-1]), (REPLIES[parser][-1], REPLIES[parser][0])):
+        memo = {}
+        for k in range(0, len(first), 7):
+            partial_calls(req, first[:k], memo)
+        for k in range(0, len(then) + 7, 7):
+            assert partial_calls(req, then[:k], memo) == partial_calls(req, then[:k]), then[:k]
+
+
+def test_the_bench_streams_every_parser_and_checks_the_pieces(capsys):
+    from infer.bench.toolstream import main, replies
+    rows = main(["--chars", "200", "--step", "3"])
+    assert [r["parser"] for r in rows] == list(replies(1)) and all(r["seconds"] >= 0 for r in rows)
+    assert "us/char" in capsys.readouterr().out
