@@ -20,7 +20,8 @@ from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split  # noqa: E402
 from infer.serve.toolstream import CallStream, partial_calls  # noqa: E402
 
-from helpers import joined_tool_calls, streamed_chat_choices, tiny_chat_engine  # noqa: E402
+from helpers import joined_deltas, joined_tool_calls, tiny_chat_engine  # noqa: E402
+from test_probes_session62_rstream import _chat_chunks, _responses_events  # noqa: E402
 from test_probes_session62_stream import ARGS, MESSAGES, REPLIES, TOOLS  # noqa: E402
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -79,7 +80,8 @@ def test_a_named_call_holds_a_raw_control_character_the_whole_reply_escapes():
     before it goes out, not the tab, and a tab between values (a blank) goes out as it is."""
     req = _forced("named")
     assert partial_calls(req, '{\t"city": "a\tb", "zone": "c"}') == [("get_weather", '{\t"city": "a')]
-    assert partial_calls(req, '{"city": "a\\"b\\\\", "zone": "c') == [("get_weather", '{"city": "a\\"b\\\\", "zone": "c')]
+    escaped = '{"city": "a\\"b\\\\", "zone": "c'  # (escapes: no string's end, no control character)
+    assert partial_calls(req, escaped) == [("get_weather", escaped)]
 
 
 @pytest.mark.parametrize("parser,reply", [(p, r) for p, replies in REPLIES.items() for r in replies])
@@ -109,9 +111,7 @@ def base(engine):
 def _chat(base: str, body: dict) -> tuple[list[dict], list[dict]]:
     """(the whole answer's choices, the streamed chunks' choices) of `body`."""
     whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"]
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
-        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-    return whole, [x for chunk in chunks for x in chunk["choices"]]
+    return whole, [x for chunk in _chat_chunks(base, body) for x in chunk["choices"]]
 
 
 @pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
@@ -130,7 +130,20 @@ def test_served_forced_call_streams_in_pieces_that_join_to_the_whole_message(bas
         chunks = [d for d in mine if d["delta"].get("tool_calls")]
         assert len(chunks) > 10 and "id" in chunks[0]["delta"]["tool_calls"][0]
         assert chunks[0]["delta"]["tool_calls"][0]["function"]["name"] == calls[0]["function"]["name"]
-        assert all(not d["delta"].get("content") for d in mine)
+        assert joined_deltas(mine, "content") == ""
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
+def test_a_forced_call_cut_by_max_tokens_ends_as_the_whole_reply(base, choice):
+    """max_tokens cuts the constrained reply: the whole reply is text (no call); the stream has sent the call's
+    start (serve/toolstream.py's known limit, as vLLM's), then ends as the whole reply: its text as content, its
+    finish_reason "length"."""
+    body = {"messages": MESSAGES, "max_tokens": 12 if choice == NAMED else 60, "temperature": 0, "tools": LONG_TOOLS,
+            "tool_choice": choice}  # (cut in the first call's city: "required"'s after its "parameters" key)
+    (whole,), deltas = _chat(base, body)
+    assert whole["finish_reason"] == deltas[-1]["finish_reason"] == "length" and "tool_calls" not in whole["message"]
+    assert joined_deltas(deltas, "content") == whole["message"]["content"]
+    assert joined_tool_calls(deltas)  # (what went out stands)
 
 
 @pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
@@ -139,8 +152,7 @@ def test_responses_stream_of_a_forced_call_sends_its_arguments_in_pieces(base, c
             "tool_choice": {"type": "function", "name": "get_weather"} if choice == NAMED else choice,
             "parallel_tool_calls": False, "max_output_tokens": 120, "temperature": 0}
     whole = httpx.post(f"{base}/v1/responses", json=body, timeout=120).json()
-    with httpx.stream("POST", f"{base}/v1/responses", json={**body, "stream": True}, timeout=120) as s:
-        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    events = _responses_events(base, body)
     assert [o["type"] for o in whole["output"]] == ["function_call"]
     call = whole["output"][0]
     added = [e for e in events if e["type"] == "response.output_item.added"]

@@ -256,14 +256,26 @@ def _llama3(text: str, memo: dict) -> list[tuple[str, str]]:
     return _json_calls("llama3_json", body, 0, memo, ";")
 
 
+def _found(text: str, memo: dict, key: str, tag: str, start: int = 0) -> int:
+    """text.find(tag, start), looked for in the text the last read (of a text `text` goes on: _grown) did not have."""
+    seen, at = memo.get(key, (0, -1))
+    if at < 0:
+        at = text.find(tag, max(start, seen - len(tag) + 1))
+    memo[key] = (len(text), at)
+    return at
+
+
 def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
-    if t.MISTRAL_START not in text:
+    _grown(text, memo)
+    first = _found(text, memo, "first", t.MISTRAL_START)
+    if first < 0:
         return []
-    raws = text.split(t.MISTRAL_START)[1:]
-    if raws[0].lstrip().startswith("["):  # the JSON list
-        if len(raws) != 1:
+    k = _WS.match(text, first + len(t.MISTRAL_START)).end()
+    if text.startswith("[", k):  # the JSON list (read in place: no copy of the reply at each token)
+        if _found(text, memo, "second", t.MISTRAL_START, k) >= 0:
             return []
-        return _json_calls("mistral", raws[0], raws[0].index("[") + 1, memo, ",")
+        return _json_calls("mistral", text, k + 1, memo, ",")
+    raws = text.split(t.MISTRAL_START)[1:]
     out = []
     for n, raw in enumerate(raws):
         if t.MISTRAL_ARGS not in raw:
@@ -328,12 +340,12 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
     """The calls whose `<function=NAME>` has come, each with its parameters whole so far (a parameter's value is
     typed once whole: one followed by the next <parameter= or by </function>). Each call's parameters read once
     (kept, `memo`); the open call's tags looked for in its new text alone."""
-    body = 0
-    if family == "seed_oss" and t.SEED_THINK_START in text:
-        if t.SEED_THINK_END not in text:
+    out, whole, body = [], _grown(text, memo), 0
+    if family == "seed_oss" and _found(text, memo, "think", t.SEED_THINK_START) >= 0:
+        body = _found(text, memo, "thought", t.SEED_THINK_END)
+        if body < 0:
             return []
-        body = text.index(t.SEED_THINK_END) + len(t.SEED_THINK_END)
-    out, whole = [], _grown(text, memo)
+        body += len(t.SEED_THINK_END)
     at = text.find(t.XML_FUNCTION, body)
     while at >= 0:
         start = at + len(t.XML_FUNCTION)
