@@ -217,6 +217,19 @@ def test_a_call_that_has_ended_is_parsed_once_not_at_each_token(monkeypatch, par
     assert sum(counted) <= 5 * len(whole) < len(reply) // 4, sum(counted)  # (not one a token)
 
 
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss"])
+def test_an_xml_calls_arguments_end_at_its_function_end_tag_streamed_as_whole(parser):
+    """The text after a call's </function> is no parameter of it (the whole reply's read), streamed or whole: a
+    stray parameter after it is left out at every length (it was read into the streamed call, which then was not
+    the whole reply's)."""
+    call = "<function=get_time>\n<parameter=zone>\nx\n</parameter>\n</function>\n<parameter=days>\n3\n</parameter>"
+    for reply, want in ((call, ['{"zone": "x"}']), (call + call, ['{"zone": "x"}'] * 2)):
+        pieces, whole = _streamed(parse_tools({"tools": TOOLS}, parser), reply, 1)
+        assert [c["function"]["arguments"] for c in _joined(pieces)] == [c["function"]["arguments"]
+                                                                         for c in whole] == want
+    assert not any("days" in p["function"]["arguments"] for p in pieces)
+
+
 @pytest.mark.parametrize("parser", sorted(REPLIES))
 def test_a_memo_of_another_text_is_not_read_on(parser):
     """The stream's memo kept for a text that the next one does not go on (not a stream's reply): read afresh."""

@@ -350,11 +350,10 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
     while at >= 0:
         start = at + len(t.XML_FUNCTION)
         # the last call: (its start, how far its text was read, its last <parameter=, whether its end came)
-        # the last call: (its start, how far its text was read, its last <parameter=, where its </function> is,
-        # whether a parameter's tag came after that)
-        last, seen, cut, end, after = memo.get("last", (None, 0, -1, -1, False))
+        # the last call: (its start, how far its text was read, its last <parameter=, where its </function> is)
+        last, seen, cut, end = memo.get("last", (None, 0, -1, -1))
         if last != start:
-            seen, cut, end, after = start, -1, -1, False
+            seen, cut, end = start, -1, -1
         seen = max(start, seen - len(t.XML_FUNCTION) - 1)
         if ("next", start) in whole:  # (a call the next one's tag ended: where that one starts)
             at = whole[("next", start)]
@@ -367,34 +366,28 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
         name = text[start:name_end]
         if name_end < 0 or not name or "<" in name or any(c.isspace() for c in name):
             break
-        key = None  # where the call's arguments are kept: its text up to there is all they depend on
-        if at >= 0:
-            params_end = key = stop
+        if at >= 0:  # (a call the next one's tag ended: up to its </function> if it has one, kept)
+            if ("end", start) not in whole:
+                found = text.find("</function>", name_end + 1, stop)
+                whole[("end", start)] = found if found >= 0 else stop
+            key = whole[("end", start)]
         else:
             seen = max(seen, name_end + 1)
             end = end if end >= 0 else text.find("</function>", seen)
             new = text.rfind("<parameter=", seen)
             cut = new if new >= 0 else cut
-            if end >= 0:  # the text after </function> changes nothing while no parameter's tag is in it
-                tail = max(seen, end + len("</function>"))
-                after = after or cut > end or text.find("</parameter>", tail) >= 0
-                closed = family != "seed_oss" or text.rfind("</parameter>", name_end, end) > cut  # (seed_oss: a
-                # parameter without its end tag runs to the text's end)
-                key = end + len("</function>") if not after and closed else None
-            else:
-                key = cut if cut >= 0 else name_end + 1  # (before the open parameter; no parameter yet: "{}")
-            memo["last"] = (start, len(text), cut, end, after)
-            params_end = key if key is not None else stop
+            memo["last"] = (start, len(text), cut, end)
+            # the call's parameters up to its </function> (the text after it is no call's, as the whole reply
+            # reads it), else before its open parameter ("{}" before its first)
+            key = end if end >= 0 else cut if cut >= 0 else name_end + 1
         done = end >= 0 or at >= 0
-        params = text[name_end + 1:params_end]
+        params = text[name_end + 1:key]
         if not done and family == "seed_oss" and "<parameter=" in params and not params.rstrip().endswith(
                 "</parameter>"):
             break  # (seed_oss: a parameter ends at its end tag alone)
-        if key is None or (start, key) not in whole:
-            args = _xml_arguments(f"{name}>{params}", functions, family)
-            if key is not None:
-                whole[(start, key)] = args
-        args = whole[(start, key)] if key is not None else args
+        if (start, key) not in whole:  # (each call's text up to `key` read once)
+            whole[(start, key)] = _xml_arguments(f"{name}>{params}", functions, family)
+        args = whole[(start, key)]
         if args is None:
             break
         out.append((name, args if done else args[:-1]))
