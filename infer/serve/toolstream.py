@@ -6,7 +6,10 @@ once no later text can change it (a number, true/false/null when whole; a string
 escape when whole). A call's header goes out only once the reply has shown it is one (hermes: its "arguments" key
 seen after its name), nothing that a reply that turns out to be text would have to take back. What cannot be known
 early stays held: pythonic's and (qwen3_coder, seed_oss) a parameter's typed value until it is whole; a call whose
-arguments are not written in the usual order (hermes: "arguments" before "name") until it is whole.
+arguments are not written in the usual order (hermes: "arguments" before "name") until it is whole. A forced call
+streams as vLLM's: a named tool_choice's arguments as the constrained reply writes them (they are its text),
+"required"'s list a call at a time. Each read goes on from where the last one stopped (the stream's memo): a call
+whose text has ended is read once, tags are looked for in the new text alone.
 Known limits, as in vLLM's streaming: a call that later turns out malformed (the model writes garbage after its
 arguments, max_tokens cuts it), or whose arguments repeat a key, has already sent what it wrote before that."""
 
