@@ -26,13 +26,14 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
   reasons up to "Here is my response:" (or "Here's"), the rest is the content; a reply that does not start so is
   all content, one cut short before its response marker all reasoning (vLLM's stream; its whole reply made it
   content).
-A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the
-reply all content too, with either parser (vLLM's prompt_is_reasoning_end), and so does a reply constrained to
+A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the reply
+all content too, with either parser (vLLM's prompt_is_reasoning_end; the prompt's last turn only, after its last
+special token: GLM-4.5's template closes a block in each earlier assistant turn), and so does a reply constrained to
 JSON or a choice (response_format, structured_outputs, a named or "required" tool_choice): the constraint holds from
 its first token (vLLM's waits for the end of the reasoning), so it is all answer; a regex or a grammar may write the
-think block itself and is split as any reply. The opening tag is read at the start of
-the reply only, so that the streamed deltas add up to the whole reply's fields (vLLM's whole-reply parsers also drop
-whatever came before a <think> found further on).
+think block itself and is split as any reply. The opening tag is read at the start of the reply only (after
+whitespace: GLM-4.5 writes "\\n<think>"), so that the streamed deltas add up to the whole reply's fields (vLLM's
+whole-reply parsers also drop whatever came before a <think> found further on).
 - openai_gptoss: gpt-oss's harmony format, whose reply is messages on channels rather than a think block:
   `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...` (the template's
   prompt ends with `<|start|>assistant`). The analysis channel's text is the reasoning (several analysis messages
@@ -236,20 +237,35 @@ def prompt_ends_reasoning(prompt_ids: list[int], tokenizer, parser: str = "deeps
     if tags(parser) is None:
         return False  # no think block (harmony: the template closes each message of an earlier turn)
     start, end = tags(parser)
-    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return tail.rfind(end) > tail.rfind(start)
+    tail = prompt_ids[-PROMPT_TAIL_TOKENS:]
+    # the last turn only: what follows the tail's last special token that is not a tag (GLM-4.5's <|assistant|>,
+    # Qwen3's <|im_start|>), as vLLM's glm45 reads back to <|assistant|>: an earlier turn's closed block
+    # (GLM-4.5's template writes "<think></think>" in each earlier assistant turn) does not end this reply's
+    named = _special_tokens(tokenizer) - {*tags(parser), *PARSERS[parser].get("wrap", ())}
+    if named:
+        pieces = tokenizer.convert_ids_to_tokens(tail)
+        turn = max((k + 1 for k, piece in enumerate(pieces) if piece in named), default=0)
+        tail = tail[turn:]
+    text = tokenizer.decode(tail, skip_special_tokens=False)
+    return text.rfind(end) > text.rfind(start)
 
 
-def tags_are_skipped(tokenizer, parser: str = "deepseek_r1") -> bool:
-    """Whether the tokenizer's opening or closing tag (the parser's: <think>, </think>) is a special token, which
-    the reply's text (skip_special_tokens) leaves out: the split could not see where the block ends (a fine-tune's
-    tokenizer that added them as special)."""
+def _special_tokens(tokenizer) -> set[str]:
+    """The tokenizer's special tokens (named, and the added tokens it marks special)."""
     named = set(getattr(tokenizer, "all_special_tokens", ()) or ())
     try:
         named.update(t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
                      if getattr(t, "special", False))
     except Exception:  # no added-token table to read: the named special tokens
         pass
+    return named
+
+
+def tags_are_skipped(tokenizer, parser: str = "deepseek_r1") -> bool:
+    """Whether the tokenizer's opening or closing tag (the parser's: <think>, </think>) is a special token, which
+    the reply's text (skip_special_tokens) leaves out: the split could not see where the block ends (a fine-tune's
+    tokenizer that added them as special)."""
+    named = _special_tokens(tokenizer)
     return any(tag in named for tag in (*(tags(parser) or ()), *PARSERS[parser].get("wrap", ())))
 
 
@@ -314,9 +330,10 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
     if own is not None:
         return own(text, finished)
     start, end = tags(req.parser)
-    if text.startswith(start):
-        text = text[len(start):]
-    elif not finished and start.startswith(text):
+    lead = text.lstrip()  # (whitespace before the opening tag: GLM-4.5 writes "\n<think>" after <|assistant|>)
+    if lead.startswith(start):
+        text = lead[len(start):]
+    elif not finished and start.startswith(lead):
         return "", ""
     elif PARSERS[req.parser].get("needs_start"):
         return "", _unwrapped(req.parser, text, finished)  # no block opened: all content
@@ -334,5 +351,5 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     reasoning, content = parts(req, text)
     # (a parser of its own split, or olmo3's: an empty reasoning null, as vLLM's)
     own = tags(req.parser) is None or "split" in PARSERS[req.parser] or PARSERS[req.parser].get("empty_is_null")
-    unopened = PARSERS[req.parser].get("needs_start") and not text.startswith(tags(req.parser)[0])  # no block: null
+    unopened = PARSERS[req.parser].get("needs_start") and not text.lstrip().startswith(tags(req.parser)[0])  # null
     return (reasoning or None) if own or unopened else reasoning, content or None
