@@ -50,3 +50,35 @@ def test_an_earlier_turns_closed_block_does_not_end_the_replys(glm_tokenizer):
     assert prompt_ends_reasoning(off, tok, "glm45") and reasoning_request("glm45", {}, off, tok).ended
     r1 = tok.encode("<|user|>hi<|assistant|><think>\n\n</think>\n\nHello.<|user|>and?<|assistant|><think>\n")
     assert not prompt_ends_reasoning(r1, tok, "deepseek_r1")
+
+
+CONTINUED = [{"role": "user", "content": "think, then answer"}]
+
+
+@pytest.mark.parametrize("parser,written,reply,want", [
+    ("glm45", "<think>ab", "c</think>xyz", ("c", "xyz")),
+    ("cohere_command", "<|START_THINKING|>ab", "c<|END_THINKING|><|START_RESPONSE|>xyz<|END_RESPONSE|>", ("c", "xyz")),
+    ("apertus", "<|inner_prefix|>ab", "c<|inner_suffix|>xyz", ("c", "xyz")),
+    ("glm45", "<think>ab</think>x", "yz", (None, "yz")),  # the block closed: the continuation is answer
+])
+def test_a_continued_message_whose_block_is_open_continues_as_reasoning(glm_tokenizer, parser, written, reply, want):
+    """continue_final_message on an assistant message that opened its block (glm45, apertus, cohere_command: the
+    parsers whose reply must open it): the continuation was all content, the closing tag and the answer's wrapper
+    in it; it is reasoning up to the closing tag, as deepseek_r1's (whose template opens the block)."""
+    body = {"messages": [*CONTINUED, {"role": "assistant", "content": written}], "continue_final_message": True,
+            "add_generation_prompt": False}
+    ids = glm_tokenizer.encode("<|user|>think, then answer<|assistant|>")  # (the prompt's end: no tag)
+    req = reasoning_request(parser, body, ids, glm_tokenizer)
+    assert split(req, reply) == want
+    check_stream_adds_up(req, reply)
+    assert not reasoning_request(parser, {**body, "continue_final_message": False}, ids, glm_tokenizer).opened
+
+
+def test_a_prompt_that_opens_the_block_makes_the_reply_reasoning(glm_tokenizer):
+    """A template that ends the prompt with the opening tag (the reply then never writes it) splits the reply as
+    deepseek_r1's; a prompt that opens none leaves glm45's rule (no <think>: all content)."""
+    opened = glm_tokenizer.encode("<|user|>hi<|assistant|>\n<think>")
+    req = reasoning_request("glm45", {}, opened, glm_tokenizer)
+    assert req.opened and split(req, "abc</think>xyz") == ("abc", "xyz")
+    plain = reasoning_request("glm45", {}, glm_tokenizer.encode("<|user|>hi<|assistant|>"), glm_tokenizer)
+    assert not plain.opened and split(plain, "abc</think>xyz") == (None, "abc</think>xyz")

@@ -17,7 +17,9 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
 - ernie45: deepseek_r1's rules for ERNIE 4.5 Thinking's `abc\n</think>\n\n<response>\ndef\n</response>\n`: an
   answer wrapped in <response>...</response> is the text inside (what follows </response> dropped, as vLLM's).
 - glm45: GLM-4.5's <think>...</think>, reasoning only in a reply that starts with <think> (vLLM's glm45 stream: a
-  reply without it is all content); with thinking off its template closes the block in the prompt.
+  reply without it is all content); with thinking off its template closes the block in the prompt. With this rule
+  (glm45, mistral, apertus, cohere_command) a block the prompt's last turn left open (a continued final message's
+  "<think>ab") makes the reply reasoning up to the closing tag.
 - apertus: Apertus's <|inner_prefix|>...<|inner_suffix|> (special tokens), mistral's rules: a reply that writes no
   block (a plain answer, a tool call) is all content.
 - cohere_command: Command A Reasoning's <|START_THINKING|>...<|END_THINKING|> (special tokens), mistral's rules,
@@ -57,6 +59,9 @@ class ReasoningRequest:
     parser: str  # a key of PARSERS
     ended: bool = False  # the reply is all content: thinking off (qwen3), or the prompt closed the block
     include: bool = True  # vLLM's include_reasoning: false leaves the reasoning out (the content is split from it)
+    # a parser whose block opens in the reply (needs_start): the prompt's last turn (a continued final message) opened
+    # it, so the reply is reasoning from its first character, up to the closing tag
+    opened: bool = False
 
 
 # harmony's markers (openai_gptoss): a message's header opens with <|start|> (the role) or <|channel|>, its text follows
@@ -237,6 +242,21 @@ def prompt_ends_reasoning(prompt_ids: list[int], tokenizer, parser: str = "deeps
     if tags(parser) is None:
         return False  # no think block (harmony: the template closes each message of an earlier turn)
     start, end = tags(parser)
+    text = _last_turn(prompt_ids, tokenizer, parser)
+    return text.rfind(end) > text.rfind(start)
+
+
+def prompt_opens_reasoning(prompt_ids: list[int], tokenizer, parser: str) -> bool:
+    """Whether the prompt's last turn leaves a think block (the parser's) open: its last tag opens it."""
+    if tags(parser) is None:
+        return False
+    start, end = tags(parser)
+    text = _last_turn(prompt_ids, tokenizer, parser)
+    return text.rfind(start) > text.rfind(end)
+
+
+def _last_turn(prompt_ids: list[int], tokenizer, parser: str) -> str:
+    """The text of the prompt's end (its last PROMPT_TAIL_TOKENS tokens) where the reply's turn starts."""
     tail = prompt_ids[-PROMPT_TAIL_TOKENS:]
     # the last turn only: what follows the tail's last special token that is not a tag (GLM-4.5's <|assistant|>,
     # Qwen3's <|im_start|>), as vLLM's glm45 reads back to <|assistant|>: an earlier turn's closed block
@@ -246,8 +266,7 @@ def prompt_ends_reasoning(prompt_ids: list[int], tokenizer, parser: str = "deeps
         pieces = tokenizer.convert_ids_to_tokens(tail)
         turn = max((k + 1 for k, piece in enumerate(pieces) if piece in named), default=0)
         tail = tail[turn:]
-    text = tokenizer.decode(tail, skip_special_tokens=False)
-    return text.rfind(end) > text.rfind(start)
+    return tokenizer.decode(tail, skip_special_tokens=False)
 
 
 def _special_tokens(tokenizer) -> set[str]:
@@ -295,7 +314,10 @@ def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tok
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
     ended = off or prompt_ends_reasoning(prompt_ids, tokenizer, parser) or continues_content(body, parser)
-    return ReasoningRequest(parser, ended=ended, include=include)
+    # (a block the reply need not open: the prompt, or the final message continued, left one open)
+    opened = bool(PARSERS[parser].get("needs_start")) and not ended and (
+        prompt_opens_reasoning(prompt_ids, tokenizer, parser) or _continued(body, parser) is False)
+    return ReasoningRequest(parser, ended=ended, include=include, opened=opened)
 
 
 def continues_content(body: dict, parser: str = "deepseek_r1") -> bool:
@@ -303,17 +325,24 @@ def continues_content(body: dict, parser: str = "deepseek_r1") -> bool:
     `incomplete` message sent back): content written, no think block left open in it, means the reasoning is over
     (a template that leaves the message's reasoning out shows no closing tag for prompt_ends_reasoning to see), so
     the continuation is content, not reasoning."""
+    return _continued(body, parser) is True
+
+
+def _continued(body: dict, parser: str) -> bool | None:
+    """Of a reply that continues a final assistant message with content: True where that content closed its think
+    block or opened none (the continuation is answer), False where it left one open (reasoning); None for any other
+    reply."""
     messages = body.get("messages")
     if not body.get("continue_final_message") or not isinstance(messages, list) or not messages:
-        return False
+        return None
     last = messages[-1]
     if not isinstance(last, dict) or last.get("role") != "assistant":
-        return False
+        return None
     content = last.get("content")
     if isinstance(content, list):
         content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     if not isinstance(content, str) or not content.strip():
-        return False
+        return None
     if tags(parser) is None:
         return True  # no think block to leave open: content written is the answer
     start, end = tags(parser)
@@ -331,7 +360,9 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str,
         return own(text, finished)
     start, end = tags(req.parser)
     lead = text.lstrip()  # (whitespace before the opening tag: GLM-4.5 writes "\n<think>" after <|assistant|>)
-    if lead.startswith(start):
+    if req.opened:
+        pass  # the prompt opened the block: reasoning from the first character
+    elif lead.startswith(start):
         text = lead[len(start):]
     elif not finished and start.startswith(lead):
         return "", ""
@@ -351,5 +382,6 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     reasoning, content = parts(req, text)
     # (a parser of its own split, or olmo3's: an empty reasoning null, as vLLM's)
     own = tags(req.parser) is None or "split" in PARSERS[req.parser] or PARSERS[req.parser].get("empty_is_null")
-    unopened = PARSERS[req.parser].get("needs_start") and not text.lstrip().startswith(tags(req.parser)[0])  # null
+    unopened = PARSERS[req.parser].get("needs_start") and not req.opened and not text.lstrip().startswith(
+        tags(req.parser)[0])  # (no block: null)
     return (reasoning or None) if own or unopened else reasoning, content or None
