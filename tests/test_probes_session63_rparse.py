@@ -7,9 +7,11 @@ import pytest
 
 from infer.serve.reasoning import ReasoningRequest, prompt_ends_reasoning, reasoning_request, split
 
-from helpers import check_stream_adds_up
+from helpers import check_stream_adds_up, forced_chat_body, joined_deltas, streamed_chat_choices
+from test_probes_session63_parse import engine  # noqa: F401  (the served tiny model with their special tokens)
 
-GLM_SPECIAL = ["<|user|>", "<|assistant|>"]  # GLM-4.5's role tokens: special tokens of its tokenizer
+GLM_SPECIAL = ["<|user|>", "<|assistant|>", "<answer>", "</answer>"]  # GLM-4.5's role tokens (and Hunyuan's answer
+# tags): special tokens
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,8 @@ def test_an_earlier_turns_closed_block_does_not_end_the_replys(glm_tokenizer):
     assert split(req, "\n<think>abc</think>\nxyz") == ("abc", "\nxyz")
     off = tok.encode(earlier + "\n<think></think>")  # thinking off: the template closes the block in this turn
     assert prompt_ends_reasoning(off, tok, "glm45") and reasoning_request("glm45", {}, off, tok).ended
+    hunyuan = tok.encode("<|user|>hi<|assistant|><think>\n\n</think>\n<answer>\n")  # its no-think prompt
+    assert prompt_ends_reasoning(hunyuan, tok, "hunyuan_a13b")  # (<answer>: its reply's tag, no turn's boundary)
     r1 = tok.encode("<|user|>hi<|assistant|><think>\n\n</think>\n\nHello.<|user|>and?<|assistant|><think>\n")
     assert not prompt_ends_reasoning(r1, tok, "deepseek_r1")
 
@@ -82,3 +86,21 @@ def test_a_prompt_that_opens_the_block_makes_the_reply_reasoning(glm_tokenizer):
     assert req.opened and split(req, "abc</think>xyz") == ("abc", "xyz")
     plain = reasoning_request("glm45", {}, glm_tokenizer.encode("<|user|>hi<|assistant|>"), glm_tokenizer)
     assert not plain.opened and split(plain, "abc</think>xyz") == (None, "abc</think>xyz")
+
+
+def test_a_server_continues_an_open_block_as_reasoning_whole_and_streamed(engine):
+    """cohere_command on the chat endpoint: an assistant message "<|START_THINKING|>ab" continued; the reply's
+    reasoning and answer, whole and streamed (its special tokens kept for the split)."""
+    httpx = pytest.importorskip("httpx")
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    messages = [*CONTINUED, {"role": "assistant", "content": "<|START_THINKING|>ab"}]
+    body = forced_chat_body(messages, "c<|END_THINKING|><|START_RESPONSE|>xyz<|END_RESPONSE|>", 60,
+                            continue_final_message=True, add_generation_prompt=False)
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", reasoning_parser="cohere_command")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("c", "xyz")
+        deltas = streamed_chat_choices(base, body)
+        assert (joined_deltas(deltas, "reasoning"), joined_deltas(deltas, "content")) == ("c", "xyz")

@@ -212,7 +212,8 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            # opens the block); the tags are special tokens of its tokenizer, kept in the text for the split
            "mistral": {"reads_enable_thinking": False, "tags": ("[THINK]", "[/THINK]"), "needs_start": True},
            # (the tags a prompt may close the block with: Hunyuan's no-think template)
-           "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts},
+           "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts,
+                            "marks": ("<answer>", "</answer>")},  # (its reply's other tags: no turn's boundary)
            # Olmo 3 Think: deepseek_r1's rules; an empty reasoning or content is null, as vLLM's olmo3 writes them
            "olmo3": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "empty_is_null": True},
            # ERNIE 4.5 Thinking: deepseek_r1's rules, its answer in <response>...</response> ("wrap": the content's
@@ -261,7 +262,8 @@ def _last_turn(prompt_ids: list[int], tokenizer, parser: str) -> str:
     # the last turn only: what follows the tail's last special token that is not a tag (GLM-4.5's <|assistant|>,
     # Qwen3's <|im_start|>), as vLLM's glm45 reads back to <|assistant|>: an earlier turn's closed block
     # (GLM-4.5's template writes "<think></think>" in each earlier assistant turn) does not end this reply's
-    named = _special_tokens(tokenizer) - {*tags(parser), *PARSERS[parser].get("wrap", ())}
+    named = _special_tokens(tokenizer) - {*tags(parser), *PARSERS[parser].get("wrap", ()),
+                                          *PARSERS[parser].get("marks", ())}
     if named:
         pieces = tokenizer.convert_ids_to_tokens(tail)
         turn = max((k + 1 for k, piece in enumerate(pieces) if piece in named), default=0)
