@@ -10,13 +10,14 @@ from infer.serve.reasoning import ReasoningRequest, prompt_ends_reasoning, reaso
 from helpers import check_stream_adds_up, forced_chat_body, joined_deltas, streamed_chat_choices
 from test_probes_session63_parse import engine  # noqa: F401  (the served tiny model with their special tokens)
 
-GLM_SPECIAL = ["<|user|>", "<|assistant|>", "<answer>", "</answer>"]  # GLM-4.5's role tokens (and Hunyuan's answer
-# tags): special tokens
+# special tokens of the real tokenizers: GLM-4.5's roles, Hunyuan's answer tags, Magistral's turns and think tags
+GLM_SPECIAL = ["<|user|>", "<|assistant|>", "<answer>", "</answer>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]",
+               "[/INST]", "[THINK]", "[/THINK]"]
 
 
 @pytest.fixture(scope="module")
 def glm_tokenizer(tmp_path_factory):
-    """tiny-llama's tokenizer with GLM-4.5's role tokens added as special tokens."""
+    """tiny-llama's tokenizer with GLM_SPECIAL added as special tokens."""
     from infer.engine.setup import load_tokenizer
     from infer.models.tiny import ensure_builtin
     tok = load_tokenizer(str(ensure_builtin("tiny-llama")))
@@ -50,6 +51,10 @@ def test_an_earlier_turns_closed_block_does_not_end_the_replys(glm_tokenizer):
     assert split(req, "\n<think>abc</think>\nxyz") == ("abc", "\nxyz")
     off = tok.encode(earlier + "\n<think></think>")  # thinking off: the template closes the block in this turn
     assert prompt_ends_reasoning(off, tok, "glm45") and reasoning_request("glm45", {}, off, tok).ended
+    # Magistral's system prompt shows its format, "[THINK]...[/THINK]Here, provide a self-contained response.": a
+    # short question left its [/THINK] in the prompt's last tokens, and the reply's reasoning became content
+    magistral = tok.encode("[SYSTEM_PROMPT]Think:[THINK]draft[/THINK]Answer.[/SYSTEM_PROMPT][INST]hi[/INST]")
+    assert not reasoning_request("mistral", {}, magistral, tok).ended
     hunyuan = tok.encode("<|user|>hi<|assistant|><think>\n\n</think>\n<answer>\n")  # its no-think prompt
     assert prompt_ends_reasoning(hunyuan, tok, "hunyuan_a13b")  # (<answer>: its reply's tag, no turn's boundary)
     r1 = tok.encode("<|user|>hi<|assistant|><think>\n\n</think>\n\nHello.<|user|>and?<|assistant|><think>\n")
