@@ -20,6 +20,9 @@ _CONFIG_EDIT = ("infer reads the model's config as MODEL's config.json has it: s
 _CHUNKS = ("infer splits a long prefill into steps of at most --max-num-batched-tokens tokens beside the decodes; "
            "lower --max-num-batched-tokens for shorter chunks")
 
+# the --reasoning-parser names (serve/reasoning.py's PARSERS; tests/test_probes_session52_tools.py holds them equal)
+_REASONING = ("deepseek_r1 | qwen3 | seed_oss | openai_gptoss | hunyuan_a13b | exaone4 | mistral | olmo3 | ernie45 | "
+              "glm45 | apertus | cohere_command | granite")
 VLLM_HINTS = {
     "--tensor-parallel-size": _ONE_GPU,
     "-tp": _ONE_GPU,
@@ -118,12 +121,10 @@ VLLM_HINTS = {
                                       "false}), or fix the default in the template itself (--chat-template FILE)",
     "--response-role": "a chat reply's role is always \"assistant\"; drop the option",
     # vLLM's tool-calling and reasoning options (click guessed --tool-call-parser or --enable-lora for them)
-    "--enable-reasoning": "infer serve splits the reasoning whenever --reasoning-parser is given (deepseek_r1 | "
-                          "qwen3 | seed_oss | openai_gptoss | hunyuan_a13b | exaone4 | mistral), as later vLLM "
-                          "releases do: drop the option",
+    "--enable-reasoning": f"infer serve splits the reasoning whenever --reasoning-parser is given ({_REASONING}), "
+                          "as later vLLM releases do: drop the option",
     "--reasoning-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): "
-                                 "--reasoning-parser deepseek_r1 | qwen3 | seed_oss | openai_gptoss | hunyuan_a13b "
-                                 "| exaone4 | mistral",
+                                 f"--reasoning-parser {_REASONING}",
     "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
                             "hermes | llama3_json | pythonic | mistral | qwen3_coder | seed_oss | openai (and vLLM's "
                             "llama4_json, llama4_pythonic, qwen3_xml)",
@@ -202,8 +203,7 @@ _BY_COMMAND: dict[str, dict[str, str | None]] = {
         "--enable-log-outputs": _RUN_NO_LOG,
         "--model": "MODEL is the command's first argument, e.g. `infer run ./my-model prompts.jsonl -o out.jsonl`",
         "--enable-reasoning": "infer run splits the reasoning of --output-format openai records whenever "
-                              "--reasoning-parser is given (deepseek_r1 | qwen3 | seed_oss | openai_gptoss | "
-                              "hunyuan_a13b | exaone4 | mistral): drop the option",
+                              f"--reasoning-parser is given ({_REASONING}): drop the option",
     },
     "infer serve": {
         "--disable-tqdm": "infer serve shows no progress bar; drop the option",
