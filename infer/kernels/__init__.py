@@ -164,6 +164,13 @@ def gated_delta_decode(q, k, v, g, beta, states, slots, kept):
     return delta_rule.recurrent_gated_delta_rule_slots(q, k, v, g, beta, states, slots, kept)
 
 
+def gated_delta_prefill(q, k, v, g, beta, states, query_start_loc, slots, kept):
+    """A Gated DeltaNet prefill step's chunked gated delta rule over each sequence's tokens from its state at its
+    slot (delta_rule.chunk_gated_delta_rule_varlen): on CUDA the inter-chunk state recurrence and the output in
+    Triton (delta_triton.chunk_gated_delta_rule_varlen; the intra-chunk part in torch)."""
+    return delta_rule.chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, query_start_loc, slots, kept)
+
+
 def lora_shrink(x, lora_a, groups, scale=1.0):
     """The torch op on every device: a Triton kernel pair computes whole layers (lora_apply); this single-shard
     product is the CPU path's tool for layers where the batch's adapters use only some shards or a small rank."""

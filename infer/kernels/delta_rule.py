@@ -3,7 +3,9 @@ depthwise conv1d, in torch: the CPU path and the oracle (transformers' torch_chu
 torch_recurrent_gated_delta_rule, the same ops in the same order). A step's ops on states kept at slots of a pool
 (a decode step's causal_conv1d_update and recurrent_gated_delta_rule_slots, a prefill step's conv,
 causal_conv1d_varlen) have Triton kernels on CUDA (kernels.delta_triton, dispatched by kernels.causal_conv1d_update,
-kernels.gated_delta_decode and kernels.causal_conv1d_varlen); a prefill's chunked rule runs in torch on every device.
+kernels.gated_delta_decode and kernels.causal_conv1d_varlen); a prefill step's chunked rule runs over all its
+sequences in one call (chunk_gated_delta_rule_varlen: chunks of one sequence each, batched), its inter-chunk
+recurrence and output in Triton on CUDA (kernels.gated_delta_prefill).
 
 Semantics: per value head, a state S [Dk, Dv] (float32) that each token t updates as
 S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T, with output o_t = S^T q_t; q and k L2-normed, q scaled by
@@ -35,32 +37,76 @@ def _prepared(q, k, v, g, beta, divide: bool = False):
 def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64):
     """One sequence's T tokens: q, k [T, Hk, Dk], v [T, Hv, Dv], g and beta [T, Hv]; `state` [Hv, Dk, Dv] float32,
     the state before them. Returns (o [T, Hv, Dv] in v's dtype, the state after them), in chunks of `chunk` tokens
-    (transformers' torch_chunk_gated_delta_rule)."""
-    dtype, t = v.dtype, v.shape[0]
+    (transformers' torch_chunk_gated_delta_rule: chunk_gated_delta_rule_varlen on a pool of that one state)."""
+    states = state.to(torch.float32)[None].clone()
+    zero = torch.zeros(1, dtype=torch.long, device=v.device)
+    bounds = torch.tensor([0, v.shape[0]], device=v.device)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, bounds, zero, zero == 0, chunk)
+    return o, states[0]
+
+
+def chunk_layout(query_start_loc: torch.Tensor, chunk: int = 64) -> dict:
+    """A prefill step's chunks: each sequence's tokens cut into chunks of `chunk` (its last one shorter; no chunk
+    spans two sequences). {"first": [B + 1] each sequence's first chunk (the chunks after it, to first[i + 1], are its
+    next ones), "start" / "end": [NC] each chunk's first token and the end of its tokens, "rows": [NC, chunk] the
+    token rows of each chunk's positions (T, one past the last token, past its end), "counts": [B] the chunks of
+    each sequence, "most": the most chunks of a sequence (an int)}."""
+    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
+    counts = (ends - starts + chunk - 1) // chunk
+    first = F.pad(counts.cumsum(0), (1, 0))
+    seq = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    start = starts[seq] + (torch.arange(len(seq), device=seq.device) - first[seq]) * chunk
+    end = torch.minimum(start + chunk, ends[seq])
+    rows = start[:, None] + torch.arange(chunk, device=start.device)
+    total = int(query_start_loc[-1])
+    rows = torch.where(rows < end[:, None], rows, total)
+    return dict(first=first, start=start, end=end, rows=rows, counts=counts,
+                most=int(counts.max()) if len(counts) else 0)
+
+
+def chunk_terms(q, k, v, g, beta, rows: torch.Tensor):
+    """The intra-chunk part of the chunked rule (transformers' torch_chunk_gated_delta_rule up to its loop over
+    chunks) for the chunks of `rows` ([NC, C], chunk_layout's): [Hv, NC, C, ...] float32 (u: the WY values,
+    w: the decayed keys' WY transform, inner: the decayed causal q k^T in a chunk, qd: q decayed to the chunk's
+    start, kd: k decayed to its end), last [Hv, NC]: exp of the chunk's total log decay. Zero past a sequence's
+    end."""
     q, k, v, g, beta = _prepared(q, k, v, g, beta)
-    pad = (chunk - t % chunk) % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    q, k, v = (F.pad(x, (0, 0, 0, 1))[:, rows] for x in (q, k, v))  # (row T: zeros)
+    beta, g = (F.pad(x, (0, 1))[:, rows] for x in (beta, g))
+    chunk = rows.shape[1]
     v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = [x.reshape(x.shape[0], -1, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta)]
-    g = g.reshape(g.shape[0], -1, chunk).cumsum(dim=-1)
+    g = g.cumsum(dim=-1)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * decay
     inner = (q @ k.transpose(-1, -2)) * decay
-    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    out = torch.zeros_like(values)
-    q = q * g.exp().unsqueeze(-1)
-    k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
-    last = g[..., -1].exp()[..., None, None]
-    s = state.to(values)
-    for i in range(q.shape[1]):
-        v_new = values[:, i] - k_cum[:, i] @ s
-        out[:, i] = q[:, i] @ s + inner[:, i] @ v_new
-        s = s * last[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :t]
-    return out.transpose(0, 1).to(dtype), s
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    return dict(u=u, w=w, inner=inner, qd=q * g.exp().unsqueeze(-1), kd=k * (g[..., -1:] - g).exp().unsqueeze(-1),
+                last=g[..., -1].exp())
+
+
+def chunk_gated_delta_rule_varlen(q, k, v, g, beta, states: torch.Tensor, query_start_loc: torch.Tensor,
+                                  slots: torch.Tensor, kept: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """A prefill step's chunked rule over each sequence's tokens query_start_loc[i]:query_start_loc[i + 1] (q, k
+    [T, Hk, Dk], v [T, Hv, Dv], g and beta [T, Hv]) from its state at slots[i] of `states` [slots, Hv, Dk, Dv] float32
+    (zero where not kept[i]), the state after them written back there: the intra-chunk part batched over all the
+    step's chunks (chunk_terms), the state carried chunk by chunk, batched over the sequences. Returns o [T, Hv, Dv]
+    in v's dtype."""
+    lay = chunk_layout(query_start_loc, chunk)
+    t = chunk_terms(q, k, v, g, beta, lay["rows"])
+    s = torch.where(kept[:, None, None, None], states.index_select(0, slots), 0).transpose(0, 1)  # [Hv, B, Dk, Dv]
+    out = torch.zeros_like(t["u"])
+    for i in range(lay["most"]):
+        seqs = (lay["counts"] > i).nonzero().squeeze(1)
+        c = lay["first"][seqs] + i
+        h = s[:, seqs]
+        v_new = t["u"][:, c] - t["w"][:, c] @ h
+        out[:, c] = t["qd"][:, c] @ h + t["inner"][:, c] @ v_new
+        s[:, seqs] = h * t["last"][:, c, None, None] + t["kd"][:, c].transpose(-1, -2) @ v_new
+    states.index_copy_(0, slots, s.transpose(0, 1))
+    out = out.flatten(1, 2)[:, (lay["rows"] < v.shape[0]).flatten()]
+    return out.transpose(0, 1).to(v.dtype)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):

@@ -7,8 +7,9 @@ Dv] (float32) of fixed size: the per-sequence state cache beside the paged KV (v
 every running sequence a slot of the pool (`allocate_states`: max_num_seqs slots and one for the padding rows of a
 CUDA graph's decode step) and the forward context its step's slots (ctx.state_slots, one per sequence); a sequence
 whose step starts at position 0 (a new prefill, or a preempted one recomputed) starts from zero state. A prefill
-step's conv runs over all its sequences at once (each from its slot's conv state), then each sequence's chunk
-the chunked delta rule from its slot's state, a decode the recurrent one, batched over the step's
+step's conv runs over all its sequences at once (each from its slot's conv state), then the chunked delta rule
+over all of them in one call (each from its slot's state; on CUDA the state recurrence and the output in Triton:
+kernels.gated_delta_prefill), a decode the recurrent one, batched over the step's
 sequences with the slots indexed by a tensor (graph-safe): on CUDA two Triton launches (kernels.delta_triton: the
 conv update and the fused recurrent rule, each reading and writing the states in place at the slots)."""
 
@@ -19,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..kernels import delta_rule
 from .context import ForwardContext
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _NormConsumer
@@ -97,9 +97,7 @@ class GatedDeltaNet(nn.Module):
         else:
             conv = kernels.causal_conv1d_varlen(mixed, self.conv1d.weight, self.conv_state, ctx.query_start_loc,
                                                 ctx.state_slots, kept, ctx.max_query_len)
-            o = torch.cat([self._sequence(conv, g, beta, s, e, slot, k) for s, e, slot, k in zip(
-                ctx.query_start_loc[:-1].tolist(), ctx.query_start_loc[1:].tolist(), ctx.state_slots.tolist(),
-                kept.tolist())])
+            o = self._prefill(conv, g, beta, ctx, kept)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(t, self.value_dim)
         return self.out_proj.forward_deferred(o, ctx)
 
@@ -132,17 +130,28 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._split(out)
         return kernels.gated_delta_decode(q, k, v, g, beta, self.rec_state, slots, kept)
 
-    def _sequence(self, conv, g, beta, s: int, e: int, slot: int, kept: bool):
-        """The delta rule over tokens s..e-1 of one sequence (`conv`: the step's conv output) from its slot's
-        recurrent state (zero where not `kept`); the slot updated."""
-        q, k, v = self._split(conv[s:e])
-        state = self.rec_state[slot] if kept else torch.zeros_like(self.rec_state[slot])
-        if e - s == 1 and kept:  # (a decode in a mixed step: the recurrent form, as transformers decodes)
-            o, new = delta_rule.recurrent_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state[None])
-            new = new[0]
-        else:
-            o, new = delta_rule.chunk_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state)
-        self.rec_state[slot] = new
+    def _prefill(self, conv, g, beta, ctx: ForwardContext, kept):
+        """The delta rule over a prefill step's sequences (`conv`: the step's conv output) from their slots'
+        recurrent states (zero where not `kept`), the slots updated: the chunked rule over them all in one call
+        (kernels.gated_delta_prefill); a decode in a mixed step (one token, its state kept) the recurrent form, as
+        transformers decodes."""
+        q, k, v = self._split(conv)
+        starts = ctx.query_start_loc
+        decode = ((starts[1:] - starts[:-1]) == 1) & kept
+        if not bool(decode.any()):
+            return kernels.gated_delta_prefill(q, k, v, g, beta, self.rec_state, starts, ctx.state_slots, kept)
+        o = torch.empty_like(v)
+        rows = starts[:-1][decode]
+        o[rows] = kernels.gated_delta_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], self.rec_state,
+                                             ctx.state_slots[decode], kept[decode])
+        prefill = ~decode
+        if bool(prefill.any()):
+            lens = (starts[1:] - starts[:-1])[prefill]
+            seq = torch.repeat_interleave(prefill, starts[1:] - starts[:-1])  # each token's sequence is a prefill
+            rows = seq.nonzero().squeeze(1)
+            o[rows] = kernels.gated_delta_prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], self.rec_state,
+                                                  F.pad(lens.cumsum(0), (1, 0)), ctx.state_slots[prefill],
+                                                  kept[prefill])
         return o
 
 
