@@ -12,7 +12,17 @@ at every replay). Columns: `conv_us` / `conv_torch_us` and `rule_us` / `rule_tor
 code; `conv_gain` and `rule_gain` torch / Triton (> 1: Triton is faster); `*_GBps` the bytes each op must move (its
 states read and written, its inputs and outputs) per second of the Triton kernel; `*_floor_us` those bytes at the
 copy bandwidth measured in the same run (small batches' states fit in L2: their floor is not a DRAM floor);
-`max_abs_err` the largest difference of the Triton outputs from torch's. GPU only."""
+`max_abs_err` the largest difference of the Triton outputs from torch's. GPU only.
+
+    python -m infer.bench.delta --prefill 512 --out delta_prefill.csv
+
+times a prefill step's chunked rule instead: for each batch, that many prompts of 512 tokens (each sequence a
+different length, 512 down to half of it, over the same pool), Triton's (kernels.delta_triton.
+chunk_gated_delta_rule_varlen: one call over the step's sequences) beside the torch loop it replaces (delta_rule.
+chunk_gated_delta_rule once per sequence from its slot's state) and the torch varlen code (delta_rule.
+chunk_gated_delta_rule_varlen), under triton.testing.do_bench (the step syncs with the host: no graph). Columns
+(PREFILL_COLUMNS): `tokens`, `triton_us`, `loop_us`, `varlen_us`, `gain` loop / Triton, `varlen_gain` varlen /
+Triton, `max_abs_err` Triton's outputs against the loop's."""
 
 from __future__ import annotations
 
@@ -84,10 +94,57 @@ def measure(batch: int, bandwidth: float, timer, gen: torch.Generator, device="c
                 max_abs_err=float(f"{err:.2e}"))
 
 
+PREFILL_COLUMNS = ["batch", "tokens", "triton_us", "loop_us", "varlen_us", "gain", "varlen_gain", "max_abs_err"]
+
+
+def build_prefill(batch: int, length: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dict:
+    """A prefill step of `batch` prompts (lengths `length` down to about half of it): q, k, v, g, beta of its tokens
+    (as the model's split of the conv output gives them), query_start_loc, the sequences' slots (a random order of a
+    pool of batch + 1 states, every sequence carrying its state) and two copies of the pool."""
+    lens = [length - (length // 2) * i // max(batch - 1, 1) for i in range(batch)]
+    t = sum(lens)
+    kw = dict(device=device, generator=gen)
+    q, k, v = split(torch.randn(t, 2 * HK * DK + HV * DV, **kw).to(dtype))
+    rec = torch.randn(batch + 1, HV, DK, DV, **kw) * 0.1
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return dict(qkv=(q, k, v), g=-torch.rand(t, HV, **kw), beta=torch.rand(t, HV, **kw).to(dtype), starts=starts,
+                slots=torch.randperm(batch, **kw), kept=torch.ones(batch, dtype=torch.bool, device=device),
+                rec=[rec, rec.clone()])
+
+
+def prefill_loop(q, k, v, g, beta, states, starts, slots, kept):
+    """The torch code the batched call replaced: chunk_gated_delta_rule once per sequence, from its slot."""
+    from ..kernels import delta_rule
+    outs = []
+    for s, e, slot, kp in zip(starts[:-1].tolist(), starts[1:].tolist(), slots.tolist(), kept.tolist()):
+        state = states[slot] if kp else torch.zeros_like(states[slot])
+        o, states[slot] = delta_rule.chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
+        outs.append(o)
+    return torch.cat(outs)
+
+
+def measure_prefill(batch: int, length: int, timer, gen: torch.Generator, device="cuda") -> dict:
+    """One prefill row: `timer(fn)` gives milliseconds per call of fn."""
+    from ..kernels import delta_rule, delta_triton
+    s = build_prefill(batch, length, device, gen)
+    args = (*s["qkv"], s["g"], s["beta"])
+    ops = {"triton": (delta_triton.chunk_gated_delta_rule_varlen, 0), "loop": (prefill_loop, 1),
+           "varlen": (delta_rule.chunk_gated_delta_rule_varlen, 1)}
+    out = {n: f(*args, s["rec"][i], s["starts"], s["slots"], s["kept"]) for n, (f, i) in ops.items() if n != "varlen"}
+    us = {n: 1e3 * timer(lambda f=f, i=i: f(*args, s["rec"][i], s["starts"], s["slots"], s["kept"]))
+          for n, (f, i) in ops.items()}
+    err = float((out["triton"].float() - out["loop"].float()).abs().max())
+    return dict(batch=batch, tokens=int(s["starts"][-1]), triton_us=us["triton"], loop_us=us["loop"],
+                varlen_us=us["varlen"], gain=us["loop"] / us["triton"], varlen_gain=us["varlen"] / us["triton"],
+                max_abs_err=float(f"{err:.2e}"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m infer.bench.delta", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="delta.csv", help="the CSV file to write (default delta.csv)")
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES), help="decode batch sizes to time")
+    p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                   help="time a prefill step's chunked rule instead, the batch's prompts TOKENS long at most")
     return p.parse_args(argv)
 
 
@@ -96,6 +153,8 @@ def main(argv=None) -> int:
     from .kernels import out_problem
     problem = out_problem(args.out) or next((f"--batch {b}: give batch sizes of 1 or more" for b in args.batch
                                              if b < 1), None)
+    if not problem and args.prefill < 0:
+        problem = f"--prefill {args.prefill}: give the prompts' length in tokens (1 or more), or 0 for decode steps"
     if problem:
         print(f"python -m infer.bench.delta: error: {problem}", file=sys.stderr)
         return 2
@@ -103,23 +162,35 @@ def main(argv=None) -> int:
         print("infer.bench.delta needs a CUDA GPU (the Triton delta rule kernels run only there); none was found",
               file=sys.stderr)
         return 2
-    import csv
-
     import triton.testing
 
-    from .kernels import copy_bandwidth, print_table
-    bandwidth = copy_bandwidth()
+    from .kernels import copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.prefill:
+        return _write(args.out, [measure_prefill(b, args.prefill, triton.testing.do_bench, gen) for b in args.batch],
+                      PREFILL_COLUMNS, f"Gated DeltaNet prefill step (chunked rule) on {torch.cuda.get_device_name()}"
+                      f", microseconds (do_bench), prompts of {args.prefill} tokens at most, Hk {HK} Hv {HV} Dk {DK} "
+                      f"Dv {DV}, bfloat16", {})
+    bandwidth = copy_bandwidth()
     rows = [measure(b, bandwidth, triton.testing.do_bench_cudagraph, gen) for b in args.batch]
+    return _write(args.out, rows, COLUMNS, f"Gated DeltaNet decode step on {torch.cuda.get_device_name()} (copy "
+                  f"bandwidth {bandwidth / 1e12:.2f} TB/s), microseconds under CUDA graphs, Hk {HK} Hv {HV} Dk {DK} "
+                  f"Dv {DV}, bfloat16", {"copy_GBps": bandwidth / 1e9})
+
+
+def _write(out: str, rows: list[dict], columns: list[str], title: str, extra: dict) -> int:
+    """Print the rows' table and write them to the CSV file `out` (with the device and `extra` columns)."""
+    import csv
+
+    from .kernels import print_table
     device = torch.cuda.get_device_name()
-    print_table(rows, f"Gated DeltaNet decode step on {device} (copy bandwidth {bandwidth / 1e12:.2f} TB/s), "
-                      f"microseconds under CUDA graphs, Hk {HK} Hv {HV} Dk {DK} Dv {DV}, bfloat16", COLUMNS)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS + ["device", "copy_GBps"])
+    print_table(rows, title, columns)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns + ["device", *extra])
         w.writeheader()
         for r in rows:
-            w.writerow(dict(r, device=device, copy_GBps=bandwidth / 1e9))
-    print(f"wrote {args.out}")
+            w.writerow(dict(r, device=device, **extra))
+    print(f"wrote {out}")
     return 0
 
 

@@ -197,3 +197,94 @@ def recurrent_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.
             beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
             GROUP=hv // hk, BK=next_power_of_2(dk), BV=bv)
     return out
+
+
+CHUNK = 64  # tokens of a chunk of the chunked rule (delta_rule.chunk_layout's)
+
+
+@triton.jit
+def _chunk_h_kernel(w_ptr, u_ptr, kd_ptr, last_ptr, h_ptr, vn_ptr, state_ptr, first_ptr, slots_ptr, kept_ptr,
+                    dk, dv, nc, s_s, s_sh, s_sk, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The inter-chunk recurrence of one sequence, one value head, BV value columns (flash-linear-attention's
+    chunk_delta_h): the state tile [Dk, BV] from the slot (zero where not kept), then chunk by chunk: h (the state
+    before the chunk) stored, v_new = u - w h stored, the state decayed by the chunk's total decay plus kd^T v_new;
+    the state after the last chunk stored at the slot."""
+    b = tl.program_id(0)
+    hh = tl.program_id(1)
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = offs_k < dk
+    mv = offs_v < dv
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kept = tl.load(kept_ptr + b).to(tl.int32) != 0
+    tile = state_ptr + slot * s_s + hh * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
+    s = tl.load(tile, mask=(offs_k < tl.where(kept, dk, 0))[:, None] & mv[None, :], other=0.0)
+    c0 = tl.load(first_ptr + b)
+    c1 = tl.load(first_ptr + b + 1)
+    for c in range(c0, c1):
+        base = (hh * nc + c).to(tl.int64)
+        tl.store(h_ptr + base * dk * dv + offs_k[:, None] * dv + offs_v[None, :], s, mask=mk[:, None] & mv[None, :])
+        keys = base * C * dk + offs_c[:, None] * dk + offs_k[None, :]
+        vals = base * C * dv + offs_c[:, None] * dv + offs_v[None, :]
+        w = tl.load(w_ptr + keys, mask=mk[None, :], other=0.0)
+        u = tl.load(u_ptr + vals, mask=mv[None, :], other=0.0)
+        v_new = u - tl.dot(w, s, input_precision="ieee")
+        tl.store(vn_ptr + vals, v_new, mask=mv[None, :])
+        kd = tl.load(kd_ptr + keys, mask=mk[None, :], other=0.0)
+        s = s * tl.load(last_ptr + base) + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
+    tl.store(tile, s, mask=mk[:, None] & mv[None, :])
+
+
+@triton.jit
+def _chunk_o_kernel(qd_ptr, inner_ptr, h_ptr, vn_ptr, o_ptr, start_ptr, end_ptr, dk, dv, nc, s_ot, s_oh,
+                    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One chunk's output, one value head, BV value columns (flash-linear-attention's chunk_o): qd h (the state
+    before the chunk) + inner v_new, stored at the chunk's token rows in o's dtype."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = offs_k < dk
+    mv = offs_v < dv
+    base = (hh * nc + c).to(tl.int64)
+    qd = tl.load(qd_ptr + base * C * dk + offs_c[:, None] * dk + offs_k[None, :], mask=mk[None, :], other=0.0)
+    h = tl.load(h_ptr + base * dk * dv + offs_k[:, None] * dv + offs_v[None, :], mask=mk[:, None] & mv[None, :],
+                other=0.0)
+    a = tl.load(inner_ptr + base * C * C + offs_c[:, None] * C + offs_c[None, :])
+    v_new = tl.load(vn_ptr + base * C * dv + offs_c[:, None] * dv + offs_v[None, :], mask=mv[None, :], other=0.0)
+    o = tl.dot(qd, h, input_precision="ieee") + tl.dot(a, v_new, input_precision="ieee")
+    rows = tl.load(start_ptr + c) + offs_c
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * s_ot + hh * s_oh + offs_v[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(rows < tl.load(end_ptr + c))[:, None] & mv[None, :])
+
+
+def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
+                                  slots: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """delta_rule.chunk_gated_delta_rule_varlen with its inter-chunk recurrence (one program per sequence, head and
+    value tile, its chunks in order) and its output (one program per chunk, head and value tile) in Triton, the
+    intra-chunk part (delta_rule.chunk_terms) in torch; states [slots, Hv, Dk, Dv] float32 written in place at
+    `slots`. Returns o [T, Hv, Dv] in v's dtype."""
+    from .delta_rule import chunk_layout, chunk_terms
+    t, hv, dv = v.shape
+    dk = k.shape[2]
+    assert states.dtype == torch.float32 and states.stride(-1) == 1, "float32 states, unit stride along Dv"
+    out = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
+    if not t:
+        return out
+    lay = chunk_layout(query_start_loc, CHUNK)
+    terms = {n: x.contiguous() for n, x in chunk_terms(q, k, v, g, beta, lay["rows"]).items()}
+    nc = lay["rows"].shape[0]
+    h = torch.empty(hv, nc, dk, dv, dtype=torch.float32, device=v.device)
+    v_new = torch.empty_like(terms["u"])
+    bk = max(16, next_power_of_2(dk))  # (tl.dot's smallest tile)
+    bv = max(16, min(VALUE_BLOCK, next_power_of_2(dv)))
+    _chunk_h_kernel[(len(slots), hv, cdiv(dv, bv))](
+        terms["w"], terms["u"], terms["kd"], terms["last"], h, v_new, states, lay["first"], slots, kept, dk, dv, nc,
+        states.stride(0), states.stride(1), states.stride(2), C=CHUNK, BK=bk, BV=bv)
+    _chunk_o_kernel[(nc, hv, cdiv(dv, bv))](
+        terms["qd"], terms["inner"], h, v_new, out, lay["start"], lay["end"], dk, dv, nc, out.stride(0),
+        out.stride(1), C=CHUNK, BK=bk, BV=bv)
+    return out
