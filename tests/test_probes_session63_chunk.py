@@ -142,3 +142,41 @@ def test_bench_refuses_a_negative_prefill_before_timing(tmp_path, monkeypatch, c
     _on_a_gpu_that_never_times(monkeypatch)
     assert bench.main(["--out", str(tmp_path / "d.csv"), "--prefill", "-1"]) == 2
     assert "--prefill -1: give the prompts' length in tokens" in capsys.readouterr().err
+
+
+def test_a_mixed_step_takes_each_decode_recurrent_and_its_prefills_in_one_chunked_call(monkeypatch):
+    """GatedDeltaNet._prefill over a mixed step (prefills of 3 and 5 tokens, one from zero state, between two
+    one-token decodes and beside a one-token prefill from zero state): each decode the recurrent rule from its slot,
+    the prefills one chunked call over the three of them; outputs and states those of each sequence alone."""
+    from types import SimpleNamespace
+
+    from infer import kernels
+    from infer.models.qwen3_5 import GatedDeltaNet
+    cfg = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, model_type="qwen3_5", hidden_size=32,
+                          rms_norm_eps=1e-6)
+    layer = GatedDeltaNet(cfg, "model.layers.0.linear_attn", lambda names: None, torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    layer.rec_state = torch.randn(7, 4, 16, 16, generator=gen)
+    lens, slots, kept = [1, 3, 1, 5, 1], [5, 0, 2, 3, 1], [True, True, True, False, False]
+    calls = []
+    real = kernels.gated_delta_prefill
+    monkeypatch.setattr(kernels, "gated_delta_prefill", lambda *a: (calls.append(len(a[-2])), real(*a))[1])
+    t = sum(lens)
+    conv = torch.randn(t, layer.conv_dim, generator=gen)
+    g, beta = -torch.rand(t, 4, generator=gen), torch.rand(t, 4, generator=gen)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    want_pool, outs = layer.rec_state.clone(), []
+    for i, (s, e) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        q, k, v = layer._split(conv[s:e])
+        state = want_pool[slots[i]] if kept[i] else torch.zeros_like(want_pool[0])
+        if e - s == 1 and kept[i]:
+            o, new = delta_rule.recurrent_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state[None])
+        else:
+            o, new = delta_rule.chunk_gated_delta_rule(q, k, v, g[s:e], beta[s:e], state)
+        outs.append(o)
+        want_pool[slots[i]] = new.reshape(want_pool[0].shape)
+    ctx = SimpleNamespace(query_start_loc=starts, state_slots=torch.tensor(slots))
+    got = layer._prefill(conv, g, beta, ctx, torch.tensor(kept))
+    assert calls == [3]
+    assert torch.equal(got, torch.cat(outs)) and torch.equal(layer.rec_state, want_pool)
