@@ -1744,7 +1744,9 @@ _SAME_CONFIG = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
                 "num_experts_per_tok", "norm_topk_prob", "swiglu_limit", "swiglu_alpha",
                 # Granite's scalars (Granite SWA's too) and Granite SWA's bases by layer (0: no rotary)
                 "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-                "layer_rope_theta")
+                "layer_rope_theta",
+                # Granite 4.0's rope or none, Mamba-2's chunk and time step limits
+                "position_embedding_type", "mamba_chunk_size", "time_step_limit")
 
 
 def _check_reloadable(model, fresh, path) -> None:

@@ -122,12 +122,12 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
     return (s * q.unsqueeze(-1)).sum(dim=-2).to(dtype), s
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None):
     """x [B, C, T] after the conv state [B, C, K - 1] (the inputs before it): (silu of the depthwise causal conv1d
-    [B, C, T] in x's dtype, the new conv state [B, C, K - 1]); weight [C, 1, K] (transformers' causal_conv1d_update:
-    F.conv1d over the state and x)."""
+    [B, C, T] in x's dtype, the new conv state [B, C, K - 1]); weight [C, 1, K], bias [C] or None (Mamba-2's
+    conv has one) (transformers' causal_conv1d_update: F.conv1d over the state and x)."""
     full = torch.cat([state.to(weight.dtype), x.to(weight.dtype)], dim=-1)
-    out = F.conv1d(full, weight, None, padding=0, groups=x.shape[1])[..., -x.shape[-1]:]
+    out = F.conv1d(full, weight, bias, padding=0, groups=x.shape[1])[..., -x.shape[-1]:]
     return F.silu(out).to(x.dtype), full[..., -state.shape[-1]:]
 
 

@@ -31,16 +31,23 @@ def _linear_layers(model_config) -> list[int]:
 
 
 def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
-    """A hybrid model's state cache (engine.state_cache, models.qwen3_5.Qwen3_5ForCausalLM.allocate_states): per
+    """A hybrid model's state cache (engine.state_cache, models.qwen3_5.StateCacheMixin.allocate_states): per
     linear-attention layer, num_seqs slots and a padding slot of a conv state [conv_dim, K - 1] in the model's dtype
-    and a float32 recurrent state [Hv, Dk, Dv]; 0 for other models."""
+    and a float32 recurrent state (Qwen3.5's [Hv, Dk, Dv], Mamba-2's [H, P, N]); 0 for other models."""
     layers = len(_linear_layers(model_config))
     if not layers:
         return 0
     c = model_config
-    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    conv = conv_dim * (c.linear_conv_kernel_dim - 1) * element_bytes(dtype)
-    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    if c.model_type == "granitemoehybrid":  # Mamba-2 (models.granite4.Mamba2Mixer.state_shapes)
+        inter = int(c.mamba_expand * c.hidden_size)
+        conv_dim, kernel = inter + 2 * c.mamba_n_groups * c.mamba_d_state, c.mamba_d_conv
+        rec = inter * c.mamba_d_state * 4
+    else:
+        conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                    + c.linear_num_value_heads * c.linear_value_head_dim)
+        kernel = c.linear_conv_kernel_dim
+        rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = conv_dim * (kernel - 1) * element_bytes(dtype)
     return layers * (num_seqs + 1) * (conv + rec)
 
 

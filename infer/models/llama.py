@@ -25,8 +25,8 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import SparseMoeBlock, base_type, is_sparse
-from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, OLMO, POST_NORMS, POST_ONLY, UNGATED,
-                       activation)
+from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, GRANITE, OLMO, POST_NORMS, POST_ONLY,
+                       UNGATED, activation)
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, query_scaling, rope_layer_types
 from .shapes import ModelShapes
 
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
         if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
-        if cfg.model_type in ("granite", "granite_swa", "granitemoe"):  # Granite's attention_multiplier: the scale
+        if cfg.model_type in GRANITE:  # Granite's attention_multiplier: the scale
             self.scale = float(cfg.attention_multiplier)
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
@@ -285,8 +285,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, prefix: str, method_for, dtype, inter: int | None = None):
-        """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert)."""
+    def __init__(self, cfg, prefix: str, method_for, dtype, inter: int | None = None,
+                 stored: tuple[str, str] | None = None):
+        """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert); stored: the
+        checkpoint's (gate|up, down) modules where it stores gate and up as one module under other names (Granite
+        4's shared_mlp: input_linear, output_linear), registered under those names (gate_up_proj and down_proj
+        their aliases)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
         # only Llama's, Granite's, SmolLM3's, Seed-OSS's, InternLM3's and Helium's MLPs have biases (mlp_bias), and
@@ -295,11 +299,17 @@ class MLP(nn.Module):
                                                                             "smollm3", "seed_oss",
                                                                             "internlm3", "helium") \
             or (cfg.model_type == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
-        names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
+        names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
+                                                                          ("gate_proj", "up_proj"))
+        down = f"{prefix}.{stored[1] if stored else 'down_proj'}"
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
-        self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
-                                      method_for([f"{prefix}.down_proj"]), dtype)
+        self.down_proj = MergedLinear(inter, [cfg.hidden_size], [down], bias, method_for([down]), dtype)
+        if stored:
+            for name, attr in zip(stored, ("gate_up_proj", "down_proj")):
+                layer = self._modules.pop(attr)
+                setattr(self, name, layer)
+                object.__setattr__(self, attr, layer)
         # the expands may be left to silu_and_mul (gate_up's) and to the rms_norm after the MLP (down's: forward)
         self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype, self.act == "gelu_tanh")
         self.down_proj.lora_consumer = _norm_consumer(cfg, dtype)
@@ -482,7 +492,7 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     # (Cohere, StarCoder2, Nemotron: the outputs go to the residual, no norm with a residual after them)
-    if cfg.model_type in ("granite", "granite_swa", "granitemoe", *COHERE, "starcoder2", "nemotron"):
+    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron"):
         return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)

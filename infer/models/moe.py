@@ -63,10 +63,12 @@ from .layers import UnquantizedLinearMethod
 # OLMoE's is OLMo 2's (q and k normed over their whole projections, biases where attention_bias says) in Llama's
 # layer of two norms (its RMSNorms Llama's: the normed row rounded first)
 BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
-        "olmoe": "olmo2", "granitemoe": "granite",
+        "olmoe": "olmo2", "granitemoe": "granite", "granitemoehybrid": "granite",
         "qwen3_next": "qwen3_next"}  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
-_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", "granitemoe")
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", "granitemoe", "granitemoehybrid")
+# Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
+_GRANITE_ROUTER = ("granitemoe", "granitemoehybrid")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
 # the checkpoint's names of an expert's projections: (gate, up, down)
@@ -84,13 +86,15 @@ def base_type(cfg) -> str:
 
 
 def is_moe(cfg) -> bool:
-    return getattr(cfg, "model_type", None) in BASE
+    model_type = getattr(cfg, "model_type", None)  # (Granite 4.0 without experts: granite-4.0-micro, dense)
+    return model_type in BASE and (model_type != "granitemoehybrid" or num_experts(cfg) > 0)
 
 
 def experts_field(cfg) -> str:
     """config.json's name of E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts, GLM-4.5's
     n_routed_experts."""
     return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "granitemoe": "num_local_experts",
+            "granitemoehybrid": "num_local_experts",
             "glm4_moe": "n_routed_experts"}.get(cfg.model_type, "num_experts")
 
 
@@ -297,7 +301,7 @@ class SparseMoeBlock(nn.Module):
         self.glm = cfg.model_type == "glm4_moe"
         # Granite MoE (transformers' GraniteMoeTopKRouter): the top k of the logits (in float32), their softmax
         # rounded to the model's dtype
-        self.granite = cfg.model_type == "granitemoe"
+        self.granite = cfg.model_type in _GRANITE_ROUTER
         self.gate = _Gate(e, h, torch.float32 if self.glm else dtype, bias=self.oai)
         if self.glm:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
@@ -587,7 +591,7 @@ class MoeForCausalLM:
         if m is None:
             return None, m
         layer = int(m.group(1))
-        if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoeBlock):
+        if layer >= len(self.layers) or not isinstance(getattr(self.layers[layer], "mlp", None), SparseMoeBlock):
             return None, m
         block = self.layers[layer].mlp
         # Qwen's mlp; Mixtral's block_sparse_moe, or mlp as transformers 5 names its module (its save_pretrained
@@ -603,7 +607,7 @@ class MoeForCausalLM:
         num_nextn_predict_layers of them, which transformers drops too) are skipped: "" (no parameter)."""
         if mtp_tensor(self.config, key):
             return ""
-        if self.config.model_type == "granitemoe":  # (the hub's names of Granite MoE's router and stacked experts)
+        if self.config.model_type in _GRANITE_ROUTER:  # (the hub's names of Granite MoE's router and stacked experts)
             head, sep, tail = key.partition(".block_sparse_moe.")
             if sep and tail in _GRANITE_NAMES:
                 key = f"{head}{sep}{_GRANITE_NAMES[tail]}"

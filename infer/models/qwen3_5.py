@@ -215,22 +215,15 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, unit_offset=True)
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    """Qwen3.5's text model: Llama's loop over HybridLayers; the final norm by 1 + weight. `allocate_states` sets
-    the state cache of its linear-attention layers."""
-
-    layer_class = HybridLayer
-    piecewise = False  # no piecewise CUDA graphs (its `piece` is Llama's): prefills and mixed steps run eagerly
-    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
-                              "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
+class StateCacheMixin:
+    """A hybrid model's state cache (engine.state_cache): `linear_layers()` (each with conv_state, rec_state,
+    state_shapes() and conv1d.weight) get their slots from `allocate_states`; `kept_states(ctx)`: whether each
+    sequence's slot holds its state. (Qwen3.5's Gated DeltaNet layers, Granite 4's Mamba-2 layers: models.granite4.)
+    Put before the model class it extends."""
 
     def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
         super().__init__(cfg, dtype, method_for, max_positions)
-        self.norm = RMSNorm(cfg.hidden_size, float(cfg.rms_norm_eps), dtype, unit_offset=True)
         self.state_pad_slot = None  # the padding rows' slot (allocate_states)
-
-    def linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.layers if layer.linear]
 
     def allocate_states(self, num_seqs: int, device) -> int:
         """Give each linear-attention layer its states for num_seqs sequences and one padding slot (the last: a CUDA
@@ -244,13 +237,35 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         self.state_pad_slot = num_seqs
         return total
 
+    @staticmethod
+    def kept_states(ctx: ForwardContext) -> torch.Tensor:
+        """[B] bool: each sequence's state carried from its last step (False: its step starts at position 0)."""
+        starts = ctx.query_start_loc
+        return (ctx.seq_lens - (starts[1:] - starts[:-1])) > 0
+
+
+class Qwen3_5ForCausalLM(StateCacheMixin, LlamaForCausalLM):
+    """Qwen3.5's text model: Llama's loop over HybridLayers; the final norm by 1 + weight; the state cache of its
+    linear-attention layers (StateCacheMixin)."""
+
+    layer_class = HybridLayer
+    piecewise = False  # no piecewise CUDA graphs (its `piece` is Llama's): prefills and mixed steps run eagerly
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
+                              "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.norm = RMSNorm(cfg.hidden_size, float(cfg.rms_norm_eps), dtype, unit_offset=True)
+
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.layers if layer.linear]
+
     def embed_and_norm(self, input_ids: torch.Tensor):
         return self._scaled_embed_and_norm(input_ids, 1.0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_and_norm(input_ids)
-        starts = ctx.query_start_loc
-        kept = (ctx.seq_lens - (starts[1:] - starts[:-1])) > 0  # each sequence's state carried from its last step
+        kept = self.kept_states(ctx)
         delta = None
         for i, layer in enumerate(self.layers):
             if i:

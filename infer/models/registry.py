@@ -65,9 +65,15 @@ SUPPORTED = {
     # Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5's hybrid layers (its in_proj_qkvz and in_proj_ba stored fused, by key
     # head) with Qwen2-MoE's experts and gated shared expert (models.moe)
     "Qwen3NextForCausalLM": "qwen3_next",
+    # IBM's Granite 4.0 (granite-4.0-micro: attention layers alone; granite-4.0-h-*: Mamba-2 and attention layers with
+    # experts): Granite's scalars, a shared MLP on every layer, a Mamba-2 state per sequence (models.granite4)
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
-# the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5)
-HYBRID = ("qwen3_5_text", "qwen3_next")
+# the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
+# 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
+HYBRID = ("qwen3_5_text", "qwen3_next", "granitemoehybrid")
+# the Granite families: Granite's four scalars (embedding, residual and attention multipliers, logits scaling)
+GRANITE = ("granite", "granite_swa", "granitemoe", "granitemoehybrid")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
 # adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
@@ -127,8 +133,6 @@ _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, mode
 NEAR_FAMILIES = {
     "granitemoeshared": ("Granite's mixture of experts with a shared expert (GraniteMoeSharedForCausalLM)", _GRANITE),
     "granitemoe_swa": ("Granite's mixture of experts with sliding-window layers (GraniteMoeSwa)", _GRANITE),
-    "granitemoehybrid": ("Granite 4's hybrid of Mamba-2 and attention layers with experts "
-                         "(GraniteMoeHybridForCausalLM)", _GRANITE),
     "olmo": ("the first OLMo (OlmoForCausalLM: OLMo-1B/7B, OLMo-7B-0424), whose LayerNorms have no weights "
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
     "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
@@ -332,6 +336,9 @@ def check_granite_swa(cfg) -> None:
 
 def model_class(cfg):
     check_supported(cfg)
+    if cfg.model_type == "granitemoehybrid":
+        from .granite4 import granite4_class
+        return granite4_class(is_hybrid(cfg))
     if cfg.model_type in HYBRID:
         from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_next_class
         return qwen3_next_class() if cfg.model_type == "qwen3_next" else Qwen3_5ForCausalLM
@@ -354,5 +361,9 @@ def model_class(cfg):
 
 
 def is_hybrid(cfg) -> bool:
-    """Whether the model keeps a linear-attention state per sequence (HYBRID: Qwen3.5)."""
-    return getattr(cfg, "model_type", None) in HYBRID
+    """Whether the model keeps a linear-attention state per sequence (HYBRID: Qwen3.5; Granite 4.0 with Mamba-2
+    layers)."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type == "granitemoehybrid":
+        return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
+    return model_type in HYBRID

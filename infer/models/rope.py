@@ -38,6 +38,9 @@ def nope_layers(cfg) -> list[bool]:
                                         f"{layers} layers", "Granite SWA's layer_rope_theta gives each layer its "
                                         "rope base (0: no rotary): use the config.json that came with the weights")
         return [thetas[i] == 0 for i in range(layers)]
+    if model_type == "granitemoehybrid":  # (Granite 4.0: rope where position_embedding_type is "rope", else none)
+        rope = getattr(cfg, "position_embedding_type", None) == "rope"
+        return [not rope and t != "linear_attention" for t in cfg.layer_types]
     if model_type == "cohere2" or (model_type == "exaone4" and getattr(cfg, "sliding_window", None)):
         types = list(getattr(cfg, "layer_types", None) or [])
         return [i < len(types) and types[i] != "sliding_attention" for i in range(layers)]

@@ -189,6 +189,20 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            head_dim=16, image_size=28, patch_size=14), image_token_index=511,
         tie_word_embeddings=False)),
+    # Granite 4.0 (granite-4.0-h-*'s shape): 3 Mamba-2 layers and an attention layer without rope, 8 experts of
+    # width 32 (top-2) beside a shared MLP of 64 on every layer, Granite's scalars; Mamba-2 heads of 16 (8 of them),
+    # 2 groups of 16 state dims, chunks of 16 (prompts span several)
+    "tiny-granite4": TinySpec("granitemoehybrid", 30, config=dict(
+        _TINY, num_hidden_layers=4, intermediate_size=32, shared_intermediate_size=64, num_local_experts=8,
+        num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+        logits_scaling=4.0, tie_word_embeddings=False, position_embedding_type="nope",
+        layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)),
+    # Granite 4.0 micro's shape: attention layers alone with rope, the shared MLP, no experts
+    "tiny-granite4-dense": TinySpec("granitemoehybrid", 31, config=dict(
+        _TINY, shared_intermediate_size=64, num_local_experts=0, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0625, logits_scaling=4.0, tie_word_embeddings=False, position_embedding_type="rope",
+        layer_types=["attention", "attention"])),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),

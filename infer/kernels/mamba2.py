@@ -1,0 +1,70 @@
+"""Mamba-2's selective scan (state space duality, SSD) in torch, for one sequence's prefill chunk (`chunk_scan`) and
+for one token of each of a batch of sequences (`state_update`), as transformers' reference (mamba2_chunk_scan,
+mamba2_selective_state_update of modeling_granitemoehybrid / modeling_mamba2) computes them, in float32.
+
+Shapes: H heads of P dims, G groups of N state dims (each group's B and C shared by H / G heads); the state
+[H, P, N] per sequence. dt is the raw time step (before dt_bias and softplus); A = -exp(A_log) [H]."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: out[..., i, j] = a[j + 1] + ... + a[i] for j <= i (0 on the diagonal), -inf above
+    it (the masked cumulative sums of transformers' segment_sum: no differences of large sums)."""
+    n = a.shape[-1]
+    x = a[..., None].expand(*a.shape, n)
+    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device), diagonal=-1)
+    s = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
+    return s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device)), -torch.inf)
+
+
+def _discretized_dt(dt, dt_bias, limit=None):
+    dt = F.softplus(dt + dt_bias.to(dt.dtype))
+    return dt if limit is None else dt.clamp(limit[0], limit[1])
+
+
+def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limit=(0.0, float("inf"))):
+    """One sequence's T tokens from `state` [H, P, N]: (y [T, H, P] float32 with the D skip, the final state).
+    x [T, H, P], dt [T, H], B and C [T, G, N]; dt clamped to `limit` (time_step_limit) after softplus."""
+    t, h, p = x.shape
+    rep = h // B.shape[1]
+    dt = _discretized_dt(dt.float(), dt_bias, limit)
+    x = x.float()
+    skip = x * D.float()[:, None]
+    B = B.float().repeat_interleave(rep, dim=1)  # [T, H, N]
+    C = C.float().repeat_interleave(rep, dim=1)
+    pad = (-t) % chunk
+    xd = F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)).reshape(-1, chunk, h, p)  # [c, l, H, P]
+    a = F.pad(A.float() * dt, (0, 0, 0, pad)).reshape(-1, chunk, h).permute(2, 0, 1)  # [H, c, l]
+    B = F.pad(B, (0, 0, 0, 0, 0, pad)).reshape(-1, chunk, h, B.shape[-1])
+    C = F.pad(C, (0, 0, 0, 0, 0, pad)).reshape(-1, chunk, h, C.shape[-1])
+    cum = torch.cumsum(a, dim=-1)  # [H, c, l]
+    # within each chunk: attention-like scores C_l . B_s decayed from s to l
+    decay = torch.exp(_segsum(a))  # [H, c, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay.permute(1, 2, 3, 0)
+    y = torch.einsum("clsh,cshp->clhp", scores, xd)
+    # each chunk's own contribution to the state at its end, then the states carried from chunk to chunk
+    to_end = torch.exp(cum[..., -1:] - cum)  # [H, c, l]
+    chunk_states = torch.einsum("clhn,clhp->chpn", B * to_end.permute(1, 2, 0)[..., None], xd)
+    states = torch.cat([state[None].float(), chunk_states])  # [c + 1, H, P, N]
+    carry = torch.exp(_segsum(F.pad(cum[..., -1], (1, 0))))  # [H, c + 1, c + 1]
+    states = torch.einsum("hzc,chpn->zhpn", carry, states)  # (z: the state at chunk z's start; the last: the end)
+    y = y + torch.einsum("clhn,chpn->clhp", C, states[:-1]) * torch.exp(cum).permute(1, 2, 0)[..., None]
+    return y.reshape(-1, h, p)[:t] + skip, states[-1]
+
+
+def state_update(state, x, dt, A, B, C, D, dt_bias):
+    """One token of each of S sequences: (y [S, H, P] float32 with the D skip, the new states [S, H, P, N]).
+    state [S, H, P, N], x [S, H, P], dt [S, H], B and C [S, G, N]. (No time_step_limit: transformers' and
+    mamba_ssm's selective_state_update do not clamp dt.)"""
+    rep = x.shape[1] // B.shape[1]
+    dt = _discretized_dt(dt.float(), dt_bias)[..., None, None]  # [S, H, 1, 1]
+    B = B.float().repeat_interleave(rep, dim=1)[:, :, None]  # [S, H, 1, N]
+    C = C.float().repeat_interleave(rep, dim=1)
+    x = x.float()
+    state = state.float() * torch.exp(dt * A.float()[:, None, None]) + dt * B * x[..., None]
+    y = torch.einsum("shpn,shn->shp", state, C) + x * D.float()[:, None]
+    return y, state

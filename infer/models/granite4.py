@@ -1,0 +1,200 @@
+"""IBM Granite 4.0 (transformers' GraniteMoeHybridForCausalLM, model_type granitemoehybrid): Granite's four scalars
+(models.llama.GraniteForCausalLM), decoder layers that are either attention (layer_types "full_attention"; rope only
+where position_embedding_type is "rope", else none: NoPE) or Mamba-2 mixers ("linear_attention"), each followed by a
+shared MLP (shared_mlp: gate|up stored as one input_linear, down as output_linear) and, where num_local_experts > 0,
+Granite MoE's experts beside it (block_sparse_moe: models.moe). granite-4.0-micro has attention layers alone and no
+experts; granite-4.0-h-* are Mamba-2 hybrids with experts.
+
+A Mamba-2 layer keeps, per running sequence, a conv state [conv_dim, K - 1] (model dtype) and an SSM state [H, P, N]
+(float32) in the engine's state cache (engine.state_cache, as Qwen3.5's Gated DeltaNet layers: models.qwen3_5). A
+prefill chunk runs the SSD chunked scan from its slot's state, a decode the one-step recurrence
+(kernels.mamba2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import delta_rule, mamba2
+from .context import ForwardContext
+from .layers import MergedLinear
+from .llama import MLP, Attention, GraniteForCausalLM, RMSNorm, _NoPE
+from .moe import MoeForCausalLM, SparseMoeBlock, is_sparse
+from .qwen3_5 import StateCacheMixin
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """transformers' GraniteMoeHybridRMSNormGated (Bamba's; norm_before_gate False): x times silu(gate) in float32,
+    normed over each of n_groups groups, rounded to the model's dtype, times the weight."""
+
+    def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x, gate, dtype):
+        h = x.float() * F.silu(gate.float())
+        g = h.view(*h.shape[:-1], self.groups, -1)
+        h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        return self.weight * h.to(dtype)
+
+
+class _Conv(nn.Module):
+    """The depthwise conv1d's weight [C, 1, K] and its bias [C] (mamba_conv_bias), under the checkpoint's names."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels, dtype=dtype), requires_grad=False) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """transformers' GraniteMoeHybridMambaLayer (Bamba's mixer) on a flat batch: in_proj's output split into the
+    gate z [I], x|B|C [conv_dim] and dt [H]; the causal conv1d (with bias) and silu over x|B|C; the SSD scan (dt
+    + dt_bias through softplus, A = -exp(A_log), the D skip); the grouped gated RMSNorm by z; out_proj. Its states
+    (conv_state [slots, conv_dim, K - 1], rec_state [slots, H, P, N]) are set by allocate_states."""
+
+    def __init__(self, cfg, prefix: str, method_for, dtype):
+        super().__init__()
+        self.heads, self.groups, self.d_state = int(cfg.mamba_n_heads), int(cfg.mamba_n_groups), int(cfg.mamba_d_state)
+        self.inter = int(cfg.mamba_expand * cfg.hidden_size)
+        self.head_dim = int(cfg.mamba_d_head)
+        self.kernel, self.chunk = int(cfg.mamba_d_conv), int(cfg.mamba_chunk_size)
+        self.conv_dim = self.inter + 2 * self.groups * self.d_state
+        self.limit = tuple(float(v) for v in (cfg.time_step_limit or (0.0, float("inf"))))
+        bias = bool(cfg.mamba_proj_bias)
+        self.in_proj = MergedLinear(cfg.hidden_size, [self.inter + self.conv_dim + self.heads], [f"{prefix}.in_proj"],
+                                    bias, method_for([f"{prefix}.in_proj"]), dtype)
+        self.out_proj = MergedLinear(self.inter, [cfg.hidden_size], [f"{prefix}.out_proj"], bias,
+                                     method_for([f"{prefix}.out_proj"]), dtype)
+        self.conv1d = _Conv(self.conv_dim, self.kernel, bool(cfg.mamba_conv_bias), dtype)
+        self.dt_bias = nn.Parameter(torch.empty(self.heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.heads, dtype=dtype), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.heads, dtype=dtype), requires_grad=False)
+        self.norm = GroupGatedRMSNorm(self.inter, self.groups, float(cfg.rms_norm_eps), dtype)
+        self.conv_state = self.rec_state = None  # (allocate_states)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A slot's (conv state, SSM state) shapes."""
+        return (self.conv_dim, self.kernel - 1), (self.heads, self.head_dim, self.d_state)
+
+    def forward(self, x, ctx: ForwardContext, kept):
+        """(the layer's output, None: no LoRA delta left to a norm). kept [B] bool: whether each sequence's slot holds
+        its state (False: its step starts at position 0, from zero state)."""
+        z, xbc, dt = self.in_proj(x, ctx).split([self.inter, self.conv_dim, self.heads], dim=-1)
+        if ctx.max_query_len == 1:
+            y = self._decode(xbc, dt, ctx.state_slots, kept)
+        else:
+            y = torch.cat([self._sequence(xbc, dt, s, e, slot, k) for s, e, slot, k in zip(
+                ctx.query_start_loc[:-1].tolist(), ctx.query_start_loc[1:].tolist(), ctx.state_slots.tolist(),
+                kept.tolist())])
+        return self.out_proj(self.norm(y.reshape(x.shape[0], self.inter), z, x.dtype), ctx), None
+
+    def _conv(self, xbc, state):
+        """silu(causal conv1d + bias) of xbc [S, conv_dim, T] after `state`: (out [S, conv_dim, T], new state)."""
+        return delta_rule.causal_conv1d(xbc, self.conv1d.weight, state, self.conv1d.bias)
+
+    def _split(self, out):
+        """x [T, H, P], B and C [T, G, N] of the conv's output [T, conv_dim]."""
+        n = self.groups * self.d_state
+        x, b, c = out.split([self.inter, n, n], dim=-1)
+        t = out.shape[0]
+        return (x.reshape(t, self.heads, self.head_dim), b.reshape(t, self.groups, self.d_state),
+                c.reshape(t, self.groups, self.d_state))
+
+    def _decode(self, xbc, dt, slots, kept):
+        """One token of each sequence, its states read and written at `slots` (tensor indexing: no host sync)."""
+        # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
+        conv = torch.where(kept[:, None, None], self.conv_state.index_select(0, slots), 0)
+        out, conv = self._conv(xbc.unsqueeze(-1), conv)
+        self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
+        x, b, c = self._split(out.squeeze(-1))
+        state = torch.where(kept[:, None, None, None], self.rec_state.index_select(0, slots), 0)
+        y, state = mamba2.state_update(state, x, dt, self._a(), b, c, self.D, self.dt_bias)
+        self.rec_state.index_copy_(0, slots, state)
+        return y.to(xbc.dtype)
+
+    def _a(self):
+        return -torch.exp(self.A_log.float())
+
+    def _sequence(self, xbc, dt, s: int, e: int, slot: int, kept: bool):
+        """Tokens s..e-1 of one sequence from its slot's states (zero where not `kept`); the slot updated."""
+        conv = self.conv_state[slot:slot + 1] if kept else self.conv_state.new_zeros(1, *self.conv_state.shape[1:])
+        out, conv = self._conv(xbc[s:e].t().unsqueeze(0), conv)
+        self.conv_state[slot] = conv[0]
+        x, b, c = self._split(out[0].t())
+        state = self.rec_state[slot] if kept else torch.zeros_like(self.rec_state[slot])
+        if e - s == 1 and kept:  # (a decode in a mixed step: the recurrence, as transformers decodes)
+            y, new = mamba2.state_update(state[None], x, dt[s:e], self._a(), b, c, self.D, self.dt_bias)
+            new = new[0]
+        else:
+            y, new = mamba2.chunk_scan(x, dt[s:e], self._a(), b, c, self.D, self.dt_bias, self.chunk, state,
+                                       self.limit)
+        self.rec_state[slot] = new
+        return y.to(xbc.dtype)
+
+
+class Granite4Layer(nn.Module):
+    """A decoder layer of Granite 4.0: a Mamba-2 mixer (mamba) or Granite's attention (self_attn), the experts (mlp:
+    the checkpoint's block_sparse_moe, where num_local_experts > 0) beside the shared MLP (shared_mlp), two norms."""
+
+    def __init__(self, cfg, i: int, method_for, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.linear = cfg.layer_types[i] == "linear_attention"
+        if self.linear:
+            self.mamba = Mamba2Mixer(cfg, f"{p}.mamba", method_for, dtype)
+        else:
+            self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
+        if is_sparse(cfg, i):
+            self.mlp = SparseMoeBlock(cfg, f"{p}.block_sparse_moe", method_for, dtype)
+        self.shared_mlp = MLP(cfg, f"{p}.shared_mlp", method_for, dtype, int(cfg.shared_intermediate_size),
+                              stored=("input_linear", "output_linear"))
+        eps = float(cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+
+
+class Granite4ForCausalLM(MoeForCausalLM, _NoPE, GraniteForCausalLM):
+    """Granite 4.0: Granite's scalars over Granite4Layers; attention layers without rope where
+    position_embedding_type is not "rope" (_NoPE); the experts' tensors routed by models.moe. Its Mamba-2 layers'
+    states: Granite4HybridForCausalLM (granite4_class)."""
+
+    layer_class = Granite4Layer
+    piecewise = False  # (no piecewise CUDA graphs: `piece` is Llama's)
+
+    def linear_layers(self) -> list[Mamba2Mixer]:
+        return [layer.mamba for layer in self.layers if layer.linear]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_and_norm(input_ids)
+        kept = self.kept_states(ctx) if getattr(self, "state_pad_slot", None) is not None else None
+        m = self.residual_multiplier
+        for i, layer in enumerate(self.layers):
+            if i:
+                x, residual = layer.input_layernorm(x, residual)
+            if layer.linear:
+                x, _ = layer.mamba(x, ctx, kept)
+            else:
+                x, _ = layer.self_attn(positions, x, ctx, self._rope(i))
+            x, residual = layer.post_attention_layernorm(x * m, residual)
+            h, _ = layer.shared_mlp(x, ctx)
+            if hasattr(layer, "mlp"):
+                h = layer.mlp(x, ctx)[0] + h
+            x = h * m
+        x, _ = self.norm(x, residual)
+        return x
+
+
+_CLASSES: list[type] = []
+
+
+def granite4_class(hybrid: bool) -> type:
+    """Granite4ForCausalLM, or with Mamba-2 layers (`hybrid`: registry.is_hybrid) its subclass with the state cache
+    (qwen3_5.StateCacheMixin)."""
+    if not _CLASSES:
+        _CLASSES.append(Granite4ForCausalLM)
+        _CLASSES.append(type("Granite4HybridForCausalLM", (StateCacheMixin, Granite4ForCausalLM), {
+            "__doc__": "Granite 4.0 with Mamba-2 layers: their conv and SSM states in the state cache."}))
+    return _CLASSES[1 if hybrid else 0]

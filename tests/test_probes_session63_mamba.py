@@ -1,0 +1,79 @@
+"""IBM Granite 4.0 (GraniteMoeHybridForCausalLM, models.granite4) equals transformers (float32): the all-attention
+shape (granite-4.0-micro: rope, the shared MLP, no experts) and the Mamba-2 hybrid with experts (granite-4.0-h-*:
+the Mamba-2 layers' conv and SSM states in the per-sequence state cache, engine.state_cache): greedy tokens and
+logprobs of concurrent prompts of different lengths, prompts cut into chunks mixed with decodes, preemption by
+recompute under a tiny KV budget; the state slots are given back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM
+from infer.models.tiny import ensure_builtin
+
+from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, check_state_slots_all_free,
+                     greedy_each, greedy_tokens, hf_model, random_prompts)
+
+HYBRID, DENSE = "tiny-granite4", "tiny-granite4-dense"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model(str(ensure_builtin(HYBRID)))
+
+
+def _mamba_layers_hold_states(model) -> None:
+    layers = model.linear_layers()
+    assert len(layers) == 3 and all(layer.rec_state.dtype == torch.float32 for layer in layers)
+    assert layers[0].rec_state.shape[1:] == (8, 16, 16) and layers[0].conv_state.shape[1:] == (128 + 2 * 2 * 16, 3)
+
+
+def test_dense_granite4_equals_transformers():
+    """granite-4.0-micro's shape (attention layers with rope, the shared MLP, no experts, Granite's scalars): prompts
+    of 5, 13 and 30 tokens batched, transformers' tokens and logprobs; no state cache."""
+    def check(model):
+        assert not hasattr(model, "allocate_states") and model.nope_cos_sin is None
+    check_greedy_and_logprobs_equal_transformers(ensure_builtin(DENSE), hf_model(str(ensure_builtin(DENSE))), DENSE,
+                                                 check)
+
+
+def test_hybrid_granite4_equals_transformers(hf):
+    """Mamba-2 layers (2 groups, chunks of 16: the 30-token prompt spans two), an attention layer without rope, the
+    experts beside the shared MLP: transformers' tokens and logprobs, decodes of some beside the others' prefills."""
+    check_greedy_and_logprobs_equal_transformers(ensure_builtin(HYBRID), hf, HYBRID, _mamba_layers_hold_states)
+
+
+def test_chunked_prefill_carries_the_mamba_state_across_steps(hf):
+    """Steps of 8 tokens: prompts of 30 and 41 tokens run in chunks whose conv and SSM states carry over, mixed with
+    the others' decodes; a prompt of one token too (its first step a decode from zero state)."""
+    prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
+    with LLM(str(ensure_builtin(HYBRID)), block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        check_state_slots_all_free(llm)
+
+
+def test_a_long_prompt_spans_several_scan_chunks(hf):
+    """A prompt of 70 tokens in one step (five chunks of 16 of the SSD scan) and one of 45 cut into steps of 20 (a
+    scan chunk boundary inside a step's piece): transformers' tokens."""
+    prompts = random_prompts(512, (70, 45), seed=7)
+    want = greedy_each(hf, prompts, 6)
+    with LLM(HYBRID, block_size=4) as llm:
+        assert greedy_tokens(llm, prompts[:1], 6) == want[:1]
+    with LLM(HYBRID, block_size=4, max_num_batched_tokens=20, max_num_seqs=2) as llm:
+        assert greedy_tokens(llm, prompts[1:], 6) == want[1:]
+
+
+def test_preemption_restarts_the_mamba_state_from_zero(hf):
+    """A KV budget of 16 blocks of 4 for 4 prompts: some are preempted and recomputed from position 0 (zero state),
+    and still give transformers' tokens."""
+    prompts = random_prompts(512, (20, 25, 17, 30), seed=4)
+    with LLM(str(ensure_builtin(HYBRID)), block_size=4, num_kv_blocks=16, max_model_len=64) as llm:
+        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
+        assert llm.engine.scheduler.num_preemptions > 0
+        check_state_slots_all_free(llm)
+
+
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests({HYBRID: "GraniteMoeHybridForCausalLM", DENSE: "GraniteMoeHybridForCausalLM"},
+                        nope=(HYBRID,))
