@@ -77,3 +77,63 @@ def test_preemption_restarts_the_mamba_state_from_zero(hf):
 test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
     builtin_model_tests({HYBRID: "GraniteMoeHybridForCausalLM", DENSE: "GraniteMoeHybridForCausalLM"},
                         nope=(HYBRID,))
+
+
+def test_warmup_counts_the_mamba_states():
+    """`infer warmup --estimate` counts the Mamba-2 layers' state slots of max_num_seqs sequences and a padding slot
+    (the bytes the engine allocates: 3 layers of a conv state [192, 3] and a float32 SSM state [8, 16, 16]) and the KV
+    of the attention layer alone (1 of 4 layers)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.memory.sizes import kv_bytes_per_token
+    res = CliRunner().invoke(app, ["warmup", HYBRID, "--estimate", "--json", "--max-length", "256", "--max-num-seqs",
+                                   "8", "--memory-limit", "256MiB"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    assert plan["state_bytes"] == 3 * 9 * (192 * 3 * 4 + 8 * 16 * 16 * 4)
+    with LLM(HYBRID, max_model_len=256, max_num_seqs=8) as llm:
+        assert plan["state_bytes"] == llm.engine.runner.state_bytes
+        assert plan["kv_bytes_per_token"] == kv_bytes_per_token(llm.engine.model_config, torch.float32) == 2 * 32 * 4
+        assert llm.engine.runner.kv_cache.shape[0] == 1  # (the attention layer's KV alone)
+
+
+def test_prefix_caching_is_off_and_speculative_decoding_refused(caplog):
+    """enable_prefix_caching asked of the hybrid: the engine runs without it (the Mamba-2 states of a cached prefix
+    cannot be restored) and says so; the dense shape keeps it. A draft model is refused naming the option."""
+    import logging
+
+    from infer.errors import ConfigError
+    with caplog.at_level(logging.INFO, logger="infer"):
+        with LLM(HYBRID, block_size=4, enable_prefix_caching=True) as llm:
+            assert not llm.engine.block_manager.enable_prefix_caching
+    assert "prefix caching is off for granitemoehybrid" in caplog.text
+    with LLM(DENSE, block_size=4, enable_prefix_caching=True) as llm:
+        assert llm.engine.block_manager.enable_prefix_caching
+    with pytest.raises(ConfigError, match="--speculative-config cannot run granitemoehybrid"):
+        LLM(HYBRID, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_emulated_decode_graphs_index_the_mamba_state_slots(hf, monkeypatch, triton):
+    """Decode steps through (emulated) CUDA graphs: the rows' state slots a static buffer, padding rows reading zero
+    state and writing the padding slot; 5 sequences of different output lengths replay every bucket and give
+    transformers' tokens. `triton`: every op that has a Triton kernel through it (interpreted)."""
+    from infer import SamplingParams
+    if triton:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU runs the real kernels and graphs")
+        from infer import kernels
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
+    lens = [3, 5, 8, 11, 14]
+    with LLM(HYBRID, max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96,
+             cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(96, emulate=True)
+        got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                          for n in lens])]
+        assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
+        check_state_slots_all_free(llm)
+    assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]

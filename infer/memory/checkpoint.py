@@ -19,8 +19,10 @@ from ..models.multimodal import is_multimodal, text_name
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
 _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
-                     r"|c_fc|c_proj|in_proj_qkvz?|in_proj_z|in_proj_ba?|in_proj_a|out_proj)\.weight$")  # (c_fc,
-# c_proj: StarCoder2's MLP; in_proj_*, out_proj: Qwen3.5's and Qwen3-Next's linear-attention layers, models.qwen3_5)
+                     r"|c_fc|c_proj|in_proj_qkvz?|in_proj_z|in_proj_ba?|in_proj_a|in_proj|out_proj"
+                     r"|shared_mlp\.input_linear|shared_mlp\.output_linear)\.weight$")  # (c_fc, c_proj: StarCoder2's
+# MLP; in_proj_*, out_proj: Qwen3.5's and Qwen3-Next's linear-attention layers, models.qwen3_5; in_proj, out_proj,
+# shared_mlp's: Granite 4.0's Mamba-2 layers and shared MLP, models.granite4)
 
 
 def safetensors_header(path: Path) -> dict:
