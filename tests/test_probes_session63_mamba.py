@@ -6,6 +6,8 @@ recompute under a tiny KV budget; the state slots are given back."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -137,3 +139,34 @@ def test_emulated_decode_graphs_index_the_mamba_state_slots(hf, monkeypatch, tri
         assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
         check_state_slots_all_free(llm)
     assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]
+
+
+
+def test_mixed_adapters_on_the_attention_equal_peft(tmp_path):
+    """Two adapters (every attention projection; q and v alone) and the base model in one batch and each alone:
+    peft's tokens."""
+    from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapter
+    base = ensure_builtin(HYBRID)
+    hf = hf_float(base)
+    # (B and A drawn at 0.5: at lora_helpers' 0.15, adapters of the one attention layer of 4 leave the tokens as the
+    # base's)
+    paths = {name: save_adapter(hf, tmp_path / name, i + 1, 0.5, lora_dropout=0.0, **kw) for i, (name, kw) in
+             enumerate({"all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                        "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])}.items())}
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
+
+
+@pytest.mark.parametrize("targets", [["in_proj", "out_proj", "q_proj"], ["input_linear", "v_proj"]])
+def test_adapters_of_the_mamba_layers_and_the_shared_mlp_are_refused(tmp_path, targets):
+    """An adapter of the Mamba-2 mixers' projections or of the shared MLP is refused at registration, naming them and
+    what to adapt."""
+    from lora_helpers import hf_float, save_adapters
+
+    from infer.errors import LoRAError
+    paths = save_adapters(hf_float(ensure_builtin(HYBRID)), tmp_path, {"a": dict(r=4, lora_alpha=8,
+                                                                                  target_modules=targets)})
+    listed = re.escape(repr(sorted(set(targets) - {"q_proj", "v_proj"})))
+    with pytest.raises(LoRAError, match=rf"targets {listed}: infer's adapters of granitemoehybrid .* adapt the "
+                                        r"attention's projections alone.*retrain with target_modules among q_proj, "
+                                        r"k_proj, v_proj, o_proj"):
+        LLM(HYBRID, loras={"a": str(paths["a"])}, max_lora_rank=8)

@@ -246,6 +246,8 @@ LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_p
 def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
     """An adapter of a hybrid model's linear-attention projections (Qwen3.5's Gated DeltaNet: models.qwen3_5), which
     infer does not adapt (yet): refused naming them (its attention's and MLP's projections are adapted)."""
+    if base_config.model_type == "granitemoehybrid":
+        return _granite4_problems(adapter)
     if not is_hybrid(base_config):
         return []
     if base_config.model_type == "qwen3_next":
@@ -261,6 +263,27 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
                     "DeltaNet) layers, which infer's adapters do not adapt", "retrain with target_modules among the "
                     "attention's and the MLP's projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                     "down_proj)")]
+
+
+# Granite 4.0's modules infer does not adapt (models.granite4): the Mamba-2 mixers' in_proj and out_proj, the shared
+# MLP's input_linear and output_linear, the experts' block (block_sparse_moe: its input_linear, output_linear, router)
+GRANITE4_UNADAPTED = ("in_proj", "out_proj", "input_linear", "output_linear", "shared_mlp", "mamba", "router",
+                      "layer", "block_sparse_moe")
+
+
+def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
+    """An adapter of Granite 4.0's Mamba-2 projections, shared MLP or experts, which infer does not adapt (yet):
+    refused naming them (its attention's projections are adapted)."""
+    targets = adapter.config.get("target_modules")
+    names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
+    names |= {m.proj for m in adapter.modules.values()}
+    listed = sorted(names & set(GRANITE4_UNADAPTED))
+    if not listed:
+        return []
+    return [Problem(f"targets {listed}: infer's adapters of granitemoehybrid (Granite 4.0) adapt the attention's "
+                    "projections alone, not the Mamba-2 layers' (in_proj, out_proj), the shared MLP's (input_linear, "
+                    "output_linear) or the experts'", "retrain with target_modules among q_proj, k_proj, v_proj, "
+                    "o_proj")]
 
 
 def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> list[Problem]:
