@@ -170,3 +170,24 @@ def test_adapters_of_the_mamba_layers_and_the_shared_mlp_are_refused(tmp_path, t
                                         r"attention's projections alone.*retrain with target_modules among q_proj, "
                                         r"k_proj, v_proj, o_proj"):
         LLM(HYBRID, loras={"a": str(paths["a"])}, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
+     r"granitemoehybrid layer_types \['sliding_attention'\] are not supported"),
+    ({"layer_types": ["linear_attention", "full_attention"]},
+     r"layer_types \['linear_attention', 'full_attention'\] are not supported for 4 layers"),
+    ({"position_embedding_type": "alibi"}, r"position_embedding_type \"alibi\" is not supported"),
+    ({"mamba_n_groups": 3}, r"mamba_n_heads 8 in mamba_n_groups 3 is not supported")])
+def test_config_refusals(change, match):
+    """A Granite 4.0 config.json of other layer types, a position embedding other than rope or none, or Mamba-2
+    heads its groups do not divide: refused naming the field."""
+    from transformers import AutoConfig
+
+    from infer.errors import UnsupportedModelError
+    from infer.models.registry import check_supported
+    cfg = AutoConfig.from_pretrained(str(ensure_builtin(HYBRID)))
+    for key, value in change.items():
+        object.__setattr__(cfg, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        check_supported(cfg)

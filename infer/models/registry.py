@@ -207,6 +207,8 @@ def check_supported(cfg) -> str:
         check_hunyuan(cfg)
     if model_type == "granite_swa":
         check_granite_swa(cfg)
+    if model_type == "granitemoehybrid":
+        check_granite4(cfg)
     from .moe import check_moe
     check_moe(cfg)
     return arch
@@ -332,6 +334,28 @@ def check_granite_swa(cfg) -> None:
         raise UnsupportedModelError(f"granite_swa layer_rope_theta with bases {thetas} other than rope_theta {base} "
                                     "is not supported", "infer's Granite SWA layers share one rope table: give every "
                                     "rotating layer one base in layer_rope_theta (0 where a layer has no rotary)")
+
+
+def check_granite4(cfg) -> None:
+    """Granite 4.0's layer_types other than Mamba-2 (linear_attention, config.json's "mamba") and attention
+    (full_attention, "attention"), a position_embedding_type other than rope and none, and Mamba-2 heads that its
+    groups do not divide (transformers fails on them): refused naming them (models.granite4)."""
+    types = list(getattr(cfg, "layer_types", None) or [])
+    other = sorted({str(t) for t in types if t not in ("linear_attention", "full_attention")})
+    if other or len(types) != cfg.num_hidden_layers:
+        raise UnsupportedModelError(f"granitemoehybrid layer_types {other or types} are not supported"
+                                    + ("" if other else f" for {cfg.num_hidden_layers} layers"),
+                                    "Granite 4.0's layer_types give each of num_hidden_layers layers \"mamba\" or "
+                                    "\"attention\": use the config.json that came with the weights")
+    kind = getattr(cfg, "position_embedding_type", None)
+    if kind not in (None, "rope", "nope"):
+        raise UnsupportedModelError(f"granitemoehybrid position_embedding_type {json.dumps(kind)} is not supported",
+                                    "Granite 4.0's attention rotates by rope (\"rope\") or by none (\"nope\", null)")
+    heads, groups = getattr(cfg, "mamba_n_heads", 1), getattr(cfg, "mamba_n_groups", 1)
+    if "linear_attention" in types and (not groups or heads % groups):
+        raise UnsupportedModelError(f"granitemoehybrid with mamba_n_heads {heads} in mamba_n_groups {groups} is not "
+                                    "supported: each group's B and C serve mamba_n_heads / mamba_n_groups heads",
+                                    "use the config.json that came with the weights")
 
 
 def model_class(cfg):
