@@ -191,3 +191,16 @@ def test_config_refusals(change, match):
         object.__setattr__(cfg, key, value)
     with pytest.raises(UnsupportedModelError, match=match):
         check_supported(cfg)
+
+
+@pytest.mark.parametrize("name", [HYBRID, DENSE])
+def test_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path, name):
+    """`infer quantize` of Granite 4.0 (GPTQModel 7.6's granitemoehybrid definition fails on transformers 5) is
+    refused before any work, naming why and what to serve instead; nothing is written."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["quantize", name, "-o", str(tmp_path / "q"), "--group-size", "32"])
+    assert res.exit_code != 0
+    assert "Granite 4.0 (granitemoehybrid), which GPTQModel 7.6 fails to quantize" in res.output
+    assert "serve the float checkpoint" in res.output and not (tmp_path / "q").exists()
