@@ -55,6 +55,23 @@ def test_chunked_prefill_carries_the_mamba_state_across_steps(hf):
         check_state_slots_all_free(llm)
 
 
+def test_chunked_prefill_prompt_logprobs_equal_transformers(hf):
+    """Prompts of 30 and 23 tokens in steps of 8 beside each other: every prompt token's logprob is transformers'
+    (within 1e-4): the tokens at the start of each step read the conv and SSM states the step before left (the tiny
+    model's states decay within a few tokens, so greedy tokens alone would not tell)."""
+    from infer import SamplingParams
+    prompts = random_prompts(512, (30, 23), seed=8)
+    with LLM(HYBRID, block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        out = llm.generate(prompts, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+        check_state_slots_all_free(llm)
+    with torch.no_grad():
+        for p, o in zip(prompts, out):
+            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
+            got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
+            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
 def test_a_long_prompt_spans_several_scan_chunks(hf):
     """A prompt of 70 tokens in one step (five chunks of 16 of the SSD scan) and one of 45 cut into steps of 20 (a
     scan chunk boundary inside a step's piece): transformers' tokens."""
