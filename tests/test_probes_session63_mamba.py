@@ -221,3 +221,17 @@ def test_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path, name):
     assert res.exit_code != 0
     assert "Granite 4.0 (granitemoehybrid), which GPTQModel 7.6 fails to quantize" in res.output
     assert "serve the float checkpoint" in res.output and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_equals_transformers_in_the_same_dtype(hf, dtype):
+    """--dtype bfloat16 / float16 (the conv state in the model's dtype, the SSM state float32; dt, the step's
+    products and the scan's output rounded where transformers rounds them): transformers' greedy tokens in that
+    dtype, batched, a one-token prompt included."""
+    import copy
+    hf = copy.deepcopy(hf).to(getattr(torch, dtype))  # (the module's hf: float32)
+    prompts = random_prompts(512, (5, 13, 30, 1), seed=3)
+    with LLM(HYBRID, block_size=4, dtype=dtype, max_num_seqs=2) as llm:
+        assert llm.engine.runner.model.linear_layers()[0].conv_state.dtype == getattr(torch, dtype)
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        check_state_slots_all_free(llm)

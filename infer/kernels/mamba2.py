@@ -3,7 +3,9 @@ for one token of each of a batch of sequences (`state_update`), as transformers'
 mamba2_selective_state_update of modeling_granitemoehybrid / modeling_mamba2) computes them, in float32.
 
 Shapes: H heads of P dims, G groups of N state dims (each group's B and C shared by H / G heads); the state
-[H, P, N] per sequence. dt is the raw time step (before dt_bias and softplus); A = -exp(A_log) [H]."""
+[H, P, N] per sequence. dt is the raw time step (before dt_bias and softplus); A = -exp(A_log) [H]. In half precision
+each rounds where transformers does: dt + dt_bias and its softplus in the model's dtype; the scan in float32, its
+output float32; the step's dt * B * x, its read of the state and its output in the model's dtype."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 
 def _discretized_dt(dt, dt_bias, limit=None):
+    """softplus(dt + dt_bias) in dt's dtype, clamped to `limit`."""
     dt = F.softplus(dt + dt_bias.to(dt.dtype))
     return dt if limit is None else dt.clamp(limit[0], limit[1])
 
@@ -31,7 +34,7 @@ def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limi
     x [T, H, P], dt [T, H], B and C [T, G, N]; dt clamped to `limit` (time_step_limit) after softplus."""
     t, h, p = x.shape
     rep = h // B.shape[1]
-    dt = _discretized_dt(dt.float(), dt_bias, limit)
+    dt = _discretized_dt(dt, dt_bias, limit).float()
     x = x.float()
     skip = x * D.float()[:, None]
     B = B.float().repeat_interleave(rep, dim=1)  # [T, H, N]
@@ -57,14 +60,13 @@ def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limi
 
 
 def state_update(state, x, dt, A, B, C, D, dt_bias):
-    """One token of each of S sequences: (y [S, H, P] float32 with the D skip, the new states [S, H, P, N]).
-    state [S, H, P, N], x [S, H, P], dt [S, H], B and C [S, G, N]. (No time_step_limit: transformers' and
-    mamba_ssm's selective_state_update do not clamp dt.)"""
+    """One token of each of S sequences: (y [S, H, P] in x's dtype with the D skip, the new float32 states
+    [S, H, P, N]). state [S, H, P, N] float32, x [S, H, P], dt [S, H], B and C [S, G, N]. (No time_step_limit:
+    transformers' and mamba_ssm's selective_state_update do not clamp dt.)"""
     rep = x.shape[1] // B.shape[1]
-    dt = _discretized_dt(dt.float(), dt_bias)[..., None, None]  # [S, H, 1, 1]
-    B = B.float().repeat_interleave(rep, dim=1)[:, :, None]  # [S, H, 1, N]
-    C = C.float().repeat_interleave(rep, dim=1)
-    x = x.float()
-    state = state.float() * torch.exp(dt * A.float()[:, None, None]) + dt * B * x[..., None]
-    y = torch.einsum("shpn,shn->shp", state, C) + x * D.float()[:, None]
+    dt = _discretized_dt(dt, dt_bias)[..., None, None]  # [S, H, 1, 1]
+    B = B.repeat_interleave(rep, dim=1)[:, :, None]  # [S, H, 1, N]
+    C = C.repeat_interleave(rep, dim=1)
+    state = state * torch.exp(dt.float() * A.float()[:, None, None]) + dt * B * x[..., None]
+    y = torch.einsum("shpn,shn->shp", state.to(x.dtype), C) + x * D.to(x.dtype)[:, None]
     return y, state

@@ -26,18 +26,19 @@ from .qwen3_5 import StateCacheMixin
 
 class GroupGatedRMSNorm(nn.Module):
     """transformers' GraniteMoeHybridRMSNormGated (Bamba's; norm_before_gate False): x times silu(gate) in float32,
-    normed over each of n_groups groups, rounded to the model's dtype, times the weight."""
+    normed over each of n_groups groups, rounded to x's dtype, times the weight (a float32 x, the scan's output of a
+    prefill: in float32)."""
 
     def __init__(self, size: int, groups: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.groups, self.eps = groups, eps
 
-    def forward(self, x, gate, dtype):
+    def forward(self, x, gate):
         h = x.float() * F.silu(gate.float())
         g = h.view(*h.shape[:-1], self.groups, -1)
         h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
 class _Conv(nn.Module):
@@ -84,12 +85,13 @@ class Mamba2Mixer(nn.Module):
         its state (False: its step starts at position 0, from zero state)."""
         z, xbc, dt = self.in_proj(x, ctx).split([self.inter, self.conv_dim, self.heads], dim=-1)
         if ctx.max_query_len == 1:
-            y = self._decode(xbc, dt, ctx.state_slots, kept)
-        else:
-            y = torch.cat([self._sequence(xbc, dt, s, e, slot, k) for s, e, slot, k in zip(
+            y = self.norm(self._decode(xbc, dt, ctx.state_slots, kept).reshape(-1, self.inter), z)
+        else:  # (each sequence's normed apart: a prefill's scan output is float32, a decode's the model's dtype)
+            y = torch.cat([self.norm(self._sequence(xbc, dt, s, e, slot, k).reshape(e - s, self.inter), z[s:e])
+                           .to(x.dtype) for s, e, slot, k in zip(
                 ctx.query_start_loc[:-1].tolist(), ctx.query_start_loc[1:].tolist(), ctx.state_slots.tolist(),
                 kept.tolist())])
-        return self.out_proj(self.norm(y.reshape(x.shape[0], self.inter), z, x.dtype), ctx), None
+        return self.out_proj(y, ctx), None
 
     def _conv(self, xbc, state):
         """silu(causal conv1d + bias) of xbc [S, conv_dim, T] after `state`: (out [S, conv_dim, T], new state)."""
@@ -113,7 +115,7 @@ class Mamba2Mixer(nn.Module):
         state = torch.where(kept[:, None, None, None], self.rec_state.index_select(0, slots), 0)
         y, state = mamba2.state_update(state, x, dt, self._a(), b, c, self.D, self.dt_bias)
         self.rec_state.index_copy_(0, slots, state)
-        return y.to(xbc.dtype)
+        return y
 
     def _a(self):
         return -torch.exp(self.A_log.float())
@@ -132,7 +134,7 @@ class Mamba2Mixer(nn.Module):
             y, new = mamba2.chunk_scan(x, dt[s:e], self._a(), b, c, self.D, self.dt_bias, self.chunk, state,
                                        self.limit)
         self.rec_state[slot] = new
-        return y.to(xbc.dtype)
+        return y
 
 
 class Granite4Layer(nn.Module):
