@@ -51,13 +51,13 @@ def test_olmo_norms_in_16_bits_equal_transformers_bits(tmp_path, monkeypatch, fa
             assert got.dtype == want.dtype and torch.equal(got, want), (i, (got.float() - want.float()).abs().max())
 
 
-NEAR = {"granitemoeshared": ("GraniteMoeSharedForCausalLM", "with a shared expert", "GraniteForCausalLM"),
+NEAR = {"granitemoe_swa": ("GraniteMoeSWAForCausalLM", "with sliding-window layers", "GraniteForCausalLM"),
         "olmo": ("OlmoForCausalLM", "LayerNorms have no weights", "Olmo2ForCausalLM, Olmo3ForCausalLM")}
 
 
 @pytest.mark.parametrize("model_type", NEAR)
 def test_the_families_neighbours_are_refused_naming_what_they_are_and_what_infer_runs(tmp_path, model_type):
-    """GraniteMoeShared and the first OLMo: `infer warmup --estimate`
+    """GraniteMoe SWA and the first OLMo: `infer warmup --estimate`
     refuses each saying what the model is and which of its family infer runs."""
     from transformers import AutoConfig
     from typer.testing import CliRunner

@@ -322,6 +322,15 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
         return [Problem(f"{what}: infer does not adapt gpt-oss's experts (or its router)",
                         "train the adapter with target_modules on the attention (q_proj, k_proj, v_proj, o_proj), "
                         "or merge the experts' adapter into the weights (peft's merge_and_unload) and serve that")]
+    targets = adapter.config.get("target_modules")
+    targets = [str(t) for t in targets] if isinstance(targets, list) else []
+    shared_mlp = sorted({t for t in targets if t.split(".")[-1] in ("input_linear", "output_linear")}
+                        | {m.name for m in adapter.modules.values() if ".shared_mlp." in m.name})
+    if base_config.model_type == "granitemoeshared" and shared_mlp:  # (before "absent": the base has them)
+        return [Problem(f"targets {shared_mlp}: infer does not adapt GraniteMoeShared's shared MLP "
+                        "(shared_mlp.input_linear, output_linear)", "train the adapter with target_modules on the "
+                        "attention and target_parameters on the stacked experts (block_sparse_moe.experts."
+                        "gate_up_proj, down_proj), or merge it into the weights (peft's merge_and_unload)")]
     # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
     # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
     unmapped = _moe_unmapped(adapter, base_config)
@@ -331,8 +340,6 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
     if odd:
         problems.append(Problem(f"targets parameters {odd}: infer adapts a mixture of experts' stacked experts "
                                 f"({', '.join('experts.' + p for p in EXPERT_PARAMS)}) only", _HINT_EXPERTS))
-    targets = adapter.config.get("target_modules")
-    targets = [str(t) for t in targets] if isinstance(targets, list) else []
     v4 = V4_EXPERT_TARGETS.get(base_config.model_type, ())
     listed = [t for t in targets if t.split(".")[-1] in MOE_TARGETS and t.split(".")[-1] not in v4]
     named = {t.split(".")[-1] for t in targets} & set(v4[:2])

@@ -22,7 +22,7 @@ _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_pro
                      r"|c_fc|c_proj|in_proj_qkvz?|in_proj_z|in_proj_ba?|in_proj_a|in_proj|out_proj"
                      r"|shared_mlp\.input_linear|shared_mlp\.output_linear)\.weight$")  # (c_fc, c_proj: StarCoder2's
 # MLP; in_proj_*, out_proj: Qwen3.5's and Qwen3-Next's linear-attention layers, models.qwen3_5; in_proj, out_proj,
-# shared_mlp's: Granite 4.0's Mamba-2 layers and shared MLP, models.granite4)
+# shared_mlp's: Granite 4.0's Mamba-2 layers and shared MLP, models.granite4, and GraniteMoeShared's, models.moe)
 
 
 def safetensors_header(path: Path) -> dict:

@@ -24,7 +24,7 @@ from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
-from .moe import SparseMoeBlock, base_type, is_sparse
+from .moe import GRANITE_MOE, SparseMoeBlock, base_type, is_sparse
 from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, GRANITE, OLMO, POST_NORMS, POST_ONLY,
                        UNGATED, activation)
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, query_scaling, rope_layer_types
@@ -41,6 +41,8 @@ def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> l
     once per shard)."""
     if cfg.model_type == "phi3" or (cfg.model_type in GLM and fused == "gate_up_proj"):
         return [f"{prefix}.{fused}"] * len(projections)
+    if cfg.model_type == "granitemoeshared" and fused == "gate_up_proj":  # (its shared_mlp's gate|up: input_linear)
+        return [f"{prefix}.input_linear"] * len(projections)
     return [f"{prefix}.{p}" for p in projections]
 
 
@@ -301,7 +303,9 @@ class MLP(nn.Module):
             or (cfg.model_type == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
                                                                           ("gate_proj", "up_proj"))
-        down = f"{prefix}.{stored[1] if stored else 'down_proj'}"
+        # (GraniteMoeShared's shared_mlp stores its down_proj as output_linear; its gate|up: fused_names)
+        down = f"{prefix}.{stored[1]}" if stored else f"{prefix}.output_linear" \
+            if cfg.model_type == "granitemoeshared" else f"{prefix}.down_proj"
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [down], bias, method_for([down]), dtype)
@@ -447,7 +451,7 @@ class DecoderLayer(nn.Module):
         if cfg.model_type in UNGATED:
             self.mlp = UngatedMLP(cfg, f"{p}.mlp", method_for, dtype)
         elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
-            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", "granitemoe") else "mlp"
+            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", *GRANITE_MOE) else "mlp"
             self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)

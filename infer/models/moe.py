@@ -63,12 +63,14 @@ from .layers import UnquantizedLinearMethod
 # OLMoE's is OLMo 2's (q and k normed over their whole projections, biases where attention_bias says) in Llama's
 # layer of two norms (its RMSNorms Llama's: the normed row rounded first)
 BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
-        "olmoe": "olmo2", "granitemoe": "granite", "granitemoehybrid": "granite",
+        "olmoe": "olmo2", "granitemoe": "granite", "granitemoeshared": "granite", "granitemoehybrid": "granite",
         "qwen3_next": "qwen3_next"}  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
+# Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
+GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
-_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", "granitemoe", "granitemoehybrid")
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
-_GRANITE_ROUTER = ("granitemoe", "granitemoehybrid")
+_GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
 # the checkpoint's names of an expert's projections: (gate, up, down)
@@ -94,7 +96,7 @@ def experts_field(cfg) -> str:
     """config.json's name of E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts, GLM-4.5's
     n_routed_experts."""
     return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "granitemoe": "num_local_experts",
-            "granitemoehybrid": "num_local_experts",
+            "granitemoeshared": "num_local_experts", "granitemoehybrid": "num_local_experts",
             "glm4_moe": "n_routed_experts"}.get(cfg.model_type, "num_experts")
 
 
@@ -131,6 +133,8 @@ def shared_width(cfg) -> int:
         return int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
     if cfg.model_type == "glm4_moe":
         return int(getattr(cfg, "n_shared_experts", 0) or 0) * expert_size(cfg)
+    if cfg.model_type == "granitemoeshared":  # (its shared_mlp, beside the block: not adapted, shared_name None)
+        return int(getattr(cfg, "shared_intermediate_size", 0) or 0)
     return 0
 
 
@@ -356,6 +360,13 @@ class SparseMoeBlock(nn.Module):
             self.shared_width = shared_width(cfg)
             self.shared_experts = MLP(cfg, f"{prefix}.shared_experts", method_for, dtype, inter=self.shared_width)
             self.shared_experts.down_proj.lora_consumer = None  # (its output is added to the experts': no delta left)
+        # GraniteMoeShared's shared_mlp (the layer's, beside block_sparse_moe: layers.N.shared_mlp.input_linear, gate
+        # rows then up rows, and output_linear), added unscaled; none where shared_intermediate_size is 0
+        if cfg.model_type == "granitemoeshared" and shared_width(cfg):
+            self.shared_width = shared_width(cfg)
+            self.shared_experts = MLP(cfg, f"{prefix.rpartition('.')[0]}.shared_mlp", method_for, dtype,
+                                      inter=self.shared_width)
+            self.shared_experts.down_proj.lora_consumer = None
 
     def gptq_layer(self, index: int, part: int, proj: str):
         """Expert `index`'s GPTQ projection `part` (0 gate, 1 up, 2 down), a one-shard MergedLinear of its own
@@ -558,6 +569,8 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 # by the name infer's loader reads
 _GRANITE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
                   "router.layer.weight": "gate.weight", "router.weight": "gate.weight"}
+# GraniteMoeShared's shared MLP, beside the layer's block_sparse_moe (models.moe.SparseMoeBlock keeps it)
+_SHARED_MLP = re.compile(r"^layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.(\w+)$")
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ROUTER32 = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 
@@ -611,6 +624,9 @@ class MoeForCausalLM:
             head, sep, tail = key.partition(".block_sparse_moe.")
             if sep and tail in _GRANITE_NAMES:
                 key = f"{head}{sep}{_GRANITE_NAMES[tail]}"
+        shared = _SHARED_MLP.match(key) if self.config.model_type == "granitemoeshared" else None
+        if shared is not None:
+            return self._load_shared_mlp(shared, t)
         if self.config.model_type == "gpt_oss" and _OAI_TENSOR.match(key):
             return self._load_oai_tensor(key, t, name)
         block, m = self._moe_block(key)
@@ -677,6 +693,19 @@ class MoeForCausalLM:
             dest.data[index].copy_(t)
         experts.loaded.add((index, part))
         return f"layers.{layer}.mlp.experts.{'w13' if part < 2 else 'w2'}"
+
+    def _load_shared_mlp(self, m: re.Match, t: torch.Tensor) -> str | None:
+        """GraniteMoeShared's layers.N.shared_mlp.input_linear (gate rows, then up rows: the shared MLP's gate_up_proj
+        stored fused) or output_linear (its down_proj), into the sparse block's `shared_experts`."""
+        layer = int(m.group(1))
+        mlp = self.layers[layer].mlp.shared_experts if layer < len(self.layers) else None
+        if mlp is None:
+            return None  # (the loader names it as a tensor config.json has no place for)
+        if m.group(2) == "input_linear":
+            mlp.gate_up_proj.load_fused(m.group(3), t)
+            return f"layers.{layer}.mlp.shared_experts.gate_up_proj.{m.group(3)}"
+        mlp.down_proj.load_shard(m.group(3), 0, t)
+        return f"layers.{layer}.mlp.shared_experts.down_proj.{m.group(3)}"
 
     def _load_oai_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
         """load_expert_tensor of gpt-oss's stacked tensors: the router's weight and bias; gate_up_proj [E, H, 2I]

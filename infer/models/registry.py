@@ -40,6 +40,8 @@ SUPPORTED = {
     # IBM's Granite MoE (granite-3.x-1b-a400m, 3b-a800m): Granite's four scalars, experts on every layer (the hub's
     # input_linear / output_linear stacks), a router whose softmax is over the top k logits
     "GraniteMoeForCausalLM": "granitemoe",
+    # IBM's GraniteMoeShared: Granite MoE with a dense shared MLP (shared_mlp) beside the experts on every layer
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
@@ -73,7 +75,7 @@ SUPPORTED = {
 # 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
 HYBRID = ("qwen3_5_text", "qwen3_next", "granitemoehybrid")
 # the Granite families: Granite's four scalars (embedding, residual and attention multipliers, logits scaling)
-GRANITE = ("granite", "granite_swa", "granitemoe", "granitemoehybrid")
+GRANITE = ("granite", "granite_swa", "granitemoe", "granitemoeshared", "granitemoehybrid")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
 # adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
@@ -108,7 +110,8 @@ UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu
 
 _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_type granite: granite-3.x-2b/8b, "
             "granite-3.x-instruct), Granite SWA (GraniteSWAForCausalLM, model_type granite_swa) and Granite MoE "
-            "(GraniteMoeForCausalLM, model_type granitemoe: granite-3.x-1b-a400m, 3b-a800m): use one of those")
+            "(GraniteMoeForCausalLM, model_type granitemoe: granite-3.x-1b-a400m, 3b-a800m) and GraniteMoeShared "
+            "(GraniteMoeSharedForCausalLM): use one of those")
 _OLMO = ("infer runs OLMo 2, OLMo 3 and OLMoE (Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM): use one "
          "of those")
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4), glm-4-9b-chat-hf (GlmForCausalLM, "
@@ -131,7 +134,6 @@ _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, mode
             "Hunyuan-0.5B/1.8B/4B/7B-Instruct): use one of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
-    "granitemoeshared": ("Granite's mixture of experts with a shared expert (GraniteMoeSharedForCausalLM)", _GRANITE),
     "granitemoe_swa": ("Granite's mixture of experts with sliding-window layers (GraniteMoeSwa)", _GRANITE),
     "olmo": ("the first OLMo (OlmoForCausalLM: OLMo-1B/7B, OLMo-7B-0424), whose LayerNorms have no weights "
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
@@ -368,7 +370,7 @@ def model_class(cfg):
         return qwen3_next_class() if cfg.model_type == "qwen3_next" else Qwen3_5ForCausalLM
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
-        return moe_model_class(cfg.model_type == "granitemoe")
+        return moe_model_class(cfg.model_type in ("granitemoe", "granitemoeshared"))
     from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
                         Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, GraniteSWAForCausalLM,
                         HunYuanDenseV1ForCausalLM, LlamaForCausalLM, NemotronForCausalLM, Olmo2ForCausalLM,

@@ -70,7 +70,7 @@ _GRANITE_SCALES = {"embedding_multiplier": None, "residual_multiplier": None, "a
 
 
 def _check_granite_multipliers(raw: dict) -> None:
-    if raw.get("model_type") not in ("granite", "granite_swa", "granitemoe", "granitemoehybrid"):
+    if raw.get("model_type") not in ("granite", "granite_swa", "granitemoe", "granitemoeshared", "granitemoehybrid"):
         return
     for field, rule in _GRANITE_SCALES.items():
         value = raw.get(field)

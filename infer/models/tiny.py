@@ -93,6 +93,11 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-granitemoe": TinySpec("granitemoe", 29, config=dict(
         _TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
         residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0, tie_word_embeddings=False)),
+    # GraniteMoeShared: tiny-granitemoe's layers with a dense shared MLP of width 48 beside the experts
+    "tiny-granitemoeshared": TinySpec("granitemoeshared", 29, config=dict(
+        _TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
+        tie_word_embeddings=False)),
     # Granite 3.x: Llama's layers with its four scalars (Granite-3's embedding and residual multipliers; the attention
     # scale 1 / head_dim, as Granite-3's 1/128 of its heads of 128; the logits divided by 4)
     "tiny-granite": TinySpec("granite", 13, config=dict(_TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
