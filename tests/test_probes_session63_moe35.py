@@ -2,7 +2,12 @@
 against transformers. GraniteMoeShared (GraniteMoeSharedForCausalLM): Granite MoE with a dense shared MLP
 (layers.N.shared_mlp.input_linear / output_linear) added to the experts' output; chunked prefill, prefix caching,
 the GPU code path (interpreted), peft adapters (attention, stacked experts) mixed in a batch, the built-in
-tiny-granitemoeshared, warmup --estimate; what infer cannot run of it refused."""
+tiny-granitemoeshared, warmup --estimate, `infer quantize`; adapters of the shared MLP refused by name. Qwen3.5 MoE
+(Qwen3_5MoeForCausalLM, and Qwen3_5MoeForConditionalGeneration served as its text model): Qwen3.5's hybrid layers
+with experts renormalised always and a gated shared expert on every layer; batched and chunked against
+transformers, the GPU code path (interpreted, decode graphs), peft adapters of the attention, the shared expert and
+the stacked experts mixed in a batch, `infer quantize` through GPTQModel's qwen3_5_moe_text definition, the built-in
+tiny-qwen3_5-moe and tiny-qwen3_5-moe-mm."""
 
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
+from infer.models.tiny import ensure_builtin
 
-from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
+from helpers import (builtin_model_tests, check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
                      check_equal_transformers, random_prompts, save_random_model)
 from lora_helpers import check_all8_qv4_equal_peft, hf_float, save_adapter
 from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, infer_quantize, needs_gptqmodel
@@ -134,3 +140,100 @@ def test_granitemoeshared_builtin_tiny_model_runs_and_warmup_sizes_it():
 
 
 BUILDERS = {"granitemoeshared": build_granite}
+
+
+# ============================================================================================= Qwen3.5 MoE
+QWEN = "tiny-qwen3_5-moe"
+
+
+@pytest.fixture(scope="module")
+def qwen_hf():
+    from helpers import hf_model
+    return hf_model(str(ensure_builtin(QWEN)))
+
+
+def test_qwen3_5_moe_equals_transformers_batched_and_chunked(qwen_hf):
+    """Qwen3.5 MoE's text model (Qwen3.5's Gated DeltaNet and gated attention layers, in_proj_qkv and in_proj_z
+    apart; experts renormalised always and a gated shared expert on every layer): transformers' tokens and
+    logprobs of prompts of 5, 13 and 30 batched, and its tokens in steps of 8 (prompts in chunks, mixed with
+    decodes), every state slot freed after."""
+    from helpers import check_greedy_and_logprobs_equal_transformers, check_state_slots_all_free, greedy_each
+    from infer.models.moe import SparseMoeBlock
+    path = ensure_builtin(QWEN)
+
+    def check_model(model):
+        assert not model.layers[0].linear_attn.fused
+        assert all(isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.renormalize and layer.mlp.shared_width == 48
+                   for layer in model.layers)
+    check_greedy_and_logprobs_equal_transformers(path, qwen_hf, QWEN, check_model)
+    prompts = random_prompts(512, (30, 17, 1), seed=5)
+    with LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=3) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+        assert got == greedy_each(qwen_hf, prompts, 6)
+        check_state_slots_all_free(llm)
+
+
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests({QWEN: "Qwen3_5MoeForCausalLM", "tiny-qwen3_5-moe-mm": "Qwen3_5MoeForConditionalGeneration"})
+
+
+# the attention (the gated q_proj too), the shared expert (target_modules gate_proj, up_proj, down_proj: peft adapts
+# shared_expert's nn.Linear layers) and the stacked experts (target_parameters); some of them
+QWEN_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+QWEN_ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"],
+                              target_parameters=QWEN_EXPERTS),
+                 "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"],
+                             target_parameters=QWEN_EXPERTS)}
+
+
+@pytest.fixture(scope="module")
+def qwen_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of QWEN_ADAPTERS (peft's) on tiny-qwen3_5-moe."""
+    from lora_helpers import save_adapters
+    base = ensure_builtin(QWEN)
+    hf = hf_float(base)
+    return base, hf, save_adapters(hf, tmp_path_factory.mktemp("qwen35moe_lora"), QWEN_ADAPTERS)
+
+
+def test_qwen3_5_moe_peft_adapters_equal_peft_alone_and_mixed(qwen_lora):
+    check_all8_qv4_equal_peft(*qwen_lora)
+
+
+@interpreted
+def test_qwen3_5_moe_gpu_code_path_interpreted_equals_transformers(qwen_hf, monkeypatch):
+    """Every op through its Triton kernel (interpreted on CPU): the gated delta rule's and the fused MoE's with the
+    renormalised top 2 and the gated shared expert; decodes through emulated CUDA graphs (no piecewise graphs for a
+    hybrid model): transformers' tokens, every state slot freed after."""
+    from helpers import check_state_slots_all_free, greedy_each
+    from infer import kernels
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    prompts, lens = random_prompts(512, (5, 13, 3), seed=11), [4, 6, 9]
+    with LLM(QWEN, max_num_seqs=4, block_size=4, max_model_len=64, cuda_graph_max_tokens=4) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                          for n in lens])]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        check_state_slots_all_free(llm)
+    assert got == [greedy_each(qwen_hf, [p], n)[0] for p, n in zip(prompts, lens)]
+
+
+@needs_gptqmodel
+def test_qwen3_5_moe_infer_quantize_equals_transformers_of_the_dequantized_weights(tmp_path):
+    """`infer quantize` (GPTQModel's qwen3_5_moe_text definition): infer loads its checkpoint and gives
+    transformers' greedy tokens on the dequantized weights; warmup --estimate counts its weights as loaded."""
+    import json
+
+    from helpers import greedy_each
+    from infer.memory.sizes import weights_bytes
+    from quant_helpers import dequantized_float_model
+    out = infer_quantize(QWEN, tmp_path / "q")
+    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+        model = llm.engine.runner.model
+        assert plan["weights_bytes"] == weights_bytes(model)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == greedy_each(dequantized_float_model(ensure_builtin(QWEN), out), prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6

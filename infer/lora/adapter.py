@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoRAError
-from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_width
+from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_name, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED, is_hybrid
 from ..models.shapes import ModelShapes
@@ -298,8 +298,10 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
     targets = adapter.config.get("target_modules")
     v4 = V4_EXPERT_TARGETS.get(getattr(base_config, "model_type", None), ())  # peft makes them the experts' params
     known = (*PROJECTIONS, *V4_EXPERT_TARGETS["mixtral"])
-    listed = [t for t in targets if str(t).split(".")[-1] in known and str(t).split(".")[-1] not in (*shapes, *v4)] \
-        if isinstance(targets, list) else []
+    # (gate_proj, up_proj, down_proj name a shared expert's layers too: peft adapts them where every layer is sparse)
+    shared = [p.removeprefix("shared_expert.") for p in shapes if p.startswith("shared_expert.")]
+    listed = [t for t in targets if str(t).split(".")[-1] in known
+              and str(t).split(".")[-1] not in (*shapes, *v4, *shared)] if isinstance(targets, list) else []
     return [Problem(f"targets {listed}, which the base model does not have ({have})", hint)] if listed else []
 
 
@@ -478,12 +480,15 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
     if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
-        out = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
+        wide = 2 if is_hybrid(base_config) else 1
+        out = {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
         layers = [is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)]
         if not all(layers):
             out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
         if any(layers):
-            shared = shared_width(base_config)  # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts)
+            # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts; not GraniteMoeShared's shared_mlp: not adapted)
+            shared = shared_width(base_config) if shared_name(base_config) else 0
             if shared:
                 out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
                             "shared_expert.down_proj": (shared, hidden)})

@@ -64,7 +64,8 @@ from .layers import UnquantizedLinearMethod
 # layer of two norms (its RMSNorms Llama's: the normed row rounded first)
 BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
         "olmoe": "olmo2", "granitemoe": "granite", "granitemoeshared": "granite", "granitemoehybrid": "granite",
-        "qwen3_next": "qwen3_next"}  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
+        "qwen3_next": "qwen3_next",  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
+        "qwen3_5_moe_text": "qwen3_5_moe_text"}  # (Qwen3.5 MoE: Qwen3.5's hybrid layers, models.qwen3_5)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
@@ -72,7 +73,7 @@ _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
-SHARED_EXPERT = ("qwen2_moe", "qwen3_next")
+SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -140,7 +141,8 @@ def shared_width(cfg) -> int:
 
 def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
-    return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "glm4_moe": "shared_experts"}.get(
+    return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
+            "glm4_moe": "shared_experts"}.get(
         cfg.model_type)
 
 
@@ -291,7 +293,9 @@ class SparseMoeBlock(nn.Module):
         self.prefix = prefix  # the checkpoint's module (model.layers.N.mlp; Mixtral's model.layers.N.block_sparse_moe)
         e, h, inter = num_experts(cfg), cfg.hidden_size, expert_size(cfg)
         self.top_k = int(cfg.num_experts_per_tok)
-        self.renormalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
+        # (Qwen3.5 MoE's router renormalises always: transformers' Qwen3_5MoeTopKRouter, no norm_topk_prob)
+        self.renormalize = cfg.model_type in ("mixtral", "qwen3_5_moe_text") or bool(getattr(cfg, "norm_topk_prob",
+                                                                                              False))
         # transformers' Mixtral keeps the routing weights in float32 (its products with the experts' outputs too);
         # Qwen's round them to the model's dtype first
         self.float_weights = cfg.model_type == "mixtral"

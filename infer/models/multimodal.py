@@ -15,10 +15,12 @@ from ..quant.convert import CONFIG_HINT
 
 # the multimodal architecture -> its config's model_type
 WRAPPERS = {"Gemma3ForConditionalGeneration": "gemma3", "Mistral3ForConditionalGeneration": "mistral3",
-            "Qwen3_5ForConditionalGeneration": "qwen3_5"}  # (Qwen3.5's: a hybrid text model, models.qwen3_5)
+            "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (Qwen3.5's: a hybrid text model, models.qwen3_5)
+            "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}  # (Qwen3.5 MoE's: its experts, models.moe)
 # the text model's architecture, by text_config's model_type
 TEXT_ARCHS = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
-              "ministral3": "Ministral3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+              "ministral3": "Ministral3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 # the tensors (and peft modules) of the vision tower and the projector: skipped, never loaded
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                    "model.visual.", "mtp.")  # (Qwen3.5's vision tower, and its multi-token prediction layers)

@@ -284,8 +284,8 @@ _NEXT: list = []
 
 
 def qwen3_next_class() -> type:
-    """Qwen3-Next (transformers' Qwen3NextForCausalLM): Qwen3_5ForCausalLM with the loader's routing of a mixture of
-    experts' tensors (models.moe.MoeForCausalLM)."""
+    """Qwen3-Next (transformers' Qwen3NextForCausalLM) and Qwen3.5 MoE (Qwen3_5MoeForCausalLM): Qwen3_5ForCausalLM
+    with the loader's routing of a mixture of experts' tensors (models.moe.MoeForCausalLM)."""
     if not _NEXT:
         _NEXT.append(type("Qwen3NextForCausalLM", (MoeForCausalLM, Qwen3_5ForCausalLM), {
             "__doc__": "Qwen3-Next: Qwen3.5's hybrid layers, its MLPs a mixture of experts with a gated shared "

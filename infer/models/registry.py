@@ -67,13 +67,16 @@ SUPPORTED = {
     # Qwen3-Next (Qwen3-Next-80B-A3B): Qwen3.5's hybrid layers (its in_proj_qkvz and in_proj_ba stored fused, by key
     # head) with Qwen2-MoE's experts and gated shared expert (models.moe)
     "Qwen3NextForCausalLM": "qwen3_next",
+    # Qwen3.5 MoE's text model (Qwen3.5-35B-A3B, 397B-A17B): Qwen3.5's hybrid layers (in_proj_qkv, in_proj_z apart)
+    # with Qwen3-Next's experts and gated shared expert on every layer (models.moe)
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     # IBM's Granite 4.0 (granite-4.0-micro: attention layers alone; granite-4.0-h-*: Mamba-2 and attention layers with
     # experts): Granite's scalars, a shared MLP on every layer, a Mamba-2 state per sequence (models.granite4)
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
 # 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
-HYBRID = ("qwen3_5_text", "qwen3_next", "granitemoehybrid")
+HYBRID = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "granitemoehybrid")
 # the Granite families: Granite's four scalars (embedding, residual and attention multipliers, logits scaling)
 GRANITE = ("granite", "granite_swa", "granitemoe", "granitemoeshared", "granitemoehybrid")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
@@ -367,7 +370,7 @@ def model_class(cfg):
         return granite4_class(is_hybrid(cfg))
     if cfg.model_type in HYBRID:
         from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_next_class
-        return qwen3_next_class() if cfg.model_type == "qwen3_next" else Qwen3_5ForCausalLM
+        return Qwen3_5ForCausalLM if cfg.model_type == "qwen3_5_text" else qwen3_next_class()
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class(cfg.model_type in ("granitemoe", "granitemoeshared"))

@@ -174,9 +174,20 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _QWEN3_5, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    # Qwen3.5 MoE's text model: Qwen3.5's layers (_QWEN3_5), 8 experts of width 32 (top 2, renormalised) and a gated
+    # shared expert of 48 on every layer
+    "tiny-qwen3_5-moe": TinySpec("qwen3_5_moe_text", 30, config=dict(
+        _QWEN3_5, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48)),
     # Qwen3.5's (Qwen3.5-*: natively multimodal): tiny-qwen3_5's language model, a tiny vision tower
     "tiny-qwen3_5-mm": TinySpec("qwen3_5", 28, config=dict(
         text_config=dict(_QWEN3_5),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, num_position_embeddings=16), tie_word_embeddings=False)),
+    # Qwen3.5 MoE's (Qwen3.5-35B-A3B: natively multimodal): tiny-qwen3_5-moe's language model, a tiny vision tower
+    "tiny-qwen3_5-moe-mm": TinySpec("qwen3_5_moe", 31, config=dict(
+        text_config=dict(_QWEN3_5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=14, num_position_embeddings=16), tie_word_embeddings=False)),
     # Mistral 3's (Mistral Small 3.1/3.2): a Mistral language model (no sliding window), a Pixtral vision tower
