@@ -19,8 +19,9 @@ from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.models.tiny import ensure_builtin
 
-from helpers import (builtin_model_tests, check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_equal_transformers, random_prompts, save_random_model)
+from helpers import (builtin_model_tests, check_builtin_runs_and_warmup_sizes_it,
+                     check_chunked_prefill_and_prefix_caching, check_equal_transformers, random_prompts,
+                     save_random_model)
 from lora_helpers import check_all8_qv4_equal_peft, hf_float, save_adapter
 from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, infer_quantize, needs_gptqmodel
 
@@ -82,13 +83,13 @@ def test_granitemoeshared_greedy_tokens_and_logprobs_equal_transformers(tmp_path
     assert (mlp is None) if not shared else mlp.gate_up_proj.names == ["model.layers.0.shared_mlp.input_linear"] * 2
 
 
-@pytest.mark.parametrize("builder", ["granitemoeshared"])
+@pytest.mark.parametrize("builder", ["granitemoeshared", "ernie4_5_moe"])
 def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, builder):
     check_chunked_prefill_and_prefix_caching(tmp_path, BUILDERS[builder](tmp_path, seed=1))
 
 
 @interpreted
-@pytest.mark.parametrize("builder", ["granitemoeshared"])
+@pytest.mark.parametrize("builder", ["granitemoeshared", "ernie4_5_moe"])
 def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, builder):
     """Every op through its Triton kernel (interpreted on CPU), the fused MoE with the family's router and the shared
     MLP: transformers' tokens."""
@@ -139,7 +140,6 @@ def test_granitemoeshared_builtin_tiny_model_runs_and_warmup_sizes_it():
                                            lengths=(6, 90))
 
 
-BUILDERS = {"granitemoeshared": build_granite}
 
 
 # ============================================================================================= Qwen3.5 MoE
@@ -237,3 +237,101 @@ def test_qwen3_5_moe_infer_quantize_equals_transformers_of_the_dequantized_weigh
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
     assert got == greedy_each(dequantized_float_model(ensure_builtin(QWEN), out), prompts, 8)
     assert len({t for tokens in got for t in tokens}) > 6
+
+
+# ============================================================================================ ERNIE 4.5 MoE
+# ERNIE-4.5-21B-A3B's shape, shrunk: 28 layers there (the first dense), 64 experts of 1536 (top 6) and 2 shared
+# experts; here 4 layers, experts on layers 1 and 3 (moe_layer_start_index 1, interval 2), 8 experts of 32 (top 2),
+# 2 shared experts (one MLP of 64), the router's moe_statics bias steering the choice
+ERNIE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+             moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=2,
+             max_position_embeddings=256, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def build_ernie(folder, seed: int = 0, **config):
+    """A random ERNIE 4.5 MoE folder (float32) with the tiny-llama tokenizer, each router's moe_statics bias (zeros
+    at init) drawn from N(0, 0.05) (the softmax's probabilities are about 1 / 8: enough to change some choices);
+    returns transformers' model (eager)."""
+    hf = save_random_model(folder, "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", {**ERNIE, **config}, seed, shifted)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    hf.save_pretrained(folder)
+    return hf
+
+
+ERNIE_CONFIGS = {
+    "interval2-shared2": dict(),
+    # every layer sparse, no shared experts, one expert a token, multi-head attention
+    "all-sparse-top1-mha": dict(moe_layer_start_index=0, moe_layer_interval=1, moe_num_shared_experts=0, moe_k=1,
+                                num_key_value_heads=4),
+    # experts on layers 1 and 2 only (moe_layer_end_index 2)
+    "end-index-2": dict(moe_layer_interval=1, moe_layer_end_index=2),
+}
+
+
+@pytest.mark.parametrize("name", ERNIE_CONFIGS)
+def test_ernie_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens and logprobs; the sparse layers
+    where moe_layer_start_index, end_index and interval say, the routers float32 with the checkpoint's bias."""
+    from safetensors.torch import load_file
+    from infer.models.moe import SparseMoeBlock
+    hf = build_ernie(tmp_path, **ERNIE_CONFIGS[name])
+    stored = load_file(tmp_path / "model.safetensors")
+    bias = next(k for k in stored if k.endswith("e_score_correction_bias"))
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        model = llm.engine.runner.model
+        sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers]
+        assert sparse == [type(layer.mlp).__name__ == "Ernie4_5_MoeSparseMoeBlock" for layer in hf.model.layers]
+        block = model.layers[sparse.index(True)].mlp
+        assert block.gate.weight.dtype == torch.float32
+        assert torch.equal(block.gate.e_score_correction_bias, stored[bias].reshape(-1))
+        assert block.gate.e_score_correction_bias.abs().sum() > 0
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, name)
+
+
+def test_ernie_the_router_equals_transformers_where_the_bias_decides(tmp_path):
+    """SparseMoeBlock.route of 64 tokens against transformers' Ernie4_5_MoeTopKRouter of the same weights: the same
+    experts and weights, with a bias large enough that it changes the choice from the plain top k."""
+    from infer.models.moe import SparseMoeBlock
+    hf = build_ernie(tmp_path)
+    router = hf.model.layers[1].mlp.gate
+    with torch.no_grad():
+        router.moe_statics.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 8).view(1, 8))
+    block = SparseMoeBlock(hf.config, "model.layers.1.mlp", lambda names: None, torch.float32)
+    block.gate.weight.data.copy_(router.weight)
+    block.gate.e_score_correction_bias.data.copy_(router.moe_statics.e_score_correction_bias.reshape(-1))
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, want_w, want_ids = router(x)
+    weights, ids = block.route(x)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w)
+    plain = torch.softmax(x @ router.weight.T, dim=-1).topk(2, dim=-1).indices
+    assert not torch.equal(plain, ids)  # (the bias decided some tokens' experts)
+
+
+def test_ernie_use_bias_is_refused_naming_the_output_heads_bias(tmp_path):
+    """use_bias (transformers' ERNIE 4.5 MoE then biases lm_head too, which infer's head has not): refused up front
+    by warmup --estimate, naming the field and what to serve."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("ernie4_5_moe", **ERNIE, use_bias=True)
+    cfg.architectures = ["Ernie4_5_MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    assert "config.json has use_bias true: transformers' ERNIE 4.5 MoE then adds a bias to the output head" in \
+        " ".join(res.output.split())
+
+
+def test_ernie_builtin_tiny_model_runs_and_warmup_sizes_it():
+    """tiny-ernie4_5-moe: transformers' tokens; warmup --estimate counts its float32 routers and biases as loaded."""
+    check_builtin_runs_and_warmup_sizes_it("tiny-ernie4_5-moe", "Ernie4_5_MoeForCausalLM", False, lengths=(6, 90))
+
+
+BUILDERS = {"granitemoeshared": build_granite, "ernie4_5_moe": build_ernie}

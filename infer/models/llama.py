@@ -169,7 +169,7 @@ class Attention(nn.Module):
         # cohere and helium apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after
         # (`_deinterleaved`), and every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their
         # products, the attention, unchanged); ERNIE 4.5's and Cohere's over the whole head
-        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "helium") or cfg.model_type in COHERE
+        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "ernie4_5_moe", "helium", *COHERE)
         # Ministral 3's query scaled by position (rope.query_scaling: (beta, original) or None), in torch before the
         # rotary kernels (a scale commutes with the rotation): every path, the Triton kernels' too
         self.q_scaling = query_scaling(cfg)
@@ -300,7 +300,7 @@ class MLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "granite_swa",
                                                                             "smollm3", "seed_oss",
                                                                             "internlm3", "helium") \
-            or (cfg.model_type == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
+            or (cfg.model_type in ("ernie4_5", "ernie4_5_moe") and bool(getattr(cfg, "use_bias", False)))
         names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
                                                                           ("gate_proj", "up_proj"))
         # (GraniteMoeShared's shared_mlp stores its down_proj as output_linear; its gate|up: fused_names)

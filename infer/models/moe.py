@@ -65,7 +65,8 @@ from .layers import UnquantizedLinearMethod
 BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_oss": "llama", "glm4_moe": "glm4_moe",
         "olmoe": "olmo2", "granitemoe": "granite", "granitemoeshared": "granite", "granitemoehybrid": "granite",
         "qwen3_next": "qwen3_next",  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
-        "qwen3_5_moe_text": "qwen3_5_moe_text"}  # (Qwen3.5 MoE: Qwen3.5's hybrid layers, models.qwen3_5)
+        "qwen3_5_moe_text": "qwen3_5_moe_text",  # (Qwen3.5 MoE: Qwen3.5's hybrid layers, models.qwen3_5)
+        "ernie4_5_moe": "ernie4_5"}  # (ERNIE 4.5 MoE: ERNIE 4.5's attention, interleaved rotary pairs, use_bias)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
@@ -116,6 +117,11 @@ def is_sparse(cfg, layer: int) -> bool:
         return True
     if cfg.model_type == "glm4_moe":
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
+    if cfg.model_type == "ernie4_5_moe":  # (transformers' Ernie4_5_MoeDecoderLayer; its config resolves an end of -1)
+        interval = int(getattr(cfg, "moe_layer_interval", 1) or 1)
+        start, end = int(getattr(cfg, "moe_layer_start_index", 1)), int(getattr(cfg, "moe_layer_end_index", -1))
+        end = cfg.num_hidden_layers - 1 if end == -1 else end
+        return (layer + 1) % interval == 0 and start <= layer <= end and num_experts(cfg) > 0
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     return (layer not in (getattr(cfg, "mlp_only_layers", None) or []) and num_experts(cfg) > 0
             and (layer + 1) % step == 0)
@@ -134,6 +140,8 @@ def shared_width(cfg) -> int:
         return int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
     if cfg.model_type == "glm4_moe":
         return int(getattr(cfg, "n_shared_experts", 0) or 0) * expert_size(cfg)
+    if cfg.model_type == "ernie4_5_moe":  # (moe_num_shared_experts experts of moe_intermediate_size as one MLP)
+        return int(getattr(cfg, "moe_num_shared_experts", 0) or 0) * expert_size(cfg)
     if cfg.model_type == "granitemoeshared":  # (its shared_mlp, beside the block: not adapted, shared_name None)
         return int(getattr(cfg, "shared_intermediate_size", 0) or 0)
     return 0
@@ -142,7 +150,7 @@ def shared_width(cfg) -> int:
 def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
     return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
-            "glm4_moe": "shared_experts"}.get(
+            "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts"}.get(
         cfg.model_type)
 
 
@@ -159,6 +167,11 @@ def check_moe(cfg) -> None:
                                     f"each token is routed to between 1 and {field} experts")
     if cfg.model_type == "glm4_moe":
         check_groups(cfg, e, k)
+    if cfg.model_type == "ernie4_5_moe" and getattr(cfg, "use_bias", False):
+        raise UnsupportedModelError("config.json has use_bias true: transformers' ERNIE 4.5 MoE then adds a bias to "
+                                    "the output head (lm_head.bias), which infer's head does not have",
+                                    "serve an ERNIE 4.5 MoE checkpoint without use_bias (ERNIE-4.5-21B-A3B's and "
+                                    "300B-A47B's config.json set it false)")
     if cfg.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"config.json has clip_qkv {cfg.clip_qkv}: infer does not clip OLMoE's queries, "
                                     "keys and values", "serve an OLMoE checkpoint without clip_qkv (OLMoE-1B-7B's "
@@ -310,8 +323,13 @@ class SparseMoeBlock(nn.Module):
         # Granite MoE (transformers' GraniteMoeTopKRouter): the top k of the logits (in float32), their softmax
         # rounded to the model's dtype
         self.granite = cfg.model_type in _GRANITE_ROUTER
-        self.gate = _Gate(e, h, torch.float32 if self.glm else dtype, bias=self.oai)
-        if self.glm:
+        # ERNIE 4.5 MoE (transformers' Ernie4_5_MoeTopKRouter): a float32 router (its weight and moe_statics'
+        # e_score_correction_bias), the softmax's top k chosen with the bias added, their weights (without it)
+        # divided by their sum clamped to moe_norm_min, rounded to the model's dtype
+        self.ernie = cfg.model_type == "ernie4_5_moe"
+        self.norm_min = float(getattr(cfg, "moe_norm_min", 1e-12) or 0.0)
+        self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie else dtype, bias=self.oai)
+        if self.glm or self.ernie:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
                                                              requires_grad=False)
             self.groups, self.topk_group = int(getattr(cfg, "n_group", 1)), int(getattr(cfg, "topk_group", 1))
@@ -360,7 +378,7 @@ class SparseMoeBlock(nn.Module):
         # GLM-4.5's: a SwiGLU MLP of n_shared_experts * I every token runs, added unscaled; 0 wide where
         # n_shared_experts is 0 (transformers builds it empty, its output 0: loaded, never run)
         self.shared_experts = None
-        if self.glm:
+        if self.glm or (self.ernie and shared_width(cfg)):  # (ERNIE's: biases where use_bias says, as its MLPs')
             self.shared_width = shared_width(cfg)
             self.shared_experts = MLP(cfg, f"{prefix}.shared_experts", method_for, dtype, inter=self.shared_width)
             self.shared_experts.down_proj.lora_consumer = None  # (its output is added to the experts': no delta left)
@@ -439,6 +457,11 @@ class SparseMoeBlock(nn.Module):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
         if self.glm:
             return self._glm_route(x)
+        if self.ernie:
+            probs = torch.softmax(self.gate(x.float()), dim=-1, dtype=torch.float32)
+            ids = torch.topk(probs + self.gate.e_score_correction_bias, self.top_k, dim=-1)[1]
+            weights = probs.gather(1, ids)
+            return (weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)).to(x.dtype), ids
         logits = self.gate(x)  # in the model's dtype, as transformers' F.linear
         if self.granite:
             top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
@@ -576,7 +599,9 @@ _GRANITE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.
 # GraniteMoeShared's shared MLP, beside the layer's block_sparse_moe (models.moe.SparseMoeBlock keeps it)
 _SHARED_MLP = re.compile(r"^layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.(\w+)$")
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_ROUTER32 = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
+_ROUTER32 = re.compile(r"\.mlp\.(?:gate\.)?(?:moe_statics\.)?(weight|e_score_correction_bias)$")
+# ERNIE 4.5 MoE's router bias as the hub stores it ([1, E]: mlp.moe_statics) and as transformers 5 names it
+_ERNIE_BIAS = re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
 
 
 def mtp_tensor(cfg, name: str) -> bool:
@@ -593,7 +618,8 @@ def mtp_tensor(cfg, name: str) -> bool:
 def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
     e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
-    return getattr(cfg, "model_type", None) == "glm4_moe" and _ROUTER32.search(name) is not None
+    return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe") and _ROUTER32.search(name) is not None \
+        and ".mlp.moe_statics.weight" not in name
 
 
 def layer_index(key: str) -> int:
@@ -628,6 +654,10 @@ class MoeForCausalLM:
             head, sep, tail = key.partition(".block_sparse_moe.")
             if sep and tail in _GRANITE_NAMES:
                 key = f"{head}{sep}{_GRANITE_NAMES[tail]}"
+        if self.config.model_type == "ernie4_5_moe" and _ERNIE_BIAS.search(key):  # (as GLM-4.5's, [E])
+            key = _ERNIE_BIAS.sub(".mlp.gate.e_score_correction_bias", key)
+            t = t.reshape(-1)
+            raw = raw.reshape(-1) if raw is not None else None
         shared = _SHARED_MLP.match(key) if self.config.model_type == "granitemoeshared" else None
         if shared is not None:
             return self._load_shared_mlp(shared, t)
@@ -653,7 +683,7 @@ class MoeForCausalLM:
             dest = getattr(block.gate, part, None)
             if dest is None:
                 return None  # (the loader names it as a tensor config.json has no place for)
-            t = raw if block.glm and raw is not None else t
+            t = raw if (block.glm or block.ernie) and raw is not None else t
             check(dest.shape, dest)
             dest.data.copy_(t)
             return f"layers.{layer}.mlp.gate.{part}"

@@ -30,6 +30,10 @@ SUPPORTED = {
     "SmolLM3ForCausalLM": "smollm3",  # Llama with no rotary on the layers no_rope_layers marks 0 (NoPE)
     "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (attention_bias) and o's apart (attention_out_bias)
     "Ernie4_5ForCausalLM": "ernie4_5",  # Llama with a rotary of interleaved pairs (GLM-4's), use_bias on every layer
+    # Baidu's ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, 300B-A47B): ERNIE 4.5's layers, experts on the layers of
+    # moe_layer_start_index..end_index every moe_layer_interval, a float32 router whose moe_statics bias steers the
+    # choice, shared experts (models.moe)
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "GptOssForCausalLM": "gpt_oss",  # OpenAI's gpt-oss-20b / 120b: a mixture of experts (models.moe)
     # Zhipu's GLM-4.5 and GLM-4.6 (GLM-4.5-Air): a mixture of experts (models.moe) with a sigmoid router of
     # group-limited top k, shared experts and first_k_dense_replace dense layers; half of each head rotated
@@ -119,7 +123,8 @@ _OLMO = ("infer runs OLMo 2, OLMo 3 and OLMoE (Olmo2ForCausalLM, Olmo3ForCausalL
          "of those")
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4), glm-4-9b-chat-hf (GlmForCausalLM, "
         "model_type glm) and GLM-4.5 / 4.6 (Glm4MoeForCausalLM, model_type glm4_moe): use one of those")
-_ERNIE = ("infer runs ERNIE 4.5's dense models (Ernie4_5ForCausalLM, model_type ernie4_5: ERNIE-4.5-0.3B): use one "
+_ERNIE = ("infer runs ERNIE 4.5's dense models (Ernie4_5ForCausalLM, model_type ernie4_5: ERNIE-4.5-0.3B) and its "
+          "text mixtures of experts (Ernie4_5_MoeForCausalLM, model_type ernie4_5_moe: ERNIE-4.5-21B-A3B): use one "
           "of those")
 _COHERE = ("infer runs Cohere's dense Command R, R+ (CohereForCausalLM, model_type cohere), R7B and A "
            "(Cohere2ForCausalLM, model_type cohere2): use one of those")
@@ -142,8 +147,6 @@ NEAR_FAMILIES = {
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
     "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
     "glm4_moe_lite": ("GLM-4.7-Flash, a mixture of experts (Glm4MoeLiteForCausalLM)", _GLM),
-    "ernie4_5_moe": ("ERNIE 4.5's mixture of experts (Ernie4_5_MoeForCausalLM: ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B)",
-                     _ERNIE),
     "ernie4_5_vl_moe": ("ERNIE 4.5's vision-language mixture of experts (Ernie4_5_VLMoeForConditionalGeneration)",
                         _ERNIE),
     "ernie": ("the first ERNIE (ErnieModel: ERNIE 1.0 to 3.0), a BERT-style encoder, not a causal language model",

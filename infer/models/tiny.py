@@ -98,6 +98,11 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
         embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
         tie_word_embeddings=False)),
+    # ERNIE 4.5 MoE (21B-A3B's shape): ERNIE 4.5's layers, the first dense, 8 experts of width 32 (top 2) and 2
+    # shared experts on the others, the router's moe_statics bias (zeros as built)
+    "tiny-ernie4_5-moe": TinySpec("ernie4_5_moe", 32, config=dict(
+        _TINY, num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+        moe_num_shared_experts=2, moe_layer_start_index=1, tie_word_embeddings=False)),
     # Granite 3.x: Llama's layers with its four scalars (Granite-3's embedding and residual multipliers; the attention
     # scale 1 / head_dim, as Granite-3's 1/128 of its heads of 128; the logits divided by 4)
     "tiny-granite": TinySpec("granite", 13, config=dict(_TINY, embedding_multiplier=12.0, residual_multiplier=0.22,
