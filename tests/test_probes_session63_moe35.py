@@ -334,4 +334,86 @@ def test_ernie_builtin_tiny_model_runs_and_warmup_sizes_it():
     check_builtin_runs_and_warmup_sizes_it("tiny-ernie4_5-moe", "Ernie4_5_MoeForCausalLM", False, lengths=(6, 90))
 
 
+@pytest.fixture(scope="module")
+def gptq_ernie(tmp_path_factory):
+    """(float folder, a GPTQ checkpoint of it in GPTQModel's layout: every attention, dense MLP, shared expert and
+    expert projection 4-bit by round to nearest, group 32, each expert's projections apart; the routers float)."""
+    import json
+    from test_probes_session56_review_moeq import rtn_gptq
+    root = tmp_path_factory.mktemp("ernie_gptq")
+    build_ernie(root / "f")
+    rtn_gptq(root / "f", root / "q")
+    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
+    (root / "q" / "quantize_config.json").write_text(json.dumps(qc))  # (as GPTQModel writes it too)
+    return root / "f", root / "q"
+
+
+def test_ernie_a_gptq_checkpoint_equals_transformers_of_its_dequantized_weights(gptq_ernie):
+    """infer's CPU path (each GPTQ expert dequantized at load) gives transformers' greedy tokens of the same weights
+    dequantized in float32; the hub's moe_statics bias read beside the GPTQ experts; warmup --estimate counts the
+    weights as loaded."""
+    import json
+
+    from helpers import greedy_each
+    from infer.memory.sizes import weights_bytes
+    from quant_helpers import dequantized_float_model
+    src, out = gptq_ernie
+    hf = dequantized_float_model(src, out)
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        model = llm.engine.runner.model
+        assert plan["weights_bytes"] == weights_bytes(model)
+        assert model.layers[1].mlp.shared_experts.down_proj.qweight is not None and model.layers[1].mlp.method_for
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == greedy_each(hf, prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6
+
+
+@interpreted
+def test_ernie_int4_experts_through_the_kernels_equal_the_cpu_path(gptq_ernie, monkeypatch):
+    """The GPTQ checkpoint on the GPU code path (the experts stacked int4, the int4 fused MoE with ERNIE's routing
+    weights, interpreted): the CPU path's tokens."""
+    from quant_helpers import check_kernel_path_equals_cpu
+    check_kernel_path_equals_cpu(gptq_ernie[1], monkeypatch)
+
+
+def test_ernie_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path):
+    """GPTQModel 7.6's ernie4_5_moe definition fails on transformers 5 while calibrating: `infer quantize` refuses it
+    before loading, saying why and what to serve instead."""
+    build_ernie(tmp_path / "f")
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q")],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code != 0 and not (tmp_path / "q").exists(), res.output
+    text = " ".join(res.output.split())
+    assert "is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5" in text, text
+    assert "serve the float checkpoint (infer runs it" in text, text
+
+
+ERNIE_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_ernie_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
+    """Adapters of the attention and the stacked experts (target_parameters), each alone and mixed with the base in
+    one batch: peft's tokens."""
+    from lora_helpers import base_and_adapters
+    adapters = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=ERNIE_EXPERTS),
+                "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"],
+                            target_parameters=ERNIE_EXPERTS)}
+    check_all8_qv4_equal_peft(*base_and_adapters(tmp_path, adapters, build_ernie))
+
+
+def test_ernie_an_adapter_of_transformers_4s_expert_names_equals_peft(tmp_path):
+    """target_modules gate_proj, up_proj, down_proj (transformers 4's names of the experts' projections), which peft
+    on transformers 5 turns into the stacked experts' parameters (gate_up_proj at twice the rank), leaving the dense
+    MLP and the shared experts alone: peft's tokens, mixed with the base."""
+    from lora_helpers import base_and_adapters, check_mixed_adapters_equal_peft
+    base, hf, paths = base_and_adapters(tmp_path, {"v4": dict(r=4, lora_alpha=16, target_modules=[
+        "q_proj", "gate_proj", "up_proj", "down_proj"])}, build_ernie)
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20), seed=6), ["v4", None])
+
+
 BUILDERS = {"granitemoeshared": build_granite, "ernie4_5_moe": build_ernie}

@@ -84,7 +84,8 @@ _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj":
 # (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs';
 # GLM-4.5's are turned, its dense layers' and shared experts' too: neither is adapted by those names)
 V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
-                     "glm4_moe": ("gate_proj", "up_proj", "down_proj"), "olmoe": ("gate_proj", "up_proj", "down_proj")}
+                     "glm4_moe": ("gate_proj", "up_proj", "down_proj"), "olmoe": ("gate_proj", "up_proj", "down_proj"),
+                     "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj)")

@@ -299,8 +299,9 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
     before: infer runs both, float. GPTQModel 7.6's glm4_moe definition fails on transformers 5 (its MoE hooks take
     the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
-    experts)): refused too, and so is Granite 4.0 (granitemoehybrid: its definition's patch of the Mamba-2 mixer
-    fails on transformers 5)."""
+    experts)): refused too, as are Granite 4.0 (granitemoehybrid: its definition's patch of the Mamba-2 mixer
+    fails on transformers 5) and ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
+    transformers 5)."""
     if config.get("model_type") == "glm4_moe":
         raise UnsupportedModelError(
             f"{src} is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its MoE "
@@ -315,6 +316,13 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "longer has (and, where the first layer is attention, the mixer None: \"type object 'NoneType' has no "
             "attribute 'forward'\", seen on the CPU)", "serve the float checkpoint (infer runs it; --dtype bfloat16 "
             "halves it)")
+    if config.get("model_type") == "ernie4_5_moe":
+        raise UnsupportedModelError(
+            f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
+            "ernie4_5_moe definition calls the model's _update_causal_mask, which transformers 5 no longer has "
+            "(\"'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'\", seen on the CPU)",
+            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
+            "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return
     layers = config.get("num_hidden_layers")
