@@ -179,8 +179,8 @@ test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_th
     ("ernie4_5_vl_moe", "Ernie4_5_VLMoeForConditionalGeneration", "ERNIE 4.5's vision-language mixture of experts"),
     ("ernie", "ErnieForMaskedLM", "the first ERNIE")])
 def test_ernies_near_neighbours_are_refused_naming_what_they_are(tmp_path, model_type, arch, what):
-    """A config of ERNIE 4.5's vision-language mixture of experts or the first ERNIE (an encoder) is refused naming what it is and the
-    ERNIE 4.5 infer runs, by the engine and by `infer warmup --estimate`."""
+    """A config of ERNIE 4.5's vision-language mixture of experts or the first ERNIE (an encoder) is refused naming
+    what it is and the ERNIE 4.5 infer runs, by the engine and by `infer warmup --estimate`."""
     (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": model_type, "architectures": [arch]}))
     with pytest.raises(UnsupportedModelError, match=f"is {what}.*which infer does not run") as e:
         LLM(str(tmp_path))

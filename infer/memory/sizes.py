@@ -229,8 +229,9 @@ def _slotted_peak(model_config, chosen: frozenset[str] | None, base: int, qkv: i
     gate_up and down_proj: a dense MLP's, or Qwen2-MoE's shared expert's, which the terms' width bounds); 0 when
     none is chosen."""
     from ..lora.targets import selects_as
+    from ..models.moe import shared_name
     terms = {"qkv_proj": qkv, "o_proj": o, "gate_up_proj": gate_up, "down_proj": down}
-    shared = model_config.model_type in ("qwen2_moe", "glm4_moe")  # (a shared expert: models.moe.shared_name)
+    shared = shared_name(model_config) is not None  # (Qwen2-MoE's, Qwen3.5 MoE's, GLM-4.5's, ERNIE 4.5 MoE's)
     picked = [t for proj, t in terms.items()
               if selects_as(chosen, proj) or (shared and proj in _MLP and selects_as(chosen, "shared_expert." + proj))]
     return base + max(picked) if picked else 0
