@@ -416,4 +416,29 @@ def test_ernie_an_adapter_of_transformers_4s_expert_names_equals_peft(tmp_path):
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20), seed=6), ["v4", None])
 
 
+def test_ernie_weights_on_the_dense_mlp_are_refused_as_peft_ignores_them(tmp_path):
+    """An adapter with weights on a dense layer's mlp.up_proj besides target_modules gate_proj, up_proj, down_proj
+    (transformers 4's peft): peft on transformers 5 turns those names into the experts' parameters and ignores the
+    weights, so infer refuses them, naming the module."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from infer.lora.adapter import adapter_problems
+    from lora_helpers import base_and_adapters
+    base, _, paths = base_and_adapters(tmp_path, {"v4": dict(r=4, lora_alpha=16, target_modules=[
+        "q_proj", "gate_proj", "up_proj", "down_proj"])}, build_ernie)
+    tensors = load_file(paths["v4"] / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.randn(4, 64)
+    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] = torch.randn(96, 4)
+    save_file(tensors, paths["v4"] / "adapter_model.safetensors")
+    config = json.loads((paths["v4"] / "adapter_config.json").read_text())  # (as transformers 4's peft saved it)
+    config["target_modules"] += ["gate_proj", "up_proj", "down_proj"]
+    (paths["v4"] / "adapter_config.json").write_text(json.dumps(config))
+    [problem] = adapter_problems("x", paths["v4"], AutoConfig.from_pretrained(base))
+    assert "model.layers.0.mlp.up_proj is a dense layer's MLP projection, which peft (on transformers 5) does not " \
+        "adapt in a ernie4_5_moe" in problem.message, problem
+
+
 BUILDERS = {"granitemoeshared": build_granite, "ernie4_5_moe": build_ernie}
