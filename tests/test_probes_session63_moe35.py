@@ -7,7 +7,11 @@ tiny-granitemoeshared, warmup --estimate, `infer quantize`; adapters of the shar
 with experts renormalised always and a gated shared expert on every layer; batched and chunked against
 transformers, the GPU code path (interpreted, decode graphs), peft adapters of the attention, the shared expert and
 the stacked experts mixed in a batch, `infer quantize` through GPTQModel's qwen3_5_moe_text definition, the built-in
-tiny-qwen3_5-moe and tiny-qwen3_5-moe-mm."""
+tiny-qwen3_5-moe and tiny-qwen3_5-moe-mm. ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM): the sparse layers of
+moe_layer_start_index / end_index / interval, the float32 router whose moe_statics bias steers the choice (weights
+over their sum clamped to moe_norm_min), shared experts; chunked prefill, the GPU code path (interpreted), a GPTQ
+checkpoint (CPU and int4 kernels), peft adapters, the built-in tiny-ernie4_5-moe; use_bias and `infer quantize`
+(GPTQModel 7.6's definition fails on transformers 5) refused."""
 
 from __future__ import annotations
 

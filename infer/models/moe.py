@@ -1,6 +1,7 @@
 """Mixture-of-experts members of the Llama family: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B,
 8x22B), Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), OpenAI's gpt-oss (gpt-oss-20b, 120b), GLM-4.5 / 4.6
-(GLM-4.5-Air), OLMoE (OLMoE-1B-7B) and Granite MoE (granite-3.x-1b-a400m, 3b-a800m).
+(GLM-4.5-Air), OLMoE (OLMoE-1B-7B), Granite MoE (granite-3.x-1b-a400m, 3b-a800m), GraniteMoeShared, ERNIE 4.5 MoE
+(ERNIE-4.5-21B-A3B) and, through models.qwen3_5's hybrid layers, Qwen3-Next and Qwen3.5 MoE (Qwen3.5-35B-A3B).
 
 GLM-4.5: a float32 router of sigmoid scores whose e_score_correction_bias steers the choice only, group-limited
 top k (n_group groups scored by their two best, topk_group kept), renormalised where norm_topk_prob says, scaled by
@@ -8,7 +9,12 @@ routed_scaling_factor (`SparseMoeBlock._glm_route`: float32 weights); shared exp
 MLP added unscaled); the first first_k_dense_replace layers dense; the checkpoints' multi-token-prediction layers
 skipped (`mtp_tensor`). OLMoE: OLMo 2's attention (q and k normed over their whole projections) in Llama's layer.
 Granite MoE: Granite's scalars (GraniteForCausalLM), the hub's block_sparse_moe.input_linear / output_linear /
-router.layer (`_GRANITE_NAMES`), the softmax over the top k logits in float32.
+router.layer (`_GRANITE_NAMES`), the softmax over the top k logits in float32; GraniteMoeShared adds the layer's
+dense shared_mlp (input_linear: gate|up fused; output_linear) unscaled (`_load_shared_mlp`). ERNIE 4.5 MoE: a float32
+router whose moe_statics e_score_correction_bias ([1, E] stored) steers the top k of the softmax, the chosen weights
+over their sum clamped to moe_norm_min; shared experts (GLM-4.5's shared_experts); experts on the layers
+moe_layer_start_index..moe_layer_end_index every moe_layer_interval. Qwen3.5 MoE: Qwen3-Next's experts (always
+renormalised) and gated shared expert.
 
 gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
