@@ -36,11 +36,12 @@ def _forced(mode: str, parallel: bool = True):
                         "parallel_tool_calls": parallel}, "hermes")
 
 
-def _streamed(req, reply: str, step: int) -> tuple[list[dict], list[dict]]:
-    """(the delta.tool_calls pieces of `reply` streamed `step` characters at a time with the stream's memo, then
-    finished; the whole reply's calls). Each read is a fresh read's, each call's arguments a start of the whole's."""
+def _streamed(req, reply: str, step) -> tuple[list[dict], list[dict]]:
+    """(the delta.tool_calls pieces of `reply` streamed `step` characters at a time (or cut at each of a list of
+    ends) with the stream's memo, then finished; the whole reply's calls). Each read is a fresh read's, each call's
+    arguments a start of the whole's."""
     stream, pieces, whole = CallStream(req), [], split(req, reply)[1] or []
-    for k in range(0, len(reply), step):
+    for k in range(0, len(reply), step) if isinstance(step, int) else step:
         now = partial_calls(req, reply[:k], stream.memo)
         assert now == partial_calls(req, reply[:k]) and len(now) <= len(whole), (reply[:k], now)
         for (name, args), call in zip(now, whole):
@@ -75,11 +76,13 @@ def test_a_forced_call_goes_out_as_soon_as_it_shows_itself():
     assert len(partial_calls(req, FORCED["required"][0][:-1])) == 2
 
 
-def test_a_named_call_holds_a_raw_control_character_the_whole_reply_escapes():
-    """The grammar may let a string hold a raw tab (serve/tools.py's _read escapes it in the whole reply): the text
-    before it goes out, not the tab, and a tab between values (a blank) goes out as it is."""
+def test_a_named_call_escapes_a_raw_control_character_as_the_whole_reply_does():
+    """The grammar may let a string hold a raw tab (serve/tools.py's _read escapes it in the whole reply, in place):
+    it goes out escaped, and a tab between values (a blank) goes out as it is."""
     req = _forced("named")
-    assert partial_calls(req, '{\t"city": "a\tb", "zone": "c"}') == [("get_weather", '{\t"city": "a')]
+    tab = '{\t"city": "a\tb", "zone": "c"}'
+    assert partial_calls(req, tab) == [("get_weather", '{\t"city": "a\\tb", "zone": "c"}')] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in split(req, tab)[1]]
     escaped = '{"city": "a\\"b\\\\", "zone": "c'  # (escapes: no string's end, no control character)
     assert partial_calls(req, escaped) == [("get_weather", escaped)]
 

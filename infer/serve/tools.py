@@ -732,15 +732,50 @@ def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
     return "", calls
 
 
+_IN_STRING = re.compile(r'[^"\\\x00-\x1f]*')  # (a string's characters up to its end, an escape or a control one)
+
+
+def control_escaped(text: str, k: int = 0, in_string: bool = False) -> tuple[str, int, bool]:
+    """(text[k:] with each raw control character inside a JSON string written as json.dumps escapes it, the rest as
+    it is; where that read stopped: the text's end, or a backslash that ends it (its escape not whole yet); whether
+    it stopped inside a string). Resumed at `k` with `in_string` (an earlier read of a text this one goes on)."""
+    out = []
+    while k < len(text):
+        if not in_string:
+            at = text.find('"', k)
+            out.append(text[k:] if at < 0 else text[k:at + 1])
+            k, in_string = (len(text), False) if at < 0 else (at + 1, True)
+            continue
+        at = _IN_STRING.match(text, k).end()
+        out.append(text[k:at])
+        k = at
+        if k >= len(text):
+            break
+        if text[k] == '"':
+            out.append('"')
+            k, in_string = k + 1, False
+        elif text[k] == "\\":
+            if k + 1 >= len(text):
+                break
+            out.append(text[k:k + 2])
+            k += 2
+        else:
+            out.append(json.dumps(text[k])[1:-1])
+            k += 1
+    return "".join(out), k, in_string
+
+
 def _read(text: str) -> tuple[Any, str]:
     """(value, the same value as JSON a strict reader takes) of a constrained reply: xgrammar lets a string with
     minLength or maxLength hold raw control characters (a tab, U+0003), which strict JSON refuses (so did this reader:
-    the forced call came back as text); it is read all the same, and written again with them escaped."""
+    the forced call came back as text); it is read all the same, the reply's text with them escaped in place (its
+    layout kept: a named call's streamed pieces, serve/toolstream.py, are that text as it comes)."""
     try:
         return json.loads(text), text
     except ValueError:
-        value = json.loads(text, strict=False)
-        return value, json.dumps(value, ensure_ascii=False)
+        escaped, k, _ = control_escaped(text)
+        escaped += text[k:]
+        return json.loads(escaped), escaped
 
 
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:

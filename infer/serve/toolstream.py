@@ -89,9 +89,10 @@ def json_prefix(raw: str, at: int = 0, nan: bool = False, memo: dict | None = No
 
     def stop(end: int | None, string: tuple | None = None) -> tuple[str, int | None]:
         text = "".join(out)
-        if memo is not None:  # (string: an open one's (start, read so far, its text); the read goes on from there)
-            memo[(at, nan)] = (raw[:string[1] if string else k], k, tuple(stack), "done" if end is not None else
-                               expect, text, string)
+        if memo is not None:  # (string: an open one's (start, read so far, its text); the read goes on from there.
+            # The text kept has one character more: a number or word read whole was told so by the one after it)
+            memo[(at, nan)] = (raw[:(string[1] if string else k) + 1], k, tuple(stack), "done" if end is not None
+                               else expect, text, string)
         return text + (string[2] if string else ""), end
 
     while True:
@@ -399,35 +400,18 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
     return out
 
 
-_IN_STRING = re.compile(r'[^"\\\x00-\x1f]*')  # (a string's characters up to its end, an escape or a control one)
-_OUT_STRING = re.compile(r'[^"]*')
-
-
 def _named(text: str, memo: dict) -> str:
     """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
-    reply's arguments are its text), up to a raw control character in a string (the whole reply writes the value
-    again, escaped: serve/tools.py's _read), held from there. `memo`: where the last read stopped."""
+    reply's arguments are its text), a raw control character in a string escaped as the whole reply escapes it
+    (serve/tools.py's _read), a backslash that ends the text held until its escape is whole. `memo`: where the last
+    read stopped."""
     state = memo.get("named")
-    k, in_string, held = (state[1], state[2], state[3]) if state and text.startswith(state[0]) else (0, False, False)
-    while not held and k < len(text):
-        if not in_string:
-            k = _OUT_STRING.match(text, k).end()
-            if k < len(text):
-                k, in_string = k + 1, True
-            continue
-        k = _IN_STRING.match(text, k).end()
-        if k >= len(text):
-            break
-        if text[k] == '"':
-            k, in_string = k + 1, False
-        elif text[k] == "\\":
-            if k + 1 >= len(text):
-                break
-            k += 2
-        else:
-            held = True
-    memo["named"] = (text[:k], k, in_string, held)
-    return text[:k] if held else text
+    if state is None or not text.startswith(state[0]):
+        state = ("", 0, False, "")
+    out, k, in_string = t.control_escaped(text, state[1], state[2])
+    out = state[3] + out
+    memo["named"] = (text[:k], k, in_string, out)
+    return out
 
 
 def _required(text: str, memo: dict) -> list[tuple[str, str]]:
