@@ -773,9 +773,9 @@ def _read(text: str) -> tuple[Any, str]:
     try:
         return json.loads(text), text
     except ValueError:
+        value = json.loads(text, strict=False)
         escaped, k, _ = control_escaped(text)
-        escaped += text[k:]
-        return json.loads(escaped), escaped
+        return value, escaped + text[k:]
 
 
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:

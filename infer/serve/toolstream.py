@@ -89,10 +89,10 @@ def json_prefix(raw: str, at: int = 0, nan: bool = False, memo: dict | None = No
 
     def stop(end: int | None, string: tuple | None = None) -> tuple[str, int | None]:
         text = "".join(out)
-        if memo is not None:  # (string: an open one's (start, read so far, its text); the read goes on from there.
-            # The text kept has one character more: a number or word read whole was told so by the one after it)
-            memo[(at, nan)] = (raw[:(string[1] if string else k) + 1], k, tuple(stack), "done" if end is not None
-                               else expect, text, string)
+        if memo is not None:  # (string: an open one's (start, read so far, its text); the read goes on from there)
+            seen = (string[1] if string else k) + 1  # (and the character after: a number read whole was told so by it)
+            memo[(at, nan)] = (raw[:seen], k, tuple(stack), "done" if end is not None else
+                               expect, text, string)
         return text + (string[2] if string else ""), end
 
     while True:
