@@ -83,8 +83,8 @@ def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr,
     tile = tl.program_id(1)
     offs_c = tl.program_id(2) * BC + tl.arange(0, BC)
     mc = offs_c < channels
-    start = tl.load(starts_ptr + seq)
-    end = tl.load(starts_ptr + seq + 1)
+    start = tl.load(starts_ptr + seq).to(tl.int64)  # (token rows in int64: T x x's row stride passes 2^31 at
+    end = tl.load(starts_ptr + seq + 1).to(tl.int64)  # 174,763 tokens of Qwen3.5-9B's in_proj_qkv view, stride 12288)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     kept = tl.load(kept_ptr + seq).to(tl.int32) != 0
     rows = state_ptr + slot * s_s + offs_c * s_sc
@@ -200,6 +200,10 @@ def recurrent_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 CHUNK = 64  # tokens of a chunk of the chunked rule (delta_rule.chunk_layout's)
+# software-pipeline stages of _chunk_h_kernel's loop over chunks: each stage buffers a chunk's w, u and kd tiles in
+# shared memory (Dk 128, value tile 32, float32: 88 KiB at 2 stages; Triton's default 3 take 160 KiB, more than an
+# sm_86 / sm_89 GPU's 99 KiB a block, so the launch would fail there)
+CHUNK_H_STAGES = 2
 
 
 @triton.jit
@@ -283,7 +287,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     bv = max(16, min(VALUE_BLOCK, next_power_of_2(dv)))
     _chunk_h_kernel[(len(slots), hv, cdiv(dv, bv))](
         terms["w"], terms["u"], terms["kd"], terms["last"], h, v_new, states, lay["first"], slots, kept, dk, dv, nc,
-        states.stride(0), states.stride(1), states.stride(2), C=CHUNK, BK=bk, BV=bv)
+        states.stride(0), states.stride(1), states.stride(2), C=CHUNK, BK=bk, BV=bv, num_stages=CHUNK_H_STAGES)
     _chunk_o_kernel[(nc, hv, cdiv(dv, bv))](
         terms["qd"], terms["inner"], h, v_new, out, lay["start"], lay["end"], dk, dv, nc, out.stride(0),
         out.stride(1), C=CHUNK, BK=bk, BV=bv)
