@@ -2,17 +2,20 @@
 show: compiled for sm_90 (H100) and sm_89 (Ada: 99 KiB of shared memory a block) through the real launchers at
 Qwen3.5-9B's / Qwen3-Next's shapes (Hk 16, Hv 32, Dk 128, Dv 128, conv kernel 4), every kernel fits the GPU's
 shared memory (the chunked rule's state recurrence took 160 KiB with Triton's default pipeline); the prefill conv
-addresses token rows past 2^31 elements of its input (int32 offsets wrapped, a read 4 GiB before the tensor)."""
+addresses token rows past 2^31 elements of its input (int32 offsets wrapped, a read 4 GiB before the tensor); the
+slots, kept flags and query_start_loc may be strided views (the kernels indexed them as contiguous)."""
 
 from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 
+from infer.kernels import delta_rule
 from infer.kernels.moe import SM90_SMEM
 
-from helpers import COMPILE_ONLY_PREAMBLE, run_compile_only
+from helpers import COMPILE_ONLY_PREAMBLE, interpreted_module, run_compile_only
 
 SM89_SMEM = 101376  # the shared memory one program may take on sm_86 / sm_89 (99 KiB)
 
@@ -83,3 +86,40 @@ def test_conv_varlen_reads_token_rows_past_2_31_elements():
     view, row stride 12288, does at 174,763 tokens), interpreted in a process of its own (the int32 offset wrapped:
     a read 4 GiB before the tensor, a segfault): its outputs and state equal the reference's."""
     assert run_compile_only(FAR_ROWS, 300) == {"out": True, "state": True}
+
+
+@pytest.fixture(scope="module")
+def delta():
+    yield from interpreted_module("infer.kernels.delta_triton")
+
+
+def _every_other(values, other, dtype=None) -> torch.Tensor:
+    """`values` as a strided view: every other entry of a tensor twice as long, `other` between them."""
+    return torch.tensor([v for x in values for v in (x, other)], dtype=dtype)[::2]
+
+
+def test_the_kernels_take_strided_slots_kept_and_starts(delta):
+    """The four ops with slots, kept and query_start_loc each a view of every other entry: the states and outputs
+    equal the reference's (which indexes them as tensors)."""
+    gen = torch.Generator().manual_seed(5)
+    hk, hv, dk, dv, c, taps, lens = 1, 2, 16, 16, 40, 4, [5, 3, 1]
+    slots, kept = _every_other([3, 0, 1], 2), _every_other([True, False, True], False)
+    starts = _every_other([0, 5, 8, 9], 0, torch.int32)
+    conv = torch.randn(4, c, taps - 1, generator=gen)
+    rec = torch.randn(4, hv, dk, dv, generator=gen)
+    weight = torch.randn(c, 1, taps, generator=gen)
+    q, k, v = torch.randn(9, hk, dk, generator=gen), torch.randn(9, hk, dk, generator=gen), \
+        torch.randn(9, hv, dv, generator=gen)
+    g, beta = -torch.rand(9, hv, generator=gen), torch.rand(9, hv, generator=gen)
+    x = torch.randn(9, c, generator=gen)
+    ops = [("causal_conv1d_update", (x[:3], weight), conv, ()),
+           ("causal_conv1d_varlen", (x, weight), conv, (starts,)),
+           ("recurrent_gated_delta_rule_slots", (q[:3], k[:3], v[:3], g[:3], beta[:3]), rec, ()),
+           ("chunk_gated_delta_rule_varlen", (q, k, v, g, beta), rec, (starts,))]
+    for name, args, pool, before in ops:
+        mine, ref = pool.clone(), pool.clone()
+        tail = (max(lens),) if name == "causal_conv1d_varlen" else ()
+        want = getattr(delta_rule, name)(*args, ref, *before, slots, kept, *tail)
+        got = getattr(delta, name)(*args, mine, *before, slots, kept, *tail)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), name
+        assert torch.allclose(mine, ref, atol=1e-5, rtol=1e-5), name

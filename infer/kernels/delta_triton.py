@@ -17,6 +17,12 @@ import triton.language as tl
 
 from .intmath import cdiv, next_power_of_2
 
+def _vectors(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """The per-sequence vectors (slots, kept, query_start_loc) as the kernels index them: unit stride (a strided
+    view, say every other entry of a tensor, copied; no copy, so no work in a CUDA graph, for the usual ones)."""
+    return [x.contiguous() for x in xs]
+
+
 CONV_BLOCK = 256  # channels a causal_conv1d_update program computes
 VALUE_BLOCK = 32  # value columns of a recurrent program's state tile [Dk, VALUE_BLOCK] (float32 in registers)
 
@@ -58,6 +64,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
     [slots, C, K - 1] written in place at `slots` [B]; `kept` [B] bool. Returns silu(conv) [B, C] in x's dtype."""
     b, c = x.shape
     taps = weight.shape[-1]
+    slots, kept = _vectors(slots, kept)
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert states.stride(-1) == 1 and weight.stride(-1) == 1 and taps >= 2, "contiguous conv state and weight"
@@ -126,6 +133,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
     query_start_loc[i]:query_start_loc[i + 1] (at most `max_len`) after its conv state at slots[i] (zero where not
     kept[i]), the states after them written in place. Returns silu(conv) [T, C] in x's dtype."""
     c, taps = x.shape[1], weight.shape[-1]
+    query_start_loc, slots, kept = _vectors(query_start_loc, slots, kept)
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert states.stride(-1) == 1 and weight.stride(-1) == 1 and taps - 1 <= VARLEN_TOKENS, "conv state, weight"
@@ -185,6 +193,7 @@ def recurrent_gated_delta_rule_slots(q: torch.Tensor, k: torch.Tensor, v: torch.
     `kept` [B] bool. Returns o [B, Hv, Dv] in v's dtype."""
     bsz, hv, dv = v.shape
     hk, dk = k.shape[1], k.shape[2]
+    slots, kept = _vectors(slots, kept)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
     assert states.dtype == torch.float32 and states.stride(-1) == 1, "float32 states, unit stride along Dv"
@@ -274,6 +283,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     from .delta_rule import chunk_layout, chunk_terms
     t, hv, dv = v.shape
     dk = k.shape[2]
+    slots, kept = _vectors(slots, kept)
     assert states.dtype == torch.float32 and states.stride(-1) == 1, "float32 states, unit stride along Dv"
     out = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     if not t:
