@@ -475,6 +475,11 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
                     "Linear layer: peft cannot load this adapter", _HINT_TARGETS)]
 
 
+# the families whose attention is gated (models.qwen3_5): q_proj's output is each head's query and its gate, twice
+# the plain width (Granite 4.0, hybrid too, has Llama's q_proj)
+GATED_Q = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
+
+
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every projection of a Llama-family base model (a HF config): Phi-3's fused
     qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's."""
@@ -482,7 +487,7 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
     if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
         # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
-        wide = 2 if is_hybrid(base_config) else 1
+        wide = 2 if base_config.model_type in GATED_Q else 1
         out = {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
         layers = [is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)]
         if not all(layers):
@@ -509,7 +514,7 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
     # Qwen3.5's gated attention: q_proj's output is each head's query and its gate (models.qwen3_5)
-    wide = 2 if is_hybrid(base_config) else 1
+    wide = 2 if base_config.model_type in GATED_Q else 1
     return {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
