@@ -346,7 +346,7 @@ def check_granite_swa(cfg) -> None:
 
 def check_granite4(cfg) -> None:
     """Granite 4.0's layer_types other than Mamba-2 (linear_attention, config.json's "mamba") and attention
-    (full_attention, "attention"), a position_embedding_type other than rope and none, and Mamba-2 heads that its
+    (full_attention, "attention") or without an attention layer, a position_embedding_type other than rope and none, and Mamba-2 heads that its
     groups do not divide (transformers fails on them): refused naming them (models.granite4)."""
     types = list(getattr(cfg, "layer_types", None) or [])
     other = sorted({str(t) for t in types if t not in ("linear_attention", "full_attention")})
@@ -355,6 +355,12 @@ def check_granite4(cfg) -> None:
                                     + ("" if other else f" for {cfg.num_hidden_layers} layers"),
                                     "Granite 4.0's layer_types give each of num_hidden_layers layers \"mamba\" or "
                                     "\"attention\": use the config.json that came with the weights")
+    if types and "full_attention" not in types:  # (transformers' default layer_types: every layer Mamba-2)
+        raise UnsupportedModelError("granitemoehybrid with no attention layer (every layer_types entry \"mamba\") is "
+                                    "not supported: infer's KV blocks, which count each sequence's tokens, are an "
+                                    "attention layer's",
+                                    "serve a Granite 4.0 checkpoint with attention layers (granite-4.0-h-*, "
+                                    "granite-4.0-micro)")
     kind = getattr(cfg, "position_embedding_type", None)
     if kind not in (None, "rope", "nope"):
         raise UnsupportedModelError(f"granitemoehybrid position_embedding_type {json.dumps(kind)} is not supported",
