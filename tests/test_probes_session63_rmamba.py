@@ -74,3 +74,117 @@ def test_mamba_layers_alone_are_refused(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"granitemoehybrid with no attention layer \(every layer_types "
                                                     r"entry \"mamba\"\) is not supported"):
         LLM(str(tmp_path))
+
+
+HYBRID = "tiny-granite4"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from infer.models.tiny import ensure_builtin
+
+    from helpers import hf_model
+    return hf_model(str(ensure_builtin(HYBRID)))
+
+
+def _states(llm) -> list[torch.Tensor]:
+    return [t for layer in llm.engine.runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
+
+
+def _prompt_logprobs_equal_transformers(hf, prompts, outs) -> None:
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
+            got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
+            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_steps_that_end_exactly_on_scan_chunk_boundaries(hf):
+    """Steps of 16 tokens, the SSD scan's chunk (no padding in any step's scan): prompts of 48 and 16 tokens, one
+    after the other (each step a whole chunk from the state the last left) and then beside a one-token prompt;
+    transformers' prompt logprobs and greedy tokens."""
+    from infer import LLM, SamplingParams
+
+    from helpers import check_state_slots_all_free, greedy_each, random_prompts
+    prompts = random_prompts(512, (48, 16, 1), seed=9)
+    for seqs in (1, 3):
+        with LLM(HYBRID, block_size=4, max_num_batched_tokens=16, max_num_seqs=seqs) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True, prompt_logprobs=0))
+            check_state_slots_all_free(llm)
+        assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 5), seqs
+        _prompt_logprobs_equal_transformers(hf, prompts, outs)
+
+
+def test_beam_search_and_n_samples_equal_transformers(hf):
+    """A beam search of width 2 (a request per beam and step, each from zero state) gives transformers' beams; n=3
+    greedy samples of two prompts each give transformers' tokens; every state slot back."""
+    from infer import LLM, SamplingParams
+    from infer.engine.beam import BeamSearchParams
+
+    from helpers import check_state_slots_all_free, greedy_each, random_prompts
+    prompts = random_prompts(512, (9, 21), seed=12)
+    with LLM(HYBRID, block_size=4, max_num_seqs=4) as llm:
+        beams = llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                                     ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(n=3, max_new_tokens=6, ignore_eos=True, temperature=0.0))
+        check_state_slots_all_free(llm)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompts[0]]), num_beams=2, num_return_sequences=2, max_new_tokens=4,
+                           do_sample=False, length_penalty=1.0, early_stopping=True, pad_token_id=0)
+    assert [s.tokens for s in beams[0].sequences] == want.tolist()
+    assert [[s.token_ids for s in o.outputs] for o in outs] == [[w] * 3 for w in greedy_each(hf, prompts, 6)]
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_sleep_and_wake_with_the_mamba_states(hf, mode):
+    """sleep(level=1) frees the Mamba-2 states with the KV cache (zeros on waking); mode "keep" mid-run: the four
+    requests (a one-token prompt among them) are recomputed from position 0 after wake_up: transformers' tokens."""
+    from infer import LLM, SamplingParams
+
+    from helpers import check_state_slots_all_free, greedy_each, random_prompts
+    prompts = random_prompts(512, (1, 13, 30, 9), seed=3)
+    with LLM(HYBRID, block_size=4, max_num_seqs=4, enable_sleep_mode=True) as llm:
+        eng, out = llm.engine, {}
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        for _ in range(3):
+            eng.step()
+        if mode == "abort":
+            for i in range(len(prompts)):
+                eng.abort_request(str(i))
+        states = _states(llm)
+        assert any(bool(t.any()) for t in states)
+        eng.sleep(level=1, mode=mode)
+        check_state_slots_all_free(llm)
+        eng.wake_up()
+        states = _states(llm)
+        assert all(not t.any() for t in states)
+        if mode == "abort":
+            for i, p in enumerate(prompts):
+                eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        assert [out[str(i)] for i in range(len(prompts))] == greedy_each(hf, prompts, 8)
+        check_state_slots_all_free(llm)
+
+
+def test_pooling_runner_and_slots_left_nan(hf):
+    """--runner pooling (last-token, normalized), prompts in steps of 8: transformers' final hidden state; then every
+    slot filled with NaN (what a request gone non-finite leaves) and one-token prompts generated: transformers'
+    tokens (a zero state chosen, not NaN times zero)."""
+    from infer import LLM
+
+    from helpers import check_state_slots_all_free, greedy_each, greedy_tokens, random_prompts
+    prompts = random_prompts(512, (5, 30, 1, 19), seed=13)
+    with LLM(HYBRID, runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        got = [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
+        check_state_slots_all_free(llm)
+    with torch.no_grad():
+        for p, e in zip(prompts, got):
+            want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+            assert torch.allclose(e, want, atol=1e-4)
+    with LLM(HYBRID, block_size=4, max_num_seqs=4) as llm:
+        for t in _states(llm):
+            t.fill_(float("nan"))
+        assert greedy_tokens(llm, [[7], [9], prompts[0]], 4) == greedy_each(hf, [[7], [9], prompts[0]], 4)
