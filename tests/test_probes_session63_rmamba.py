@@ -74,6 +74,11 @@ def test_mamba_layers_alone_are_refused(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"granitemoehybrid with no attention layer \(every layer_types "
                                                     r"entry \"mamba\"\) is not supported"):
         LLM(str(tmp_path))
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json"])
+    assert res.exit_code == 2 and "with no attention layer" in res.output and "hint: serve a Granite 4.0" in res.output
 
 
 HYBRID = "tiny-granite4"
@@ -188,3 +193,18 @@ def test_pooling_runner_and_slots_left_nan(hf):
         for t in _states(llm):
             t.fill_(float("nan"))
         assert greedy_tokens(llm, [[7], [9], prompts[0]], 4) == greedy_each(hf, [[7], [9], prompts[0]], 4)
+
+
+def test_many_sequences_preempted_in_chunks_mixed_with_decodes(hf):
+    """Ten prompts (one of one token) through 6 slots, steps of 12 tokens and a KV budget of 24 blocks of 4: chunked
+    prefills beside decodes, preemptions recomputed from zero state, slots reused: transformers' tokens, every slot
+    back."""
+    from infer import LLM
+
+    from helpers import check_state_slots_all_free, greedy_each, greedy_tokens, random_prompts
+    prompts = random_prompts(512, (23, 7, 1, 31, 16, 12, 29, 5, 18, 33), seed=21)
+    with LLM(HYBRID, block_size=4, num_kv_blocks=24, max_model_len=48, max_num_seqs=6,
+             max_num_batched_tokens=12) as llm:
+        assert greedy_tokens(llm, prompts, 10) == greedy_each(hf, prompts, 10)
+        assert llm.engine.scheduler.num_preemptions > 0
+        check_state_slots_all_free(llm)
