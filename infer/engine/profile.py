@@ -161,6 +161,10 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
                          lora_manager=lora_manager)
     runner.zero_blocks(list(range(nblocks)))
+    if runner.hybrid:  # a state slot each (engine.state_cache), as the block manager gives a running sequence
+        for batch in (prefill, *decodes):
+            for i, s in enumerate(batch.seqs):
+                s.state_slot = i % engine_config.max_num_seqs
     lora_bytes = lora_manager.budget_bytes() if lora_manager is not None else 0  # slots used or not, CPU copies
     if lora_manager is not None and lora_name is not None:
         lora_manager.acquire(lora_name)

@@ -321,6 +321,20 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
 
 
+def mamba_scan_bytes(model_config, tokens: int) -> int:
+    """The float32 temporaries of a Mamba-2 layer's SSD scan of one sequence's `tokens` (kernels.mamba2.chunk_scan,
+    Granite 4.0; 0 for other models), padded to whole chunks of L = mamba_chunk_size: three [H, tokens, L] score and
+    decay tensors live at once (the masked cumulative sums, their exp, C.B scores and their product), beside each
+    token's x, x * dt, the skip and the output [H, P] and the repeated B and C [H, N]."""
+    if getattr(model_config, "model_type", None) != "granitemoehybrid" or not _linear_layers(model_config) \
+            or tokens <= 0:
+        return 0
+    c = model_config
+    chunk, heads = int(c.mamba_chunk_size), int(c.mamba_n_heads)
+    padded = -(-tokens // chunk) * chunk
+    return padded * heads * (3 * chunk + 4 * int(c.mamba_d_head) + 4 * int(c.mamba_d_state)) * 4
+
+
 def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int, max_length: int) -> int:
     """Bytes a prefill's soft-capped attention (Gemma 2's attn_logit_softcapping: kernels.reference._sdpa, in
     float32) holds past the step's per-token activations: a chunk of its query rows' scores and their softmax (at
@@ -363,7 +377,8 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
         per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank, chosen))
     if lora_rank and lora_expand_beside:
         per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank, chosen))
-    prefill = num_tokens * per_token + softcap_cpu_prefill_bytes(model_config, dtype, num_tokens, max_length)
+    prefill = num_tokens * per_token + softcap_cpu_prefill_bytes(model_config, dtype, num_tokens, max_length) \
+        + mamba_scan_bytes(model_config, min(num_tokens, max_length))
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
