@@ -22,7 +22,8 @@ def _perturb(name, p):
 # granite-4.0-h-*: Mamba-2 heads of 16 (8), 16 state dims, conv kernel 4, chunks of 16, Granite's scalars
 _H = dict(shared_intermediate_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
           embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
-          position_embedding_type="nope", tie_word_embeddings=True, layer_types=["mamba", "mamba", "attention", "mamba"],
+          position_embedding_type="nope", tie_word_embeddings=True,
+          layer_types=["mamba", "mamba", "attention", "mamba"],
           mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
           mamba_chunk_size=16, mamba_conv_bias=True, mamba_proj_bias=False)
 build = family_builder(family_small_config(4), {"granite4": ("granitemoehybrid", "GraniteMoeHybridForCausalLM", _H)},

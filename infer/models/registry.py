@@ -346,8 +346,9 @@ def check_granite_swa(cfg) -> None:
 
 def check_granite4(cfg) -> None:
     """Granite 4.0's layer_types other than Mamba-2 (linear_attention, config.json's "mamba") and attention
-    (full_attention, "attention") or without an attention layer, a position_embedding_type other than rope and none, and Mamba-2 heads that its
-    groups do not divide (transformers fails on them): refused naming them (models.granite4)."""
+    (full_attention, "attention") or without an attention layer, a position_embedding_type other than rope and
+    none, and Mamba-2 heads that its groups do not divide (transformers fails on them): refused naming them
+    (models.granite4)."""
     types = list(getattr(cfg, "layer_types", None) or [])
     other = sorted({str(t) for t in types if t not in ("linear_attention", "full_attention")})
     if other or len(types) != cfg.num_hidden_layers:
