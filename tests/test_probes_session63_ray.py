@@ -1,13 +1,9 @@
 """`infer serve --data-parallel`: the driver reads each replica's step calls in the order it sent them. ray.wait
 answers any call that is ready (Ray's core worker takes them from a hash set), not the oldest; with two calls of a
-replica ready at once a stream's tokens came out swapped (the CI run of test_ray_serve saw 47, 7 streamed where
-the engine gave 7, 47), and a request's last output read before an earlier one dropped that earlier one."""
+replica ready at once a stream's tokens came out swapped (the CI run of test_ray_serve saw 7, 47 streamed where
+the engine gave 47, 7), and a request's last output read before an earlier one dropped that earlier one."""
 
 from __future__ import annotations
-
-import json
-
-import pytest
 
 from fakeray import FakeRay, Handle
 from infer.engine.config import EngineConfig
