@@ -217,6 +217,8 @@ def check_supported(cfg) -> str:
         check_granite_swa(cfg)
     if model_type == "granitemoehybrid":
         check_granite4(cfg)
+    elif model_type in HYBRID:  # (the Gated DeltaNet layers of Qwen3.5, Qwen3.5 MoE and Qwen3-Next)
+        check_linear_attention(cfg)
     from .moe import check_moe
     check_moe(cfg)
     return arch
@@ -316,6 +318,35 @@ def check_hunyuan(cfg) -> None:
             raise UnsupportedModelError(f"hunyuan_v1_dense with {field} {json.dumps(got)} ({what}) is not supported",
                                         f"Hunyuan's dense models have {field} {json.dumps(value)}: use the "
                                         "config.json that came with the weights")
+
+
+def check_linear_attention(cfg) -> None:
+    """A Gated DeltaNet config (Qwen3.5, Qwen3-Next: models.qwen3_5) its layers cannot run: head counts and sizes
+    that are not positive, value heads that are not a multiple of the key heads (each key head serves
+    value heads / key heads of them, as transformers' repeat_interleave), a conv kernel under 2 (the conv state
+    keeps its last kernel - 1 inputs), layer_types other than linear_attention and full_attention: refused naming
+    the field, before the engine starts (they failed its first step with an internal error)."""
+    t = cfg.model_type
+    fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    for name in fields:
+        got = getattr(cfg, name, None)
+        if type(got) is not int or got < 1:
+            raise UnsupportedModelError(f"{t} with {name} {json.dumps(got)} is not supported (a positive integer)",
+                                        "use the config.json that came with the weights")
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if hv % hk:
+        raise UnsupportedModelError(f"{t} with linear_num_value_heads {hv} not a multiple of linear_num_key_heads "
+                                    f"{hk} is not supported (each key head serves the same number of value heads)",
+                                    "use the config.json that came with the weights")
+    kernel = getattr(cfg, "linear_conv_kernel_dim", None)
+    if type(kernel) is not int or kernel < 2:
+        raise UnsupportedModelError(f"{t} with linear_conv_kernel_dim {json.dumps(kernel)} is not supported "
+                                    "(a conv kernel of 2 or more)", "use the config.json that came with the weights")
+    other = sorted({str(x) for x in (getattr(cfg, "layer_types", None) or [])
+                    if x not in ("linear_attention", "full_attention")})
+    if other:
+        raise UnsupportedModelError(f"{t} layer_types {other} are not supported",
+                                    f"{t}'s layers are linear_attention or full_attention")
 
 
 def check_granite_swa(cfg) -> None:
