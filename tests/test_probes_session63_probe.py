@@ -27,3 +27,34 @@ def test_hybrid_config_its_layers_cannot_run_refused_before_start(tmp_path, base
     res = CliRunner().invoke(app, ["run", str(folder), str(tmp_path / "p.jsonl"), "-o", str(tmp_path / "o.jsonl")])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split()), res.output
+
+
+@pytest.fixture(scope="module")
+def large_states_model(tmp_path_factory):
+    """tiny-qwen3_5's shape with linear-attention states of 384 KiB a sequence (8 heads of 64 x 64, float32)."""
+    from helpers import save_random_model
+    from infer.models.tiny import _QWEN3_5
+    folder = tmp_path_factory.mktemp("large_states")
+    save_random_model(folder, "qwen3_5_text", "Qwen3_5ForCausalLM", dict(
+        _QWEN3_5, vocab_size=512, linear_num_key_heads=8, linear_num_value_heads=8, linear_key_head_dim=64,
+        linear_value_head_dim=64))
+    return folder
+
+
+def test_states_past_the_budget_named_at_start_and_in_warmup(tmp_path, large_states_model):
+    """Slots for --max-num-seqs 512 sequences (219 MiB) pass a budget of 200 MB: the start's refusal names them and
+    --max-num-seqs (it listed the weights, activations and reserve, 30 MiB in all, and advised only a larger budget),
+    warmup's advice names them beside --concurrency."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    res = CliRunner().invoke(app, ["run", str(large_states_model), str(tmp_path / "p.jsonl"), "-o",
+                                   str(tmp_path / "o.jsonl"), "--max-num-seqs", "512", "--memory-limit", "200MB",
+                                   "--max-model-len", "64"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2, out
+    assert "linear-attention states 219.4 MiB and a reserve" in out, out
+    assert "lower --max-num-seqs (512), whose linear-attention states (a slot per sequence) take 219.4 MiB" in out
+    res = CliRunner().invoke(app, ["warmup", str(large_states_model), "--concurrency", "512", "--max-length", "64",
+                                   "--memory-limit", "200MB", "--estimate"], env={"COLUMNS": "250"})
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1, out
+    assert "Lower --concurrency, whose linear-attention states (a slot per sequence) take 219.4 MiB" in out, out

@@ -389,6 +389,9 @@ class MemoryPlan:
         if self.lora_bytes > self.budget_bytes // 2:  # no length or concurrency makes room the slots take
             tips.append(f"lower --max-loras or --max-lora-rank, whose adapter slots take {gib(self.lora_bytes)} of "
                         f"the budget of {gib(self.budget_bytes)}")
+        if self.state_bytes > self.budget_bytes // 2:  # a hybrid model's state slots: no length makes room
+            tips.append(f"lower --concurrency, whose linear-attention states (a slot per sequence) take "
+                        f"{gib(self.state_bytes)} of the budget of {gib(self.budget_bytes)}")
         if self.max_length_at_concurrency > 0:
             tips.append(f"lower --max-length to {self.max_length_at_concurrency}")
         if self.max_concurrency_at_max_length > 0:
@@ -613,6 +616,9 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
         elif plan.lora_bytes > plan.budget_bytes // 2:  # the adapter slots, not the length, use the memory
             more = (f"lower --max-loras ({engine_config.max_loras}) or --max-lora-rank "
                     f"({engine_config.max_lora_rank}), whose adapter slots take {gib(plan.lora_bytes)}, or {more}")
+        elif plan.state_bytes > plan.budget_bytes // 2:  # a hybrid model's state slots, one per --max-num-seqs
+            more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}), whose linear-attention states (a slot per "
+                    f"sequence) take {gib(plan.state_bytes)}, or {more}")
         elif plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
             more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}) or --max-num-batched-tokens "
                     f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
@@ -624,6 +630,7 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
             f"({held}) after weights {gib(plan.weights_bytes)}, "
             f"activations {gib(plan.activation_peak_bytes)}"
             + (f", LoRA adapter slots {gib(plan.lora_bytes)}" if plan.lora_bytes else "")
+            + (f", linear-attention states {gib(plan.state_bytes)}" if plan.state_bytes else "")
             + f" and a reserve of {gib(plan.reserve_bytes)} within a budget of {gib(plan.budget_bytes)}; "
             + (f"estimated maximum model length is {fit}" if fit >= SHORTEST else
                f"no sequence fits, not even one of {SHORTEST} tokens (a prompt token and one generated)"),
