@@ -58,3 +58,18 @@ def test_states_past_the_budget_named_at_start_and_in_warmup(tmp_path, large_sta
     out = " ".join(res.output.split())
     assert res.exit_code == 1, out
     assert "Lower --concurrency, whose linear-attention states (a slot per sequence) take 219.4 MiB" in out, out
+
+
+def test_lora_target_modules_of_linear_attention_named_as_such():
+    """--lora-target-modules in_proj_qkv on Qwen3.5: refused as a linear-attention projection infer does not adapt
+    (it was an "unknown module name", which it is not)."""
+    from infer.errors import ConfigError
+    from infer.lora.targets import check_target_modules
+    from infer.models.loader import load_config
+    from infer.models.tiny import ensure_builtin
+    cfg = load_config(ensure_builtin("tiny-qwen3_5"))
+    with pytest.raises(ConfigError, match=r"in_proj_qkv, out_proj: linear-attention \(Gated DeltaNet\) projections, "
+                                          "which infer's adapters do not adapt"):
+        check_target_modules(["q_proj", "in_proj_qkv", "out_proj"], cfg)
+    with pytest.raises(ConfigError, match="conv1d: unknown module name"):
+        check_target_modules(["conv1d"], cfg)

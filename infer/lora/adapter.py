@@ -23,6 +23,7 @@ from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_nam
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED, is_hybrid
 from ..models.shapes import ModelShapes
+from .targets import LINEAR_ATTENTION
 
 ATTN, MLP = "self_attn", "mlp"
 LLAMA_PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": ATTN,
@@ -239,9 +240,6 @@ def _multimodal_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         f"use an adapter trained on the {base} checkpoint (its text model's adapters fit its text "
                         "model's checkpoint)")]
     return []
-
-
-LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
 
 def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:

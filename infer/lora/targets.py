@@ -26,6 +26,8 @@ UNGATED_MLP = ("up_proj", "down_proj")  # Arcee's, Nemotron's and Apertus's MLP 
 # and down layers: within those widths)
 _SLOTS_AS = {"gate_up_proj": ("gate_up_proj", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
 ALL_NAMES = (*ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)  # every name some model takes
+# a hybrid model's linear-attention (Gated DeltaNet: models.qwen3_5) projections, which adapters do not adapt (yet)
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
 
 def parse_target_modules(value) -> list[str] | None:
@@ -76,6 +78,9 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
     missing = [n for n in targets if n not in valid]
     if missing:
         what = "unknown module name" if any(n not in ALL_NAMES for n in missing) else "no layer of this model"
+        from ..models.registry import is_hybrid
+        if is_hybrid(model_config) and set(missing) <= set(LINEAR_ATTENTION):  # (they were "unknown")
+            what = "linear-attention (Gated DeltaNet) projections, which infer's adapters do not adapt"
         raise ConfigError(f"{FLAG} {', '.join(missing)}: {what} ({model_config.model_type} has adapter slots for "
                           f"{', '.join(valid)})", f"name modules among {', '.join(valid)}, or leave {FLAG} out for "
                           "all of them")
