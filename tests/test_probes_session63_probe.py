@@ -73,3 +73,22 @@ def test_lora_target_modules_of_linear_attention_named_as_such():
         check_target_modules(["q_proj", "in_proj_qkv", "out_proj"], cfg)
     with pytest.raises(ConfigError, match="conv1d: unknown module name"):
         check_target_modules(["conv1d"], cfg)
+
+
+def _estimate(folder, concurrency: int) -> dict:
+    import json
+    res = CliRunner().invoke(app, ["warmup", str(folder), "--concurrency", str(concurrency), "--max-length", "64",
+                                   "--memory-limit", "200MB", "--estimate", "--json"])
+    assert res.exit_code in (0, 1), res.output
+    return json.loads(res.output.strip().splitlines()[-1])
+
+
+def test_warmup_room_for_more_sequences_counts_their_state_slots(large_states_model):
+    """warmup's room at the length (max_concurrency_at_max_length) for a hybrid model: each more sequence takes a
+    state slot beside its KV blocks, so the plan of that many fits and of one more does not (the room was counted
+    with the slots of --concurrency alone: 2657 promised, whose slots alone, 1.1 GiB, pass the budget)."""
+    room = _estimate(large_states_model, 4)["max_concurrency_at_max_length"]
+    assert room > 4
+    at_room, past = _estimate(large_states_model, room), _estimate(large_states_model, room + 1)
+    assert at_room["fits"] and at_room["state_bytes"] <= at_room["budget_bytes"], at_room
+    assert not past["fits"], past

@@ -456,8 +456,9 @@ def runtime_reserve(budget: int) -> int:
 def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, device: torch.device, weights: int,
               activation: int, max_length: int, concurrency: int, max_length_limit: int, lora: int = 0,
               measured: bool = False, budget: int | None = None, engine_activation: int = 0,
-              draft_config=None) -> MemoryPlan:
-    """`engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
+              draft_config=None, slots: int | None = None) -> MemoryPlan:
+    """`slots`: the sequences a hybrid model's state cache holds (default --max-num-seqs; warmup's plan of another
+    concurrency: that many). `engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
     left after the larger of it and `activation`, so that a measured peak below the formula never promises blocks
     the engine will not allocate. `draft_config`: a draft model's (speculative decoding), whose KV cache has a block
     for each of the target's: a block's bytes are both models' (under layer groups, a group's layers and the
@@ -472,7 +473,7 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
     # a hybrid model's state cache (engine.state_cache): a slot per sequence
-    states = state_bytes(model_config, dtype, engine_config.max_num_seqs) if is_hybrid(model_config) else 0
+    states = state_bytes(model_config, dtype, slots or engine_config.max_num_seqs) if is_hybrid(model_config) else 0
     kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve - states) // block
     window, step = kv_window(engine_config, model_config, max_length, draft_config)
     if groups is not None:
