@@ -123,7 +123,7 @@ def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtyp
                 - rope_table_bytes(model_config, plan.max_length, dtype, device))
         return make_plan(engine_config, model_config, dtype, device, plan.weights_bytes + rope, act, length,
                          concurrency, plan.max_length_limit, plan.lora_bytes, budget=plan.budget_bytes,
-                         draft_config=_draft_cfg(engine_config)).usable_blocks
+                         draft_config=_draft_cfg(engine_config), slots=concurrency).usable_blocks
     return blocks_at
 
 

@@ -458,7 +458,8 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
               measured: bool = False, budget: int | None = None, engine_activation: int = 0,
               draft_config=None, slots: int | None = None) -> MemoryPlan:
     """`slots`: the sequences a hybrid model's state cache holds (default --max-num-seqs; warmup's plan of another
-    concurrency: that many). `engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
+    concurrency: that many). `engine_activation`: what an engine start reserves for activations (its formula); the
+    KV blocks are what is
     left after the larger of it and `activation`, so that a measured peak below the formula never promises blocks
     the engine will not allocate. `draft_config`: a draft model's (speculative decoding), whose KV cache has a block
     for each of the target's: a block's bytes are both models' (under layer groups, a group's layers and the
