@@ -1,5 +1,6 @@
 """Session 63's hostile inputs to what session 62 built: hybrid (Gated DeltaNet) configs the layers cannot run,
-..."""
+linear-attention state slots past the memory budget (an engine start, warmup's advice and its room for more
+sequences), --lora-target-modules naming the linear-attention projections."""
 
 import pytest
 from typer.testing import CliRunner
