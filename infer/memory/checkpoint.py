@@ -119,7 +119,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
             if float32_tensor(model_config, name):  # (GLM-4.5's router: float32 in any dtype)
                 size = numel * 4
-            if mtp_tensor(model_config, name):  # (GLM-4.5's multi-token-prediction layers: skipped at load)
+            if mtp_tensor(model_config, name):  # (GLM-4.5's, ERNIE 4.5 MoE's MTP layers: skipped at load)
                 continue
             if info["dtype"] == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
                 # gpt-oss's MXFP4 experts (models.moe.mxfp4_dequantize): two values a byte of blocks, loaded as

@@ -608,11 +608,17 @@ _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ROUTER32 = re.compile(r"\.mlp\.(?:gate\.)?(?:moe_statics\.)?(weight|e_score_correction_bias)$")
 # ERNIE 4.5 MoE's router bias as the hub stores it ([1, E]: mlp.moe_statics) and as transformers 5 names it
 _ERNIE_BIAS = re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
+# ERNIE 4.5 MoE's multi-token-prediction layer as the hub stores it (ERNIE-4.5-21B-A3B-PT: model.mtp_block.0...)
+_ERNIE_MTP = re.compile(r"^(?:model\.)?mtp_(?:block|emb_norm|hidden_norm|linear_proj)\.\d+\.")
 
 
 def mtp_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is in one of GLM-4.5's multi-token-prediction layers (the
-    num_nextn_predict_layers layers after num_hidden_layers, which transformers drops too): the loader skips them."""
+    num_nextn_predict_layers layers after num_hidden_layers, which transformers drops too) or ERNIE 4.5 MoE's
+    (mtp_block.K, mtp_emb_norm.K, mtp_hidden_norm.K, mtp_linear_proj.K: transformers ignores its "mtp" keys): the
+    loader skips them."""
+    if getattr(cfg, "model_type", None) == "ernie4_5_moe":
+        return _ERNIE_MTP.match(name) is not None
     m = _LAYER_KEY.match(name)
     if getattr(cfg, "model_type", None) != "glm4_moe" or m is None:
         return False

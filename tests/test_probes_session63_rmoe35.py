@@ -1,0 +1,41 @@
+"""Session 63 review of the MoE families merged this session (GraniteMoeShared, Qwen3.5 MoE, ERNIE 4.5 MoE): what
+the hub's checkpoints and configs hold beyond the tiny models of test_probes_session63_moe35."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer import LLM
+from infer.cli.main import app
+
+from helpers import greedy_each, greedy_tokens, random_prompts
+from test_probes_session63_moe35 import build_ernie
+
+
+def test_ernie_the_hubs_multi_token_prediction_layer_is_skipped(tmp_path):
+    """ERNIE-4.5-21B-A3B-PT stores its MTP layer (num_nextn_predict_layers 1) as model.mtp_block.0 (a decoder
+    layer), mtp_emb_norm.0, mtp_hidden_norm.0 and mtp_linear_proj.0, which transformers ignores ("mtp" keys): infer
+    skips them, loads and equals transformers, and warmup --estimate does not count them."""
+    from safetensors.torch import load_file, save_file
+
+    from infer.memory.sizes import weights_bytes
+    hf = build_ernie(tmp_path, num_nextn_predict_layers=1)
+    tensors = load_file(tmp_path / "model.safetensors")
+    h = hf.config.hidden_size
+    extra = {k.replace("model.layers.1.", "model.mtp_block.0."): v.clone() for k, v in tensors.items()
+             if k.startswith("model.layers.1.")}
+    extra |= {"model.mtp_emb_norm.0.weight": torch.ones(h), "model.mtp_hidden_norm.0.weight": torch.ones(h),
+              "model.mtp_linear_proj.0.weight": torch.randn(h, 2 * h)}
+    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(tmp_path), block_size=4, dtype="bfloat16") as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)  # (the MTP layer not counted)
+    prompts = random_prompts(512, (7, 12), seed=5)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
