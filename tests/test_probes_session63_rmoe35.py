@@ -39,3 +39,22 @@ def test_ernie_the_hubs_multi_token_prediction_layer_is_skipped(tmp_path):
     prompts = random_prompts(512, (7, 12), seed=5)
     with LLM(str(tmp_path), block_size=4) as llm:
         assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+
+
+def test_qwen3_5_moe_every_layer_sparse_whatever_mlp_only_layers_says(tmp_path):
+    """transformers' Qwen3.5 MoE has the experts on every layer (its config has neither mlp_only_layers nor
+    decoder_sparse_step, nor a dense intermediate_size): a config.json that carries Qwen3-Next's fields is served as
+    transformers runs it, every layer sparse, with its tokens."""
+    import shutil
+
+    from helpers import hf_model
+    from infer.models.moe import SparseMoeBlock
+    from infer.models.tiny import ensure_builtin
+    src = ensure_builtin("tiny-qwen3_5-moe")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0], "decoder_sparse_step": 2}))
+    prompts = random_prompts(512, (7, 12), seed=5)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in llm.engine.runner.model.layers)
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf_model(str(tmp_path)), prompts, 6)

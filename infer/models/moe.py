@@ -119,7 +119,9 @@ def is_sparse(cfg, layer: int) -> bool:
     layer from first_k_dense_replace on (the first k dense)."""
     if not is_moe(cfg):
         return False
-    if cfg.model_type in _ALL_SPARSE:
+    # (Qwen3.5 MoE: transformers' Qwen3_5MoeDecoderLayer has the experts on every layer, whatever mlp_only_layers or
+    # decoder_sparse_step a config.json copied from Qwen3-Next's says; its config has no dense intermediate_size)
+    if cfg.model_type in _ALL_SPARSE or cfg.model_type == "qwen3_5_moe_text":
         return True
     if cfg.model_type == "glm4_moe":
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
