@@ -16,29 +16,56 @@ from helpers import greedy_each, greedy_tokens, random_prompts
 from test_probes_session63_moe35 import build_ernie
 
 
+def check_skipped_and_equal_transformers(folder, hf, extra: dict) -> None:
+    """`extra` (multi-token-prediction tensors) added to `folder`'s model.safetensors: infer loads the folder
+    skipping them, warmup --estimate does not count them, and infer's greedy tokens are transformers' (`hf`)."""
+    from safetensors.torch import load_file, save_file
+
+    from infer.memory.sizes import weights_bytes
+    tensors = load_file(folder / "model.safetensors")
+    save_file({**tensors, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+    res = CliRunner().invoke(app, ["warmup", str(folder), "--estimate", "--json", "--dtype", "bfloat16"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(str(folder), block_size=4, dtype="bfloat16") as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)  # (the MTP layer not counted)
+    prompts = random_prompts(512, (7, 12), seed=5)
+    with LLM(str(folder), block_size=4) as llm:
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+
+
 def test_ernie_the_hubs_multi_token_prediction_layer_is_skipped(tmp_path):
     """ERNIE-4.5-21B-A3B-PT stores its MTP layer (num_nextn_predict_layers 1) as model.mtp_block.0 (a decoder
     layer), mtp_emb_norm.0, mtp_hidden_norm.0 and mtp_linear_proj.0, which transformers ignores ("mtp" keys): infer
     skips them, loads and equals transformers, and warmup --estimate does not count them."""
-    from safetensors.torch import load_file, save_file
-
-    from infer.memory.sizes import weights_bytes
+    from safetensors.torch import load_file
     hf = build_ernie(tmp_path, num_nextn_predict_layers=1)
-    tensors = load_file(tmp_path / "model.safetensors")
     h = hf.config.hidden_size
-    extra = {k.replace("model.layers.1.", "model.mtp_block.0."): v.clone() for k, v in tensors.items()
-             if k.startswith("model.layers.1.")}
+    extra = {k.replace("model.layers.1.", "model.mtp_block.0."): v.clone()
+             for k, v in load_file(tmp_path / "model.safetensors").items() if k.startswith("model.layers.1.")}
     extra |= {"model.mtp_emb_norm.0.weight": torch.ones(h), "model.mtp_hidden_norm.0.weight": torch.ones(h),
               "model.mtp_linear_proj.0.weight": torch.randn(h, 2 * h)}
-    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM(str(tmp_path), block_size=4, dtype="bfloat16") as llm:
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)  # (the MTP layer not counted)
-    prompts = random_prompts(512, (7, 12), seed=5)
-    with LLM(str(tmp_path), block_size=4) as llm:
-        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+    check_skipped_and_equal_transformers(tmp_path, hf, extra)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3_5-moe", "tiny-qwen3_5"])
+def test_qwen3_5_text_checkpoints_multi_token_prediction_layer_is_skipped(tmp_path, name):
+    """Qwen3.5's and Qwen3.5 MoE's (and Qwen3-Next's) checkpoints store their MTP layer as mtp.* (mtp.fc,
+    mtp.layers.0, mtp.norm ...), which transformers ignores (r"^mtp.*") for the text model as for the multimodal
+    one: a text checkpoint that keeps them loads, equals transformers, and warmup --estimate does not count them."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from helpers import hf_model
+    from infer.models.tiny import ensure_builtin
+    shutil.copytree(ensure_builtin(name), tmp_path, dirs_exist_ok=True)
+    stored = load_file(tmp_path / "model.safetensors")
+    extra = {k.replace("model.layers.3.", "mtp.layers.0."): v.clone() for k, v in stored.items()
+             if k.startswith("model.layers.3.")}
+    h = stored["model.norm.weight"].shape[0]
+    extra |= {"mtp.fc.weight": torch.randn(h, 2 * h), "mtp.norm.weight": torch.ones(h)}
+    check_skipped_and_equal_transformers(tmp_path, hf_model(str(tmp_path)), extra)
 
 
 def test_qwen3_5_moe_every_layer_sparse_whatever_mlp_only_layers_says(tmp_path):

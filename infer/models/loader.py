@@ -17,6 +17,7 @@ from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
 from .classifier import add_score_head, is_classifier, set_token_head, token_head
 from .layers import MergedLinear, UnquantizedLinearMethod
+from .moe import mtp_tensor
 from .multimodal import quant_config, text_config, text_tensors, wrapper_of
 from .registry import check_near_family, check_supported, model_class
 from .rope import check_rope
@@ -287,7 +288,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
     float8: list[str] = []
     experts = getattr(model, "load_expert_tensor", None)
     for name, t in tensors:
-        if _IGNORED.search(name):
+        if _IGNORED.search(name) or mtp_tensor(getattr(model, "config", None), name):  # (multi-token prediction)
             continue
         if t.dtype in _FLOAT8:
             float8.append(f"{name} ({_dtype_name(t.dtype)})")

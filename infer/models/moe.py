@@ -618,9 +618,11 @@ def mtp_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is in one of GLM-4.5's multi-token-prediction layers (the
     num_nextn_predict_layers layers after num_hidden_layers, which transformers drops too) or ERNIE 4.5 MoE's
     (mtp_block.K, mtp_emb_norm.K, mtp_hidden_norm.K, mtp_linear_proj.K: transformers ignores its "mtp" keys): the
-    loader skips them."""
+    loader skips them; and Qwen3-Next's, Qwen3.5's and Qwen3.5 MoE's (mtp.*, which transformers ignores too)."""
     if getattr(cfg, "model_type", None) == "ernie4_5_moe":
         return _ERNIE_MTP.match(name) is not None
+    if getattr(cfg, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        return name.startswith("mtp.")
     m = _LAYER_KEY.match(name)
     if getattr(cfg, "model_type", None) != "glm4_moe" or m is None:
         return False
