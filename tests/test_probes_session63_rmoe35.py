@@ -85,3 +85,19 @@ def test_qwen3_5_moe_every_layer_sparse_whatever_mlp_only_layers_says(tmp_path):
     with LLM(str(tmp_path), block_size=4) as llm:
         assert all(isinstance(layer.mlp, SparseMoeBlock) for layer in llm.engine.runner.model.layers)
         assert greedy_tokens(llm, prompts, 6) == greedy_each(hf_model(str(tmp_path)), prompts, 6)
+
+
+def test_ernie_a_top_k_past_the_experts_is_refused_naming_its_own_fields(tmp_path):
+    """ERNIE 4.5 MoE's config.json names k and E moe_k and moe_num_experts (transformers maps num_experts_per_tok
+    and num_experts to them): a moe_k past moe_num_experts is refused by warmup --estimate naming those fields."""
+    from transformers import AutoConfig
+
+    from test_probes_session63_moe35 import ERNIE
+    cfg = AutoConfig.for_model("ernie4_5_moe", **{**ERNIE, "moe_k": 9})
+    cfg.architectures = ["Ernie4_5_MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    text = " ".join(res.output.split())
+    assert "config.json has moe_k 9 with moe_num_experts 8" in text, text
+    assert "each token is routed to between 1 and moe_num_experts experts" in text, text

@@ -102,10 +102,16 @@ def is_moe(cfg) -> bool:
 
 def experts_field(cfg) -> str:
     """config.json's name of E: Qwen's num_experts, Mixtral's and gpt-oss's num_local_experts, GLM-4.5's
-    n_routed_experts."""
+    n_routed_experts, ERNIE 4.5 MoE's moe_num_experts."""
     return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "granitemoe": "num_local_experts",
             "granitemoeshared": "num_local_experts", "granitemoehybrid": "num_local_experts",
-            "glm4_moe": "n_routed_experts"}.get(cfg.model_type, "num_experts")
+            "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts"}.get(cfg.model_type, "num_experts")
+
+
+def top_k_field(cfg) -> str:
+    """config.json's name of k (the experts a token is routed to): ERNIE 4.5 MoE's moe_k (transformers maps
+    num_experts_per_tok to it), the others' num_experts_per_tok."""
+    return "moe_k" if cfg.model_type == "ernie4_5_moe" else "num_experts_per_tok"
 
 
 def num_experts(cfg) -> int:
@@ -171,7 +177,7 @@ def check_moe(cfg) -> None:
     if not any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)):
         return
     if not 0 < k <= e:
-        raise UnsupportedModelError(f"config.json has num_experts_per_tok {k} with {field} {e}",
+        raise UnsupportedModelError(f"config.json has {top_k_field(cfg)} {k} with {field} {e}",
                                     f"each token is routed to between 1 and {field} experts")
     if cfg.model_type == "glm4_moe":
         check_groups(cfg, e, k)
