@@ -101,3 +101,20 @@ def test_ernie_a_top_k_past_the_experts_is_refused_naming_its_own_fields(tmp_pat
     text = " ".join(res.output.split())
     assert "config.json has moe_k 9 with moe_num_experts 8" in text, text
     assert "each token is routed to between 1 and moe_num_experts experts" in text, text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
+def test_qwen3_5_moe_int4_experts_through_the_kernels_equal_the_cpu_path(tmp_path, monkeypatch):
+    """A GPTQ checkpoint of tiny-qwen3_5-moe in GPTQModel's layout (each expert's and the shared expert's
+    projections, the attention's and the DeltaNet's out_proj 4-bit, group 16; the router and its shared_expert_gate
+    float) on the GPU code path (the experts stacked int4, the int4 fused MoE with Qwen3.5 MoE's renormalised
+    routing weights and the gated shared expert, interpreted): the CPU path's tokens."""
+    from infer.models.tiny import ensure_builtin
+
+    from quant_helpers import check_kernel_path_equals_cpu
+    from test_probes_session56_review_moeq import rtn_gptq
+    rtn_gptq(ensure_builtin("tiny-qwen3_5-moe"), tmp_path / "q", group_size=16)  # (the shared expert: I 48)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())  # (in_proj_qkv and in_proj_z left float)
+    config["quantization_config"]["dynamic"] = {r"-:.*linear_attn\.in_proj_(qkv|z)$": {}}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    check_kernel_path_equals_cpu(tmp_path / "q", monkeypatch)
