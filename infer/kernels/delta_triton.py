@@ -153,6 +153,14 @@ def _l2normed(x):
 
 
 @triton.jit
+def _head_tile(dk, dv, BK: tl.constexpr, BV: tl.constexpr):
+    """The key offsets [BK] and this program's value columns [BV] (its third grid axis), each with its mask."""
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    return offs_k, offs_v, offs_k < dk, offs_v < dv
+
+
+@triton.jit
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr, kept_ptr, dk, dv, root,
                       s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_gb, s_bb, s_ob, s_oh, s_s, s_sh, s_sk,
                       GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -162,10 +170,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, sl
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP  # (the key head of value head h: transformers' repeat_interleave)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-    mk = offs_k < dk
-    mv = offs_v < dv
+    offs_k, offs_v, mk, mv = _head_tile(dk, dv, BK, BV)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     kept = tl.load(kept_ptr + b).to(tl.int32) != 0
     q = tl.load(q_ptr + b * s_qb + hk * s_qh + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -225,10 +230,7 @@ def _chunk_h_kernel(w_ptr, u_ptr, kd_ptr, last_ptr, h_ptr, vn_ptr, state_ptr, fi
     b = tl.program_id(0)
     hh = tl.program_id(1)
     offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-    mk = offs_k < dk
-    mv = offs_v < dv
+    offs_k, offs_v, mk, mv = _head_tile(dk, dv, BK, BV)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     kept = tl.load(kept_ptr + b).to(tl.int32) != 0
     tile = state_ptr + slot * s_s + hh * s_sh + offs_k[:, None] * s_sk + offs_v[None, :]
@@ -257,10 +259,7 @@ def _chunk_o_kernel(qd_ptr, inner_ptr, h_ptr, vn_ptr, o_ptr, start_ptr, end_ptr,
     c = tl.program_id(0)
     hh = tl.program_id(1)
     offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
-    mk = offs_k < dk
-    mv = offs_v < dv
+    offs_k, offs_v, mk, mv = _head_tile(dk, dv, BK, BV)
     base = (hh * nc + c).to(tl.int64)
     qd = tl.load(qd_ptr + base * C * dk + offs_c[:, None] * dk + offs_k[None, :], mask=mk[None, :], other=0.0)
     h = tl.load(h_ptr + base * dk * dv + offs_k[:, None] * dv + offs_v[None, :], mask=mk[:, None] & mv[None, :],
