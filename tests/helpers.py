@@ -76,6 +76,16 @@ def measured_warmup(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def estimated_plan(model: str, *args: str) -> dict:
+    """`infer warmup MODEL --estimate --json ARGS`'s plan, run in this process; the command must succeed."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["warmup", model, "--estimate", "--json", *args])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 @functools.lru_cache(maxsize=8)
 def hf_model(path: str):
     m = _auto_class(json.loads((Path(path) / "config.json").read_text())).from_pretrained(path, dtype=torch.float32)
@@ -165,6 +175,15 @@ def norms_and_biases_shifted(name, p):
     """A save_random_model perturb: norm weights and biases moved by N(0, 0.3)."""
     if name.endswith(".bias") or "norm" in name:
         p.add_(torch.randn_like(p) * 0.3)
+
+
+def norms_shifted_biases_drawn(name, p):
+    """A save_random_model perturb: norm weights moved by N(0, 0.3), biases drawn from N(0, 0.5) (a bug in them would
+    go unseen at their init)."""
+    if "norm" in name:
+        p.add_(torch.randn_like(p) * 0.3)
+    elif name.endswith("bias"):
+        p.normal_(0.0, 0.5)
 
 
 def family_small_config(num_hidden_layers: int) -> dict:
@@ -894,6 +913,77 @@ def check_state_slots_all_free(llm) -> None:
     states = llm.engine.block_manager.states
     assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def check_one_step_and_split_prompts(name: str, hf, prompts, step: int) -> None:
+    """prompts[0] in one step and prompts[1] cut into steps of `step` tokens (blocks of 4): transformers' 6 greedy
+    tokens each."""
+    from infer import LLM
+    want = greedy_each(hf, prompts, 6)
+    with LLM(name, block_size=4) as llm:
+        assert greedy_tokens(llm, prompts[:1], 6) == want[:1]
+    with LLM(name, block_size=4, max_num_batched_tokens=step, max_num_seqs=2) as llm:
+        assert greedy_tokens(llm, prompts[1:], 6) == want[1:]
+
+
+def check_preemption_restarts_from_zero_state(name: str, hf) -> None:
+    """A KV budget of 16 blocks of 4 for 4 prompts of the built-in `name`: some are preempted and recomputed from
+    position 0 (zero state), and still give transformers' tokens; every state slot free after."""
+    from infer import LLM
+    from infer.models.tiny import ensure_builtin
+    prompts = random_prompts(512, (20, 25, 17, 30), seed=4)
+    with LLM(str(ensure_builtin(name)), block_size=4, num_kv_blocks=16, max_model_len=64) as llm:
+        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
+        assert llm.engine.scheduler.num_preemptions > 0
+        check_state_slots_all_free(llm)
+
+
+def check_prompt_logprobs_equal_transformers(hf, prompts, outs) -> None:
+    """Every prompt token's logprob in `outs` (LLM.generate's of `prompts`, prompt_logprobs 0) is transformers' within
+    1e-4."""
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
+            got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
+            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def check_emulated_decode_graphs(name: str, hf, monkeypatch, triton: bool, check=None) -> None:
+    """Decode steps of the state model `name` through (emulated) CUDA graphs: 5 sequences of different output lengths
+    replay every bucket (1, 2, 4, 8) and give transformers' tokens, every state slot free after; `check(llm)` first
+    where given. `triton`: every op that has a Triton kernel through it (interpreted; skipped on a GPU)."""
+    from infer import LLM, SamplingParams
+    if triton:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU runs the real kernels and graphs")
+        from infer import kernels
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
+    lens = [3, 5, 8, 11, 14]
+    with LLM(name, max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96, cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(96, emulate=True)
+        if check is not None:
+            check(llm)
+        got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                          for n in lens])]
+        assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
+        check_state_slots_all_free(llm)
+    assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]
+
+
+def check_warmup_counts_the_states(name: str, kv_per_token: int) -> dict:
+    """`infer warmup NAME --estimate` (max length 256, 8 sequences, 256 MiB) counts the state slots the engine
+    allocates and the KV of the attention layer alone (1 layer, `kv_per_token` bytes a token in float32). Returns
+    the plan."""
+    from infer import LLM
+    from infer.memory.sizes import kv_bytes_per_token
+    plan = estimated_plan(name, "--max-length", "256", "--max-num-seqs", "8", "--memory-limit", "256MiB")
+    with LLM(name, max_model_len=256, max_num_seqs=8) as llm:
+        assert plan["state_bytes"] == llm.engine.runner.state_bytes
+        assert plan["kv_bytes_per_token"] == kv_bytes_per_token(llm.engine.model_config, torch.float32) == kv_per_token
+        assert llm.engine.runner.kv_cache.shape[0] == 1  # (the attention layer's KV alone)
+    return plan
 
 
 def kill_actor(ray, handle) -> None:

@@ -11,11 +11,13 @@ import logging
 import pytest
 import torch
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.models.tiny import ensure_builtin
 
-from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, check_state_slots_all_free,
-                     greedy_each, greedy_tokens, hf_model, random_prompts)
+from helpers import (builtin_model_tests, check_emulated_decode_graphs, check_greedy_and_logprobs_equal_transformers,
+                     check_one_step_and_split_prompts, check_preemption_restarts_from_zero_state,
+                     check_state_slots_all_free, check_warmup_counts_the_states, estimated_plan, greedy_each,
+                     greedy_tokens, hf_model, random_prompts)
 from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-qwen3_5"
@@ -49,22 +51,13 @@ def test_chunked_prefill_carries_the_state_across_steps(hf):
 def test_a_long_prompt_spans_several_chunks_of_the_delta_rule(hf):
     """A prompt of 150 tokens in one step (three chunks of 64 of the chunked delta rule, the state decayed across
     them) and one of 70 cut into steps of 40 (a chunk boundary inside a step's piece): transformers' tokens."""
-    prompts = random_prompts(512, (150, 70), seed=7)
-    want = greedy_each(hf, prompts, 6)
-    with LLM(NAME, block_size=4) as llm:
-        assert greedy_tokens(llm, prompts[:1], 6) == want[:1]
-    with LLM(NAME, block_size=4, max_num_batched_tokens=40, max_num_seqs=2) as llm:
-        assert greedy_tokens(llm, prompts[1:], 6) == want[1:]
+    check_one_step_and_split_prompts(NAME, hf, random_prompts(512, (150, 70), seed=7), 40)
 
 
 def test_preemption_restarts_from_zero_state(hf):
     """A KV budget of 16 blocks of 4 for 4 prompts: some are preempted and recomputed from position 0 (their slot
     given back and a new one taken, zero state), and still give transformers' tokens."""
-    prompts = random_prompts(512, (20, 25, 17, 30), seed=4)
-    with LLM(str(ensure_builtin(NAME)), block_size=4, num_kv_blocks=16, max_model_len=64) as llm:
-        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
-        assert llm.engine.scheduler.num_preemptions > 0
-        check_state_slots_all_free(llm)
+    check_preemption_restarts_from_zero_state(NAME, hf)
 
 
 def test_prefix_caching_is_off_with_a_note(hf, caplog):
@@ -91,23 +84,9 @@ test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_th
 def test_warmup_counts_the_state_cache():
     """`infer warmup --estimate` counts the state slots of max_num_seqs sequences (the bytes the engine allocates)
     and the KV of the attention layer only (1 of 4 layers): its KV blocks are fewer by the states' bytes."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    from infer.memory.sizes import kv_bytes_per_token
-    res = CliRunner().invoke(app, ["warmup", NAME, "--estimate", "--json", "--max-length", "256", "--max-num-seqs",
-                                   "8", "--memory-limit", "256MiB"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM(NAME, max_model_len=256, max_num_seqs=8) as llm:
-        assert plan["state_bytes"] == llm.engine.runner.state_bytes > 0
-        assert plan["kv_bytes_per_token"] == kv_bytes_per_token(llm.engine.model_config, torch.float32) == 2 * 64 * 4
-        assert llm.engine.runner.kv_cache.shape[0] == 1  # (the attention layer's KV alone)
-    res = CliRunner().invoke(app, ["warmup", NAME, "--estimate", "--json", "--max-length", "256", "--max-num-seqs",
-                                   "64", "--memory-limit", "256MiB"])
-    more = json.loads(res.stdout.strip().splitlines()[-1])
+    plan = check_warmup_counts_the_states(NAME, 2 * 64 * 4)
+    assert plan["state_bytes"] > 0
+    more = estimated_plan(NAME, "--max-length", "256", "--max-num-seqs", "64", "--memory-limit", "256MiB")
     assert more["state_bytes"] == plan["state_bytes"] * 65 // 9
     assert more["kv_blocks"] < plan["kv_blocks"]
 
@@ -118,21 +97,9 @@ def test_emulated_decode_graphs_index_the_state_slots(hf, monkeypatch, triton):
     padding rows read zero state and write the padding slot; 5 sequences of different output lengths replay every
     bucket and give transformers' tokens. `triton`: every op through its Triton kernel (interpreted), the GPU's code
     path. No piecewise graphs for this model (prefills run eagerly)."""
-    if triton:
-        if torch.cuda.is_available():
-            pytest.skip("a GPU runs the real kernels and graphs")
-        from infer import kernels
-        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
-    lens = [3, 5, 8, 11, 14]
-    with LLM(NAME, max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96, cuda_graph_max_tokens=16) as llm:
-        llm.engine.runner.capture_graphs(96, emulate=True)
+    def no_pieces(llm):
         assert llm.engine.runner.pieces is None
-        got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
-                                                          for n in lens])]
-        assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
-        check_state_slots_all_free(llm)
-    assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]
+    check_emulated_decode_graphs(NAME, hf, monkeypatch, triton, no_pieces)
 
 
 def test_mixed_adapters_on_attention_and_mlp_equal_peft(tmp_path):

@@ -12,7 +12,8 @@ import torch
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
-from helpers import check_state_slots_all_free, greedy_each, greedy_tokens, hf_model, random_prompts
+from helpers import (check_prompt_logprobs_equal_transformers, check_state_slots_all_free, greedy_each, greedy_tokens,
+                     hf_model, random_prompts)
 from test_probes_parallel_bench_s35 import local_ray  # noqa: F401 (a fixture)
 
 NAME = "tiny-qwen3_5"
@@ -151,12 +152,8 @@ def test_structured_output_and_prompt_logprobs(hf):
             assert isinstance(got, list) and len(got) <= 3 and all(isinstance(x, int) for x in got)
         out = llm.generate(prompts, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
         check_state_slots_all_free(llm)
-    with torch.no_grad():
-        for p, o in zip(prompts, out):
-            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
-            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
-            assert o.prompt_logprobs[0] is None
-            assert torch.allclose(torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]]), want, atol=1e-4)
+    assert all(o.prompt_logprobs[0] is None for o in out)
+    check_prompt_logprobs_equal_transformers(hf, prompts, out)
 
 
 def test_data_parallel_run_equals_one_engine_and_transformers(tmp_path, local_ray, hf):

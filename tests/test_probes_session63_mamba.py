@@ -14,8 +14,10 @@ import torch
 from infer import LLM
 from infer.models.tiny import ensure_builtin
 
-from helpers import (builtin_model_tests, check_greedy_and_logprobs_equal_transformers, check_state_slots_all_free,
-                     greedy_each, greedy_tokens, hf_model, random_prompts)
+from helpers import (builtin_model_tests, check_emulated_decode_graphs, check_greedy_and_logprobs_equal_transformers,
+                     check_one_step_and_split_prompts, check_preemption_restarts_from_zero_state,
+                     check_prompt_logprobs_equal_transformers, check_state_slots_all_free,
+                     check_warmup_counts_the_states, greedy_each, greedy_tokens, hf_model, random_prompts)
 
 HYBRID, DENSE = "tiny-granite4", "tiny-granite4-dense"
 
@@ -64,33 +66,19 @@ def test_chunked_prefill_prompt_logprobs_equal_transformers(hf):
     with LLM(HYBRID, block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
         out = llm.generate(prompts, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
         check_state_slots_all_free(llm)
-    with torch.no_grad():
-        for p, o in zip(prompts, out):
-            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
-            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
-            got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
-            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    check_prompt_logprobs_equal_transformers(hf, prompts, out)
 
 
 def test_a_long_prompt_spans_several_scan_chunks(hf):
     """A prompt of 70 tokens in one step (five chunks of 16 of the SSD scan) and one of 45 cut into steps of 20 (a
     scan chunk boundary inside a step's piece): transformers' tokens."""
-    prompts = random_prompts(512, (70, 45), seed=7)
-    want = greedy_each(hf, prompts, 6)
-    with LLM(HYBRID, block_size=4) as llm:
-        assert greedy_tokens(llm, prompts[:1], 6) == want[:1]
-    with LLM(HYBRID, block_size=4, max_num_batched_tokens=20, max_num_seqs=2) as llm:
-        assert greedy_tokens(llm, prompts[1:], 6) == want[1:]
+    check_one_step_and_split_prompts(HYBRID, hf, random_prompts(512, (70, 45), seed=7), 20)
 
 
 def test_preemption_restarts_the_mamba_state_from_zero(hf):
     """A KV budget of 16 blocks of 4 for 4 prompts: some are preempted and recomputed from position 0 (zero state),
     and still give transformers' tokens."""
-    prompts = random_prompts(512, (20, 25, 17, 30), seed=4)
-    with LLM(str(ensure_builtin(HYBRID)), block_size=4, num_kv_blocks=16, max_model_len=64) as llm:
-        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
-        assert llm.engine.scheduler.num_preemptions > 0
-        check_state_slots_all_free(llm)
+    check_preemption_restarts_from_zero_state(HYBRID, hf)
 
 
 test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
@@ -102,21 +90,8 @@ def test_warmup_counts_the_mamba_states():
     """`infer warmup --estimate` counts the Mamba-2 layers' state slots of max_num_seqs sequences and a padding slot
     (the bytes the engine allocates: 3 layers of a conv state [192, 3] and a float32 SSM state [8, 16, 16]) and the KV
     of the attention layer alone (1 of 4 layers)."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    from infer.memory.sizes import kv_bytes_per_token
-    res = CliRunner().invoke(app, ["warmup", HYBRID, "--estimate", "--json", "--max-length", "256", "--max-num-seqs",
-                                   "8", "--memory-limit", "256MiB"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    plan = check_warmup_counts_the_states(HYBRID, 2 * 32 * 4)
     assert plan["state_bytes"] == 3 * 9 * (192 * 3 * 4 + 8 * 16 * 16 * 4)
-    with LLM(HYBRID, max_model_len=256, max_num_seqs=8) as llm:
-        assert plan["state_bytes"] == llm.engine.runner.state_bytes
-        assert plan["kv_bytes_per_token"] == kv_bytes_per_token(llm.engine.model_config, torch.float32) == 2 * 32 * 4
-        assert llm.engine.runner.kv_cache.shape[0] == 1  # (the attention layer's KV alone)
 
 
 def test_prefix_caching_is_off_and_speculative_decoding_refused(caplog):
@@ -140,22 +115,7 @@ def test_emulated_decode_graphs_index_the_mamba_state_slots(hf, monkeypatch, tri
     """Decode steps through (emulated) CUDA graphs: the rows' state slots a static buffer, padding rows reading zero
     state and writing the padding slot; 5 sequences of different output lengths replay every bucket and give
     transformers' tokens. `triton`: every op that has a Triton kernel through it (interpreted)."""
-    from infer import SamplingParams
-    if triton:
-        if torch.cuda.is_available():
-            pytest.skip("a GPU runs the real kernels and graphs")
-        from infer import kernels
-        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
-    lens = [3, 5, 8, 11, 14]
-    with LLM(HYBRID, max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96,
-             cuda_graph_max_tokens=16) as llm:
-        llm.engine.runner.capture_graphs(96, emulate=True)
-        got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
-                                                          for n in lens])]
-        assert set(llm.engine.runner.graphs.replays) == {1, 2, 4, 8}
-        check_state_slots_all_free(llm)
-    assert got == [greedy_each(hf, [p], n)[0] for p, n in zip(prompts, lens)]
+    check_emulated_decode_graphs(HYBRID, hf, monkeypatch, triton)
 
 
 
