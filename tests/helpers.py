@@ -186,6 +186,18 @@ def norms_shifted_biases_drawn(name, p):
         p.normal_(0.0, 0.5)
 
 
+def correction_bias_drawn(hf, folder, seed: int, std: float, buffers: bool):
+    """`hf` with each router's e_score_correction_bias (zeros at init; a buffer where `buffers`, else a parameter)
+    drawn from N(0, std) (a generator of `seed`), saved again to `folder`; returns hf."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, b in (hf.named_buffers() if buffers else hf.named_parameters()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * std)
+    hf.save_pretrained(folder)
+    return hf
+
+
 def family_small_config(num_hidden_layers: int) -> dict:
     """The small config a family test file builds its random models over (family_builder's `small`): 4 heads of 16
     (2 KV heads), an MLP of 128, the tiny-llama tokenizer's vocabulary of 512, untied heads; `num_hidden_layers`."""

@@ -42,20 +42,34 @@ def save_adapter(hf, out, seed: int, scale: float = 0.15, **lora_kw):
     return out
 
 
-def save_adapters(hf, root, adapters: dict) -> dict:
+def save_adapters(hf, root, adapters: dict, scale: float = 0.15) -> dict:
     """Each of `adapters` (name -> LoraConfig arguments) on `hf`, saved under root / name (seeds 1, 2, ... in order;
-    no dropout): {name: path}."""
-    return {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
+    no dropout; save_adapter's `scale`): {name: path}."""
+    return {n: save_adapter(hf, root / n, seed=i + 1, scale=scale, lora_dropout=0.0, **kw) for i, (n, kw) in
             enumerate(adapters.items())}
 
 
-def base_and_adapters(root, adapters: dict, build=None):
+def base_and_adapters(root, adapters: dict, build=None, scale: float = 0.15):
     """The float model saved in root / "base" (by `build`(root / "base") first where given) and `adapters` on it,
-    saved under root (save_adapters): (base folder, the model in transformers, {name: path})."""
+    saved under root (save_adapters, at `scale`): (base folder, the model in transformers, {name: path})."""
     if build is not None:
         build(root / "base")
     hf = hf_float(root / "base")
-    return root / "base", hf, save_adapters(hf, root, adapters)
+    return root / "base", hf, save_adapters(hf, root, adapters, scale)
+
+
+# the stacked experts of Granite MoE and GraniteMoeShared (peft's target_parameters)
+GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
+
+
+def check_granite_adapters_equal_peft(root, build) -> None:
+    """Adapters of the attention and the stacked experts of the Granite MoE model that `build`(root / "base") writes,
+    each alone and mixed with the base in one batch: peft's tokens (check_all8_qv4_equal_peft). Their weights at
+    0.5's scale: Granite's residual_multiplier of 0.22 leaves 0.15's deltas too small to change a token."""
+    adapters = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL[:4], target_parameters=GRANITE_EXPERTS),
+                "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                            target_parameters=GRANITE_EXPERTS)}
+    check_all8_qv4_equal_peft(*base_and_adapters(root, adapters, build, scale=0.5))
 
 
 # an adapter of every projection and one of some, in Llama's names (family_base_and_adapters: base_targets maps them)

@@ -282,3 +282,47 @@ def int4_merged_linear(in_features: int, widths: list, names: list, seed: int = 
             layer.load_shard(name, j, t)
     layer.finish_loading()
     return layer
+
+
+def rtn_gptq_pair(root, build) -> tuple[Path, Path]:
+    """(float folder root / "f" that `build` writes, a GPTQ checkpoint of it at root / "q" in GPTQModel's layout:
+    every attention, dense MLP, shared expert and expert projection 4-bit by round to nearest, group 32, each
+    expert's projections apart, the routers float; quantize_config.json beside it as GPTQModel writes it too)."""
+    import json
+
+    from test_probes_session56_review_moeq import rtn_gptq
+    build(root / "f")
+    rtn_gptq(root / "f", root / "q")
+    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
+    (root / "q" / "quantize_config.json").write_text(json.dumps(qc))
+    return root / "f", root / "q"
+
+
+def check_gptq_moe_equals_dequantized(src, out) -> None:
+    """The GPTQ checkpoint `out` of the MoE model in `src` (rtn_gptq_pair) on infer's CPU path gives transformers'
+    greedy tokens of the same weights dequantized in float32 (dequantized_float_model), varied; warmup --estimate
+    counts the weights as loaded; layer 1's shared experts loaded int4 and its MoE quantized."""
+    from helpers import estimated_plan, greedy_each, random_prompts
+    from infer import LLM, SamplingParams
+    from infer.memory.sizes import weights_bytes
+    hf = dequantized_float_model(src, out)
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    plan = estimated_plan(str(out), "--dtype", "float32")
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        model = llm.engine.runner.model
+        assert plan["weights_bytes"] == weights_bytes(model)
+        assert model.layers[1].mlp.shared_experts.down_proj.qweight is not None and model.layers[1].mlp.method_for
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == greedy_each(hf, prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6  # (varied tokens: the comparison means something)
+
+
+def quantize_refusal(src, out) -> str:
+    """`infer quantize SRC -o OUT` refused: it fails and writes no OUT; returns its output, white space folded."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(out)], env={"COLUMNS": "250"})
+    assert res.exit_code != 0 and not Path(out).exists(), res.output
+    return " ".join(res.output.split())

@@ -137,12 +137,8 @@ def test_infer_quantize_and_the_gptq_checkpoint_equal_transformers_dequantized(t
     out_proj and the attention's and MLP's projections int4, in_proj_b and in_proj_a float; infer loads it (the int4
     layers merged, in_proj_ba float) and gives transformers' greedy tokens on the dequantized weights; `infer warmup
     --estimate` counts its weights as loaded."""
-    import json
-
     from safetensors import safe_open
-    from typer.testing import CliRunner
 
-    from infer.cli.main import app
     from infer.memory.sizes import weights_bytes
     from quant_helpers import dequantized_float_model, infer_quantize
     out = infer_quantize(NAME, tmp_path / "q")
@@ -152,9 +148,7 @@ def test_infer_quantize_and_the_gptq_checkpoint_equal_transformers_dequantized(t
     assert {prefix + p + ".qweight" for p in ("in_proj_qkv", "in_proj_z", "out_proj")} <= names
     assert {prefix + "in_proj_b.weight", prefix + "in_proj_a.weight", "model.layers.3.self_attn.q_proj.qweight"} \
         <= names
-    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--max-length", "256"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    plan = estimated_plan(str(out), "--max-length", "256")
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(out), block_size=4, max_model_len=256) as llm:
         model = llm.engine.runner.model

@@ -24,11 +24,13 @@ from infer.cli.main import app
 from infer.models.tiny import ensure_builtin
 
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_equal_transformers, check_run_and_bench_builtin, greedy_each, measured_warmup,
-                     random_prompts, save_random_model)
-from lora_helpers import (base_and_adapters, check_all8_qv4_equal_peft, check_mixed_adapters_gpu_path_equal_peft,
-                          hf_float)
-from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, infer_quantize, needs_gptqmodel
+                     check_equal_transformers, check_greedy_and_logprobs_equal_transformers,
+                     check_run_and_bench_builtin, correction_bias_drawn, greedy_each, measured_warmup,
+                     norms_shifted_biases_drawn, random_prompts, save_random_model)
+from lora_helpers import (base_and_adapters, check_all8_qv4_equal_peft, check_granite_adapters_equal_peft,
+                          check_mixed_adapters_gpu_path_equal_peft, hf_float)
+from quant_helpers import (check_gpu_path_equals_transformers, check_gptq_moe_equals_dequantized, gptqmodel_greedy,
+                           infer_quantize, needs_gptqmodel, quantize_refusal, rtn_gptq_pair)
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 # GLM-4.5-Air's shape, shrunk: 46 layers there (the first dense), 128 experts of 1408 (top 8) beside one shared
@@ -41,25 +43,12 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_la
              attention_bias=True, use_qk_norm=True, max_position_embeddings=256, eos_token_id=2, pad_token_id=0)
 
 
-def shifted(name, p):
-    """A save_random_model perturb: norms and biases drawn off their init (a bug in them would go unseen)."""
-    if "norm" in name:
-        p.add_(torch.randn_like(p) * 0.3)
-    elif name.endswith("bias"):
-        p.normal_(0.0, 0.5)
-
-
 def build(folder, seed: int = 0, **config):
     """A random GLM-4.5 folder (float32) with the tiny-llama tokenizer, each router's e_score_correction_bias (a
     buffer, zeros at init) drawn from N(0, 0.3); returns transformers' model (eager)."""
-    hf = save_random_model(folder, "glm4_moe", "Glm4MoeForCausalLM", {**SMALL, **config}, seed, shifted)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-    hf.save_pretrained(folder)
-    return hf
+    hf = save_random_model(folder, "glm4_moe", "Glm4MoeForCausalLM", {**SMALL, **config}, seed,
+                           norms_shifted_biases_drawn)
+    return correction_bias_drawn(hf, folder, seed, 0.3, buffers=True)
 
 
 CONFIGS = {
@@ -237,35 +226,14 @@ def test_convert_merges_an_adapter_and_a_bfloat16_copy_keeps_the_routers_float32
 def gptq_glm(tmp_path_factory):
     """(float folder, a GPTQ checkpoint of it in GPTQModel's layout: every attention, dense MLP, shared expert and
     expert projection 4-bit by round to nearest, group 32, each expert's projections apart; the routers float)."""
-    from test_probes_session56_review_moeq import rtn_gptq
-    root = tmp_path_factory.mktemp("glm4moe_gptq")
-    build(root / "f")
-    rtn_gptq(root / "f", root / "q")
-    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
-    (root / "q" / "quantize_config.json").write_text(json.dumps(qc))  # (as GPTQModel writes it too)
-    return root / "f", root / "q"
+    return rtn_gptq_pair(tmp_path_factory.mktemp("glm4moe_gptq"), build)
 
 
 def test_a_gptq_checkpoint_equals_transformers_of_its_dequantized_weights(gptq_glm):
     """infer's CPU path (each GPTQ expert dequantized at load into the stacks, in the scales' float16 as GPTQ runtimes
     do) gives transformers' greedy tokens of the same weights dequantized in float32
     (quant_helpers.dequantized_float_model); `warmup --estimate` counts the weights as loaded."""
-    from quant_helpers import dequantized_float_model
-    src, out = gptq_glm
-    hf = dequantized_float_model(src, out)
-    hf.generation_config.eos_token_id = None
-    prompts = random_prompts(512, (4, 11, 23), seed=11)
-    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--dtype", "float32"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM(str(out), block_size=4, dtype="float32") as llm:
-        from infer.memory.sizes import weights_bytes
-        model = llm.engine.runner.model
-        assert plan["weights_bytes"] == weights_bytes(model)
-        assert model.layers[1].mlp.shared_experts.down_proj.qweight is not None and model.layers[1].mlp.method_for
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
-    assert got == greedy_each(hf, prompts, 8)
-    assert len({t for tokens in got for t in tokens}) > 6  # (varied tokens: the comparison means something)
+    check_gptq_moe_equals_dequantized(*gptq_glm)
 
 
 @interpreted
@@ -280,10 +248,7 @@ def test_infer_quantize_refuses_glm_45_naming_gptqmodels_failure(tmp_path):
     """GPTQModel 7.6's glm4_moe definition fails on transformers 5 after loading the model: `infer quantize` refuses
     it before, saying why and what to serve instead."""
     build(tmp_path / "f", num_hidden_layers=2)
-    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q")],
-                             env={"COLUMNS": "250"})
-    assert res.exit_code != 0 and not (tmp_path / "q").exists(), res.output
-    text = " ".join(res.output.split())
+    text = quantize_refusal(tmp_path / "f", tmp_path / "q")
     assert "is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5" in text, text
     assert "serve the float checkpoint (infer runs it" in text, text
 
@@ -411,7 +376,7 @@ OLMOE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_la
 
 def build_olmoe(folder, seed: int = 0, **config):
     """A random OLMoE folder (float32) with the tiny-llama tokenizer; returns transformers' model (eager)."""
-    return save_random_model(folder, "olmoe", "OlmoeForCausalLM", {**OLMOE, **config}, seed, shifted)
+    return save_random_model(folder, "olmoe", "OlmoeForCausalLM", {**OLMOE, **config}, seed, norms_shifted_biases_drawn)
 
 
 OLMOE_CONFIGS = {
@@ -494,13 +459,13 @@ GRANITE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_
                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
                embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
                eos_token_id=2, pad_token_id=0)
-GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
 
 
 def build_granite(folder, seed: int = 0, **config):
     """A random Granite MoE folder (float32, the hub's names: block_sparse_moe.input_linear, output_linear,
     router.layer) with the tiny-llama tokenizer; returns transformers' model (eager)."""
-    return save_random_model(folder, "granitemoe", "GraniteMoeForCausalLM", {**GRANITE, **config}, seed, shifted)
+    return save_random_model(folder, "granitemoe", "GraniteMoeForCausalLM", {**GRANITE, **config}, seed,
+                             norms_shifted_biases_drawn)
 
 
 GRANITE_CONFIGS = {"gqa-top2": dict(), "mha-top1-biases": dict(num_key_value_heads=4, num_experts_per_tok=1,
@@ -514,10 +479,7 @@ def test_granitemoe_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name
     from safetensors.torch import load_file
     hf = build_granite(tmp_path, **GRANITE_CONFIGS[name])
     assert "model.layers.0.block_sparse_moe.router.layer.weight" in load_file(tmp_path / "model.safetensors")
-    prompts = random_prompts(512, (5, 13, 30), seed=3)
-    with LLM(str(tmp_path), block_size=4) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
-    check_equal_transformers(hf, prompts, outs, 10, name)
+    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, lambda model: None)
 
 
 BUILDERS = {"glm4_moe": build, "olmoe": build_olmoe, "granitemoe": build_granite}
@@ -527,15 +489,7 @@ def test_granitemoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
     """Adapters of the attention and the stacked experts (target_parameters block_sparse_moe.experts.*), each alone
     and mixed with the base in one batch: peft's tokens (their weights at 0.5's scale: Granite's residual_multiplier
     of 0.22 leaves 0.15's deltas too small to change a token)."""
-    from lora_helpers import save_adapter
-    build_granite(tmp_path / "base")
-    hf = hf_float(tmp_path / "base")
-    adapters = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=GRANITE_EXPERTS),
-                "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
-                            target_parameters=GRANITE_EXPERTS)}
-    paths = {name: save_adapter(hf, tmp_path / name, seed=i + 1, scale=0.5, lora_dropout=0.0, **kw)
-             for i, (name, kw) in enumerate(adapters.items())}
-    check_all8_qv4_equal_peft(tmp_path / "base", hf, paths)
+    check_granite_adapters_equal_peft(tmp_path, build_granite)
 
 
 @needs_gptqmodel

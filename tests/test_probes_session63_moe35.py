@@ -24,32 +24,15 @@ from infer.cli.main import app
 from infer.models.tiny import ensure_builtin
 
 from helpers import (builtin_model_tests, check_builtin_runs_and_warmup_sizes_it,
-                     check_chunked_prefill_and_prefix_caching, check_equal_transformers, random_prompts,
-                     save_random_model)
-from lora_helpers import check_all8_qv4_equal_peft, hf_float, save_adapter
-from quant_helpers import check_gpu_path_equals_transformers, gptqmodel_greedy, infer_quantize, needs_gptqmodel
+                     check_chunked_prefill_and_prefix_caching, check_equal_transformers,
+                     check_greedy_and_logprobs_equal_transformers, correction_bias_drawn,
+                     norms_shifted_biases_drawn, random_prompts, save_random_model)
+from lora_helpers import check_all8_qv4_equal_peft, check_granite_adapters_equal_peft, hf_float, save_adapter
+from quant_helpers import (check_gpu_path_equals_transformers, check_gptq_moe_equals_dequantized, gptqmodel_greedy,
+                           infer_quantize, needs_gptqmodel, quantize_refusal, rtn_gptq_pair)
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-def shifted(name, p):
-    """A save_random_model perturb: norms and biases drawn off their init (a bug in them would go unseen)."""
-    if "norm" in name:
-        p.add_(torch.randn_like(p) * 0.3)
-    elif name.endswith("bias"):
-        p.normal_(0.0, 0.5)
-
-
-def generate_equal_transformers(folder, hf, name, **engine):
-    """Prompts of 5, 13 and 30 tokens and 10 generated, batched (blocks of 4): transformers' tokens, the logprobs
-    within 1e-4. Returns the loaded model's first layer."""
-    prompts = random_prompts(512, (5, 13, 30), seed=3)
-    with LLM(str(folder), block_size=4, **engine) as llm:
-        layer = llm.engine.runner.model.layers[0]
-        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
-    check_equal_transformers(hf, prompts, outs, 10, name)
-    return layer
 
 
 # ======================================================================================== GraniteMoeShared
@@ -58,14 +41,13 @@ GRANITE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_
                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
                max_position_embeddings=256, embedding_multiplier=12.0, residual_multiplier=0.22,
                attention_multiplier=0.0625, logits_scaling=4.0, eos_token_id=2, pad_token_id=0)
-GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
 
 
 def build_granite(folder, seed: int = 0, **config):
     """A random GraniteMoeShared folder (float32, the hub's names) with the tiny-llama tokenizer; returns
     transformers' model (eager)."""
     return save_random_model(folder, "granitemoeshared", "GraniteMoeSharedForCausalLM", {**GRANITE, **config}, seed,
-                             shifted)
+                             norms_shifted_biases_drawn)
 
 
 GRANITE_CONFIGS = {"gqa-top2-shared48": dict(), "mha-top1-biases-shared96": dict(
@@ -82,9 +64,10 @@ def test_granitemoeshared_greedy_tokens_and_logprobs_equal_transformers(tmp_path
     shared = hf.config.shared_intermediate_size
     stored = set(load_file(tmp_path / "model.safetensors"))
     assert ("model.layers.0.shared_mlp.input_linear.weight" in stored) == bool(shared)
-    layer = generate_equal_transformers(tmp_path, hf, name)
-    mlp = layer.mlp.shared_experts
-    assert (mlp is None) if not shared else mlp.gate_up_proj.names == ["model.layers.0.shared_mlp.input_linear"] * 2
+    def check(model):
+        mlp = model.layers[0].mlp.shared_experts
+        assert (mlp is None) if not shared else mlp.gate_up_proj.names == ["model.layers.0.shared_mlp.input_linear"] * 2
+    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check)
 
 
 @pytest.mark.parametrize("builder", ["granitemoeshared", "ernie4_5_moe"])
@@ -103,14 +86,7 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, bu
 def test_granitemoeshared_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
     """Adapters of the attention and the stacked experts (target_parameters block_sparse_moe.experts.*), each alone
     and mixed with the base in one batch: peft's tokens (weights at 0.5's scale, as Granite MoE's test)."""
-    build_granite(tmp_path / "base")
-    hf = hf_float(tmp_path / "base")
-    adapters = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=GRANITE_EXPERTS),
-                "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
-                            target_parameters=GRANITE_EXPERTS)}
-    paths = {name: save_adapter(hf, tmp_path / name, seed=i + 1, scale=0.5, lora_dropout=0.0, **kw)
-             for i, (name, kw) in enumerate(adapters.items())}
-    check_all8_qv4_equal_peft(tmp_path / "base", hf, paths)
+    check_granite_adapters_equal_peft(tmp_path, build_granite)
 
 
 def test_granitemoeshared_an_adapter_of_the_shared_mlp_is_refused_naming_it(tmp_path):
@@ -225,15 +201,11 @@ def test_qwen3_5_moe_gpu_code_path_interpreted_equals_transformers(qwen_hf, monk
 def test_qwen3_5_moe_infer_quantize_equals_transformers_of_the_dequantized_weights(tmp_path):
     """`infer quantize` (GPTQModel's qwen3_5_moe_text definition): infer loads its checkpoint and gives
     transformers' greedy tokens on the dequantized weights; warmup --estimate counts its weights as loaded."""
-    import json
-
-    from helpers import greedy_each
+    from helpers import estimated_plan, greedy_each
     from infer.memory.sizes import weights_bytes
     from quant_helpers import dequantized_float_model
     out = infer_quantize(QWEN, tmp_path / "q")
-    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--max-length", "256"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    plan = estimated_plan(str(out), "--max-length", "256")
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(out), block_size=4, max_model_len=256) as llm:
         model = llm.engine.runner.model
@@ -257,14 +229,9 @@ def build_ernie(folder, seed: int = 0, **config):
     """A random ERNIE 4.5 MoE folder (float32) with the tiny-llama tokenizer, each router's moe_statics bias (zeros
     at init) drawn from N(0, 0.05) (the softmax's probabilities are about 1 / 8: enough to change some choices);
     returns transformers' model (eager)."""
-    hf = save_random_model(folder, "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", {**ERNIE, **config}, seed, shifted)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    hf.save_pretrained(folder)
-    return hf
+    hf = save_random_model(folder, "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", {**ERNIE, **config}, seed,
+                           norms_shifted_biases_drawn)
+    return correction_bias_drawn(hf, folder, seed, 0.05, buffers=False)
 
 
 ERNIE_CONFIGS = {
@@ -342,39 +309,14 @@ def test_ernie_builtin_tiny_model_runs_and_warmup_sizes_it():
 def gptq_ernie(tmp_path_factory):
     """(float folder, a GPTQ checkpoint of it in GPTQModel's layout: every attention, dense MLP, shared expert and
     expert projection 4-bit by round to nearest, group 32, each expert's projections apart; the routers float)."""
-    import json
-    from test_probes_session56_review_moeq import rtn_gptq
-    root = tmp_path_factory.mktemp("ernie_gptq")
-    build_ernie(root / "f")
-    rtn_gptq(root / "f", root / "q")
-    qc = json.loads((root / "q" / "config.json").read_text())["quantization_config"]
-    (root / "q" / "quantize_config.json").write_text(json.dumps(qc))  # (as GPTQModel writes it too)
-    return root / "f", root / "q"
+    return rtn_gptq_pair(tmp_path_factory.mktemp("ernie_gptq"), build_ernie)
 
 
 def test_ernie_a_gptq_checkpoint_equals_transformers_of_its_dequantized_weights(gptq_ernie):
     """infer's CPU path (each GPTQ expert dequantized at load) gives transformers' greedy tokens of the same weights
     dequantized in float32; the hub's moe_statics bias read beside the GPTQ experts; warmup --estimate counts the
     weights as loaded."""
-    import json
-
-    from helpers import greedy_each
-    from infer.memory.sizes import weights_bytes
-    from quant_helpers import dequantized_float_model
-    src, out = gptq_ernie
-    hf = dequantized_float_model(src, out)
-    hf.generation_config.eos_token_id = None
-    prompts = random_prompts(512, (4, 11, 23), seed=11)
-    res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--dtype", "float32"])
-    assert res.exit_code == 0, res.output
-    plan = json.loads(res.stdout.strip().splitlines()[-1])
-    with LLM(str(out), block_size=4, dtype="float32") as llm:
-        model = llm.engine.runner.model
-        assert plan["weights_bytes"] == weights_bytes(model)
-        assert model.layers[1].mlp.shared_experts.down_proj.qweight is not None and model.layers[1].mlp.method_for
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
-    assert got == greedy_each(hf, prompts, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
+    check_gptq_moe_equals_dequantized(*gptq_ernie)
 
 
 @interpreted
@@ -389,10 +331,7 @@ def test_ernie_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path):
     """GPTQModel 7.6's ernie4_5_moe definition fails on transformers 5 while calibrating: `infer quantize` refuses it
     before loading, saying why and what to serve instead."""
     build_ernie(tmp_path / "f")
-    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(tmp_path / "q")],
-                             env={"COLUMNS": "250"})
-    assert res.exit_code != 0 and not (tmp_path / "q").exists(), res.output
-    text = " ".join(res.output.split())
+    text = quantize_refusal(tmp_path / "f", tmp_path / "q")
     assert "is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5" in text, text
     assert "serve the float checkpoint (infer runs it" in text, text
 
