@@ -198,6 +198,21 @@ def correction_bias_drawn(hf, folder, seed: int, std: float, buffers: bool):
     return hf
 
 
+def estimate_refusal(folder, model_type: str, arch: str, **config) -> str:
+    """transformers' `model_type` config of `config` (architectures [arch]) saved alone in `folder`: `infer warmup
+    --estimate` refuses it; returns its output, white space folded."""
+    from transformers import AutoConfig
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    cfg = AutoConfig.for_model(model_type, **config)
+    cfg.architectures = [arch]
+    cfg.save_pretrained(folder)
+    res = CliRunner().invoke(app, ["warmup", str(folder), "--estimate"], env={"COLUMNS": "250"})
+    assert res.exit_code != 0, res.output
+    return " ".join(res.output.split())
+
+
 def family_small_config(num_hidden_layers: int) -> dict:
     """The small config a family test file builds its random models over (family_builder's `small`): 4 heads of 16
     (2 KV heads), an MLP of 128, the tiny-llama tokenizer's vocabulary of 512, untied heads; `num_hidden_layers`."""
@@ -925,6 +940,43 @@ def check_state_slots_all_free(llm) -> None:
     states = llm.engine.block_manager.states
     assert states.num_free == states.num_slots == llm.engine.config.max_num_seqs
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def state_tensors(llm) -> list[torch.Tensor]:
+    """A hybrid model's linear-attention layers' conv and recurrent state tensors (every slot)."""
+    return [t for layer in llm.engine.runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
+
+
+def add_greedy_requests(engine, prompts, n: int, steps: int = 0) -> None:
+    """Each prompt added to `engine` as request str(i), n greedy tokens (ignore_eos); then `steps` engine steps."""
+    from infer import SamplingParams
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+
+
+def check_requests_finish_as_transformers(llm, hf, prompts, n: int) -> None:
+    """The engine's requests (add_greedy_requests' of `prompts`) stepped to their end: transformers' n greedy tokens
+    each; every state slot free after."""
+    eng, out = llm.engine, {}
+    while eng.has_unfinished_requests():
+        out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [out[str(i)] for i in range(len(prompts))] == greedy_each(hf, prompts, n)
+    check_state_slots_all_free(llm)
+
+
+def check_pooling_embeds_as_transformers(name: str, hf, prompts) -> None:
+    """--runner pooling on the hybrid `name` (last-token pooling, normalized), prompts cut into steps of 8 tokens:
+    transformers' last hidden state, normalized, of each prompt within 1e-4; every state slot back."""
+    from infer import LLM
+    with LLM(name, runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        got = [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
+        check_state_slots_all_free(llm)
+    with torch.no_grad():
+        for p, e in zip(prompts, got):
+            want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+            assert torch.allclose(e, want, atol=1e-4)
 
 
 def check_one_step_and_split_prompts(name: str, hf, prompts, step: int) -> None:

@@ -12,8 +12,9 @@ import torch
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_prompt_logprobs_equal_transformers, check_state_slots_all_free, greedy_each, greedy_tokens,
-                     hf_model, random_prompts)
+from helpers import (add_greedy_requests, check_pooling_embeds_as_transformers,
+                     check_prompt_logprobs_equal_transformers, check_requests_finish_as_transformers,
+                     check_state_slots_all_free, greedy_each, greedy_tokens, hf_model, random_prompts, state_tensors)
 from test_probes_parallel_bench_s35 import local_ray  # noqa: F401 (a fixture)
 
 NAME = "tiny-qwen3_5"
@@ -24,16 +25,12 @@ def hf():
     return hf_model(str(ensure_builtin(NAME)))
 
 
-def _states(llm) -> list[torch.Tensor]:
-    return [t for layer in llm.engine.runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
-
-
 def test_a_slot_left_non_finite_does_not_poison_a_one_token_prompt(hf):
     """Every slot holding NaN (what a request whose model output went non-finite leaves there): prompts of one token
     (their first step a decode from zero state, not NaN times zero) give transformers' tokens."""
     prompts = random_prompts(512, (1, 1), seed=3)
     with LLM(NAME, block_size=4, max_num_seqs=4) as llm:
-        for t in _states(llm):
+        for t in state_tensors(llm):
             t.fill_(float("nan"))
         assert greedy_tokens(llm, prompts, 4) == greedy_each(hf, prompts, 4)
         check_state_slots_all_free(llm)
@@ -48,7 +45,7 @@ def test_sleep_frees_the_states_as_the_kv_cache_and_reload_keeps_them(hf, level)
     want = greedy_each(hf, prompts, 6)
     with LLM(NAME, block_size=4, max_num_seqs=4, enable_sleep_mode=True) as llm:
         assert greedy_tokens(llm, prompts, 6) == want
-        assert any(bool(t.any()) for t in _states(llm))  # (the last run's states)
+        assert any(bool(t.any()) for t in state_tensors(llm))  # (the last run's states)
         runner = llm.engine.runner
         kv_bytes = runner.kv_cache.untyped_storage().nbytes()
         llm.engine.sleep(level=level)
@@ -56,7 +53,7 @@ def test_sleep_frees_the_states_as_the_kv_cache_and_reload_keeps_them(hf, level)
         llm.engine.wake_up()
         if level == 2:
             llm.engine.reload_weights()
-        assert all(not t.any() for t in _states(llm))
+        assert all(not t.any() for t in state_tensors(llm))
         assert greedy_tokens(llm, prompts, 6) == want
         check_state_slots_all_free(llm)
 
@@ -66,18 +63,12 @@ def test_sleep_keep_resumes_running_requests_from_zero_state(hf):
     dropped, recomputed from position 0 after wake_up: transformers' tokens, every slot back."""
     prompts = random_prompts(512, (1, 13, 30, 1), seed=8)
     with LLM(NAME, block_size=4, max_num_seqs=4, enable_sleep_mode=True) as llm:
-        eng, out = llm.engine, {}
-        for i, p in enumerate(prompts):
-            eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
-        for _ in range(3):
-            eng.step()
+        eng = llm.engine
+        add_greedy_requests(eng, prompts, 8, steps=3)
         eng.sleep(level=1, mode="keep")
         check_state_slots_all_free(llm)
         eng.wake_up()
-        while eng.has_unfinished_requests():
-            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-        assert [out[str(i)] for i in range(len(prompts))] == greedy_each(hf, prompts, 8)
-        check_state_slots_all_free(llm)
+        check_requests_finish_as_transformers(llm, hf, prompts, 8)
 
 
 def test_every_end_of_a_sequence_gives_its_slot_back(hf):
@@ -239,14 +230,7 @@ def test_half_precision_equals_transformers_in_the_same_dtype(hf, dtype):
 def test_a_pooling_runner_embeds_as_transformers(hf):
     """--runner pooling on Qwen3.5 (last-token pooling, normalized), prompts cut into steps of 8 tokens (the state
     carried across chunks): transformers' last hidden state, normalized, of each prompt; every slot back."""
-    prompts = random_prompts(512, (5, 30, 1, 19), seed=13)
-    with LLM(NAME, runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
-        got = [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
-        check_state_slots_all_free(llm)
-    with torch.no_grad():
-        for p, e in zip(prompts, got):
-            want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
-            assert torch.allclose(e, want, atol=1e-4)
+    check_pooling_embeds_as_transformers(NAME, hf, random_prompts(512, (5, 30, 1, 19), seed=13))
 
 
 

@@ -52,18 +52,13 @@ def test_time_step_limit_clamps_the_prefill_as_transformers(tmp_path):
     cut in steps of 8 mixed with decodes."""
     from infer import LLM, SamplingParams
 
-    from helpers import greedy_each, random_prompts
+    from helpers import check_prompt_logprobs_equal_transformers, greedy_each, random_prompts
     hf = build(tmp_path, "granite4", time_step_limit=[0.05, 0.5], mamba_n_groups=4)
     prompts = random_prompts(512, (30, 19, 1), seed=6)
     with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, max_num_seqs=3) as llm:
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, prompt_logprobs=0))
     assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 6)
-    with torch.no_grad():
-        for p, o in zip(prompts, outs):
-            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
-            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
-            got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
-            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    check_prompt_logprobs_equal_transformers(hf, prompts, outs)
 
 
 def test_mamba_layers_alone_are_refused(tmp_path):
@@ -93,33 +88,21 @@ def hf():
     return hf_model(str(ensure_builtin(HYBRID)))
 
 
-def _states(llm) -> list[torch.Tensor]:
-    return [t for layer in llm.engine.runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
-
-
-def _prompt_logprobs_equal_transformers(hf, prompts, outs) -> None:
-    with torch.no_grad():
-        for p, o in zip(prompts, outs):
-            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
-            want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
-            got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
-            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
-
-
 def test_steps_that_end_exactly_on_scan_chunk_boundaries(hf):
     """Steps of 16 tokens, the SSD scan's chunk (no padding in any step's scan): prompts of 48 and 16 tokens, one
     after the other (each step a whole chunk from the state the last left) and then beside a one-token prompt;
     transformers' prompt logprobs and greedy tokens."""
     from infer import LLM, SamplingParams
 
-    from helpers import check_state_slots_all_free, greedy_each, random_prompts
+    from helpers import (check_prompt_logprobs_equal_transformers, check_state_slots_all_free, greedy_each,
+                         random_prompts)
     prompts = random_prompts(512, (48, 16, 1), seed=9)
     for seqs in (1, 3):
         with LLM(HYBRID, block_size=4, max_num_batched_tokens=16, max_num_seqs=seqs) as llm:
             outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True, prompt_logprobs=0))
             check_state_slots_all_free(llm)
         assert [o.token_ids for o in outs] == greedy_each(hf, prompts, 5), seqs
-        _prompt_logprobs_equal_transformers(hf, prompts, outs)
+        check_prompt_logprobs_equal_transformers(hf, prompts, outs)
 
 
 def test_beam_search_and_n_samples_equal_transformers(hf):
@@ -146,33 +129,25 @@ def test_beam_search_and_n_samples_equal_transformers(hf):
 def test_sleep_and_wake_with_the_mamba_states(hf, mode):
     """sleep(level=1) frees the Mamba-2 states with the KV cache (zeros on waking); mode "keep" mid-run: the four
     requests (a one-token prompt among them) are recomputed from position 0 after wake_up: transformers' tokens."""
-    from infer import LLM, SamplingParams
+    from infer import LLM
 
-    from helpers import check_state_slots_all_free, greedy_each, random_prompts
+    from helpers import (add_greedy_requests, check_requests_finish_as_transformers, check_state_slots_all_free,
+                         random_prompts, state_tensors)
     prompts = random_prompts(512, (1, 13, 30, 9), seed=3)
     with LLM(HYBRID, block_size=4, max_num_seqs=4, enable_sleep_mode=True) as llm:
-        eng, out = llm.engine, {}
-        for i, p in enumerate(prompts):
-            eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
-        for _ in range(3):
-            eng.step()
+        eng = llm.engine
+        add_greedy_requests(eng, prompts, 8, steps=3)
         if mode == "abort":
             for i in range(len(prompts)):
                 eng.abort_request(str(i))
-        states = _states(llm)
-        assert any(bool(t.any()) for t in states)
+        assert any(bool(t.any()) for t in state_tensors(llm))
         eng.sleep(level=1, mode=mode)
         check_state_slots_all_free(llm)
         eng.wake_up()
-        states = _states(llm)
-        assert all(not t.any() for t in states)
+        assert all(not t.any() for t in state_tensors(llm))
         if mode == "abort":
-            for i, p in enumerate(prompts):
-                eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_new_tokens=8, ignore_eos=True))
-        while eng.has_unfinished_requests():
-            out.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-        assert [out[str(i)] for i in range(len(prompts))] == greedy_each(hf, prompts, 8)
-        check_state_slots_all_free(llm)
+            add_greedy_requests(eng, prompts, 8)
+        check_requests_finish_as_transformers(llm, hf, prompts, 8)
 
 
 def test_pooling_runner_and_slots_left_nan(hf):
@@ -181,17 +156,11 @@ def test_pooling_runner_and_slots_left_nan(hf):
     tokens (a zero state chosen, not NaN times zero)."""
     from infer import LLM
 
-    from helpers import check_state_slots_all_free, greedy_each, greedy_tokens, random_prompts
+    from helpers import check_pooling_embeds_as_transformers, greedy_each, greedy_tokens, random_prompts, state_tensors
     prompts = random_prompts(512, (5, 30, 1, 19), seed=13)
-    with LLM(HYBRID, runner="pooling", block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
-        got = [torch.tensor(o.outputs.embedding) for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
-        check_state_slots_all_free(llm)
-    with torch.no_grad():
-        for p, e in zip(prompts, got):
-            want = torch.nn.functional.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
-            assert torch.allclose(e, want, atol=1e-4)
+    check_pooling_embeds_as_transformers(HYBRID, hf, prompts)
     with LLM(HYBRID, block_size=4, max_num_seqs=4) as llm:
-        for t in _states(llm):
+        for t in state_tensors(llm):
             t.fill_(float("nan"))
         assert greedy_tokens(llm, [[7], [9], prompts[0]], 4) == greedy_each(hf, [[7], [9], prompts[0]], 4)
 
