@@ -50,12 +50,12 @@ def stream_seconds(parser: str, reply: str, step: int) -> float:
     pieces do not join to the whole reply's arguments."""
     body = {"tools": TOOLS, **({"tool_choice": FORCED[parser]} if parser in FORCED else {})}
     req = parse_tools(body, "hermes" if parser in FORCED else parser)
-    stream, pieces = CallStream(req), []
+    stream, pieces, memo = CallStream(req), [], {}  # (memo: the reply's own, kept across its reads, as the server's)
     start = time.process_time()
     for k in range(0, len(reply), step):
         text = reply[:k]
         if req.mode == "auto":
-            visible(req, text)
+            visible(req, text, memo)
         pieces += stream.deltas(partial_calls(req, text, stream.memo))
     whole = split(req, reply)[1] or []
     pieces += stream.deltas(whole, finished=True)

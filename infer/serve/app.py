@@ -312,6 +312,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
     sent = {}  # with tools or reasoning: how much of choice i's content went out
     thought = {}  # with reasoning: how much of choice i's reasoning went out
     streams = {}  # with tools: choice i's calls as they went out
+    memos = {}  # choice i's reply's reads kept from token to token (harmony's: serve/reasoning.py's harmony_read)
     prompt_n, completion_n = 0, 0
     cached = None  # (--enable-prompt-tokens-details) as vLLM's stream: the first output's cached prompt tokens
     echoed, prompted = set(), set()  # the choices whose prompt (echo), whose prompt_token_ids went out
@@ -353,7 +354,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                     head, head_records = p.echoed_prompt(req, i, out, server.tokenizer)
                     delta, records = head + delta, None if records is None else head_records + records
             if req.reasoning is not None:  # the reasoning first: what follows it is the text tools are read from
-                whole, text = reasoning_parts(req.reasoning, out.text, out.finished)
+                whole, text = reasoning_parts(req.reasoning, out.text, out.finished, memos.setdefault(i, {}))
                 reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
                 delta = text[sent.get(i, 0):]
             if req.tools is not None and req.tools.mode != "none":  # the content before the calls (none for a
@@ -364,7 +365,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                     content, read = split(req.tools, text)
                     calls = stream.deltas(read or [], finished=True)
                 else:
-                    content = visible(req.tools, text) if req.tools.mode == "auto" else ""
+                    content = visible(req.tools, text, memos.setdefault(i, {})) if req.tools.mode == "auto" else ""
                     calls = stream.deltas(partial_calls(req.tools, text, stream.memo))
                 delta = content[sent.get(i, 0):]
             sent[i] = sent.get(i, 0) + len(delta)

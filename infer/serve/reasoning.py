@@ -72,38 +72,75 @@ _H_MARKERS = (_H_START, _H_CHANNEL, _H_MESSAGE, "<|constrain|>", *_H_ENDS)
 _H_LONGEST = max(map(len, _H_MARKERS))
 _H_TO = "to="  # a header's recipient (the reply's first header may start with it)
 _H_NEXT = re.compile("|".join(re.escape(m) for m in (*_H_ENDS, _H_START, _H_CHANNEL)))  # where a message's text ends
+_H_SPACES = re.compile(" *")
 
 
-def harmony_messages(text: str, finished: bool) -> list[tuple[str, str, bool]]:
+def harmony_messages(text: str, finished: bool, memo: dict | None = None) -> list[tuple[str, str, bool]]:
     """(header, text, ended) of each message of a harmony reply, in order: the header is what precedes <|message|>
     ("<|channel|>final", "<|start|>assistant to=functions.f<|channel|>commentary json"; "" for text outside any
     message), `ended` whether an end marker (<|end|>, <|return|>, <|call|>) closed it. The reply's first header may
     be " to=functions.f<|channel|>commentary json" (after the prompt's `<|start|>assistant`). Not `finished`: a tail
-    that may still become a marker ("<|en") held back, a header not yet closed by <|message|> left out."""
+    that may still become a marker ("<|en") held back, a header not yet closed by <|message|> left out. `memo`: see
+    harmony_read."""
+    return harmony_read(text, finished, memo)[0]
+
+
+def harmony_read(text: str, finished: bool, memo: dict | None = None) -> tuple[list[tuple[str, str, bool]], int,
+                                                                                dict]:
+    """(harmony_messages's messages, how many of the first ones are closed (no longer text can change them), the
+    read's state, where a reader keeps what it made of those closed messages). `memo`: a dict a stream keeps for its
+    reply (the same one at each token): a read of a text that goes on the last one's goes on from where that one
+    stopped (the closed messages kept, markers looked for in the new text alone); any other text is read fresh. A
+    memo read equals a fresh one."""
+    end, lead = len(text), _H_SPACES.match(text).end()
     if not finished:
-        if _H_TO.startswith(text.lstrip(" ")):  # (" to" may still become the first header's " to=functions.f")
-            return []
-        at = text.find("<", max(0, len(text) - _H_LONGEST + 1))  # (every marker starts with "<")
+        if end - lead <= len(_H_TO) and _H_TO.startswith(text[lead:]):  # (" to": the first header's " to=f" yet)
+            if memo is not None:
+                memo.pop(("harmony", finished), None)
+            return [], 0, {}
+        at = text.find("<", max(0, end - _H_LONGEST + 1))  # (every marker starts with "<")
         while at >= 0:
             if any(m.startswith(text[at:]) for m in _H_MARKERS):
-                text = text[:at]
+                end = at  # (read up to it: no copy of the reply)
                 break
             at = text.find("<", at + 1)
-    out, at = [], 0
-    while at < len(text):
-        header = ""
-        # (the reply's first header may start with its recipient, the prompt having written `<|start|>assistant`)
-        if text.startswith((_H_START, _H_CHANNEL), at) or (at == 0 and text.lstrip(" ").startswith(_H_TO)):
-            head = text.find(_H_MESSAGE, at)
-            if head < 0:
-                break  # a header without its text (yet)
-            header, at = text[at:head], head + len(_H_MESSAGE)
-        found = _H_NEXT.search(text, at)  # (one scan: a find per marker read to the end for each message)
-        stop = found.start() if found else len(text)
-        end = len(found.group()) if found and found.group() in _H_ENDS else 0
-        out.append((header, text[at:stop], end > 0))
-        at = stop + end
-    return out
+    state = memo.setdefault(("harmony", finished), {}) if memo is not None else {}
+    last = state.get("text")
+    if last is not None and len(text) == len(last) and end == state["end"] and text.startswith(last):
+        return list(state["messages"]), len(state["done"]), state  # (the same text read again)
+    if last is None or len(text) < len(last) or end < state["end"] or not text.startswith(last):
+        state.clear()  # (not the last text grown: read fresh)
+        state.update(done=[], at=0, head=None, scan=0)
+    done, at, head, scan, opened = state["done"], state["at"], state["head"], state["scan"], None
+    while at < end:
+        found = head
+        if found is None:  # (the message's header, its text's start)
+            # (the reply's first header may start with its recipient, the prompt having written `<|start|>assistant`)
+            if text.startswith((_H_START, _H_CHANNEL), at, end) or (at == 0 and text.startswith(_H_TO, lead, end)):
+                k = text.find(_H_MESSAGE, max(at, scan), end)
+                if k < 0:
+                    scan = max(at, end - len(_H_MESSAGE) + 1)
+                    break  # a header without its text (yet)
+                found = (text[at:k], k + len(_H_MESSAGE))
+            else:
+                found = ("", at)
+            scan = found[1]
+        stop = _H_NEXT.search(text, max(found[1], scan), end)  # (one scan: a find per marker for each message)
+        if stop is None:  # the reply's last message, open
+            opened = (found[0], text[found[1]:end], False)
+            # (its start kept unless a longer text may still make it a header: "<|chan", the first " t")
+            rest = text[at:end] if end - at < _H_LONGEST else ""
+            if not (rest and (_H_START.startswith(rest) or _H_CHANNEL.startswith(rest)) or (
+                    at == 0 and end - lead < len(_H_TO) and _H_TO.startswith(text[lead:end]))):
+                head, scan = found, max(found[1], end - _H_LONGEST + 1)
+            else:
+                scan = at
+            break
+        n = len(stop.group()) if stop.group() in _H_ENDS else 0
+        done.append((found[0], text[found[1]:stop.start()], n > 0))
+        at, head, scan = stop.start() + n, None, stop.start() + n
+    state.update(text=text, end=end, at=at, head=head, scan=scan, messages=done + ([opened] if opened else []))
+    return list(state["messages"]), len(done), state
 
 
 def harmony_channel(header: str) -> str:
@@ -112,13 +149,21 @@ def harmony_channel(header: str) -> str:
     return channel.split("<|", 1)[0].strip().split(" ", 1)[0]  # (" to=functions.f", <|constrain|>)
 
 
-def _harmony_parts(text: str, finished: bool) -> tuple[str, str]:
-    """(reasoning, content) of a harmony reply: each message's text by its channel (analysis: reasoning; the
-    others: content); text outside any message (no header) is content (see harmony_messages)."""
-    reasoning, content = [], []
-    for header, body, _ in harmony_messages(text, finished):
-        (reasoning if header and harmony_channel(header) == "analysis" else content).append(body)
-    return "\n".join(reasoning), "".join(content)
+def _harmony_parts(text: str, finished: bool, memo: dict | None = None) -> tuple[str, str]:
+    """(reasoning, content) of a harmony reply: each message's text by its channel (analysis: reasoning, joined by
+    newlines; the others: content); text outside any message (no header) is content (see harmony_messages). `memo`:
+    harmony_read's; the closed messages' parts are kept in it."""
+    messages, closed, kept = harmony_read(text, finished, memo)
+    n, reasoning, content = kept.get("parts", (0, None, ""))  # (reasoning None: no analysis message yet)
+    for k in range(n, len(messages)):
+        header, body, _ = messages[k]
+        if header and harmony_channel(header) == "analysis":
+            reasoning = body if reasoning is None else reasoning + "\n" + body
+        else:
+            content += body
+        if k < closed:
+            kept["parts"] = (k + 1, reasoning, content)
+    return reasoning or "", content
 
 
 # hunyuan_a13b: Hunyuan's reply "<think>\n...\n</think>\n<answer>\n...\n</answer>" (vLLM's HunyuanA13BReasoningParser)
@@ -204,7 +249,7 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            "qwen3": {"reads_enable_thinking": True, "tags": (THINK_START, THINK_END)},
            "seed_oss": {"reads_enable_thinking": False, "tags": ("<seed:think>", "</seed:think>")},
            "openai_gptoss": {"reads_enable_thinking": False, "tags": None, "split": _harmony_parts,
-                             "keeps_special": True},
+                             "keeps_special": True, "memo": True},  # (memo: its split takes a stream's memo)
            # EXAONE 4.0: deepseek_r1's rules with chat_template_kwargs enable_thinking true, else all content (its
            # template thinks only when asked: vLLM's exaone4 reads enable_thinking, false when absent)
            "exaone4": {"reads_enable_thinking": True, "thinking_by_default": False, "tags": (THINK_START, THINK_END)},
@@ -351,15 +396,16 @@ def _continued(body: dict, parser: str) -> bool | None:
     return content.rfind(start) <= content.rfind(end)
 
 
-def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str, str]:
+def parts(req: ReasoningRequest, text: str, finished: bool = True, memo: dict | None = None) -> tuple[str, str]:
     """(reasoning, content) of the reply `text`. Not `finished` (a stream): only what can go out now, less a start
     that may still become the opening tag ("<thi") and an end of the reasoning that may be the start of the
-    closing one ("</th"), held back as stop strings are; each part only grows as the text does."""
+    closing one ("</th"), held back as stop strings are; each part only grows as the text does. `memo`: a dict the
+    stream keeps for this reply, read on from at each token by the parsers of their own memo split (openai_gptoss)."""
     if req.ended:
         return "", _unwrapped(req.parser, text, finished)
     own = PARSERS[req.parser].get("split")
     if own is not None:
-        return own(text, finished)
+        return own(text, finished, memo) if PARSERS[req.parser].get("memo") else own(text, finished)
     start, end = tags(req.parser)
     lead = text.lstrip()  # (whitespace before the opening tag: GLM-4.5 writes "\n<think>" after <|assistant|>)
     if req.opened:

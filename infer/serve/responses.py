@@ -519,6 +519,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
     status = "completed"
     closed = []  # the items done, in order
     stream = CallStream(req.tools)  # the calls' items as they went out
+    memo = {}  # the reply's reads kept from token to token (harmony's: serve/reasoning.py's harmony_read)
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for _, out in outs:
             if out.finished and out.finish_reason in ("error", "abort"):
@@ -537,12 +538,12 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
             else:
                 text, thought, pieces = out.text, "", []
                 if req.reasoning is not None:
-                    thought, text = reasoning_parts(req.reasoning, out.text, False)
+                    thought, text = reasoning_parts(req.reasoning, out.text, False, memo)
                 if req.tools is not None and req.tools.mode == "auto":
                     # the calls as they come, after the message (harmony's content may go on after a call: whole)
                     if not reads_whole_reply(req.tools):
                         pieces = stream.deltas(partial_calls(req.tools, text, stream.memo))
-                    text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text)
+                    text = visible(req.tools, out.text if reads_whole_reply(req.tools) else text, memo)
                 elif req.tools is not None and req.tools.mode != "none":  # a forced call: no message, the call
                     pieces, text = stream.deltas(partial_calls(req.tools, text, stream.memo)), ""  # as it comes
             if not thought_done and thought and len(thought) > len(thought_sent):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
-from .reasoning import harmony_channel, harmony_messages
+from .reasoning import harmony_channel, harmony_read
 
 
 def _error(name: str, message: str, hint: str | None = None) -> RequestError:
@@ -625,7 +625,7 @@ def seed_oss_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[
 _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
 
 
-def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[dict]]:
+def harmony_calls(text: str, finished: bool = True, memo: dict | None = None) -> tuple[str | None, list[dict]]:
     """(content, the calls) of a gpt-oss reply in harmony's format, as vLLM's openai parser reads it: a message
     addressed `to=functions.NAME` (in its header, before or after its channel) is a call whose text is the arguments
     (JSON, written again as vLLM does; text that is not JSON as a JSON string), the final channel's text the content,
@@ -636,25 +636,29 @@ def harmony_calls(text: str, finished: bool = True) -> tuple[str | None, list[di
     is the stop token, left out of the text): it is a call when its text is whole JSON; one cut short (max_tokens)
     is not made, and its text is content, as a cut call of the other parsers stays text. Text outside any message
     (a reply without harmony's markers) is content. Not `finished` (a stream): the content so far (a call's text
-    not yet), and the calls whose messages ended."""
-    content, calls = None, []
-    messages = harmony_messages(text, finished)
-    for k, (header, body, ended) in enumerate(messages):
+    not yet), and the calls whose messages ended. `memo`: harmony_read's (a stream's, kept across its reads): what
+    the closed messages make is kept in it (their calls' ids too)."""
+    messages, closed, kept = harmony_read(text, finished, memo)
+    n, content, calls = kept.get("calls", (0, None, ()))
+    calls = list(calls)
+    for k in range(n, len(messages)):
+        header, body, ended = messages[k]
         recipient = _HARMONY_RECIPIENT.search(header)
         if recipient is None:
             if not header or harmony_channel(header) in ("final", "commentary"):
                 content = (content or "") + body
-            continue
-        if not ended and not finished:  # (a call still written: not read at each token of a stream)
-            continue
-        try:
-            args = json.dumps(json.loads(body, parse_constant=_not_json, parse_float=_finite), ensure_ascii=False)
-        except (ValueError, RecursionError):
-            args = _arguments(body) if ended else None
-        if ended or (finished and k == len(messages) - 1 and args is not None):
-            calls.append(_call(recipient.group(1), args))
-        elif finished:  # the reply's last message, cut short in its arguments
-            content = (content or "") + body
+        elif ended or finished:  # (a call still written is not read at each token of a stream)
+            try:
+                args = json.dumps(json.loads(body, parse_constant=_not_json, parse_float=_finite), ensure_ascii=False)
+            except (ValueError, RecursionError):
+                args = _arguments(body) if ended else None
+            if ended or (k == len(messages) - 1 and args is not None):
+                calls.append(_call(recipient.group(1), args))
+            else:  # the reply's last message, cut short in its arguments
+                content = (content or "") + body
+        if k == n and k < closed and (recipient is None or ended or not finished):  # (what no later text changes)
+            n = k + 1
+            kept["calls"] = (n, content, tuple(calls))
     return content, calls
 
 
@@ -688,14 +692,15 @@ def reads_whole_reply(req: ToolRequest | None) -> bool:
     return req is not None and req.mode == "auto" and req.name in WHOLE_REPLY_PARSERS
 
 
-def visible(req: ToolRequest | None, text: str) -> str:
+def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str:
     """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
     that may be the start of one ("<tool_c", "[TOOL_"), held back as stop strings are (llama3_json and pythonic:
-    nothing of a reply that starts as a call may, "{" or "[" (pythonic: while it may be "[name("), or their tag)."""
+    nothing of a reply that starts as a call may, "{" or "[" (pythonic: while it may be "[name("), or their tag).
+    `memo`: openai's (harmony_calls'), a dict the stream keeps for this reply."""
     if req is None or req.mode != "auto":
         return text
     if req.name == "openai":  # (the whole reply) the final channel's text so far
-        return harmony_calls(text, finished=False)[0] or ""
+        return harmony_calls(text, finished=False, memo=memo)[0] or ""
     if req.name == "pythonic" and text.startswith("[") and not _may_be_pythonic(text):
         return text  # "[1] First,", "[Paris]": no call can follow, the reply streams (the parser leaves it text)
     if req.name in ("llama3_json", "pythonic"):

@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from . import tools as t
+from .reasoning import harmony_messages
 
 log = logging.getLogger("infer.serve")
 
@@ -295,7 +296,7 @@ def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
 
 def _harmony(text: str, memo: dict) -> list[tuple[str, str]]:
     out = []
-    for n, (header, body, ended) in enumerate(t.harmony_messages(text, False)):
+    for n, (header, body, ended) in enumerate(harmony_messages(text, False, memo)):
         recipient = t._HARMONY_RECIPIENT.search(header)
         if recipient is None:
             continue
