@@ -104,6 +104,9 @@ def test_streamed_pieces_join_to_the_whole_reply(name, how):
     assert (split(TOOLS_REQ, text)[0] or "").startswith(shown)
 
 
+NEXT = r._H_NEXT
+
+
 class _Searches:
     """_H_NEXT, recording where each search starts."""
 
@@ -113,9 +116,6 @@ class _Searches:
     def search(self, text, at, end):
         self.starts.append(at)
         return NEXT.search(text, at, end)
-
-
-NEXT = r._H_NEXT
 
 
 def test_each_step_looks_for_markers_in_the_new_text_alone(monkeypatch):
