@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
+SCAN_GROUP_CHUNKS = 4  # chunks whose [H, L, L] scores a prefill's scan holds at once (memory.sizes.mamba_scan_bytes)
+
+
 def _segsum(a: torch.Tensor) -> torch.Tensor:
     """[..., L] -> [..., L, L]: out[..., i, j] = a[j + 1] + ... + a[i] for j <= i (0 on the diagonal), -inf above
     it (the masked cumulative sums of transformers' segment_sum: no differences of large sums)."""
@@ -45,17 +48,24 @@ def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limi
     B = F.pad(B, (0, 0, 0, 0, 0, pad)).reshape(-1, chunk, h, B.shape[-1])
     C = F.pad(C, (0, 0, 0, 0, 0, pad)).reshape(-1, chunk, h, C.shape[-1])
     cum = torch.cumsum(a, dim=-1)  # [H, c, l]
-    # within each chunk: attention-like scores C_l . B_s decayed from s to l
-    decay = torch.exp(_segsum(a))  # [H, c, l, s]
-    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay.permute(1, 2, 3, 0)
-    y = torch.einsum("clsh,cshp->clhp", scores, xd)
     # each chunk's own contribution to the state at its end, then the states carried from chunk to chunk
     to_end = torch.exp(cum[..., -1:] - cum)  # [H, c, l]
     chunk_states = torch.einsum("clhn,clhp->chpn", B * to_end.permute(1, 2, 0)[..., None], xd)
     states = torch.cat([state[None].float(), chunk_states])  # [c + 1, H, P, N]
     carry = torch.exp(_segsum(F.pad(cum[..., -1], (1, 0))))  # [H, c + 1, c + 1]
     states = torch.einsum("hzc,chpn->zhpn", carry, states)  # (z: the state at chunk z's start; the last: the end)
-    y = y + torch.einsum("clhn,chpn->clhp", C, states[:-1]) * torch.exp(cum).permute(1, 2, 0)[..., None]
+    carried = torch.einsum("clhn,chpn->clhp", C, states[:-1]) * torch.exp(cum).permute(1, 2, 0)[..., None]
+    y = torch.empty_like(xd)
+    # the [H, l, l] temporaries of a group of chunks at a time; no group of one chunk after others (einsum would
+    # squeeze its chunk dimension and contract by another kernel: the output would differ in its last bits)
+    ends = list(range(SCAN_GROUP_CHUNKS, xd.shape[0], SCAN_GROUP_CHUNKS))
+    ends = ends[:-1] if ends and xd.shape[0] - ends[-1] == 1 else ends
+    for lo, hi in zip([0] + ends, ends + [xd.shape[0]]):
+        k = slice(lo, hi)
+        # within each chunk: attention-like scores C_l . B_s decayed from s to l
+        decay = torch.exp(_segsum(a[:, k]))  # [H, c, l, s]
+        scores = torch.einsum("clhn,cshn->clsh", C[k], B[k]) * decay.permute(1, 2, 3, 0)
+        y[k] = torch.einsum("clsh,cshp->clhp", scores, xd[k]) + carried[k]
     return y.reshape(-1, h, p)[:t] + skip, states[-1]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.intmath import lora_split_most
+from ..kernels.mamba2 import SCAN_GROUP_CHUNKS
 from ..kernels.reference import MASK_ELEMENTS, decode_gather_tokens, longest_batched_decode
 from ..models.limits import context_limit, layer_groups, uniform_window
 from ..models.shapes import ModelShapes
@@ -323,16 +324,19 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
 
 def mamba_scan_bytes(model_config, tokens: int) -> int:
     """The float32 temporaries of a Mamba-2 layer's SSD scan of one sequence's `tokens` (kernels.mamba2.chunk_scan,
-    Granite 4.0; 0 for other models), padded to whole chunks of L = mamba_chunk_size: three [H, tokens, L] score and
-    decay tensors live at once (the masked cumulative sums, their exp, C.B scores and their product), beside each
-    token's x, x * dt, the skip and the output [H, P] and the repeated B and C [H, N]."""
+    Granite 4.0; 0 for other models), padded to whole chunks of L = mamba_chunk_size: each token's x, x * dt, the
+    skip, the state carried in and the output [H, P] and the repeated B and C [H, N], beside the larger of the
+    chunk-to-chunk carry's three [H, c + 1, c + 1] and three [H, tokens, L] score and decay tensors (the masked
+    cumulative sums, their exp, C.B scores and their product) of at most SCAN_GROUP_CHUNKS + 1 chunks at once."""
     if getattr(model_config, "model_type", None) != "granitemoehybrid" or not _linear_layers(model_config) \
             or tokens <= 0:
         return 0
     c = model_config
     chunk, heads = int(c.mamba_chunk_size), int(c.mamba_n_heads)
-    padded = -(-tokens // chunk) * chunk
-    return padded * heads * (3 * chunk + 4 * int(c.mamba_d_head) + 4 * int(c.mamba_d_state)) * 4
+    chunks = -(-tokens // chunk)
+    group = min(chunks, SCAN_GROUP_CHUNKS + 1) * chunk * chunk
+    per_token = 5 * int(c.mamba_d_head) + 4 * int(c.mamba_d_state)
+    return heads * (chunks * chunk * per_token + 3 * max(group, (chunks + 1) ** 2)) * 4
 
 
 def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int, max_length: int) -> int:
