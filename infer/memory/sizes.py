@@ -120,7 +120,11 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     slot, A holds max_rank rows of the input width for each shard and B max_rank columns of every output, for qkv,
     o_proj, gate_up and down_proj of each layer. A mixture of experts' sparse layer has, in place of the MLP's,
     its shared expert's (Qwen2-MoE, of its own width) and every expert's A and B of gate_up and down
-    (lora.experts.ExpertLoRA). `target_modules` (--lora-target-modules, lora.targets): only the layers it selects."""
+    (lora.experts.ExpertLoRA). The gated attention's q_proj (GATED_Q) is twice the query's width; a hybrid's
+    linear-attention layers have their Gated DeltaNet's slots in place of qkv's and o_proj's (with every layer's
+    slots alone: targets never name them). `target_modules` (--lora-target-modules, lora.targets): only the layers
+    it selects."""
+    from ..lora.adapter import GATED_Q
     from ..lora.experts import expert_slot_elements
     from ..lora.targets import check_target_modules, selects, selects_as
     from ..models.moe import expert_size, is_sparse, num_experts, shared_name, shared_width
@@ -132,9 +136,15 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     def mlp(width: int, prefix: str = "") -> int:  # gate_up's and down_proj's A widths + B heights
         return (2 * h + 2 * width) * selects_as(chosen, prefix + "gate_up_proj") + \
             (width + h) * selects_as(chosen, prefix + "down_proj")  # (an MLP without gate's up, down: within these)
+    wide = 2 if model_config.model_type in GATED_Q else 1  # (gated attention: q_proj's query and gate)
+    linear = set(_linear_layers(model_config))
     per_rank = 0
     for layer in range(model_config.num_hidden_layers):
-        per_rank += (3 * h + q + 2 * kv) * selects(chosen, "qkv_proj") + (q + h) * selects(chosen, "o_proj")
+        if layer in linear:  # Gated DeltaNet's in_proj_qkvz, in_proj_ba, out_proj: slots only on every layer's
+            per_rank += _delta_net_slot_elements(model_config) if chosen is None else 0
+        else:
+            per_rank += (3 * h + wide * q + 2 * kv) * selects(chosen, "qkv_proj") + \
+                (q + h) * selects(chosen, "o_proj")
         if not is_sparse(model_config, layer):
             per_rank += mlp(inter)
             continue
@@ -143,6 +153,17 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
         if selects(chosen, "experts.gate_up_proj"):
             per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
     return max_loras * max_rank * per_rank * element_bytes(dtype)
+
+
+def _delta_net_slot_elements(model_config) -> int:
+    """A Gated DeltaNet layer's adapter slot elements per rank (models.qwen3_5: A's input widths + B's heights):
+    in_proj_qkvz (Qwen3.5's in_proj_qkv and in_proj_z shards, Qwen3-Next's one), in_proj_ba (likewise) and
+    out_proj."""
+    c = model_config
+    h, shards = c.hidden_size, 1 if c.model_type == "qwen3_next" else 2
+    key, value, hv = c.linear_num_key_heads * c.linear_key_head_dim, \
+        c.linear_num_value_heads * c.linear_value_head_dim, c.linear_num_value_heads
+    return shards * h + 2 * key + 2 * value + shards * h + 2 * hv + value + h
 
 
 def penalty_table_bytes(model_config, num_seqs: int) -> int:
