@@ -45,14 +45,16 @@ def _scan_inputs(tokens: int, heads: int, p: int, n: int, seed: int = 0):
             r(heads), r(heads)), r(heads, p, n)
 
 
-@pytest.mark.parametrize("chunks", [9, 13, 2, 1])
-def test_ssd_scan_in_groups_of_chunks_is_bit_identical_to_one_group(monkeypatch, chunks):
-    """Groups of SCAN_GROUP_CHUNKS chunks (a last group of one chunk folded into the one before) give the output and
-    final state of every chunk at once, bit for bit (a partial last chunk too)."""
-    args, state = _scan_inputs(chunks * 16 - 3, 8, 4, 6)
-    grouped = mamba2.chunk_scan(*args, chunk=16, state=state)
+@pytest.mark.parametrize("chunks", [5, 9, 12, 2, 1])
+@pytest.mark.parametrize("heads,p,n,chunk", [(4, 16, 8, 8), (8, 4, 6, 16)])
+def test_ssd_scan_in_groups_of_chunks_is_bit_identical_to_one_group(monkeypatch, chunks, heads, p, n, chunk):
+    """Groups of SCAN_GROUP_CHUNKS chunks (a last group of one chunk folded into the one before: einsum contracts a
+    single chunk by another kernel) give the output and final state of every chunk at once, bit for bit (a partial
+    last chunk too)."""
+    args, state = _scan_inputs(chunks * chunk - 3, heads, p, n)
+    grouped = mamba2.chunk_scan(*args, chunk=chunk, state=state)
     monkeypatch.setattr(mamba2, "SCAN_GROUP_CHUNKS", 10 ** 6)
-    whole = mamba2.chunk_scan(*args, chunk=16, state=state)
+    whole = mamba2.chunk_scan(*args, chunk=chunk, state=state)
     assert torch.equal(grouped[0], whole[0]) and torch.equal(grouped[1], whole[1])
 
 
