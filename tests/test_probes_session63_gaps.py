@@ -1,21 +1,27 @@
 """Session 63, small gaps: Granite 4.0's Mamba-2 SSD scan holds its [H, L, L] score and decay temporaries for a
 group of chunks at a time (bit-identical to one group of every chunk), and memory.sizes.mamba_scan_bytes counts
 that bounded peak; the adapter slots of the gated-attention families (q_proj twice the query's width) and of the
-hybrids' linear-attention layers are what memory.sizes.lora_slot_bytes counts."""
+hybrids' linear-attention layers are what memory.sizes.lora_slot_bytes counts; an ERNIE 4.5 MoE checkpoint
+without its routers' moe_statics bias loads zeros, as transformers."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infer import LLM
+from infer import LLM, SamplingParams
 from infer.kernels import mamba2
 from infer.memory.sizes import lora_slot_bytes, mamba_scan_bytes
 from infer.models.loader import load_config
 from infer.models.tiny import ensure_builtin
+
+from helpers import check_equal_transformers, hf_model
+from test_probes_session63_moe35 import build_ernie
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -86,3 +92,22 @@ def test_gated_attention_and_linear_layer_slots_are_counted(model, targets):
              lora_target_modules=targets) as llm:
         got = llm.engine.lora_manager.device_bytes()
         assert got == lora_slot_bytes(llm.engine.runner.model.config, 2, 4, torch.float32, targets)
+
+
+def test_ernie_checkpoint_without_the_router_bias_loads_zeros_as_transformers(tmp_path, caplog):
+    """An ERNIE 4.5 MoE folder without moe_statics.e_score_correction_bias (drawn, then left out): transformers
+    initialises it to zeros and runs; infer loads zeros too, says so in a log line, and gives transformers' greedy
+    tokens and logprobs (the bias drawn first: a folder of zeros would not tell it from the drawn one)."""
+    build_ernie(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    kept = {k: v for k, v in stored.items() if not k.endswith("e_score_correction_bias")}
+    assert len(kept) < len(stored) and any(v.abs().sum() > 0 for k, v in stored.items() if k not in kept)
+    save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = hf_model(str(tmp_path))
+    assert all(m.mlp.gate.moe_statics.e_score_correction_bias.abs().sum() == 0 for m in hf.model.layers
+               if hasattr(m.mlp, "gate"))
+    prompts = [[5, 9, 100, 33, 7], list(range(40, 53))]
+    with caplog.at_level(logging.INFO, logger="infer"), LLM(str(tmp_path), block_size=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
+    assert "no moe_statics.e_score_correction_bias for 2 layers: zeros, as transformers" in caplog.text
+    check_equal_transformers(hf, prompts, outs, 8, "ernie-no-bias")

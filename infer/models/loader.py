@@ -342,6 +342,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
         stored_head = None
     if experts is not None:
         model.check_experts()
+    _zero_missing_ernie_bias(model, params, loaded)
     _check_complete(params, loaded, merged)
     if not on_cpu:
         _check_finite_on_device(model, dtype)
@@ -438,6 +439,20 @@ def _check_layer_count(params, loaded, merged) -> None:
                              f"{len(wanted)} (its num_hidden_layers, or transformers' default of it where it has none)",
                              f"use the config.json that came with these weights (num_hidden_layers: {k}); if the "
                              "model has more layers, a weight file is missing from the folder")
+
+
+def _zero_missing_ernie_bias(model, params, loaded) -> None:
+    """ERNIE 4.5 MoE's router bias (mlp.moe_statics.e_score_correction_bias) where the checkpoint has none: zeros, as
+    transformers' _init_weights leaves it (a plain top k of the softmax), with a log line."""
+    if getattr(model.config, "model_type", None) != "ernie4_5_moe":
+        return
+    missing = [k for k in params if k.endswith(".mlp.gate.e_score_correction_bias") and k not in loaded]
+    for k in missing:
+        params[k].data.zero_()
+        loaded.add(k)
+    if missing:
+        log.info("the checkpoint has no moe_statics.e_score_correction_bias for %d layers: zeros, as transformers",
+                 len(missing))
 
 
 def _check_complete(params, loaded, merged) -> None:
