@@ -444,7 +444,7 @@ def _check_layer_count(params, loaded, merged) -> None:
 def _zero_missing_ernie_bias(model, params, loaded) -> None:
     """ERNIE 4.5 MoE's router bias (mlp.moe_statics.e_score_correction_bias) where the checkpoint has none: zeros, as
     transformers' _init_weights leaves it (a plain top k of the softmax), with a log line."""
-    if getattr(model.config, "model_type", None) != "ernie4_5_moe":
+    if getattr(getattr(model, "config", None), "model_type", None) != "ernie4_5_moe":
         return
     missing = [k for k in params if k.endswith(".mlp.gate.e_score_correction_bias") and k not in loaded]
     for k in missing:
