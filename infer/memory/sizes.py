@@ -20,6 +20,8 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     """K and V of every layer that attends (a hybrid model's linear-attention layers keep a state instead:
     state_bytes)."""
     layers = model_config.num_hidden_layers - len(_linear_layers(model_config))
+    if getattr(model_config, "model_type", None) == "nemotron_h":  # (its MLP layers keep no KV either)
+        layers = model_config.layers_block_type.count("full_attention")
     return 2 * layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
 
 
@@ -39,7 +41,10 @@ def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
     if not layers:
         return 0
     c = model_config
-    if c.model_type == "granitemoehybrid":  # Mamba-2 (models.granite4.Mamba2Mixer.state_shapes)
+    if c.model_type == "nemotron_h":  # (models.nemotron_h.mamba_fields: Granite 4.0's fields)
+        from ..models.nemotron_h import mamba_fields
+        c = mamba_fields(c)
+    if hasattr(c, "mamba_expand"):  # Mamba-2 (Granite 4.0, Nemotron-H: models.granite4.Mamba2Mixer.state_shapes)
         inter = int(c.mamba_expand * c.hidden_size)
         conv_dim, kernel = inter + 2 * c.mamba_n_groups * c.mamba_d_state, c.mamba_d_conv
         rec = inter * c.mamba_d_state * 4
@@ -345,14 +350,17 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
 
 def mamba_scan_bytes(model_config, tokens: int) -> int:
     """The float32 temporaries of a Mamba-2 layer's SSD scan of one sequence's `tokens` (kernels.mamba2.chunk_scan,
-    Granite 4.0; 0 for other models), padded to whole chunks of L = mamba_chunk_size: each token's x, x * dt, the
-    skip, the state carried in and the output [H, P] and the repeated B and C [H, N], beside the larger of the
-    chunk-to-chunk carry's three [H, c + 1, c + 1] and three [H, tokens, L] score and decay tensors (the masked
+    Granite 4.0 and Nemotron-H; 0 for other models), padded to whole chunks of L = mamba_chunk_size: each token's x,
+    x * dt, the skip, the state carried in and the output [H, P] and the repeated B and C [H, N], beside the larger of
+    the chunk-to-chunk carry's three [H, c + 1, c + 1] and three [H, tokens, L] score and decay tensors (the masked
     cumulative sums, their exp, C.B scores and their product) of at most SCAN_GROUP_CHUNKS + 1 chunks at once."""
-    if getattr(model_config, "model_type", None) != "granitemoehybrid" or not _linear_layers(model_config) \
-            or tokens <= 0:
+    if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h") \
+            or not _linear_layers(model_config) or tokens <= 0:
         return 0
     c = model_config
+    if c.model_type == "nemotron_h":  # (Granite 4.0's fields: models.nemotron_h.mamba_fields)
+        from ..models.nemotron_h import mamba_fields
+        c = mamba_fields(c)
     chunk, heads = int(c.mamba_chunk_size), int(c.mamba_n_heads)
     chunks = -(-tokens // chunk)
     group = min(chunks, SCAN_GROUP_CHUNKS + 1) * chunk * chunk

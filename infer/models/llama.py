@@ -99,6 +99,8 @@ def norm_eps(cfg) -> float:
         return float(cfg.norm_epsilon)
     if cfg.model_type == "nemotron":
         return float(cfg.norm_eps)
+    if cfg.model_type == "nemotron_h":  # (models.nemotron_h)
+        return float(cfg.layer_norm_epsilon)
     return float(cfg.layer_norm_eps if cfg.model_type in COHERE else cfg.rms_norm_eps)
 
 

@@ -102,6 +102,10 @@ def text_name(name: str) -> str | None:
 def text_tensors(cfg, tensors):
     """(name, tensor) of a checkpoint's tensors as the text model names them, the vision tower's and the
     projector's left out, where `cfg` is a multimodal checkpoint's text config; else the tensors as they are."""
+    if getattr(cfg, "model_type", None) == "nemotron_h":  # (backbone.*: models.nemotron_h.checkpoint_name)
+        from .nemotron_h import checkpoint_name
+        yield from ((checkpoint_name(name), t) for name, t in tensors)
+        return
     if not is_multimodal(cfg):
         yield from tensors
         return

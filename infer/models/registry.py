@@ -52,6 +52,9 @@ SUPPORTED = {
     "Starcoder2ForCausalLM": "starcoder2",
     "ArceeForCausalLM": "arcee",  # Arcee's AFM: Llama with an MLP without gate (up, relu², down)
     "NemotronForCausalLM": "nemotron",  # NVIDIA's Nemotron-4 / Minitron: LayerNorm1P, relu² MLP without gate
+    # NVIDIA's Nemotron-H (Nemotron-H-8B/47B, NVIDIA-Nemotron-Nano-9B-v2): norm-then-mixer blocks of Mamba-2,
+    # attention without rope or a relu² MLP without gate (models.nemotron_h)
+    "NemotronHForCausalLM": "nemotron_h",
     "ApertusForCausalLM": "apertus",  # Swiss AI's Apertus: xIELU MLP without gate, q/k norms
     # Shanghai AI Lab's InternLM3 (internlm3-8b-instruct): Llama's layers (transformers runs it as LlamaForCausalLM),
     # qkv_bias and bias read as attention_bias and mlp_bias (transformers refuses them unequal), head_dim set apart
@@ -161,7 +164,6 @@ NEAR_FAMILIES = {
     "gpt_bigcode": ("the first StarCoder and SantaCoder (GPTBigCodeForCausalLM: multi-query attention, learned "
                     "position embeddings)", _STARCODER),
     "afmoe": ("Arcee's Trinity, a mixture of experts (AfmoeForCausalLM)", _ARCEE),
-    "nemotron_h": ("Nemotron-H, NVIDIA's hybrid of Mamba-2 and attention layers (NemotronHForCausalLM)", _NEMOTRON),
     "nemotron-nas": ("Llama-Nemotron's neural-architecture-searched layers (DeciLMForCausalLM: Llama-3.1-Nemotron "
                      "Nano/Super/Ultra), layers of differing shapes", _NEMOTRON),
     "nemotron_h_omni": ("Nemotron-H's multimodal model (model_type nemotron_h_omni)", _NEMOTRON),
@@ -217,6 +219,8 @@ def check_supported(cfg) -> str:
         check_granite_swa(cfg)
     if model_type == "granitemoehybrid":
         check_granite4(cfg)
+    elif model_type == "nemotron_h":
+        check_nemotron_h(cfg)
     elif model_type in HYBRID:  # (the Gated DeltaNet layers of Qwen3.5, Qwen3.5 MoE and Qwen3-Next)
         check_linear_attention(cfg)
     from .moe import check_moe
@@ -254,6 +258,12 @@ def activation(cfg) -> str:
             raise UnsupportedModelError(f"{field} {act!r} is not supported for {model_type}",
                                         "Gemma's MLP uses gelu_pytorch_tanh (gelu's tanh approximation)")
         return "gelu_tanh"
+    if model_type == "nemotron_h":  # (its MLP: up, relu², down; the Mamba-2 mixers' silu: mamba_hidden_act)
+        for field, name in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if getattr(cfg, field, name) != name:
+                raise UnsupportedModelError(f"{field} {getattr(cfg, field)!r} is not supported for nemotron_h",
+                                            f"Nemotron-H's {field} is {name}, the only one infer computes for it")
+        return "relu2"
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")
@@ -404,8 +414,31 @@ def check_granite4(cfg) -> None:
                                     "use the config.json that came with the weights")
 
 
+def check_nemotron_h(cfg) -> None:
+    """Nemotron-H's layers_block_type (hybrid_override_pattern) with experts ("E", moe: Nemotron 3's) or without an
+    attention layer, and Mamba-2 heads that its groups do not divide: refused naming them (models.nemotron_h)."""
+    types = list(getattr(cfg, "layers_block_type", None) or [])
+    if "moe" in types:
+        raise UnsupportedModelError("nemotron_h with mixture-of-experts layers (hybrid_override_pattern \"E\", "
+                                    "layers_block_type \"moe\": Nemotron 3's) is not supported",
+                                    "infer runs Nemotron-H's Mamba-2 (M), attention (*) and MLP (-) layers: serve "
+                                    "Nemotron-H-8B/47B or NVIDIA-Nemotron-Nano-9B-v2")
+    if "full_attention" not in types:
+        raise UnsupportedModelError("nemotron_h with no attention layer (no \"*\" in hybrid_override_pattern) is "
+                                    "not supported: infer's KV blocks, which count each sequence's tokens, are an "
+                                    "attention layer's", "serve a Nemotron-H checkpoint with attention layers")
+    heads, groups = getattr(cfg, "mamba_num_heads", 1), getattr(cfg, "n_groups", 1)
+    if "linear_attention" in types and (not groups or heads % groups):
+        raise UnsupportedModelError(f"nemotron_h with mamba_num_heads {heads} in n_groups {groups} is not supported: "
+                                    "each group's B and C serve mamba_num_heads / n_groups heads",
+                                    "use the config.json that came with the weights")
+
+
 def model_class(cfg):
     check_supported(cfg)
+    if cfg.model_type == "nemotron_h":
+        from .nemotron_h import nemotron_h_class
+        return nemotron_h_class(is_hybrid(cfg))
     if cfg.model_type == "granitemoehybrid":
         from .granite4 import granite4_class
         return granite4_class(is_hybrid(cfg))
@@ -434,6 +467,6 @@ def is_hybrid(cfg) -> bool:
     """Whether the model keeps a linear-attention state per sequence (HYBRID: Qwen3.5; Granite 4.0 with Mamba-2
     layers)."""
     model_type = getattr(cfg, "model_type", None)
-    if model_type == "granitemoehybrid":
+    if model_type in ("granitemoehybrid", "nemotron_h"):
         return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
     return model_type in HYBRID

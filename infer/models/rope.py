@@ -38,6 +38,8 @@ def nope_layers(cfg) -> list[bool]:
                                         f"{layers} layers", "Granite SWA's layer_rope_theta gives each layer its "
                                         "rope base (0: no rotary): use the config.json that came with the weights")
         return [thetas[i] == 0 for i in range(layers)]
+    if model_type == "nemotron_h":  # (Nemotron-H's attention layers rotate by none: models.nemotron_h)
+        return [t == "full_attention" for t in cfg.layers_block_type]
     if model_type == "granitemoehybrid":  # (Granite 4.0: rope where position_embedding_type is "rope", else none)
         rope = getattr(cfg, "position_embedding_type", None) == "rope"
         return [not rope and t != "linear_attention" for t in cfg.layer_types]

@@ -224,6 +224,11 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, shared_intermediate_size=64, num_local_experts=0, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.0625, logits_scaling=4.0, tie_word_embeddings=False, position_embedding_type="rope",
         layer_types=["attention", "attention"])),
+    # Nemotron-H (Nemotron-H-8B's pattern, shortened): Mamba-2 (M), MLP (-), attention without rope (*), Mamba-2,
+    # MLP; Mamba-2 heads of 16 (8 of them), 2 groups of 16 state dims, chunks of 16 (prompts span several)
+    "tiny-nemotron-h": TinySpec("nemotron_h", 33, config=dict(
+        _TINY, hybrid_override_pattern="M-*M-", num_hidden_layers=5, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
