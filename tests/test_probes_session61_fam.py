@@ -117,8 +117,8 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, fa
     assert check_gpu_path_interpreted(tmp_path, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
 
 
-NEAR = {"nemotron_h": ("NemotronHForCausalLM", "is Nemotron-H, NVIDIA's hybrid of Mamba-2 and attention layers",
-                        "infer runs NVIDIA's dense Nemotron-4"),
+NEAR = {"nemotron_h_omni": ("NemotronHOmniForConditionalGeneration", "is Nemotron-H's multimodal model",
+                             "infer runs NVIDIA's dense Nemotron-4"),
         "nemotron-nas": ("DeciLMForCausalLM", "is Llama-Nemotron's neural-architecture-searched layers",
                          "infer runs NVIDIA's dense Nemotron-4"),
         "afmoe": ("AfmoeForCausalLM", "is Arcee's Trinity, a mixture of experts", "infer runs Arcee's dense AFM"),
@@ -139,9 +139,9 @@ def test_another_activation_is_refused(tmp_path, family):
 
 @pytest.mark.parametrize("model_type", NEAR)
 def test_near_neighbours_are_refused_naming_what_they_are(tmp_path, model_type):
-    """A neighbour of the families that infer does not run (Nemotron-H's hybrid, Llama-Nemotron's NAS layers, Arcee's
-    Trinity, Apertus 1.5's multimodal model) is refused by `infer warmup --estimate`, naming what it is and what infer
-    runs."""
+    """A neighbour of the families that infer does not run (Nemotron-H's multimodal model, Llama-Nemotron's NAS
+    layers, Arcee's Trinity, Apertus 1.5's multimodal model) is refused by `infer warmup --estimate`, naming what it
+    is and what infer runs."""
     build(tmp_path, "nemotron", num_hidden_layers=1)
     config = json.loads((tmp_path / "config.json").read_text())
     arch, what, hint = NEAR[model_type]

@@ -39,3 +39,43 @@ def test_nemotron_h_equals_transformers(hf):
     """Prompts of 5, 13 and 30 tokens batched (the 30-token one spans two scan chunks of 16): transformers' greedy
     tokens and logprobs."""
     check_greedy_and_logprobs_equal_transformers(ensure_builtin(NAME), hf, NAME, _layers_as_the_pattern)
+
+
+def test_chunked_prefill_carries_the_mamba_state_across_steps(hf):
+    """Steps of 8 tokens: prompts of 30 and 41 tokens run in chunks whose conv and SSM states carry over, mixed with
+    the others' decodes; a prompt of one token too; every state slot given back."""
+    prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
+    with LLM(NAME, block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        check_state_slots_all_free(llm)
+
+
+def test_chunked_prefill_prompt_logprobs_equal_transformers(hf):
+    """Prompts of 30 and 23 tokens in steps of 8 beside each other: every prompt token's logprob is transformers'."""
+    from infer import SamplingParams
+    prompts = random_prompts(512, (30, 23), seed=8)
+    with LLM(NAME, block_size=4, max_num_batched_tokens=8, max_num_seqs=2) as llm:
+        out = llm.generate(prompts, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+    check_prompt_logprobs_equal_transformers(hf, prompts, out)
+
+
+def test_a_long_prompt_spans_several_scan_chunks(hf):
+    """A prompt of 70 tokens in one step (five scan chunks of 16) and one of 45 cut into steps of 20."""
+    check_one_step_and_split_prompts(NAME, hf, random_prompts(512, (70, 45), seed=7), 20)
+
+
+def test_preemption_restarts_the_mamba_state_from_zero(hf):
+    """A KV budget of 16 blocks of 4 for 4 prompts: some are preempted and recomputed from zero state."""
+    check_preemption_restarts_from_zero_state(NAME, hf)
+
+
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = \
+    builtin_model_tests({NAME: "NemotronHForCausalLM"}, nope=(NAME,))
+
+
+def test_warmup_counts_the_mamba_states_and_the_attention_kv_alone():
+    """`infer warmup --estimate` counts the 2 Mamba-2 layers' state slots (8 sequences and a padding slot: a conv
+    state [192, 3] and a float32 SSM state [8, 16, 16]) and the KV of the one attention layer of 5 (MLP layers have
+    none): 2 KV heads of 16, K and V, float32."""
+    plan = check_warmup_counts_the_states(NAME, 2 * 2 * 16 * 4)
+    assert plan["state_bytes"] == 2 * 9 * (192 * 3 * 4 + 8 * 16 * 16 * 4)

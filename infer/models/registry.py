@@ -135,8 +135,8 @@ _EXAONE = "infer runs LG's EXAONE 4.0 (Exaone4ForCausalLM, model_type exaone4): 
 _STARCODER = ("infer runs BigCode's StarCoder2 (Starcoder2ForCausalLM, model_type starcoder2): use a StarCoder2 "
               "checkpoint")
 _ARCEE = "infer runs Arcee's dense AFM (ArceeForCausalLM, model_type arcee: AFM-4.5B): use an AFM checkpoint"
-_NEMOTRON = ("infer runs NVIDIA's dense Nemotron-4 and Minitron (NemotronForCausalLM, model_type nemotron): use one "
-             "of those")
+_NEMOTRON = ("infer runs NVIDIA's dense Nemotron-4 and Minitron (NemotronForCausalLM, model_type nemotron) and "
+             "Nemotron-H's text models (NemotronHForCausalLM, model_type nemotron_h): use one of those")
 _APERTUS = "infer runs Swiss AI's Apertus text models (ApertusForCausalLM, model_type apertus: Apertus-8B, 70B)"
 _INTERNLM = ("infer runs InternLM3 (InternLM3ForCausalLM, model_type internlm3: internlm3-8b-instruct): use an "
              "InternLM3 checkpoint")
