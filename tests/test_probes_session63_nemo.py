@@ -79,3 +79,79 @@ def test_warmup_counts_the_mamba_states_and_the_attention_kv_alone():
     none): 2 KV heads of 16, K and V, float32."""
     plan = check_warmup_counts_the_states(NAME, 2 * 2 * 16 * 4)
     assert plan["state_bytes"] == 2 * 9 * (192 * 3 * 4 + 8 * 16 * 16 * 4)
+
+
+def test_mixed_adapters_on_the_attention_and_the_mlp_equal_peft(tmp_path):
+    """Two adapters (every attention projection and the MLP's up_proj and down_proj; q and v alone) and the base model
+    in one batch and each alone: peft's tokens."""
+    from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapter
+    base = ensure_builtin(NAME)
+    hf = hf_float(base)
+    paths = {name: save_adapter(hf, tmp_path / name, i + 1, 0.5, lora_dropout=0.0, **kw) for i, (name, kw) in
+             enumerate({"all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "up_proj", "down_proj"]),
+                        "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])}.items())}
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
+
+
+@pytest.mark.parametrize("targets", [["in_proj", "q_proj"], ["in_proj", "up_proj"]])
+def test_adapters_of_the_mamba_layers_are_refused(tmp_path, targets):
+    """An adapter of the Mamba-2 mixers' projections is refused at registration, naming them and what to adapt."""
+    import re
+
+    from lora_helpers import hf_float, save_adapters
+
+    from infer.errors import LoRAError
+    paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"a": dict(r=4, lora_alpha=8,
+                                                                               target_modules=targets)})
+    with pytest.raises(LoRAError, match=rf"targets {re.escape(repr(targets[:1]))}: infer's adapters of nemotron_h "
+                                        r"\(Nemotron-H\) adapt the attention's and the MLP's projections.*retrain "
+                                        r"with target_modules among q_proj, k_proj, v_proj, o_proj, up_proj, "
+                                        r"down_proj"):
+        LLM(NAME, loras={"a": str(paths["a"])}, max_lora_rank=8)
+
+
+def test_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path):
+    """`infer quantize` of Nemotron-H (GPTQModel 7.6's nemotron_h definition looks for backbone.layers, which
+    transformers 5 holds as model.layers) is refused before any work, naming why; nothing is written."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["quantize", NAME, "-o", str(tmp_path / "q"), "--group-size", "32"])
+    assert res.exit_code != 0
+    said = " ".join(res.output.split())
+    assert "is a Nemotron-H (nemotron_h), which GPTQModel 7.6 fails to quantize" in said
+    assert "serve the float checkpoint" in said and not (tmp_path / "q").exists()
+
+
+def test_the_demo_refuses_nemotron_h_naming_it(tmp_path, monkeypatch):
+    """`infer demo --model tiny-nemotron-h` (its chain quantizes, which GPTQModel cannot here) is refused naming it."""
+    from typer.testing import CliRunner
+
+    from infer.cli import demo as demo_module
+    from infer.cli.main import app
+    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
+    res = CliRunner().invoke(app, ["demo", "--model", NAME, "--out", str(tmp_path / "d")])
+    assert res.exit_code == 2, res.output
+    assert f"--model {NAME} is a Nemotron-H (nemotron_h: infer quantize refuses it)" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention"]},
+     r"nemotron_h with mixture-of-experts layers \(hybrid_override_pattern \"E\""),
+    ({"layers_block_type": ["linear_attention", "mlp", "linear_attention", "mlp", "mlp"]},
+     r"nemotron_h with no attention layer"),
+    ({"n_groups": 3}, r"mamba_num_heads 8 in n_groups 3 is not supported"),
+    ({"mlp_hidden_act": "silu"}, r"mlp_hidden_act 'silu' is not supported for nemotron_h")])
+def test_config_refusals(change, match):
+    """A Nemotron-H config.json with experts (Nemotron 3's "E" layers), without attention, of Mamba-2 heads its groups
+    do not divide or another MLP activation: refused naming the field."""
+    from transformers import AutoConfig
+
+    from infer.errors import UnsupportedModelError
+    from infer.models.registry import check_supported
+    cfg = AutoConfig.from_pretrained(str(ensure_builtin(NAME)))
+    for key, value in change.items():
+        object.__setattr__(cfg, key, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        check_supported(cfg)

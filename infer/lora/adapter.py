@@ -247,6 +247,10 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
     infer does not adapt (yet): refused naming them (its attention's and MLP's projections are adapted)."""
     if base_config.model_type == "granitemoehybrid":
         return _granite4_problems(adapter)
+    if base_config.model_type == "nemotron_h":
+        return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's and "
+                                   "the MLP's projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
+                                   "q_proj, k_proj, v_proj, o_proj, up_proj, down_proj")
     if not is_hybrid(base_config):
         return []
     if base_config.model_type == "qwen3_next":
@@ -270,19 +274,29 @@ GRANITE4_UNADAPTED = ("in_proj", "out_proj", "input_linear", "output_linear", "s
                       "layer", "block_sparse_moe")
 
 
+# Nemotron-H's modules infer does not adapt (models.nemotron_h): the Mamba-2 mixers' in_proj, out_proj, conv1d and
+# the whole mixers (its attention's and MLP's projections are adapted)
+NEMOTRON_H_UNADAPTED = ("in_proj", "out_proj", "conv1d", "mixer", "layers")
+
+
 def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
     """An adapter of Granite 4.0's Mamba-2 projections, shared MLP or experts, which infer does not adapt (yet):
     refused naming them (its attention's projections are adapted)."""
+    return _unadapted_problems(adapter, GRANITE4_UNADAPTED, "granitemoehybrid (Granite 4.0) adapt the attention's "
+                               "projections alone, not the Mamba-2 layers' (in_proj, out_proj), the shared MLP's "
+                               "(input_linear, output_linear) or the experts'", "q_proj, k_proj, v_proj, o_proj")
+
+
+def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: str) -> list[Problem]:
+    """The adapter's targets among `unadapted` (a hybrid's modules infer does not adapt) refused, naming them, `what`
+    infer adapts of the base and the `adapted` names to retrain with."""
     targets = adapter.config.get("target_modules")
     names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
     names |= {m.proj for m in adapter.modules.values()}
-    listed = sorted(names & set(GRANITE4_UNADAPTED))
+    listed = sorted(names & set(unadapted))
     if not listed:
         return []
-    return [Problem(f"targets {listed}: infer's adapters of granitemoehybrid (Granite 4.0) adapt the attention's "
-                    "projections alone, not the Mamba-2 layers' (in_proj, out_proj), the shared MLP's (input_linear, "
-                    "output_linear) or the experts'", "retrain with target_modules among q_proj, k_proj, v_proj, "
-                    "o_proj")]
+    return [Problem(f"targets {listed}: infer's adapters of {what}", f"retrain with target_modules among {adapted}")]
 
 
 def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> list[Problem]:
@@ -940,8 +954,8 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     if parent in ("mlp.shared_expert", "mlp.shared_experts") and proj in LLAMA_PROJECTIONS \
             and LLAMA_PROJECTIONS[proj] == MLP:
         proj = f"shared_expert.{proj}"
-    elif PROJECTIONS.get(proj) != parent:
-        return None
+    elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS):
+        return None  # (Nemotron-H's attention and MLP projections: under its blocks' mixer, models.nemotron_h)
     return f"model.layers.{int(m['layer'])}.{parent}.{m['proj']}", int(m["layer"]), proj
 
 

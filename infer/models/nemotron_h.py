@@ -5,7 +5,8 @@ Granite 4.0's Mamba-2 mixer (models.granite4.Mamba2Mixer: in_proj, conv1d, the S
 out_proj; intermediate mamba_num_heads * mamba_head_dim), attention without rope (q, k, v, o without biases; KV on
 those layers alone: engine.model_runner counts the modules with a k_cache), or the MLP without gate
 (up_proj, relu(x)², down_proj: llama.UngatedMLP). The checkpoint's backbone.embeddings, backbone.layers.N.{norm,mixer}
-and backbone.norm_f are read as model.embed_tokens, model.layers.N.{norm,mixer} and model.norm (checkpoint_name).
+and backbone.norm_f are read as model.embed_tokens, model.layers.N.{norm,mixer} and model.norm (checkpoint_name;
+model.embeddings and model.norm_f too).
 Experts ("E", moe: Nemotron 3's) are refused (registry.check_nemotron_h)."""
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from .granite4 import Mamba2Mixer
 from .llama import Attention, LlamaForCausalLM, RMSNorm, UngatedMLP, _NoPE, _Ungated
 from .qwen3_5 import StateCacheMixin
 
-_NAMES = ((re.compile(r"^backbone\.embeddings\."), "model.embed_tokens."), (re.compile(r"^backbone\.norm_f\."),
-                                                                           "model.norm."),
-          (re.compile(r"^backbone\."), "model."))
+# (the hub's backbone.*; model.* where saved under transformers 5's names: its NemotronHModel's embeddings, norm_f)
+_NAMES = ((re.compile(r"^(backbone|model)\.embeddings\."), "model.embed_tokens."),
+          (re.compile(r"^(backbone|model)\.norm_f\."), "model.norm."), (re.compile(r"^backbone\."), "model."))
 
 
 def checkpoint_name(name: str) -> str:

@@ -112,7 +112,7 @@ FLOAT_NORMS = (*OLMO, "gpt_oss", "helium")
 COHERE = ("cohere", "cohere2")
 # the families whose MLP has no gate (models.llama.UngatedMLP: down(act(up(x)))): StarCoder2's (c_fc, gelu, c_proj),
 # Arcee's and Nemotron's (up_proj, relu², down_proj), Apertus's (up_proj, xIELU of learned parameters, down_proj)
-UNGATED = ("starcoder2", "arcee", "nemotron", "apertus")
+UNGATED = ("starcoder2", "arcee", "nemotron", "apertus", "nemotron_h")  # (Nemotron-H's MLP layers: models.nemotron_h)
 # the activation each ungated family's hidden_act must name (transformers' ACT2FN name) and infer's name for it
 UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu2", "relu2"),
                "nemotron": ("relu2", "relu2"), "apertus": ("xielu", "xielu")}
@@ -244,6 +244,12 @@ def activation(cfg) -> str:
     StarCoder2's MLP without gate), "relu2" (relu(x)², Arcee's and Nemotron's) or "xielu" (Apertus's);
     anything else is an UnsupportedModelError naming the field."""
     model_type = getattr(cfg, "model_type", None)
+    if model_type == "nemotron_h":  # (its MLP: up, relu², down; the Mamba-2 mixers' silu: mamba_hidden_act)
+        for field, name in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if getattr(cfg, field, name) != name:
+                raise UnsupportedModelError(f"{field} {getattr(cfg, field)!r} is not supported for nemotron_h",
+                                            f"Nemotron-H's {field} is {name}, the only one infer computes for it")
+        return "relu2"
     if model_type in UNGATED:  # (an MLP without gate: up, the activation, down; StarCoder2's c_fc, c_proj)
         name, ours = UNGATED_ACT[model_type]
         act = getattr(cfg, "hidden_act", None) or name
@@ -258,12 +264,6 @@ def activation(cfg) -> str:
             raise UnsupportedModelError(f"{field} {act!r} is not supported for {model_type}",
                                         "Gemma's MLP uses gelu_pytorch_tanh (gelu's tanh approximation)")
         return "gelu_tanh"
-    if model_type == "nemotron_h":  # (its MLP: up, relu², down; the Mamba-2 mixers' silu: mamba_hidden_act)
-        for field, name in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
-            if getattr(cfg, field, name) != name:
-                raise UnsupportedModelError(f"{field} {getattr(cfg, field)!r} is not supported for nemotron_h",
-                                            f"Nemotron-H's {field} is {name}, the only one infer computes for it")
-        return "relu2"
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")

@@ -300,7 +300,8 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     before: infer runs both, float. GPTQModel 7.6's glm4_moe definition fails on transformers 5 (its MoE hooks take
     the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
     experts)): refused too, as are Granite 4.0 (granitemoehybrid: its definition's patch of the Mamba-2 mixer
-    fails on transformers 5) and ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
+    fails on transformers 5), Nemotron-H (nemotron_h: its definition's backbone.layers is model.layers in
+    transformers 5) and ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
     transformers 5)."""
     if config.get("model_type") == "glm4_moe":
         raise UnsupportedModelError(
@@ -316,6 +317,12 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "longer has (and, where the first layer is attention, the mixer None: \"type object 'NoneType' has no "
             "attribute 'forward'\", seen on the CPU)", "serve the float checkpoint (infer runs it; --dtype bfloat16 "
             "halves it)")
+    if config.get("model_type") == "nemotron_h":
+        raise UnsupportedModelError(
+            f"{src} is a Nemotron-H (nemotron_h), which GPTQModel 7.6 fails to quantize on transformers 5: its "
+            "nemotron_h definition looks for the layers under backbone.layers, which transformers 5's "
+            "NemotronHForCausalLM holds as model.layers (\"'NoneType' object is not subscriptable\", seen on the CPU)",
+            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it)")
     if config.get("model_type") == "ernie4_5_moe":
         raise UnsupportedModelError(
             f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
