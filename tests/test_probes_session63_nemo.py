@@ -155,3 +155,14 @@ def test_config_refusals(change, match):
         object.__setattr__(cfg, key, value)
     with pytest.raises(UnsupportedModelError, match=match):
         check_supported(cfg)
+
+
+def test_bfloat16_equals_transformers_in_bfloat16(hf):
+    """--dtype bfloat16 (the norms weighting in float32, rounded once, as NemotronHRMSNorm; the SSM state float32):
+    transformers' greedy tokens in bfloat16, batched, a one-token prompt included."""
+    import copy
+    hf = copy.deepcopy(hf).to(torch.bfloat16)  # (the module's hf: float32)
+    prompts = random_prompts(512, (5, 13, 30, 1), seed=3)
+    with LLM(NAME, block_size=4, dtype="bfloat16", max_num_seqs=2) as llm:
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        check_state_slots_all_free(llm)
