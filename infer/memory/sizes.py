@@ -142,7 +142,9 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
         return (2 * h + 2 * width) * selects_as(chosen, prefix + "gate_up_proj") + \
             (width + h) * selects_as(chosen, prefix + "down_proj")  # (an MLP without gate's up, down: within these)
     wide = 2 if model_config.model_type in GATED_Q else 1  # (gated attention: q_proj's query and gate)
-    linear = set(_linear_layers(model_config))
+    # (Gated DeltaNet's layers: the gated-attention families'; Granite 4.0's and Nemotron-H's Mamba-2 layers, which
+    # have no Gated DeltaNet fields, are counted as an attention layer's qkv and o)
+    linear = set(_linear_layers(model_config)) if model_config.model_type in GATED_Q else set()
     per_rank = 0
     for layer in range(model_config.num_hidden_layers):
         if layer in linear:  # Gated DeltaNet's in_proj_qkvz, in_proj_ba, out_proj: slots only on every layer's
