@@ -34,12 +34,13 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # (the dead first: a new tensor at a freed tensor's address is counted, whatever the allocator reuses)
+        self.live = {k: (r, n) for k, (r, n) in self.live.items() if r() is not None}
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 self.live.setdefault(storage.data_ptr(), (weakref.ref(t), storage.nbytes()))
                 self.largest = max(self.largest, t.numel())
-        self.live = {k: (r, n) for k, (r, n) in self.live.items() if r() is not None}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
 
