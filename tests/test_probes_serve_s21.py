@@ -25,7 +25,8 @@ from helpers import tiny_chat_engine  # noqa: E402
 DEEP = "[" * 5000  # deeper than json.loads / ast.parse recurse (Python's default recursion limit is 1000)
 PREFIX = {"hermes": "<tool_call>", "llama3_json": '{"name": "f", "parameters": ', "mistral": "[TOOL_CALLS]",
           "pythonic": "[f(a=", "qwen3_coder": "<tool_call><function=", "seed_oss": "<seed:tool_call><function=",
-          "openai": ""}  # openai: a reply without harmony's markers is content (its deep calls: session61_tools)
+          "openai": "", "granite": "<|tool_call|>", "glm45": "<tool_call>f\n<arg_key>a</arg_key><arg_value>",
+          "olmo3": "<function_calls>f(a=", "ernie45": "<tool_call>"}  # openai: a reply without harmony's markers is content (its deep calls: session61_tools)
 DEEP_TEMPLATE = "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}"
 
 

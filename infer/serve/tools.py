@@ -18,7 +18,11 @@ list of {"name", "arguments"} objects (Mistral 7B v0.3, Mistral Nemo), or `[TOOL
 `<seed:tool_call>...</seed:tool_call>` (ByteDance Seed-OSS), both of whose values are typed by the function's JSON
 schema as vLLM types them, or openai, gpt-oss's harmony messages, a call being a commentary message addressed
 `to=functions.NAME` whose text is the JSON arguments (ended by <|call|>), the content the final channel's text
-(and a commentary preamble's).
+(and a commentary preamble's), or granite, `<|tool_call|>[{"name": ..., "arguments": {...}}]` (Granite 3.x; the tag
+may be written "<tool_call>"), or glm45, `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...
+</tool_call>` (GLM-4.5/4.6/4.7), its values typed by the schema, or olmo3, `<function_calls>` then a Python call a
+line, `name(key=value)`, then `</function_calls>` (Olmo 3), or ernie45, hermes' blocks as ERNIE 4.5 writes them
+(only ended blocks are calls; the content's last newlines dropped).
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
@@ -350,14 +354,20 @@ def _may_be_pythonic(text: str) -> bool:
     return at == len(text) or (at > 1 and text[at] == "(")
 
 
-def _literal(node: ast.expr) -> Any:
-    """A Python literal argument as its JSON value: constants, lists, and dicts whose keys are constants."""
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr, json_names: bool = False) -> Any:
+    """A Python literal argument as its JSON value: constants, lists, and dicts whose keys are constants (and, with
+    `json_names`, JSON's true, false and null written bare, as Olmo 3 writes them)."""
     if isinstance(node, ast.Constant):
         return node.value
+    if json_names and isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
     if isinstance(node, ast.List):
-        return [_literal(x) for x in node.elts]
+        return [_literal(x, json_names) for x in node.elts]
     if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
-        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+        return {k.value: _literal(v, json_names) for k, v in zip(node.keys, node.values)}
     raise ValueError("not a literal")
 
 
@@ -368,6 +378,13 @@ def pythonic_calls(text: str) -> tuple[str | None, list[dict]] | None:
     them), written as JSON; None when the reply is not that (the reply then stays text)."""
     if text.startswith(PYTHON_START):
         text = text[len(PYTHON_START):].replace(PYTHON_END, "")
+    calls = _python_calls(text)
+    return None if calls is None else (None, calls)
+
+
+def _python_calls(text: str, json_names: bool = False) -> list[dict] | None:
+    """The calls of `text`, a Python list of calls with literal keyword arguments (see pythonic_calls; `json_names`:
+    _literal's); None when it is not that."""
     if not _pythonic_shape(text):
         return None
     try:
@@ -379,11 +396,11 @@ def pythonic_calls(text: str) -> tuple[str | None, list[dict]] | None:
         for e in value.elts:
             if not isinstance(e.func, ast.Name):
                 return None
-            args = {kw.arg: _literal(kw.value) for kw in e.keywords}
+            args = {kw.arg: _literal(kw.value, json_names) for kw in e.keywords}
             calls.append(_call(e.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)))  # (1e999: inf)
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
-    return None, calls
+    return calls
 
 
 _MISTRAL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
@@ -662,16 +679,192 @@ def harmony_calls(text: str, finished: bool = True, memo: dict | None = None) ->
     return content, calls
 
 
+# granite: Granite 3.x's `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, the tag written as the text
+# "<tool_call>" by some releases (vLLM's granite parser reads both, the list after them and blanks)
+GRANITE_STARTS = ("<|tool_call|>", HERMES_START)
+
+
+def granite_list(text: str) -> int | None:
+    """Where a Granite reply's list of calls starts (its "["), after blanks and its tags; None: it has none."""
+    at = _BLANKS.match(text).end()
+    for tag in GRANITE_STARTS:
+        if text.startswith(tag, at):
+            at = _BLANKS.match(text, at + len(tag)).end()
+    return at if text.startswith("[", at) else None
+
+
+def _granite_may_call(text: str) -> bool:
+    """Whether a streamed Granite reply may still be its list of calls: blanks, a start of a tag, or the list's
+    "[" with blanks and its first call's "{" (a reply "[1] First" is text from its "1")."""
+    at = _BLANKS.match(text).end()
+    for tag in GRANITE_STARTS:
+        if text.startswith(tag, at):
+            at = _BLANKS.match(text, at + len(tag)).end()
+        elif tag.startswith(text[at:]):
+            return True
+    rest = _BLANKS.match(text, at + 1).end()
+    return at == len(text) or text.startswith("[", at) and (rest == len(text) or text[rest] == "{")
+
+
+def granite_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(None, the calls) of a Granite reply that is (after blanks and its tag) a JSON list of {"name", "arguments"}
+    objects, each call's arguments written as JSON (vLLM's granite parser); None when it is not that (the reply then
+    stays text: an empty list, a call without its name or arguments, text after the list)."""
+    at = granite_list(text)
+    if at is None:
+        return None
+    try:
+        items = json.loads(text[at:], parse_constant=_not_json, parse_float=_finite)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items or not all(
+            isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x for x in items):
+        return None
+    return None, [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False)) for x in items]
+
+
+def tagged_blocks(text: str, read, state: dict | None = None) -> tuple[list, bool]:
+    """(what `read` makes of each <tool_call>...</tool_call> block of `text` that has ended (its text between the
+    tags), the blocks it skips (None) left out; whether a block did not read (ValueError), where the reading
+    stopped). A block left open at the reply's end is none. `state`: where the read of a shorter text that `text`
+    goes on stopped (a stream's): read on from there, each ended block read once."""
+    state = {} if state is None else state
+    out = state.setdefault("blocks", [])
+    if state.get("bad"):
+        return list(out), True
+    k, start = state.get("at", (0, -1))
+    while True:
+        if start < 0:
+            start = text.find(HERMES_START, k)
+            if start < 0:
+                k = max(k, len(text) - len(HERMES_START) + 1)
+                break
+            k = start + len(HERMES_START)
+        end = text.find(HERMES_END, k)
+        if end < 0:
+            k = max(k, len(text) - len(HERMES_END) + 1)
+            break
+        try:
+            block = read(text[start + len(HERMES_START):end])
+        except (ValueError, RecursionError):
+            state["bad"] = True
+            return list(out), True
+        if block is not None:
+            out.append(block)
+        k, start = end + len(HERMES_END), -1
+    state["at"] = (k, start)
+    return list(out), False
+
+
+def _ernie_block(body: str) -> tuple[str, str] | None:
+    """(name, arguments) of an ERNIE block: a JSON object with its name (arguments {} when it has none, as vLLM's);
+    a block that is no object (`<tool_call>hello</tool_call>`) is skipped, as vLLM's regex skips it."""
+    body = body.strip()
+    if not body.startswith("{"):
+        return None
+    call = json.loads(body, parse_constant=_not_json, parse_float=_finite)
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        raise ValueError("a call without its name")
+    return call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)
+
+
+def _blocks_calls(text: str, read) -> tuple[str | None, list[dict]] | None:
+    """(content before the first <tool_call>, the calls of the blocks that ended) of a reply of tagged blocks read
+    by `read` (tagged_blocks); None (text) without any call, or when a block does not read."""
+    if HERMES_START not in text:
+        return None
+    blocks, bad = tagged_blocks(text, read)
+    if bad or not blocks:
+        return None
+    return text[:text.index(HERMES_START)] or None, [_call(name, args) for name, args in blocks]
+
+
+def ernie45_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before the first call, less its last newlines; the calls) of an ERNIE 4.5 reply, as vLLM's ernie45
+    parser reads it: each ended `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block a call (one left
+    open at the reply's end is dropped); None (text) without any, or when a block's JSON does not read."""
+    parsed = _blocks_calls(text, _ernie_block)
+    return None if parsed is None else ((parsed[0] or "").rstrip("\n") or None, parsed[1])
+
+
+# glm45: GLM-4.5/4.6's `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>` (GLM-4.7
+# writes no newline after the name), a value written as text when the parameter is a string, else as JSON
+GLM_KEY = "<arg_key>"
+_GLM_ARGS = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_STRING_KINDS = ("string", "str", "text", "varchar", "char", "enum")
+
+
+def _glm_typed(value: str, schema: Any, known: bool, root: Any) -> Any:
+    """A GLM parameter's text as its value: text when its schema types it a string (`_kind`), else JSON, else a
+    Python literal, else the text (vLLM's glm45; a parameter the function does not name is read so too)."""
+    if known and _kind(schema, root) in _STRING_KINDS:
+        return value
+    try:
+        return json.loads(value, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        read = ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
+    return read if _json_value(read) else value
+
+
+def _glm_block(body: str, functions: dict[str, Any]) -> tuple[str, str]:
+    """(name, arguments) of a GLM block; ValueError when its name is missing or holds a blank or "<"."""
+    at = min((k for k in (body.find("\n"), body.find(GLM_KEY)) if k >= 0), default=len(body))
+    name = body[:at].strip()
+    if not name or "<" in name or any(c.isspace() for c in name):
+        raise ValueError("a call without its name")
+    schema = functions.get(name)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+    args = {key.strip(): _glm_typed(value.strip(), properties.get(key.strip()), key.strip() in properties, schema)
+            for key, value in _GLM_ARGS.findall(body, at)}
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def glm45_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[str | None, list[dict]] | None:
+    """(content before the first call, the calls) of a GLM-4.5/4.6/4.7 reply, as vLLM's glm45 parser reads it: each
+    ended <tool_call> block a call, its values typed by `functions` ({name: parameters schema}); None (text)
+    without any, or when a block has no name."""
+    return _blocks_calls(text, lambda body: _glm_block(body, functions or {}))
+
+
+# olmo3: Olmo 3's calls, one a line, `<function_calls>get_weather(city="Paris")\nadd(a=1, b=true)</function_calls>`
+OLMO_START, OLMO_END = "<function_calls>", "</function_calls>"
+
+
+def olmo3_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(None, the calls) of an Olmo 3 reply that opens (after blanks) with <function_calls>: the lines up to
+    </function_calls>, each a Python call with literal keyword arguments (JSON's true, false and null too), as
+    vLLM's olmo3 parser reads them (what follows the end tag is dropped); None when it is not that (text). vLLM
+    finds the tags anywhere in a whole reply (its stream only at the start): read at the start here, so that the
+    streamed content is the whole reply's."""
+    lead = text.lstrip()
+    end = lead.find(OLMO_END)
+    if not lead.startswith(OLMO_START) or end < 0:
+        return None
+    lines = [line.strip() for line in lead[len(OLMO_START):end].splitlines() if line.strip()]
+    calls = _python_calls("[" + ", ".join(lines) + "]", json_names=True)
+    return None if calls is None else (None, calls)
+
+
 # --tool-call-parser: the syntaxes "auto" reads
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls,
-           "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls}
+           "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls,
+           "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls}
 # the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
-TYPED_PARSERS = ("qwen3_coder", "seed_oss")
+TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45")
 # the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
 WHOLE_REPLY_PARSERS = ("openai",)
 # vLLM's other names of these syntaxes (its llama4_json parser is its llama3_json one; its llama4_pythonic reads the
 # pythonic list inside <|python_start|>...<|python_end|>, as pythonic_calls does)
-PARSER_ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder"}
+# granite4: Granite 4.0's `<tool_call>{json}</tool_call>` blocks, hermes' syntax (vLLM's granite4 also reads text
+# between and after the blocks as content; the content here is what comes before the first); glm47: GLM-4.7's
+# syntax, glm45's without the newline after the name)
+PARSER_ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder",
+                  "granite4": "hermes", "glm47": "glm45"}
 
 
 def _parsed(req: ToolRequest, text: str) -> tuple[str | None, list[dict]] | None:
@@ -703,17 +896,24 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
         return harmony_calls(text, finished=False, memo=memo)[0] or ""
     if req.name == "pythonic" and text.startswith("[") and not _may_be_pythonic(text):
         return text  # "[1] First,", "[Paris]": no call can follow, the reply streams (the parser leaves it text)
+    if req.name == "granite":
+        return "" if _granite_may_call(text) else text
+    if req.name == "olmo3":
+        lead = text.lstrip()
+        return "" if lead.startswith(OLMO_START) or OLMO_START.startswith(lead) else text
     if req.name in ("llama3_json", "pythonic"):
         first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
         return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
     starts = _STARTS.get(req.name, (HERMES_START,))
     found = [at for at in (text.find(start) for start in starts) if at >= 0]
     if found:
-        return text[:min(found)]
-    for k in range(min(max(map(len, starts)) - 1, len(text)), 0, -1):
-        if any(start.startswith(text[-k:]) for start in starts):
-            return text[:-k]
-    return text
+        text = text[:min(found)]
+    else:
+        for k in range(min(max(map(len, starts)) - 1, len(text)), 0, -1):
+            if any(start.startswith(text[-k:]) for start in starts):
+                text = text[:-k]
+                break
+    return text.rstrip("\n") if req.name == "ernie45" else text  # (ernie45: its content's last newlines, held)
 
 
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a

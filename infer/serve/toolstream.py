@@ -401,6 +401,31 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
     return out
 
 
+def _granite(text: str, memo: dict) -> list[tuple[str, str]]:
+    """Granite's list of calls, read as mistral's (its calls are {"name", "arguments"} objects)."""
+    at = t.granite_list(text)
+    return [] if at is None else _json_calls("mistral", text, at + 1, memo, ",")
+
+
+def _blocks(read):
+    """The calls of the <tool_call> blocks that have ended (glm45, ernie45: a call goes out whole once its end tag
+    has come, as vLLM's streams them), each read once (serve/tools.py's tagged_blocks, read on from where the last
+    read stopped)."""
+    return lambda text, memo: t.tagged_blocks(text, read, _grown(text, memo))[0]
+
+
+def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
+    """Olmo 3's calls, all at once when its </function_calls> has come (looked for in the new text alone)."""
+    whole = _grown(text, memo)
+    if _found(text, memo, "end", t.OLMO_END) < 0:
+        return []
+    if "calls" not in whole:
+        parsed = t.olmo3_calls(text)
+        whole["calls"] = [] if parsed is None else [(c["function"]["name"], c["function"]["arguments"])
+                                                    for c in parsed[1]]
+    return list(whole["calls"])
+
+
 def _named(text: str, memo: dict) -> str:
     """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
     reply's arguments are its text), a raw control character in a string escaped as the whole reply escapes it
@@ -439,12 +464,16 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
     try:
         if req.mode == "required":
             calls = _required(text, memo)
+        elif req.name == "glm45":
+            functions = {x["function"]["name"]: x["function"].get("parameters") for x in req.tools}
+            calls = _blocks(lambda body: t._glm_block(body, functions))(text, memo)
         elif req.name in t.TYPED_PARSERS:
             calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools},
                          memo)
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
-                     "pythonic": _pythonic}[req.name](text, memo)
+                     "pythonic": _pythonic, "granite": _granite, "ernie45": _blocks(t._ernie_block),
+                     "olmo3": _olmo3}[req.name](text, memo)
     except RecursionError:
         return []
     return calls if req.parallel else calls[:1]
