@@ -210,13 +210,15 @@ _GR_RESPONSE = ("Here is my response:", "Here's my response:")
 def _granite_parts(text: str, finished: bool) -> tuple[str, str]:
     """(reasoning, content) of a Granite reply: one that starts with a thought-process marker reasons up to the
     first response marker, whose rest is the content; one that does not start so is all content. The markers are
-    read at the reply's start (the thought's) and anywhere after it (the response's), so that a stream's parts only
-    grow: vLLM's whole reply finds the thought marker anywhere, and makes a reply without a response marker all
-    content (its stream: reasoning, as here)."""
-    opener = next((m for m in _GR_THINK if text.startswith(m)), None)
+    read at the reply's start, after blanks (the thought's), and anywhere after it (the response's), so that a
+    stream's parts only grow: vLLM's whole reply finds the thought marker anywhere (dropping what came before it),
+    its stream at the reply's very first character only (a thought marker mid-reply is content there, as here), and
+    its whole reply makes a reply without a response marker all content (its stream: reasoning, as here)."""
+    lead = text.lstrip()  # (blanks before the marker: vLLM's whole reply finds it after them too)
+    opener = next((m for m in _GR_THINK if lead.startswith(m)), None)
     if opener is None:
-        return ("", "") if not finished and any(m.startswith(text) for m in _GR_THINK) else ("", text)
-    body = text[len(opener):]
+        return ("", "") if not finished and any(m.startswith(lead) for m in _GR_THINK) else ("", text)
+    body = lead[len(opener):]
     found = min(((body.find(m), m) for m in _GR_RESPONSE if m in body), default=None)
     if found is None:
         return _less_tag_start(body, _GR_RESPONSE, finished), ""
@@ -236,6 +238,11 @@ def _unwrapped(parser: str, content: str, finished: bool) -> str:
     if not lead.startswith(start):
         return "" if not finished and start.startswith(lead) else content
     inner = lead[len(start):]
+    if PARSERS[parser].get("wrap_last"):  # up to the last closing tag (ERNIE: vLLM's rfind), what follows one held
+        at = inner.rfind(end)
+        if not finished:
+            return _less_tag_start(inner[:at] if at >= 0 else inner, end, False)
+        return inner[:at] if at >= 0 else inner
     at = inner.find(end)
     return inner[:at] if at >= 0 else _less_tag_start(inner, end, finished)
 
@@ -264,7 +271,7 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            # ERNIE 4.5 Thinking: deepseek_r1's rules, its answer in <response>...</response> ("wrap": the content's
            # own wrapper, left out; its tags are read as the think tags are, special tokens or not)
            "ernie45": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END),
-                       "wrap": ("<response>", "</response>")},
+                       "wrap": ("<response>", "</response>"), "wrap_last": True},
            # GLM-4.5/4.6: <think> opens the block in the reply (its template closes it in the prompt with thinking off)
            "glm45": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "needs_start": True},
            # Apertus: its tokenizer's special tokens; a reply that writes no block is content (vLLM's apertus)
