@@ -109,6 +109,27 @@ def test_a_reply_that_is_no_call_is_text_and_sends_no_call(parser, reply):
     assert _content_streamed(req, reply) == reply
 
 
+@pytest.mark.parametrize("parser,reply", [
+    ("glm45", "<tool_call>get_time\n<arg_key>zone</arg_key><arg_value>" + "[" * 5000 + "</arg_value></tool_call>"),
+    ("ernie45", '<tool_call>{"name": "get_time", "arguments": ' + "[" * 5000 + "}</tool_call>"),
+    ("olmo3", "<function_calls>get_time(zone=" + "[" * 5000 + ")</function_calls>"),
+    ("granite", '[{"name": "get_time", "arguments": ' + "[" * 5000 + "}]")])
+def test_an_ended_call_nested_too_deep_is_read_as_vllm_reads_it_not_a_crash(parser, reply):
+    """A value nested deeper than Python's JSON and AST readers go (RecursionError): glm45's value stays text (its
+    JSON and literal reads fail), the other replies are text; streamed the same (granite's list aside: what a JSON
+    list's stream sent before the reply turned out no call stands, toolstream's known limit)."""
+    req = _req(parser)
+    content, calls = split(req, reply)
+    if parser == "glm45":
+        assert json.loads(calls[0]["function"]["arguments"]) == {"zone": "[" * 5000}
+    else:
+        assert (content, calls) == (reply, None)
+    if parser == "granite":
+        return
+    pieces, whole = _streamed(req, reply, 997)
+    assert [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     req = parse_tools({"tools": TOOLS, "parallel_tool_calls": False}, "glm45")
     reply = CALLS[3][1]
