@@ -26,7 +26,7 @@ DEEP = "[" * 5000  # deeper than json.loads / ast.parse recurse (Python's defaul
 PREFIX = {"hermes": "<tool_call>", "llama3_json": '{"name": "f", "parameters": ', "mistral": "[TOOL_CALLS]",
           "pythonic": "[f(a=", "qwen3_coder": "<tool_call><function=", "seed_oss": "<seed:tool_call><function=",
           "openai": "", "granite": "<|tool_call|>", "glm45": "<tool_call>f\n<arg_key>a</arg_key><arg_value>",
-          "olmo3": "<function_calls>f(a=", "ernie45": "<tool_call>"}
+          "olmo3": "<function_calls>f(a=", "ernie45": "<tool_call>", "phi4_mini_json": "functools["}
 # (openai: a reply without harmony's markers is content; its deep calls: session61_tools)
 DEEP_TEMPLATE = "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}"
 

@@ -1,5 +1,5 @@
 """Session 64 (p64tools): the tool-call parsers vLLM has for families infer runs that infer lacked (granite,
-glm45, olmo3, ernie45; vLLM's granite4 and glm47 names), whole and streamed (the same calls and content at every
+glm45, olmo3, ernie45, phi4_mini_json; vLLM's granite4 and glm47 names), whole and streamed (the same calls and content at every
 cut, each ended call read once), a reply that is no call left text with the whole reply's finish, the names taken
 by --tool-call-parser, each served end to end on a tiny model with a forced reply; and the granite and ernie45
 reasoning markers as vLLM reads them."""
@@ -54,6 +54,10 @@ CALLS = [
      [("get_weather", {"city": "P"}), ("get_time", {})]),
     ("ernie45", '<tool_call>{"name": "get_time", "arguments": {"zone": "x"}}</tool_call><tool_call>{"name": "get_',
      None, [("get_time", {"zone": "x"})]),  # a block left open at the end is no call (vLLM's)
+    # a list among the arguments (vLLM's regex ended the list at its first "]"), "parameters" for "arguments"
+    ("phi4_mini_json", 'Ok. functools[{"name": "get_weather", "arguments": {"o": {"a": [1, 2]}, "city": "\u00e9"}}, '
+                       '{"name": "get_time", "parameters": {"zone": "x"}}] done', "Ok. ",
+     [("get_weather", {"o": {"a": [1, 2]}, "city": "\u00e9"}), ("get_time", {"zone": "x"})]),
 ]
 # replies that are no call: the whole reply is the content, no call goes out at any cut
 NOT_CALLS = {
@@ -63,6 +67,7 @@ NOT_CALLS = {
     "olmo3": ["Call get_time()", "<function_calls>get_time(zone=x)</function_calls>", "<function_calls>get_time("],
     "ernie45": ['<tool_call>{"name": "get_time", "arguments": {}', '<tool_call>{"arguments": {}}</tool_call>',
                 "<tool_call>{not json}</tool_call>", "Plain.\n"],
+    "phi4_mini_json": ["import functools", 'functools[{"name": "get_time"}]', "functools[]"],
 }
 
 
@@ -182,7 +187,8 @@ def test_granites_list_streams_its_arguments_as_they_come_read_on_from_the_last_
 
 # ------------------------------------------------------------------------------------------- names
 @pytest.mark.parametrize("name,reads", [("granite", "granite"), ("glm45", "glm45"), ("olmo3", "olmo3"),
-                                        ("ernie45", "ernie45"), ("granite4", "hermes"), ("glm47", "glm45")])
+                                        ("ernie45", "ernie45"), ("phi4_mini_json", "phi4_mini_json"),
+                                        ("granite4", "hermes"), ("glm47", "glm45")])
 def test_the_cli_takes_the_new_parser_names(name, reads):
     assert _tool_parser(True, name) == reads
     with pytest.raises(ConfigError, match="granite4 as hermes") as e:
@@ -193,7 +199,7 @@ def test_the_cli_takes_the_new_parser_names(name, reads):
 def test_auto_without_a_parser_names_the_new_ones():
     with pytest.raises(RequestError) as e:
         parse_tools({"tools": TOOLS})
-    assert all(name in e.value.hint for name in ("granite", "glm45", "olmo3", "ernie45"))
+    assert all(name in e.value.hint for name in ("granite", "glm45", "olmo3", "ernie45", "phi4_mini_json"))
 
 
 def test_glm47s_call_without_a_newline_reads_as_glm45s():
@@ -208,11 +214,13 @@ def engine(tmp_path_factory):
     return tiny_chat_engine(tmp_path_factory, "tools64")
 
 
-SERVED = {"granite": CALLS[0][1], "glm45": CALLS[3][1], "olmo3": CALLS[6][1], "ernie45": CALLS[8][1]}
+SERVED = {"granite": CALLS[0][1], "glm45": CALLS[3][1], "olmo3": CALLS[6][1], "ernie45": CALLS[8][1],
+          "phi4_mini_json": CALLS[10][1]}
 MALFORMED = {"granite": '<|tool_call|>[{"name": "get_time", "arguments": {}}] oops',
              "glm45": "<tool_call>\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
              "olmo3": "<function_calls>get_time(zone=x)</function_calls>",
-             "ernie45": 'Hm.<tool_call>{"name": "get_time", "arguments": {"zone": 1} oops}</tool_call>'}
+             "ernie45": 'Hm.<tool_call>{"name": "get_time", "arguments": {"zone": 1} oops}</tool_call>',
+             "phi4_mini_json": 'Hm. functools[{"name": "get_time", "arguments": {"zone": 1} oops}]'}
 
 
 @pytest.mark.parametrize("parser", sorted(SERVED))

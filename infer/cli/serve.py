@@ -100,7 +100,8 @@ def serve(
         "Llama 4: a Python list of calls), mistral ([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small), qwen3_coder "
         "(Qwen3-Coder: <function=NAME><parameter=KEY>), seed_oss (Seed-OSS: <seed:tool_call>), openai (gpt-oss: "
         "harmony's to=functions.NAME messages), granite (Granite 3.x: <|tool_call|>[...]), glm45 (GLM-4.5 to 4.7: "
-        "<arg_key>/<arg_value>), olmo3 (Olmo 3: <function_calls>) or ernie45 (ERNIE 4.5: <tool_call>{...}).")] = None,
+        "<arg_key>/<arg_value>), olmo3 (Olmo 3: <function_calls>), ernie45 (ERNIE 4.5: <tool_call>{...}) or "
+        "phi4_mini_json (Phi-4-mini: functools[...]).")] = None,
     reasoning_parser: Annotated[Optional[str], _server(
         "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "

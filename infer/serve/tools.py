@@ -22,7 +22,8 @@ schema as vLLM types them, or openai, gpt-oss's harmony messages, a call being a
 may be written "<tool_call>"), or glm45, `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...
 </tool_call>` (GLM-4.5/4.6/4.7), its values typed by the schema, or olmo3, `<function_calls>` then a Python call a
 line, `name(key=value)`, then `</function_calls>` (Olmo 3), or ernie45, hermes' blocks as ERNIE 4.5 writes them
-(only ended blocks are calls; the content's last newlines dropped).
+(only ended blocks are calls; the content's last newlines dropped), or phi4_mini_json, `functools[{"name": ...,
+"arguments": {...}}]` (Phi-4-mini).
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
@@ -850,10 +851,36 @@ def olmo3_calls(text: str) -> tuple[str | None, list[dict]] | None:
     return None if calls is None else (None, calls)
 
 
+# phi4_mini_json: Phi-4-mini's `functools[{"name": ..., "arguments": {...}}, ...]` ("parameters" for "arguments" too)
+PHI4_START = "functools["
+
+
+def phi4_mini_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before "functools[", the calls) of a Phi-4-mini reply: the JSON list after the tag, each call's
+    arguments (or parameters) written as JSON, what follows the list dropped, as vLLM's phi4_mini_json reads it
+    (whose regex ends the list at its first "]": a call with a list among its arguments vanished there, and it
+    dropped the content before the tag, which a stream has sent); None (text) when it is not that."""
+    at = text.find(PHI4_START)
+    if at < 0:
+        return None
+    try:
+        items, _ = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite).raw_decode(
+            text, at + len(PHI4_START) - 1)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items or not all(
+            isinstance(x, dict) and isinstance(x.get("name"), str) and ("arguments" in x or "parameters" in x)
+            for x in items):
+        return None
+    return text[:at] or None, [_call(x["name"], json.dumps(x["arguments"] if "arguments" in x else x["parameters"],
+                                                          ensure_ascii=False)) for x in items]
+
+
 # --tool-call-parser: the syntaxes "auto" reads
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls,
            "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls,
-           "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls}
+           "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls,
+           "phi4_mini_json": phi4_mini_calls}
 # the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
 TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45")
 # the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
@@ -918,7 +945,7 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
 
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
 # bare <function= too)
-_STARTS = {"mistral": (MISTRAL_START,), "qwen3_coder": (QWEN_START, XML_FUNCTION),
+_STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "qwen3_coder": (QWEN_START, XML_FUNCTION),
            "seed_oss": (SEED_START, XML_FUNCTION)}
 
 

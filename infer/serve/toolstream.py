@@ -172,7 +172,9 @@ def json_prefix(raw: str, at: int = 0, nan: bool = False, memo: dict | None = No
 # the usual head of a JSON call: its name first, then its arguments' key
 _HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*'),
          "llama3_json": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"parameters"\s*:\s*'),
-         "mistral": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*')}
+         "mistral": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*'),
+         "phi4_mini_json": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*'
+                                      r'"(?:arguments|parameters)"\s*:\s*')}
 
 
 def _json_call(kind: str, raw: str, at: int = 0, memo: dict | None = None) -> tuple[tuple[str, str] | None,
@@ -407,6 +409,13 @@ def _granite(text: str, memo: dict) -> list[tuple[str, str]]:
     return [] if at is None else _json_calls("mistral", text, at + 1, memo, ",")
 
 
+def _phi4_mini(text: str, memo: dict) -> list[tuple[str, str]]:
+    """Phi-4-mini's list after its "functools[" (looked for in the new text alone), read as mistral's."""
+    _grown(text, memo)
+    at = _found(text, memo, "start", t.PHI4_START)
+    return [] if at < 0 else _json_calls("phi4_mini_json", text, at + len(t.PHI4_START), memo, ",")
+
+
 def _blocks(read):
     """The calls of the <tool_call> blocks that have ended (glm45, ernie45: a call goes out whole once its end tag
     has come, as vLLM's streams them), each read once (serve/tools.py's tagged_blocks, read on from where the last
@@ -473,7 +482,7 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
                      "pythonic": _pythonic, "granite": _granite, "ernie45": _blocks(t._ernie_block),
-                     "olmo3": _olmo3}[req.name](text, memo)
+                     "olmo3": _olmo3, "phi4_mini_json": _phi4_mini}[req.name](text, memo)
     except RecursionError:
         return []
     return calls if req.parallel else calls[:1]
