@@ -41,6 +41,11 @@ def replies(chars: int) -> dict[str, str]:
             "qwen3_coder": xml,
             "seed_oss": xml.replace("tool_call>", "seed:tool_call>"),
             "pythonic": '[run(code="' + code + '", n=3)]',
+            "granite": '<|tool_call|>[{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}]',
+            "phi4_mini_json": 'functools[{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}]',
+            "ernie45": '<tool_call>{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}</tool_call>',
+            "glm45": "<tool_call>run\n<arg_key>code</arg_key>\n<arg_value>" + code + "</arg_value>\n</tool_call>",
+            "olmo3": '<function_calls>run(code="' + code + '", n=3)</function_calls>',
             "named": '{"code": "' + code + '", "n": 3}',
             "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]'}
 
