@@ -135,6 +135,17 @@ def test_an_ended_call_nested_too_deep_is_read_as_vllm_reads_it_not_a_crash(pars
     assert [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
 
 
+@pytest.mark.parametrize("parser,good,bad", [
+    ("glm45", "<tool_call>get_time\n</tool_call>", "<tool_call>\n<arg_key>a</arg_key></tool_call>"),
+    ("ernie45", '<tool_call>{"name": "get_time"}</tool_call>', "<tool_call>{not json}</tool_call>")])
+def test_a_block_that_does_not_read_makes_the_whole_reply_text(parser, good, bad):
+    """As vLLM's parsers: any block that does not read (no name, no JSON) leaves the whole reply text, the calls
+    before it too (the stream has sent those: toolstream's known limit)."""
+    req = _req(parser)
+    assert len(split(req, good + good)[1]) == 2
+    assert split(req, good + bad) == (good + bad, None) and split(req, bad + good) == (bad + good, None)
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     req = parse_tools({"tools": TOOLS, "parallel_tool_calls": False}, "glm45")
     reply = CALLS[3][1]
@@ -167,15 +178,17 @@ def test_an_ended_call_is_read_once_not_at_each_token(monkeypatch, parser):
     assert len(whole) == 6 and [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
 
 
-def test_granites_list_streams_its_arguments_as_they_come_read_on_from_the_last_read(monkeypatch):
-    """Granite's JSON list is read as mistral's: a string's characters go out as they come, each read going on
-    from where the last one stopped (the text json.dumps writes again, in all, about the reply's length)."""
+@pytest.mark.parametrize("parser,tag", [("granite", "<|tool_call|>"), ("phi4_mini_json", "Ok. functools")])
+def test_a_json_list_streams_its_arguments_as_they_come_read_on_from_the_last_read(monkeypatch, parser, tag):
+    """Granite's and Phi-4-mini's JSON lists are read as mistral's: a string's characters go out as they come, each
+    read going on from where the last one stopped (the text json.dumps writes again, in all, about the reply's
+    length)."""
     from infer.serve import toolstream
     code = "x = 1\\n" * 200
-    reply = '<|tool_call|>[{"name": "get_time", "arguments": {"zone": "' + code + '"}}]'
+    reply = tag + '[{"name": "get_time", "arguments": {"zone": "' + code + '"}}]'
     dumped, real = [], toolstream._dumped
     monkeypatch.setattr(toolstream, "_dumped", lambda raw: dumped.append(len(raw)) or real(raw))
-    req = _req("granite")
+    req = _req(parser)
     stream, pieces = CallStream(req), []
     for k in range(len(reply)):
         pieces += stream.deltas(partial_calls(req, reply[:k], stream.memo))
