@@ -1,8 +1,8 @@
 """Session 64 (p64tools): the tool-call parsers vLLM has for families infer runs that infer lacked (granite,
-glm45, olmo3, ernie45, phi4_mini_json; vLLM's granite4 and glm47 names), whole and streamed (the same calls and content at every
-cut, each ended call read once), a reply that is no call left text with the whole reply's finish, the names taken
-by --tool-call-parser, each served end to end on a tiny model with a forced reply; and the granite and ernie45
-reasoning markers as vLLM reads them."""
+glm45, olmo3, ernie45, phi4_mini_json; vLLM's granite4 and glm47 names), whole and streamed (the same calls and
+content at every cut, each ended call read once), a reply that is no call left text with the whole reply's finish,
+the names taken by --tool-call-parser, each served end to end on a tiny model with a forced reply; and the granite
+and ernie45 reasoning markers as vLLM reads them."""
 
 from __future__ import annotations
 
