@@ -218,6 +218,7 @@ CHUNK = 64  # tokens of a chunk of the chunked rule (delta_rule.chunk_layout's)
 # shared memory (Dk 128, value tile 32, float32: 88 KiB at 2 stages; Triton's default 3 take 160 KiB, more than an
 # sm_86 / sm_89 GPU's 99 KiB a block, so the launch would fail there)
 CHUNK_H_STAGES = 2
+TERMS_WARPS = 4  # warps of a _chunk_terms_kernel program (a chunk's [C, Dk] q and k, [C, C] system in registers)
 
 
 @triton.jit
@@ -272,14 +273,96 @@ def _chunk_o_kernel(qd_ptr, inner_ptr, h_ptr, vn_ptr, o_ptr, start_ptr, end_ptr,
              mask=(rows < tl.load(end_ptr + c))[:, None] & mv[None, :])
 
 
+@triton.jit
+def _chunk_terms_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, end_ptr, u_ptr, w_ptr, inner_ptr, qd_ptr,
+                        kd_ptr, last_ptr, dk, dv, nc, scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
+                        GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The intra-chunk part of one chunk, one value head (delta_rule.chunk_terms; flash-linear-attention's chunk
+    cumsum, scaled dot kkt, solve_tril and WY representation in one program): q and k (its key head's, L2-normed, q
+    scaled) and v, g, beta of the chunk's token rows (zero past its end); g's cumulative sum gc; the decay
+    exp(gc_i - gc_j) of row i from row j (zero above the diagonal); A = beta k k^T decayed, strictly lower; its unit
+    triangular system's inverse T = (I + A)^-1 by forward substitution, row by row (transformers' loop); then
+    w = T (beta k exp(gc)), u = T (beta v) (BV value columns at a time), inner = (q k^T decayed, lower with the
+    diagonal), qd = q exp(gc), kd = k exp(gc_last - gc), last = exp(gc_last), stored [Hv, NC, C, ...] as
+    _chunk_h_kernel and _chunk_o_kernel read them."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    hk = hh // GROUP  # (the key head of value head hh: transformers' repeat_interleave)
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < dk
+    start = tl.load(start_ptr + c).to(tl.int64)  # (token rows in int64: T x a row stride may pass 2^31)
+    end = tl.load(end_ptr + c).to(tl.int64)
+    rows = start + offs_c
+    mr = rows < end
+    g = tl.load(g_ptr + rows * s_gt + hh, mask=mr, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * s_bt + hh, mask=mr, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, axis=0)
+    g_last = tl.sum(tl.where(offs_c == C - 1, gc, 0.0), axis=0)
+    lower = offs_c[:, None] >= offs_c[None, :]
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+    mask = mr[:, None] & mk[None, :]
+    k = tl.load(k_ptr + rows[:, None] * s_kt + hk * s_kh + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    q = tl.load(q_ptr + rows[:, None] * s_qt + hk * s_qh + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+    base = (hh * nc + c).to(tl.int64)
+    keys = base * C * dk + offs_c[:, None] * dk + offs_k[None, :]
+    tl.store(qd_ptr + keys, q * tl.exp(gc)[:, None], mask=mk[None, :])
+    tl.store(kd_ptr + keys, k * tl.exp(g_last - gc)[:, None], mask=mk[None, :])
+    tl.store(last_ptr + base, tl.exp(g_last))
+    square = base * C * C + offs_c[:, None] * C + offs_c[None, :]
+    tl.store(inner_ptr + square, tl.dot(q, tl.trans(k), input_precision="ieee") * decay)
+    kb = k * beta[:, None]
+    # -A, strictly lower; row i of the inverse's strict part: -A_i + sum_j (row i so far)_j (rows j < i, done)
+    a = -tl.where(offs_c[:, None] > offs_c[None, :], tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
+    for i in range(1, C):
+        row = tl.sum(tl.where(offs_c[:, None] == i, a, 0.0), axis=0)
+        row += tl.sum(row[:, None] * a, axis=0) * (offs_c < i)
+        a = tl.where(offs_c[:, None] == i, row[None, :], a)
+    a += (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+    tl.store(w_ptr + keys, tl.dot(a, kb * tl.exp(gc)[:, None], input_precision="ieee"), mask=mk[None, :])
+    for v0 in range(0, dv, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        mv = offs_v < dv
+        v = tl.load(v_ptr + rows[:, None] * s_vt + hh * s_vh + offs_v[None, :], mask=mr[:, None] & mv[None, :],
+                    other=0.0).to(tl.float32)
+        u = tl.dot(a, v * beta[:, None], input_precision="ieee")
+        tl.store(u_ptr + base * C * dv + offs_c[:, None] * dv + offs_v[None, :], u, mask=mv[None, :])
+
+
+def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                lay: dict) -> dict:
+    """delta_rule.chunk_terms in one launch (one program per chunk of `lay`, chunk_layout's at CHUNK tokens, and
+    value head): q, k [T, Hk, Dk], v [T, Hv, Dv] (each unit stride along its last dim), g and beta [T, Hv]. Returns
+    the same dict of contiguous float32 tensors."""
+    hv, dv = v.shape[1], v.shape[2]
+    hk, dk = k.shape[1], k.shape[2]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
+    nc = lay["rows"].shape[0]
+    f32 = dict(dtype=torch.float32, device=v.device)
+    t = dict(u=torch.empty(hv, nc, CHUNK, dv, **f32), w=torch.empty(hv, nc, CHUNK, dk, **f32),
+             inner=torch.empty(hv, nc, CHUNK, CHUNK, **f32), qd=torch.empty(hv, nc, CHUNK, dk, **f32),
+             kd=torch.empty(hv, nc, CHUNK, dk, **f32), last=torch.empty(hv, nc, **f32))
+    if nc:
+        _chunk_terms_kernel[(nc, hv)](
+            q, k, v, g, beta, lay["start"], lay["end"], t["u"], t["w"], t["inner"], t["qd"], t["kd"], t["last"],
+            dk, dv, nc, dk ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), beta.stride(0), GROUP=hv // hk, C=CHUNK, BK=max(16, next_power_of_2(dk)),
+            BV=max(16, min(VALUE_BLOCK, next_power_of_2(dv))), num_warps=TERMS_WARPS)
+    return t
+
+
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                   beta: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
-                                  slots: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """delta_rule.chunk_gated_delta_rule_varlen with its inter-chunk recurrence (one program per sequence, head and
-    value tile, its chunks in order) and its output (one program per chunk, head and value tile) in Triton, the
-    intra-chunk part (delta_rule.chunk_terms) in torch; states [slots, Hv, Dk, Dv] float32 written in place at
-    `slots`. Returns o [T, Hv, Dv] in v's dtype."""
-    from .delta_rule import chunk_layout, chunk_terms
+                                  slots: torch.Tensor, kept: torch.Tensor, torch_terms: bool = False) -> torch.Tensor:
+    """delta_rule.chunk_gated_delta_rule_varlen in three launches: its intra-chunk part (chunk_terms: one program
+    per chunk and head), its inter-chunk recurrence (one program per sequence, head and value tile, its chunks in
+    order) and its output (one program per chunk, head and value tile); states [slots, Hv, Dk, Dv] float32 written in
+    place at `slots`. Returns o [T, Hv, Dv] in v's dtype. (`torch_terms`: the intra-chunk part in torch,
+    delta_rule.chunk_terms, as infer.bench.delta compares them.)"""
+    from . import delta_rule
     t, hv, dv = v.shape
     dk = k.shape[2]
     slots, kept = _vectors(slots, kept)
@@ -287,8 +370,11 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     out = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     if not t:
         return out
-    lay = chunk_layout(query_start_loc, CHUNK)
-    terms = {n: x.contiguous() for n, x in chunk_terms(q, k, v, g, beta, lay["rows"]).items()}
+    lay = delta_rule.chunk_layout(query_start_loc, CHUNK)
+    if torch_terms:
+        terms = {n: x.contiguous() for n, x in delta_rule.chunk_terms(q, k, v, g, beta, lay["rows"]).items()}
+    else:
+        terms = chunk_terms(q, k, v, g, beta, lay)
     nc = lay["rows"].shape[0]
     h = torch.empty(hv, nc, dk, dv, dtype=torch.float32, device=v.device)
     v_new = torch.empty_like(terms["u"])
