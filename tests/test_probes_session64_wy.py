@@ -86,3 +86,62 @@ def test_whole_chunked_rule_equals_torch(delta, monkeypatch, chunk):
         assert torch.allclose(got, want, atol=TOL, rtol=TOL), (step, float((got - want).abs().max()))
         assert torch.allclose(mine[:4], ref[:4], atol=TOL, rtol=TOL), step
         kept = torch.ones_like(kept)
+
+
+def test_terms_kernel_compiles_within_the_shared_memory_of_sm90_and_sm89():
+    """Compiled for sm_90 and sm_89 through the real launcher (chunk_gated_delta_rule_varlen at Qwen3-Next's and
+    Qwen3.5's shapes: Hk 16, Hv 32, Dk 128, Dv 128, q|k|v strided views of the conv output, a sequence of one whole
+    chunk and one of 6 tokens), the intra-chunk kernel takes no more shared memory than a program may have there."""
+    shared = run_compile_only(COMPILED, 600)
+    assert {"_chunk_terms_kernel sm_90", "_chunk_terms_kernel sm_89"} <= set(shared), shared
+    assert 0 < shared["_chunk_terms_kernel sm_90"] <= SM90_SMEM
+    assert 0 < shared["_chunk_terms_kernel sm_89"] <= SM89_SMEM
+
+
+FAR_ROWS = textwrap.dedent('''
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import json, torch
+    from infer.kernels import delta_rule, delta_triton
+    hk, hv, dk, dv, stride, t = 1, 2, 16, 16, 2 ** 30, 3
+    width = 2 * hk * dk + hv * dv
+    gen = torch.Generator().manual_seed(0)
+    big = torch.empty((t - 1) * stride + width, dtype=torch.bfloat16)  # (virtual memory: only the rows' pages)
+    x = big.as_strided((t, width), (stride, 1))  # row 2 starts at element 2^31
+    x.copy_(torch.randn(t, width, generator=gen))
+    q, k, v = (y.view(t, -1, d) for y, d in zip(x.split([hk * dk, hk * dk, hv * dv], dim=-1), (dk, dk, dv)))
+    g, beta = -torch.rand(t, hv, generator=gen), torch.rand(t, hv, generator=gen)
+    lay = delta_rule.chunk_layout(torch.tensor([0, t], dtype=torch.int32), delta_triton.CHUNK)
+    want = delta_rule.chunk_terms(q.clone(), k.clone(), v.clone(), g, beta, lay["rows"])
+    got = delta_triton.chunk_terms(q, k, v, g, beta, lay)
+    print(json.dumps({n: torch.allclose(got[n], want[n], atol=1e-5, rtol=1e-5) for n in want}))
+''')
+
+
+def test_terms_kernel_reads_token_rows_past_2_31_elements():
+    """The intra-chunk kernel over q, k, v whose third token row starts at element 2^31 of their tensor (as a long
+    prompt's rows of Qwen3.5's in_proj_qkv view do), interpreted in a process of its own (an int32 offset wraps: a
+    read 4 GiB before the tensor): every term equals the torch code's."""
+    assert run_compile_only(FAR_ROWS, 300) == {n: True for n in ("u", "w", "inner", "qd", "kd", "last")}
+
+
+def test_interpreted_triton_qwen3_5_prefills_give_hf_tokens(monkeypatch):
+    """tiny-qwen3_5 with every op through its Triton kernel (interpreted on CPU), prompts of 70 tokens (cut into
+    steps of 48: the chunked rule's state carried from a step to the next, its second step's chunks a whole one and
+    a partial one), 5 and 20 beside it: the prefill steps run the Triton intra-chunk kernel (counted) and the tokens
+    are transformers'."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (the engine tests of tiny-qwen3_5 on cuda)")
+    from infer import LLM, SamplingParams, kernels
+    from infer.kernels import delta_triton
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    calls, real = [], delta_triton.chunk_terms
+    monkeypatch.setattr(delta_triton, "chunk_terms", lambda *a: (calls.append(a[-1]["rows"].shape[0]), real(*a))[1])
+    path = ensure_builtin("tiny-qwen3_5")
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=96, max_model_len=96, max_num_batched_tokens=48)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (70, 5, 20), seed=2)
+    lens = [4, 6, 3]
+    got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                       for n in lens])]
+    assert len(calls) >= 2 * 3 and max(calls) >= 2  # (3 linear layers, at least 2 prefill steps, one of 2+ chunks)
+    assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]

@@ -318,7 +318,7 @@ def _chunk_terms_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, end_ptr
     a = -tl.where(offs_c[:, None] > offs_c[None, :], tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
     for i in range(1, C):
         row = tl.sum(tl.where(offs_c[:, None] == i, a, 0.0), axis=0)
-        row += tl.sum(row[:, None] * a, axis=0) * (offs_c < i)
+        row += tl.sum(row[:, None] * a, axis=0)  # (row's entries from i on, a's above its diagonal: zero)
         a = tl.where(offs_c[:, None] == i, row[None, :], a)
     a += (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
     tl.store(w_ptr + keys, tl.dot(a, kb * tl.exp(gc)[:, None], input_precision="ieee"), mask=mk[None, :])
