@@ -166,8 +166,8 @@ def gated_delta_decode(q, k, v, g, beta, states, slots, kept):
 
 def gated_delta_prefill(q, k, v, g, beta, states, query_start_loc, slots, kept):
     """A Gated DeltaNet prefill step's chunked gated delta rule over each sequence's tokens from its state at its
-    slot (delta_rule.chunk_gated_delta_rule_varlen): on CUDA the inter-chunk state recurrence and the output in
-    Triton (delta_triton.chunk_gated_delta_rule_varlen; the intra-chunk part in torch)."""
+    slot (delta_rule.chunk_gated_delta_rule_varlen): on CUDA all in Triton (delta_triton.chunk_gated_delta_rule_varlen:
+    the intra-chunk terms, the inter-chunk state recurrence and the output)."""
     if use_triton(v):
         return _triton("delta_triton").chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, query_start_loc,
                                                                       slots, kept)

@@ -4,8 +4,8 @@ torch_recurrent_gated_delta_rule, the same ops in the same order). A step's ops 
 (a decode step's causal_conv1d_update and recurrent_gated_delta_rule_slots, a prefill step's conv,
 causal_conv1d_varlen) have Triton kernels on CUDA (kernels.delta_triton, dispatched by kernels.causal_conv1d_update,
 kernels.gated_delta_decode and kernels.causal_conv1d_varlen); a prefill step's chunked rule runs over all its
-sequences in one call (chunk_gated_delta_rule_varlen: chunks of one sequence each, batched), its inter-chunk
-recurrence and output in Triton on CUDA (kernels.gated_delta_prefill).
+sequences in one call (chunk_gated_delta_rule_varlen: chunks of one sequence each, batched), its intra-chunk
+terms, inter-chunk recurrence and output in Triton on CUDA (kernels.gated_delta_prefill).
 
 Semantics: per value head, a state S [Dk, Dv] (float32) that each token t updates as
 S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T, with output o_t = S^T q_t; q and k L2-normed, q scaled by
