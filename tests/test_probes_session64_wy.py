@@ -145,3 +145,31 @@ def test_interpreted_triton_qwen3_5_prefills_give_hf_tokens(monkeypatch):
                                                        for n in lens])]
     assert len(calls) >= 2 * 3 and max(calls) >= 2  # (3 linear layers, at least 2 prefill steps, one of 2+ chunks)
     assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+
+
+def test_bench_prefill_row_times_the_terms_and_the_mixed_path(delta, monkeypatch):
+    """A prefill row of infer.bench.delta (2 prompts of at most 70 tokens, small heads) with a stand-in timer (the
+    n-th op timed takes n ms: triton, loop, varlen, mixed, then the Triton terms and torch's): each column is its
+    op's (the gains the ratios), the Triton terms equal torch's in float32 and the whole Triton rule's outputs the
+    torch loop's within bfloat16's rounding."""
+    from infer.bench import delta as bench
+    for name, value in dict(HK=1, HV=2, DK=16, DV=16).items():
+        monkeypatch.setattr(bench, name, value)
+    calls, real = [], delta_rule.chunk_terms
+    monkeypatch.setattr(delta_rule, "chunk_terms", lambda *a: (calls.append(1), real(*a))[1])
+    timed, torch_terms = [], []  # (each op's result, and its calls of delta_rule.chunk_terms)
+
+    def timer(fn):
+        before = len(calls)
+        timed.append(fn())
+        torch_terms.append(len(calls) - before)
+        return len(timed)
+
+    row = bench.measure_prefill(2, 70, timer, torch.Generator().manual_seed(0), "cpu")
+    assert list(row) == bench.PREFILL_COLUMNS and len(timed) == 6
+    assert [row[c] for c in ("triton_us", "loop_us", "varlen_us", "mixed_us", "terms_us", "terms_torch_us")] == \
+        [1e3, 2e3, 3e3, 4e3, 5e3, 6e3]
+    assert torch_terms == [0, 2, 1, 1, 0, 1]  # (the loop's per sequence; the mixed path's terms in torch)
+    assert row["mixed_gain"] == 4.0 and row["terms_gain"] == 6 / 5
+    assert sorted(timed[4]) == sorted(timed[5]) == ["inner", "kd", "last", "qd", "u", "w"]  # (the terms' dicts)
+    assert row["terms_max_abs_err"] < TOL and row["max_abs_err"] < 0.05

@@ -18,15 +18,19 @@ copy bandwidth measured in the same run (small batches' states fit in L2: their 
 
 times a prefill step's chunked rule instead: for each batch, that many prompts of 512 tokens (each sequence a
 different length, 512 down to half of it, over the same pool), Triton's (kernels.delta_triton.
-chunk_gated_delta_rule_varlen: one call over the step's sequences) beside the torch loop it replaces (delta_rule.
-chunk_gated_delta_rule once per sequence from its slot's state) and the torch varlen code (delta_rule.
-chunk_gated_delta_rule_varlen), under triton.testing.do_bench (the step syncs with the host: no graph). Columns
-(PREFILL_COLUMNS): `tokens`, `triton_us`, `loop_us`, `varlen_us`, `gain` loop / Triton, `varlen_gain` varlen /
-Triton, `max_abs_err` Triton's outputs against the loop's."""
+chunk_gated_delta_rule_varlen: one call over the step's sequences, all three parts in Triton) beside the torch loop
+it replaces (delta_rule.chunk_gated_delta_rule once per sequence from its slot's state), the torch varlen code
+(delta_rule.chunk_gated_delta_rule_varlen) and the mixed path (the intra-chunk terms in torch, delta_rule.
+chunk_terms, the rest in Triton), under triton.testing.do_bench (the step syncs with the host: no graph). Columns
+(PREFILL_COLUMNS): `tokens`, `triton_us`, `loop_us`, `varlen_us`, `mixed_us`, `gain` loop / Triton, `varlen_gain`
+varlen / Triton, `mixed_gain` mixed / Triton; `terms_us` / `terms_torch_us` the intra-chunk terms alone (delta_triton.
+chunk_terms / delta_rule.chunk_terms), `terms_gain` torch / Triton; `max_abs_err` Triton's outputs against the
+loop's, `terms_max_abs_err` the Triton terms against torch's."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -94,7 +98,8 @@ def measure(batch: int, bandwidth: float, timer, gen: torch.Generator, device="c
                 max_abs_err=float(f"{err:.2e}"))
 
 
-PREFILL_COLUMNS = ["batch", "tokens", "triton_us", "loop_us", "varlen_us", "gain", "varlen_gain", "max_abs_err"]
+PREFILL_COLUMNS = ["batch", "tokens", "triton_us", "loop_us", "varlen_us", "mixed_us", "gain", "varlen_gain",
+                   "mixed_gain", "terms_us", "terms_torch_us", "terms_gain", "max_abs_err", "terms_max_abs_err"]
 
 
 def build_prefill(batch: int, length: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dict:
@@ -128,15 +133,25 @@ def measure_prefill(batch: int, length: int, timer, gen: torch.Generator, device
     from ..kernels import delta_rule, delta_triton
     s = build_prefill(batch, length, device, gen)
     args = (*s["qkv"], s["g"], s["beta"])
+    mixed = functools.partial(delta_triton.chunk_gated_delta_rule_varlen, torch_terms=True)
     ops = {"triton": (delta_triton.chunk_gated_delta_rule_varlen, 0), "loop": (prefill_loop, 1),
-           "varlen": (delta_rule.chunk_gated_delta_rule_varlen, 1)}
-    out = {n: f(*args, s["rec"][i], s["starts"], s["slots"], s["kept"]) for n, (f, i) in ops.items() if n != "varlen"}
+           "varlen": (delta_rule.chunk_gated_delta_rule_varlen, 1), "mixed": (mixed, 1)}
+    out = {n: f(*args, s["rec"][i], s["starts"], s["slots"], s["kept"]) for n, (f, i) in ops.items()
+           if n in ("triton", "loop")}
     us = {n: 1e3 * timer(lambda f=f, i=i: f(*args, s["rec"][i], s["starts"], s["slots"], s["kept"]))
           for n, (f, i) in ops.items()}
+    lay = delta_rule.chunk_layout(s["starts"], delta_triton.CHUNK)
+    terms = {"terms": lambda: delta_triton.chunk_terms(*args, lay),
+             "terms_torch": lambda: delta_rule.chunk_terms(*args, lay["rows"])}
+    us.update({n: 1e3 * timer(f) for n, f in terms.items()})
+    got, want = terms["terms"](), terms["terms_torch"]()
     err = float((out["triton"].float() - out["loop"].float()).abs().max())
+    terms_err = max(float((got[n] - want[n]).abs().max()) for n in want)
     return dict(batch=batch, tokens=int(s["starts"][-1]), triton_us=us["triton"], loop_us=us["loop"],
-                varlen_us=us["varlen"], gain=us["loop"] / us["triton"], varlen_gain=us["varlen"] / us["triton"],
-                max_abs_err=float(f"{err:.2e}"))
+                varlen_us=us["varlen"], mixed_us=us["mixed"], gain=us["loop"] / us["triton"],
+                varlen_gain=us["varlen"] / us["triton"], mixed_gain=us["mixed"] / us["triton"],
+                terms_us=us["terms"], terms_torch_us=us["terms_torch"], terms_gain=us["terms_torch"] / us["terms"],
+                max_abs_err=float(f"{err:.2e}"), terms_max_abs_err=float(f"{terms_err:.2e}"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
