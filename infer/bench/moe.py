@@ -11,6 +11,8 @@ groups of 128).
     python -m infer.bench.moe --tune --tokens 1 16 256 4096   # tune the int4 experts (kernels.moe_tune), --quick
     python -m infer.bench.moe --oai --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --group-size 32
                                                # gpt-oss-20b's experts: biases and clamped SwiGLU, fused vs apart
+    python -m infer.bench.moe --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --tokens 1 8 64 512 4096
+                                               # gpt-oss-20b's MXFP4 experts (packed) vs the same experts in bf16
 
 With --tune each count of tokens' bucket is tuned (the full candidate set; --quick: the engine start's) over the
 int4 experts, the winners saved to this GPU's cache file as an engine start saves them, and each bucket's tuned
@@ -25,6 +27,12 @@ interleaved): both the int4 and the bf16 experts are timed with the biases and t
 epilogue (`int4_us`, `bf16_us`: two launches, the engine's way) and apart (`int4_apart_us`, `bf16_apart_us`: plain
 matmuls, then the index_select adds and the activation's torch ops, as session 60 ran them), and
 `int4_epilogue_gain` / `bf16_epilogue_gain` apart / fused (above 1: the epilogue is faster).
+
+With --mxfp4 the experts are gpt-oss's as the hub stores them (random MXFP4 blocks and e8m0 scales:
+reference.Mxfp4Experts, kept packed as the engine holds them) with its biases and activation: the MXFP4 kernel
+(`kernels.moe.fused_moe_mxfp4`, dequantized in registers; `mxfp4_us`) beside the bf16 fused MoE over the same
+experts dequantized (`bf16_us`), `mxfp4_vs_bf16` their ratio (above 1: MXFP4 faster), each with its floor (the
+chosen experts' bytes: half a byte a weight and a byte a group of 32 for MXFP4, two bytes a weight for bf16).
 """
 
 from __future__ import annotations
@@ -65,6 +73,49 @@ def oai_experts(experts: int, hidden: int, inter: int, device: str = "cuda"):
     gen = torch.Generator(device=device).manual_seed(2)
     return OaiExperts(torch.randn(experts, 2 * inter, device=device, generator=gen).bfloat16(),
                       torch.randn(experts, hidden, device=device, generator=gen).bfloat16(), 1.702, 7.0)
+
+
+def random_mxfp4(experts: int, k: int, n: int, seed: int, device: str = "cuda"):
+    """MXFP4 experts (reference.Mxfp4Experts) of random codes and scales 2^-8 to 2^-4 (a trained layer's range)."""
+    from ..kernels.reference import Mxfp4Experts
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, n, k // 32, 16), device=device, dtype=torch.uint8, generator=gen)
+    scales = torch.randint(119, 124, (experts, n, k // 32), device=device, dtype=torch.uint8, generator=gen)
+    return Mxfp4Experts(blocks, scales)
+
+
+def mxfp4_bytes(experts: int, k: int, n: int) -> int:
+    """Bytes of `experts` MXFP4 projections of k inputs and n outputs: half a byte a weight, a byte a group of 32."""
+    return experts * (k * n // 2 + k // 32 * n)
+
+
+def measure_mxfp4(tokens, experts: int, top_k: int, hidden: int, inter: int, bandwidth: float,
+                  device: str = "cuda") -> list[dict]:
+    """One row a count of tokens (the module docstring's --mxfp4): gpt-oss's experts, MXFP4 against bf16."""
+    from ..kernels import moe
+    from ..kernels.gptq_tune import time_graph
+    w13, w2 = random_mxfp4(experts, hidden, 2 * inter, 0, device), random_mxfp4(experts, inter, hidden, 1, device)
+    f13, f2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
+    oai = oai_experts(experts, hidden, inter, device)
+    rows = []
+    for t in tokens:
+        gen = torch.Generator(device=device).manual_seed(t)
+        x = torch.randn(t, hidden, device=device, generator=gen).bfloat16()
+        weights, ids = torch.topk(torch.randn(t, experts, device=device, generator=gen).softmax(-1), top_k, -1)
+        weights = weights.bfloat16()
+        chosen = int(ids.unique().numel())
+        ours = time_graph([lambda: moe.fused_moe_mxfp4(x, w13, w2, weights, ids, oai=oai)])
+        dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids, oai=oai)])
+        q_bytes = mxfp4_bytes(chosen, hidden, 2 * inter) + mxfp4_bytes(chosen, inter, hidden)
+        f_bytes = chosen * 3 * hidden * inter * 2
+        rows.append({"tokens": t, "experts_chosen": chosen, "mxfp4_us": round(ours, 2), "bf16_us": round(dense, 2),
+                     "mxfp4_vs_bf16": round(dense / ours, 3),
+                     "mxfp4_floor_us": round(q_bytes / bandwidth * 1e6, 2),
+                     "mxfp4_of_floor": round(q_bytes / bandwidth * 1e6 / ours, 3),
+                     "bf16_floor_us": round(f_bytes / bandwidth * 1e6, 2),
+                     "bf16_of_floor": round(f_bytes / bandwidth * 1e6 / dense, 3),
+                     "block_m": moe.choose_block_m(t, top_k, experts)})
+    return rows
 
 
 def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool,
@@ -146,6 +197,9 @@ def _bad_shape(args) -> str | None:
         if v < 1:
             return f"{flag} {v} must be at least 1" + (" (the bench's experts have groups: give one, e.g. 128)"
                                                       if flag == "--group-size" else "")
+    if args.mxfp4 and (args.hidden % 32 or args.intermediate % 32):
+        return (f"--mxfp4 packs groups of 32 values: --hidden {args.hidden} and --intermediate {args.intermediate} "
+                "must be multiples of 32 (gpt-oss-20b's are 2880)")
     bad = [(flag, v) for flag, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
            if v % args.group_size or v % 8]
     if bad:
@@ -171,8 +225,17 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="with --tune: the engine start's candidate set")
     ap.add_argument("--oai", action="store_true", help="gpt-oss's experts (biases, clamped SwiGLU): each also timed "
                                                        "with those apart from the matmuls' epilogue")
+    ap.add_argument("--mxfp4", action="store_true", help="gpt-oss's MXFP4 experts (packed, its biases and "
+                                                         "activation) against the same experts in bf16")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
+    if args.mxfp4:
+        clash = [f for f, on in (("--tune", args.tune), ("--oai", args.oai), ("--act-order", args.act_order),
+                                 ("--block-m", args.block_m)) if on]
+        if clash:
+            ap.error(f"--mxfp4 times gpt-oss's MXFP4 experts (with their biases and activation) against bf16; "
+                     f"{clash[0]} is the int4 experts' option: drop one")
+        args.group_size = 32  # (MXFP4's groups: --group-size is the int4 experts')
     if args.quick and not args.tune:
         ap.error("--quick is the candidate set of --tune (the engine start's): add --tune, or drop --quick")
     if args.tune and args.oai:
@@ -194,7 +257,9 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; E={args.experts} "
           f"k={args.top_k} H={args.hidden} I={args.intermediate} g={args.group_size} act_order={args.act_order}")
-    if args.tune:
+    if args.mxfp4:
+        rows = measure_mxfp4(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, bandwidth)
+    elif args.tune:
         rows = tune(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
                     args.act_order, args.quick, log=lambda m: print(m, flush=True))
     else:

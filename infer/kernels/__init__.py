@@ -238,8 +238,17 @@ def fused_moe_config_steps(x, max_tokens: int, w13, w2, top_k: int) -> dict:
     if not use_triton(x):
         return {}
     moe = _triton("moe")
-    e = w13.qweight.shape[0] if hasattr(w13, "qweight") else w13.shape[0]
+    e = w13.qweight.shape[0] if hasattr(w13, "qweight") else w13.shape[0]  # (reference.Mxfp4Experts: its shape)
     return moe.config_steps(max_tokens, top_k, e, moe.experts_key(w13, w2, top_k, x.dtype), x.device)
+
+
+def fused_moe_mxfp4(x, w13, w2, weights, ids, lora=None, oai=None):
+    """fused_moe over MXFP4 experts (reference.Mxfp4Experts: gpt-oss's, kept packed): Triton's, dequantized in
+    registers, in the float kernel's launches; else the reference (each expert dequantized as the loop reaches it:
+    on the CPU only the experts some token chose)."""
+    if use_triton(x):
+        return _triton("moe").fused_moe_mxfp4(x, w13, w2, weights, ids, lora, **_oai(oai))
+    return reference.fused_moe_mxfp4(x, w13, w2, weights, ids, lora, oai)
 
 
 def fused_moe_int4(x, w13, w2, weights, ids, lora=None, oai=None):

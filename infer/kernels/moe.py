@@ -68,11 +68,13 @@ def block_m_steps(max_tokens: int, top_k: int, experts: int) -> dict[int, int]:
     return steps
 
 
-def layer_key(experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, w13=None, w2=None) -> str:
+def layer_key(experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, w13=None, w2=None,
+              mxfp4: bool = False) -> str:
     """The tuned table's key of a sparse layer: E, H, I, top-k and x's dtype; int4 experts (reference.Int4Experts)
     add their group layout (each stack's group size, 0: act-order read per row, and whether it is sorted by group):
-    it fixes BLOCK_K and the kernel's loads."""
-    kind = str(dtype).removeprefix("torch.")
+    it fixes BLOCK_K and the kernel's loads; MXFP4 experts (reference.Mxfp4Experts) "mxfp4-" (kernels.moe_tune
+    tunes none: the heuristics' tiles)."""
+    kind = ("mxfp4-" if mxfp4 else "") + str(dtype).removeprefix("torch.")
     if w13 is not None:
         kind = "int4-g" + "/".join(f"{w.group_size}{'p' if w.perm is not None else ''}" for w in (w13, w2)) + \
             f"-{kind}"
@@ -84,6 +86,8 @@ def experts_key(w13, w2, top_k: int, dtype: torch.dtype) -> str:
     for x of `dtype`."""
     if hasattr(w13, "qweight"):
         return layer_key(w13.qweight.shape[0], w13.in_features, w2.in_features, top_k, dtype, w13, w2)
+    if hasattr(w13, "blocks"):  # MXFP4 experts (reference.Mxfp4Experts): a kind of their own, never tuned
+        return layer_key(w13.blocks.shape[0], w13.in_features, w2.in_features, top_k, dtype, mxfp4=True)
     return layer_key(w13.shape[0], w13.shape[2], w2.shape[2], top_k, dtype)
 
 
@@ -305,7 +309,7 @@ def compile_variants(x: torch.Tensor, w13, w2, top_k: int, weight_dtype: torch.d
     ints = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(3)]
     rows = {n: torch.empty(1, n, dtype=x.dtype, device=dev) for n in {hidden, inter, 2 * inter}}
     fw = torch.empty(1, dtype=weight_dtype, device=dev)
-    gemm = _gemm_int4 if int4 else _gemm
+    gemm = _gemm_int4 if int4 else _gemm_mxfp4 if hasattr(w13, "blocks") else _gemm
     return [lambda cfg=cfg, a=a, w=w, out=out, first=first: gemm(
         rows[a], w, rows[out], fw, Aligned(*ints, cfg["BLOCK_M"]), top_k, first, not first, cfg, True)
         for cfg in configs for a, w, out, first in ((hidden, w13, 2 * inter, True), (inter, w2, hidden, False))]
@@ -565,5 +569,109 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
     return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, e),
                 lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_int4(
+                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
+                apart)
+
+
+# ------------------------------------------------------------------------------------------------ MXFP4 experts
+@triton.jit
+def _e2m1(c):
+    """The float32 values of 4-bit e2m1 codes `c` (int32; reference.FP4_VALUES): sign bit 3, exponent bits 1-2
+    (bias 1), mantissa bit 0; exponent 0 the subnormals 0 and 0.5. Built from their bits: exact."""
+    mag = c & 7
+    ex = mag >> 1
+    m = mag & 1
+    normal = (((ex + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    v = tl.where(ex == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where(c >= 8, -v, v)
+
+
+@triton.jit
+def _e8m0(s):
+    """The float32 powers of two 2^(s - 127) of e8m0 scales `s` (int32 0..254; 0: the subnormal 2^-127)."""
+    return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant a BLOCK_M)
+def _moe_gemm_mxfp4(a_ptr, q_ptr, sc_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k,
+                    top_k, s_a, s_qe, s_qn, s_se, s_sn, s_out, b_ptr, s_be, alpha, limit, ROW_DIV: tl.constexpr,
+                    WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, OAI: tl.constexpr = False):
+    """_moe_gemm over MXFP4 experts (reference.Mxfp4Experts): blocks uint8 [E, N, K / 2] (a row's K / 32 groups of 16
+    bytes, two e2m1 codes a byte, low nibble first), scales uint8 [E, N, K / 32] (e8m0). Each K step reads its
+    [BLOCK_K / 2, BLOCK_N] bytes once and its [BLOCK_K / 32, BLOCK_N] scales, splits the bytes into their codes in
+    registers ([K / 2, N, 2] -> [K / 2, 2, N] -> row 2 i + j = nibble j of byte i: the tile in x's order), each
+    value FP4_VALUES[code] * 2^(scale - 127) in float32 (exact), rounded to x's dtype (as mxfp4_dequantize), then
+    the float kernel's dot and epilogue (`_store_rows`). BLOCK_K a multiple of 32 (whole groups a step)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    pair, valid, a_row, e = _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV, BLOCK_M)
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    q_cols = q_ptr + e * s_qe + offs_n[None, :].to(tl.int64) * s_qn
+    sc_cols = sc_ptr + e * s_se + offs_n[None, :].to(tl.int64) * s_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_row[:, None] * s_a + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < k),
+                    other=0.0)
+        offs_b = k0 // 2 + tl.arange(0, HALF)
+        q = tl.load(q_cols + offs_b[:, None], mask=(offs_b[:, None] < k // 2) & mask_n[None, :], other=0)
+        q = q.to(tl.int32)
+        codes = tl.reshape(tl.permute(tl.join(q & 0xF, q >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        offs_g = k0 // 32 + tl.arange(0, GROUPS)
+        s = tl.load(sc_cols + offs_g[:, None], mask=(offs_g[:, None] < k // 32) & mask_n[None, :], other=127)
+        scale = _e8m0(s.to(tl.int32))
+        w = tl.reshape(tl.reshape(_e2m1(codes), (GROUPS, 32, BLOCK_N)) * scale[:, None, :], (BLOCK_K, BLOCK_N))
+        w = w.to(a_ptr.dtype.element_ty)
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit, WEIGHTED,
+                HAS_BIAS, OAI, BLOCK_M, BLOCK_N)
+
+
+def mxfp4_tiles(n: int, k: int, top_k: int, block_m: int = BLOCK_M) -> tuple[int, int]:
+    """`tiles` of MXFP4 experts: the float kernel's (the same sums over K in the same order), BLOCK_K at least a
+    group of 32 (K is a multiple of 32: a K step whole groups)."""
+    block_n, block_k = tiles(n, k, top_k, block_m)
+    return block_n, max(32, block_k)
+
+
+def _gemm_mxfp4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool, cfg: dict | None = None,
+                compile_only: bool = False, bias=None, act=None):
+    """One _moe_gemm_mxfp4 launch (as _gemm: cfg a launch config, compile_only Triton's `warmup`)."""
+    n, k = w.out_features, w.in_features
+    block_n, block_k = mxfp4_tiles(n, k, top_k, aligned.block_m)
+    grid, block_n, options = _launch(aligned, n, block_n, False, cfg, compile_only)
+    epi, epi_c = _epilogue(out, bias, act)
+    q, sc = w.blocks, w.scales
+    run = _moe_gemm_mxfp4.warmup if compile_only else _moe_gemm_mxfp4[grid]
+    return run(a, q, sc, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k,
+               top_k, a.stride(0), q.stride(0), q.stride(1), sc.stride(0), sc.stride(1), out.stride(0), *epi,
+               ROW_DIV=row_div, WEIGHTED=weighted,
+               IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+               BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k, **epi_c, **options)
+
+
+def fused_moe_mxfp4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
+                    block_m: int | None = None, config: dict | None = None, oai=None,
+                    apart: bool = False) -> torch.Tensor:
+    """fused_moe over MXFP4 experts (reference.Mxfp4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
+    dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
+    t, top_k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w13, w2 = (type(w)(w.blocks.contiguous(), w.scales.contiguous()) for w in (w13, w2))
+    e = w13.blocks.shape[0]
+    return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
+                _config(config, block_m, w13, w2, x.dtype, ids, e),
+                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_mxfp4(
                     a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
                 apart)

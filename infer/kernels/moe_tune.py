@@ -227,6 +227,8 @@ def tune_model(model, max_tokens: int, device, log=None, quick: bool | None = No
     name = name or gptq_configs.gpu_name(device)
     tuned = 0
     for key, (w13, w2, top_k, dtype, weight_dtype) in sorted(moe_layers(model).items()):
+        if hasattr(w13, "blocks"):  # MXFP4 experts (reference.Mxfp4Experts): not tuned, the heuristics' tiles
+            continue
         have = gptq_configs.load(name, moe.SECTION).get(key, {})
         missing = [b for b in buckets if b not in have]
         if not missing:

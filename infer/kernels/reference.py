@@ -702,6 +702,82 @@ def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: 
     return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids, lora, oai)
 
 
+# MXFP4's 16 values (e2m1: the hub's gpt-oss checkpoints, transformers' integrations.mxfp4.FP4_VALUES), by 4-bit code
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Semantics: an MXFP4 tensor as the hub's gpt-oss checkpoints store the experts: blocks uint8 [E, N, G, 16] (two
+    4-bit e2m1 codes a byte, low nibble first: the 32 values of a group), scales uint8 [E, N, G] (each group's power
+    of two, biased by 127: e8m0), as the float [E, N, G * 32] (the [E, out, in] of F.linear) that transformers
+    dequantizes to on a machine without its MXFP4 kernels (integrations.mxfp4.convert_moe_packed_tensors, before
+    its transpose): FP4_VALUES[code] * 2^(scale - 127) in float32, then `dtype` (each value exact in bfloat16).
+    One expert at a time (no whole-tensor int64 codes)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    e, n, g, b = blocks.shape
+    out = torch.empty(e, n, g * b * 2, dtype=dtype, device=blocks.device)
+    for i in range(e):
+        codes = blocks[i].to(torch.int64)
+        vals = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).reshape(n, g, b * 2)
+        exp = scales[i].to(torch.int32) - 127
+        out[i] = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32)).reshape(n, g * b * 2).to(dtype)
+    return out
+
+
+class Mxfp4Experts(NamedTuple):
+    """A mixture of experts' MXFP4 projections stacked by expert, as the hub's gpt-oss checkpoints store them
+    (`mxfp4_dequantize`): blocks uint8 [E, N, K / 32, 16], scales uint8 [E, N, K / 32]; N outputs (w13: 2I, gate
+    and up rows interleaved, OaiExperts), K inputs. Kept packed (a quarter of bfloat16's bytes, plus a byte a 32
+    values): the Triton kernel (kernels.moe.fused_moe_mxfp4) dequantizes them in registers, the reference
+    (`fused_moe_mxfp4`) one expert at a time, as a call uses it."""
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.blocks.shape[2] * 32
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The float stack's [E, N, K] (what fused_moe reads of its w13 and w2)."""
+        return self.blocks.shape[0], self.out_features, self.in_features
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weights [E, N, K] in `dtype` (every expert: the tests' and the tuner's oracle)."""
+        return mxfp4_dequantize(self.blocks, self.scales, dtype)
+
+    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e's float weight [N, K] in `dtype`."""
+        return mxfp4_dequantize(self.blocks[e:e + 1], self.scales[e:e + 1], dtype)[0]
+
+
+class _ExpertByExpert(NamedTuple):
+    """Mxfp4Experts as fused_moe and fused_moe_dense read a float stack (its shape, w[e]): each expert dequantized
+    when the loop reaches it, then dropped (one expert's float weights alive at a time, never the whole stack)."""
+    w: Mxfp4Experts
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.w.shape
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.w.expert(e, self.dtype)
+
+
+def fused_moe_mxfp4(x: torch.Tensor, w13: Mxfp4Experts, w2: Mxfp4Experts, weights: torch.Tensor,
+                    ids: torch.Tensor, lora: MoELoRA | None = None, oai: OaiExperts | None = None) -> torch.Tensor:
+    """Semantics: fused_moe over the MXFP4 experts' float weights in x's dtype (`mxfp4_dequantize`), each expert
+    dequantized as the loop reaches it: on the CPU only the experts some token chose (fused_moe), on CUDA every
+    expert (fused_moe_dense, whose shapes a CUDA graph can record)."""
+    f13, f2 = _ExpertByExpert(w13, x.dtype), _ExpertByExpert(w2, x.dtype)
+    return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids, lora, oai)
+
+
 def ungated_act(x: torch.Tensor, act: str, scalars=None) -> torch.Tensor:
     """Semantics: an MLP without gate's activation of its up projection's output x (relu2 in place; x may be
     overwritten, use the result), in x's dtype with

@@ -15,6 +15,7 @@ from ..kernels import cpu_gemm
 from ..models.classifier import is_classifier, token_head
 from ..models.moe import float32_tensor, mtp_tensor
 from ..models.multimodal import is_multimodal, text_name
+from ..quant.config import mxfp4_gpt_oss
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -81,6 +82,9 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     if bits is None:
         qc = getattr(model_config, "quantization_config", None)
         bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
+    qc = getattr(model_config, "quantization_config", None)
+    mxfp4 = mxfp4_gpt_oss({"model_type": getattr(model_config, "model_type", None),
+                           "quantization_config": qc if isinstance(qc, dict) or qc is None else vars(qc)})
     total = 0
     gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
     expert_inputs: dict[str, int] = {}  # the same for a mixture of experts' GPTQ experts (gate/up merged)
@@ -121,9 +125,10 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 size = numel * 4
             if mtp_tensor(model_config, name):  # (GLM-4.5's, ERNIE 4.5 MoE's MTP layers: skipped at load)
                 continue
-            if info["dtype"] == "U8" and name.endswith(("_proj_blocks", "_proj_scales")):
-                # gpt-oss's MXFP4 experts (models.moe.mxfp4_dequantize): two values a byte of blocks, loaded as
-                # float; the scales dropped
+            if info["dtype"] == "U8" and name.endswith(("_proj_blocks", "_proj_scales")) and not mxfp4:
+                # MXFP4 tensors without config.json's word (models.moe dequantizes them at load): two values a byte
+                # of blocks, loaded as float; the scales dropped. (gpt-oss's MXFP4 experts, config.json's
+                # quantization_config: held packed as stored, models.moe.Mxfp4Stack: a byte each.)
                 size = 2 * numel * elem if name.endswith("_blocks") else 0
             if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False) and not head_only:
                 continue

@@ -127,9 +127,9 @@ def linear_method_factory(path: Path, cfg):
     qc = getattr(cfg, "quantization_config", None)
     if not qc and not any((path / f).is_file() for f in ("quantize_config.json", "quant_config.json")):
         return lambda names: None
-    from ..quant.config import GPTQConfig, dequantized_at_load
-    if dequantized_at_load({"model_type": getattr(cfg, "model_type", None), "quantization_config": qc}):
-        # the hub's gpt-oss checkpoints: MXFP4 experts, dequantized at load (models.moe.mxfp4_dequantize), every
+    from ..quant.config import GPTQConfig, mxfp4_gpt_oss
+    if mxfp4_gpt_oss({"model_type": getattr(cfg, "model_type", None), "quantization_config": qc}):
+        # the hub's gpt-oss checkpoints: MXFP4 experts, kept packed (models.moe.Experts' mxfp4 stacks), every
         # other layer float
         return lambda names: None
     from ..quant.gptq_linear import GPTQLinearMethod

@@ -59,8 +59,9 @@ from torch import nn
 
 from .. import kernels
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..quant.config import mxfp4_gpt_oss
 from ..kernels import cpu_gemm
-from ..kernels.reference import Int4Experts, MoELoRA, OaiExperts
+from ..kernels.reference import Int4Experts, MoELoRA, Mxfp4Experts, OaiExperts, mxfp4_dequantize  # noqa: F401
 from .layers import UnquantizedLinearMethod
 
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
@@ -289,21 +290,42 @@ class Int4Stack(nn.Module):
         self.group_size = group_size if bool((self.g_idx == plain).all()) else 0
 
 
+class Mxfp4Stack(nn.Module):
+    """One stacked projection of MXFP4 experts (the hub's gpt-oss checkpoints: w13 K = H inputs, N = 2I outputs,
+    gate and up rows interleaved; w2: I, H) as the checkpoint stores it, kept packed: blocks uint8 [E, N, K / 32, 16]
+    (two e2m1 codes a byte), scales uint8 [E, N, K / 32] (e8m0): kernels.fused_moe_mxfp4 dequantizes them."""
+
+    def __init__(self, e: int, k: int, n: int):
+        super().__init__()
+        self.register_buffer("blocks", torch.empty(e, n, k // 32, 16, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(e, n, k // 32, dtype=torch.uint8))
+
+    def experts(self) -> Mxfp4Experts:
+        return Mxfp4Experts(self.blocks, self.scales)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]. int4 (the GPU path's GPTQ
     configs of gate/up and of down): no float weights (w13, w2 [E, 0, 0]) but their int4 stacks (Int4Stack
-    w13_int4, w2_int4). `biases` (gpt-oss): b13 [E, 2I] (gate's, then up's) and b2 [E, H]."""
+    w13_int4, w2_int4); mxfp4 (the hub's gpt-oss checkpoints, on every device): no float weights but their MXFP4
+    stacks as stored (Mxfp4Stack w13_mxfp4, w2_mxfp4). `biases` (gpt-oss): b13 [E, 2I] (gate's, then up's) and
+    b2 [E, H]."""
 
-    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None, biases: bool = False):
+    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None, biases: bool = False,
+                 mxfp4: bool = False):
         super().__init__()
         self.num_experts, self.hidden, self.inter = e, hidden, inter
         self.int4 = int4
-        rows = (0, 0) if int4 else None
+        self.mxfp4 = mxfp4
+        rows = (0, 0) if int4 or mxfp4 else None
         self.w13 = nn.Parameter(torch.empty(e, *(rows or (2 * inter, hidden)), dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, *(rows or (hidden, inter)), dtype=dtype), requires_grad=False)
         if int4:
             self.w13_int4 = Int4Stack(e, hidden, 2 * inter, int4[0])
             self.w2_int4 = Int4Stack(e, inter, hidden, int4[1])
+        if mxfp4:
+            self.w13_mxfp4 = Mxfp4Stack(e, hidden, 2 * inter)
+            self.w2_mxfp4 = Mxfp4Stack(e, inter, hidden)
         self.b13 = self.b2 = None
         if biases:
             self.b13 = nn.Parameter(torch.empty(e, 2 * inter, dtype=dtype), requires_grad=False)
@@ -379,7 +401,14 @@ class SparseMoeBlock(nn.Module):
                         "GPTQ experts only as 4-bit, every expert's projections quantized", "run it on the CPU "
                         "(--device cpu: dequantized at load), or serve a checkpoint of 4-bit GPTQ experts")
             self.int4 = (gate_up.config, down.config)
-        self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai)
+        # the hub's gpt-oss checkpoints (MXFP4 experts): kept packed as stored (Experts' Mxfp4Stack), on every device
+        self.mxfp4 = self.oai and mxfp4_gpt_oss({"model_type": cfg.model_type,
+                                                 "quantization_config": getattr(cfg, "quantization_config", None)})
+        if self.mxfp4 and (h % 32 or inter % 32):
+            raise UnsupportedModelError(f"config.json quantizes the experts as MXFP4 with hidden_size {h} and "
+                                        f"intermediate_size {inter}: MXFP4 packs groups of 32 values",
+                                        "both must be multiples of 32 (gpt-oss-20b's and 120b's are 2880)")
+        self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai, mxfp4=self.mxfp4)
         self.shared_expert = None
         if cfg.model_type in SHARED_EXPERT:
             shared = int(cfg.shared_expert_intermediate_size)
@@ -511,6 +540,8 @@ class SparseMoeBlock(nn.Module):
         ex = self.experts
         dtype = ex.w13.dtype  # (the model's: GLM-4.5's router is float32)
         w13, w2 = (ex.w13_int4.experts(), ex.w2_int4.experts()) if self.int4 is not None else (ex.w13, ex.w2)
+        if ex.mxfp4:
+            w13, w2 = ex.w13_mxfp4.experts(), ex.w2_mxfp4.experts()
         return w13, w2, self.top_k, dtype, torch.float32 if self.float_weights else dtype
 
     def warm_block_sizes(self, max_tokens: int, decode: bool = False) -> list[int]:
@@ -540,12 +571,20 @@ class SparseMoeBlock(nn.Module):
             in_slot0 = torch.zeros(t, dtype=torch.int64, device=probe.device)
             for lora in ((None,) if slots is None else (None, MoELoRA(slots.a13, slots.b13, slots.a2, slots.b2,
                                                                          in_slot0))):
-                if self.int4 is not None:
-                    kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora,
-                                           self.oai_experts())
-                else:
-                    kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora, self.oai_experts())
+                self.run_experts(x, weights, ids, lora)
         return sorted(counts)
+
+    def run_experts(self, x, weights, ids, lora):
+        """The fused MoE of the experts as the block holds them: float, int4 (kernels.fused_moe_int4) or MXFP4
+        (kernels.fused_moe_mxfp4)."""
+        ex = self.experts
+        if self.int4 is not None:
+            return kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora,
+                                          self.oai_experts())
+        if ex.mxfp4:
+            return kernels.fused_moe_mxfp4(x, ex.w13_mxfp4.experts(), ex.w2_mxfp4.experts(), weights, ids, lora,
+                                           self.oai_experts())
+        return kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora, self.oai_experts())
 
     def oai_experts(self) -> OaiExperts | None:
         """gpt-oss's expert biases and activation as the fused MoE takes them (None for the other families)."""
@@ -555,16 +594,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x, ctx=None):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
         weights, ids = self.route(x)
-        ex = self.experts
         # the experts' adapters (lora.experts sets `lora`: its `moe_lora(batch)`, a kernels.reference.MoELoRA, or
         # None where no token's adapter adapts them)
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         lora = self.lora.moe_lora(batch) if batch is not None else None
-        if self.int4 is not None:
-            out = kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora,
-                                         self.oai_experts())
-        else:
-            out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora, self.oai_experts())
+        out = self.run_experts(x, weights, ids, lora)
         if self.shared_expert is not None and self.shared_width:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -585,27 +619,6 @@ _TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.(?:weigh
 # (gate_up_proj [E, H, 2I]: x @ W, its gate and up columns interleaved; down_proj [E, I, H])
 _OAI_TENSOR = re.compile(r"^layers\.(\d+)\.mlp\.(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)"
                          r"(_bias|_blocks|_scales)?)$")
-# MXFP4's 16 values (the hub's gpt-oss checkpoints: transformers' integrations.mxfp4.FP4_VALUES), by 4-bit code
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An MXFP4 tensor as the hub's gpt-oss checkpoints store the experts: blocks uint8 [E, N, G, 16] (two 4-bit
-    codes a byte, low nibble first: 32 values of a group), scales uint8 [E, N, G] (each group's power of two,
-    biased by 127), as the float [E, N, G * 32] (the [E, out, in] of F.linear) that transformers dequantizes to
-    on a machine without its MXFP4 kernels (integrations.mxfp4.convert_moe_packed_tensors, before its transpose):
-    each value exact in `dtype`. One expert at a time (no whole-tensor int64 codes)."""
-    lut = torch.tensor(_FP4, dtype=torch.float32, device=blocks.device)
-    e, n, g, b = blocks.shape
-    out = torch.empty(e, n, g * b * 2, dtype=dtype, device=blocks.device)
-    for i in range(e):
-        codes = blocks[i].to(torch.int64)
-        vals = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).reshape(n, g, b * 2)
-        exp = scales[i].to(torch.int32) - 127
-        out[i] = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32)).reshape(n, g * b * 2).to(dtype)
-    return out
-
-
 # Granite MoE's sparse layer as its checkpoints name it (transformers 5 renames them at load: its conversion_mapping),
 # by the name infer's loader reads
 _GRANITE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
@@ -771,7 +784,9 @@ class MoeForCausalLM:
         m = _OAI_TENSOR.match(key)
         if int(m.group(1)) >= len(self.layers):
             return None
-        if m.group(4) in ("_blocks", "_scales"):  # MXFP4 (the hub's checkpoints): dequantized once both are in
+        if m.group(4) in ("_blocks", "_scales") and self.layers[int(m.group(1))].mlp.mxfp4:
+            return self._load_mxfp4(m, t, name)
+        if m.group(4) in ("_blocks", "_scales"):  # MXFP4 tensors without config.json's word: dequantized at load
             block = self.layers[int(m.group(1))].mlp
             held = block.__dict__.setdefault("_mxfp4", {}).setdefault(m.group(3), {})
             held[m.group(4)] = (t, name)
@@ -805,12 +820,32 @@ class MoeForCausalLM:
             raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, config.json implies {stored}",
                                  "the weights do not match config.json")
         if m.group(3) is not None:
+            if ex.mxfp4 and not bias:
+                raise ModelLoadError(f"{name} is a float expert's weight in a checkpoint whose config.json quantizes "
+                                     "the experts as MXFP4 (quantization_config)", "the checkpoint does not match "
+                                     "its config.json: a float gpt-oss has no quantization_config")
             if m.group(4) is None:
                 t = t.transpose(1, 2)  # x @ W: W [E, in, out] as the [E, out, in] of F.linear
             parts = (0, 1) if gate_up else (2,)
             ex.loaded.update((i, p + (3 if bias else 0)) for i in range(e) for p in parts)
         dest.data.copy_(t)
         return into
+
+    def _load_mxfp4(self, m: re.Match, t: torch.Tensor, name: str) -> str:
+        """gpt-oss's MXFP4 gate_up_proj / down_proj _blocks or _scales as stored, into the layer's Mxfp4Stack (no
+        float copy; the stored [E, N, K / 32(, 16)] is already the [E, out, in] of F.linear, w13's rows in
+        transformers' interleaved order): its shape and uint8 checked. Loaded: its parts (blocks 0-2, scales 6-8)."""
+        ex = self.layers[int(m.group(1))].mlp.experts
+        gate_up = m.group(3) == "gate_up_proj"
+        stack = ex.w13_mxfp4 if gate_up else ex.w2_mxfp4
+        dest = stack.blocks if m.group(4) == "_blocks" else stack.scales
+        if t.dtype != torch.uint8 or tuple(t.shape) != tuple(dest.shape):
+            raise ModelLoadError(f"{name} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}, config.json "
+                                 f"implies MXFP4's uint8 {tuple(dest.shape)}", "the weights do not match config.json")
+        dest.copy_(t)
+        parts = ((0, 1) if gate_up else (2,)) if m.group(4) == "_blocks" else ((6, 7) if gate_up else (8,))
+        ex.loaded.update((i, p) for i in range(ex.num_experts) for p in parts)
+        return f"layers.{m.group(1)}.mlp.experts.{'w13' if gate_up else 'w2'}"  # (its [E, 0, 0] float place)
 
     def check_experts(self) -> None:
         """A ModelLoadError naming the first expert projection the checkpoint had no tensor for; GPTQ experts
@@ -822,13 +857,16 @@ class MoeForCausalLM:
                 stacked = "gate_up_proj", "gate_up_proj", "down_proj"  # (gpt-oss's: transformers' own names)
                 for index in range(block.experts.num_experts):
                     # gpt-oss's experts have biases too: parts 3, 4, 5 (loaded stacked, or apart by GPTQModel)
-                    for part in range(6 if block.oai else 3):
+                    # MXFP4 experts: their blocks (parts 0-2) and scales (6-8)
+                    for part in range(9 if block.mxfp4 else 6 if block.oai else 3):
                         if (index, part) not in block.experts.loaded:
                             tensor = "qweight" if block.method_for is not None else "weight"  # (GPTQ / AWQ experts)
                             tensor = "bias" if part > 2 else tensor
                             what = f"{index}.{names[part % 3]}.{tensor}"
                             if block.oai and block.method_for is None:
-                                what = stacked[part % 3] + ("_bias" if part > 2 else "")
+                                what = stacked[part % 3] + ("_bias" if 3 <= part < 6 else "")
+                                what += ("_blocks" if part < 3 else "_scales" if part > 5 else "") if block.mxfp4 \
+                                    else ""
                             raise ModelLoadError(f"the checkpoint has no tensor {block.prefix}.experts.{what}",
                                                  "the model folder is incomplete")
 

@@ -14,24 +14,24 @@ _BITS_HINT = ("only 4-bit and 8-bit GPTQ are supported: use the model's 4-bit (o
               "weights (`infer quantize FLOAT_MODEL -o OUT --bits 4` makes a 4-bit checkpoint of them)")
 
 
-def dequantized_at_load(config: dict) -> bool:
-    """Whether config.json (a dict) is a gpt-oss with MXFP4 experts (the hub's gpt-oss-20b / 120b): infer
-    dequantizes them at load (models.moe.mxfp4_dequantize, as transformers does without its MXFP4 kernels), a
-    float model otherwise."""
+def mxfp4_gpt_oss(config: dict) -> bool:
+    """Whether config.json (a dict) is a gpt-oss with MXFP4 experts (the hub's gpt-oss-20b / 120b): infer keeps
+    them packed as stored (models.moe's Mxfp4Experts: the fused MoE dequantizes them in registers, the CPU's
+    reference one expert at a time), every other layer float (its GPTQ configs none)."""
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     return config.get("model_type") == "gpt_oss" and isinstance(qc, dict) and \
         str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
 def hf_load_options(model_dir) -> dict:
-    """transformers' from_pretrained options that load the model in `model_dir` as infer loads it: the hub's gpt-oss
-    MXFP4 experts dequantized (Mxfp4Config(dequantize=True); transformers otherwise fetches its MXFP4 kernels from
-    the hub, and fails without them); {} for any other model (or an unreadable config.json: transformers says)."""
+    """transformers' from_pretrained options that load the model in `model_dir` as infer computes it: the hub's
+    gpt-oss MXFP4 experts dequantized (Mxfp4Config(dequantize=True): the same values infer's packed experts
+    compute with; transformers otherwise fetches its MXFP4 kernels from the hub, and fails without them); {} for any other model (or an unreadable config.json: transformers says)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not dequantized_at_load(config):
+    if not mxfp4_gpt_oss(config):
         return {}
     from transformers import Mxfp4Config
     return {"quantization_config": Mxfp4Config(dequantize=True)}
@@ -169,7 +169,7 @@ class GPTQConfig:
                 d = json.loads(f.read_text())
             except ValueError as e:
                 raise ModelLoadError(f"{f} is not valid JSON: {e}") from e
-            if key and dequantized_at_load(d):
+            if key and mxfp4_gpt_oss(d):
                 continue  # (the experts float once loaded: the other files' GPTQ configs as for a float model)
             d = d.get(key) if key else d
             if d and name == "quant_config.json" and isinstance(d, dict) and not (d.get("quant_method") or

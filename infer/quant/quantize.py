@@ -25,7 +25,7 @@ from typing import Any, Callable, TextIO
 from ..checks import processor_chat_template, tokenizer_problem
 from ..errors import ConfigError, InferError, ModelLoadError, UnsupportedModelError
 from .calibration import CalibrationSet, load_calibration
-from .config import dequantized_at_load
+from .config import mxfp4_gpt_oss
 from .convert import (TOKENIZER_FILES, check_inputs_kept, check_not_source, check_output, is_gptq, keep_source_config,
                       parse_shard_size, read_config_json, saved_dtype, staged_output, weight_files)
 
@@ -267,7 +267,7 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
                               f", or rewrite it as GPTQ with `infer convert {src} -o OUT --to gptq`"
                               if method == "awq" else
                               f", or write that float model with `infer convert {src} -o FLOAT` (gpt-oss's MXFP4 "
-                              "experts dequantized) and quantize FLOAT" if dequantized_at_load(config) else ""))
+                              "experts dequantized) and quantize FLOAT" if mxfp4_gpt_oss(config) else ""))
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
     if not qc and (src / "quant_config.json").is_file():  # older AutoAWQ's file (GPTQConfig.from_model_dir reads it)
