@@ -137,9 +137,9 @@ KERNEL_CASES = [  # tokens, experts, top-k, hidden, expert width, gpt-oss's bias
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_triton_mxfp4_fused_moe_equals_the_reference(moe_kernels, case):
     """kernels.moe.fused_moe_mxfp4 (interpreted) equals the reference over the experts dequantized (float32 within
-    1e-5, 1e-6 of the largest output; the outputs poisoned first), reference.fused_moe_mxfp4 equals that bit for bit, and in bfloat16 the MXFP4
-    kernel equals the bf16 fused MoE over the dequantized experts bit for bit (the same tiles and roundings); one
-    code changed in every byte changes the output."""
+    1e-5, 1e-6 of the largest output; the outputs poisoned first), reference.fused_moe_mxfp4 equals that bit for
+    bit, and in bfloat16 the MXFP4 kernel equals the bf16 fused MoE over the dequantized experts bit for bit (the
+    same tiles and roundings); one code changed in every byte, or every scale, changes the output."""
     t, e, k, h, i, oai = case
     w13, w2 = mxfp4_experts(e, h, 2 * i, seed=t), mxfp4_experts(e, i, h, seed=t + 1)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t + 2))
@@ -341,3 +341,44 @@ def test_the_moe_bench_counts_mxfp4_bytes_and_refuses_what_it_cannot_time(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--mxfp4", "--tokens", "1"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@interpreted
+def test_the_moe_bench_times_mxfp4_beside_bf16(moe_kernels, monkeypatch):
+    """`python -m infer.bench.moe --mxfp4`'s measuring code (interpreted, a wall-clock timer, tiny experts): a row
+    a count of tokens with the MXFP4 and the bf16 times, their ratio and each one's floor (times not asserted)."""
+    from infer.bench import moe as bench
+    from infer.kernels import gptq_tune
+    from test_probes_session61_epi import counted_clock
+    monkeypatch.setattr(gptq_tune, "time_graph", counted_clock)
+    rows = bench.measure_mxfp4([1, 5], 4, 2, 64, 32, 1e12, device="cpu")
+    assert [r["tokens"] for r in rows] == [1, 5]
+    for r in rows:
+        assert r["mxfp4_us"] > 0 and r["mxfp4_vs_bf16"] == round(r["bf16_us"] / r["mxfp4_us"], 3), r
+        chosen = r["experts_chosen"]
+        assert r["mxfp4_floor_us"] == round((bench.mxfp4_bytes(chosen, 64, 64) + bench.mxfp4_bytes(chosen, 32, 64))
+                                            / 1e12 * 1e6, 2)
+
+
+@pytest.mark.gpu
+def test_the_moe_bench_times_gpt_oss_20b_mxfp4_experts_on_a_gpu(tmp_path):
+    """On a GPU: `python -m infer.bench.moe --mxfp4` at gpt-oss-20b's experts writes a row a count of tokens (times
+    not asserted), and the kernel's outputs are the bf16 fused MoE's over the dequantized experts there too."""
+    import csv
+
+    from infer.bench import moe as bench
+    from infer.kernels import moe
+    assert bench.main(["--mxfp4", "--experts", "32", "--top-k", "4", "--hidden", "2880", "--intermediate", "2880",
+                       "--tokens", "1", "64", "1024", "--out", str(tmp_path / "m.csv")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "m.csv")))
+    assert len(rows) == 3 and all(float(r["mxfp4_us"]) > 0 for r in rows), rows
+    w13 = bench.random_mxfp4(32, 2880, 5760, 0)
+    w2 = bench.random_mxfp4(32, 2880, 2880, 1)
+    oai = bench.oai_experts(32, 2880, 2880)
+    for t in (1, 64, 1024):
+        x = torch.randn(t, 2880, device="cuda").bfloat16()
+        w, ids = torch.topk(torch.randn(t, 32, device="cuda").softmax(-1), 4, -1)
+        got = moe.fused_moe_mxfp4(x, w13, w2, w.bfloat16(), ids, oai=oai)
+        want = moe.fused_moe(x, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16), w.bfloat16(), ids,
+                             oai=oai)
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), t  # (bf16 outputs: the tensor cores' sums)

@@ -26,7 +26,8 @@ def mxfp4_gpt_oss(config: dict) -> bool:
 def hf_load_options(model_dir) -> dict:
     """transformers' from_pretrained options that load the model in `model_dir` as infer computes it: the hub's
     gpt-oss MXFP4 experts dequantized (Mxfp4Config(dequantize=True): the same values infer's packed experts
-    compute with; transformers otherwise fetches its MXFP4 kernels from the hub, and fails without them); {} for any other model (or an unreadable config.json: transformers says)."""
+    compute with; transformers otherwise fetches its MXFP4 kernels from the hub, and fails without them); {} for
+    any other model (or an unreadable config.json: transformers says)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
