@@ -19,6 +19,11 @@ Launch parameters (`step_config`): a table tuned on this GPU (kernels.moe_tune, 
 "moe", keyed by `layer_key` and the step's bucket of tokens) chooses BLOCK_M, BLOCK_N, num_warps and num_stages of
 both matmuls of a step; without an entry the heuristics (`choose_block_m`, `tiles`, `launch_options`). BLOCK_K stays
 the layer's (`tiles`, `int4_tiles`): each row's sums over K in the same order whatever the step or the entry.
+
+MXFP4 experts (gpt-oss's as the hub stores them, reference.Mxfp4Experts): `_moe_gemm_mxfp4` reads each K step's
+bytes and e8m0 scales and dequantizes the tile in registers (exact values, rounded to x's dtype as the reference),
+in the float kernel's tiles (`mxfp4_tiles`), launches and epilogue; no tuned table (kernels.moe_tune skips them):
+the heuristics' launch configs.
 """
 
 from __future__ import annotations

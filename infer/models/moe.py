@@ -20,9 +20,13 @@ gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned lo
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
 its sparse layer a router with a bias whose softmax is over the top k logits (`SparseMoeBlock.route`), experts with
 biases and a clamped SwiGLU (kernels.reference.OaiExperts) whose w13 rows keep transformers' interleaved gate/up
-order. Its checkpoints: transformers' stacked bf16 layout, the hub's MXFP4 experts (dequantized at load:
-`mxfp4_dequantize`), GPTQModel's per-expert GPTQ layers (with their biases). Adapters of its experts are refused
-(lora.adapter).
+order. Its checkpoints: transformers' stacked bf16 layout, the hub's MXFP4 experts (config.json's
+quantization_config quant_method "mxfp4": kept packed as stored, on every device, `Mxfp4Stack`: uint8 blocks of two
+e2m1 codes a byte and an e8m0 scale a group of 32, a quarter of bf16's bytes; kernels.fused_moe_mxfp4 dequantizes
+them in registers on the GPU path, its CPU reference one expert at a time as a call reaches it: the values of
+`mxfp4_dequantize`, transformers' Mxfp4Config(dequantize=True)), GPTQModel's per-expert GPTQ layers (with their
+biases). Adapters of its experts are refused (lora.adapter); float experts of an MXFP4 checkpoint are `infer convert
+SRC -o FLOAT`'s (transformers dequantizes them; quantization_config dropped), which loads as a float gpt-oss.
 
 Attention, norms and rope are their dense family's (`BASE`: Qwen3's q/k norms, Mistral's, Qwen2's q/k/v biases);
 the MLP of a sparse layer is a `SparseMoeBlock`: a router (a linear [E, H] of the hidden state, softmax in float32
