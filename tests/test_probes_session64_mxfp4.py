@@ -231,16 +231,31 @@ def test_the_gpu_code_path_interpreted_gives_transformers_tokens(mxfp4_folder, m
     prompts = random_prompts(512, (5, 13), seed=4)
     want = greedy_each(hf, prompts, 6)
     calls = []
-    real = kernels._triton
-
-    def counted(name):
-        mod = real(name)
-        if name == "moe":
-            calls.append(name)
-        return mod
-    monkeypatch.setattr(kernels, "_triton", counted)
+    moe = kernels._triton("moe")
+    real = moe.fused_moe_mxfp4
+    monkeypatch.setattr(moe, "fused_moe_mxfp4", lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1])
     assert check_gpu_path_interpreted(folder, monkeypatch, prompts, want)["piecewise_graph_steps"] > 0
-    assert calls  # (the Triton fused MoE ran)
+    assert 1 in calls and max(calls) > 1  # (the Triton MXFP4 fused MoE ran the decodes and the prefills)
+
+
+def test_the_tuner_leaves_mxfp4_experts_to_the_heuristics_and_the_start_compiles_them(mxfp4_folder, monkeypatch):
+    """kernels.moe_tune at an engine start: the MXFP4 layers' key is a kind of its own ("mxfp4-"), never tuned (no
+    candidate timed, nothing saved), and the start's parallel compile has both matmuls of each launch config."""
+    from infer.kernels import moe, moe_tune
+    from infer.models.loader import load_model
+    model, _ = load_model(mxfp4_folder[0], torch.bfloat16, torch.device("cpu"))
+    layers = moe_tune.moe_layers(model)
+    assert list(layers) == [f"{E},{H},{I},2,mxfp4-bfloat16"]
+    monkeypatch.setattr(moe_tune, "tune_layer", lambda *a, **k: pytest.fail("MXFP4 experts tuned"))
+    assert moe_tune.tune_model(model, 64, torch.device("cpu"), name="test-gpu")[0] == 0
+    compiled = []
+    monkeypatch.setattr(moe, "_gemm_mxfp4", lambda *a: compiled.append(isinstance(a[1], reference.Mxfp4Experts)
+                                                                         and a[-1] is True))  # (compile_only)
+    calls = moe_tune.compile_calls(model, 64)
+    for c in calls:
+        c()
+    steps = moe.config_steps(64, 2, E, next(iter(layers)), torch.device("cpu"))
+    assert len(calls) == len(compiled) == 2 * len(steps) and all(compiled)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -276,6 +291,33 @@ def test_the_warmup_plan_counts_the_packed_experts(mxfp4_folder):
     rope = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("cos_sin"))
     assert checkpoint_weights_bytes(weight_files(folder), load_config(folder), torch.bfloat16,
                                     torch.device("cpu")) == weights_bytes(model) - rope
+
+
+def test_the_cpu_references_peak_is_within_the_plans_mxfp4_term():
+    """The CPU's reference over MXFP4 experts (a decode's token, bfloat16; every tensor its ops create counted
+    while alive: session 50's LiveBytes, the experts and inputs excluded) stays within what activation_bytes adds
+    for them (memory.sizes.mxfp4_cpu_bytes: one expert's gate_up dequantized and a chunk of rows' temporaries)
+    and the token's share of the sparse layer; the term is not slack (under 1.5 times the peak), 0 for a float
+    gpt-oss."""
+    from transformers import AutoConfig
+
+    from infer.memory.sizes import moe_token_bytes, mxfp4_cpu_bytes
+    from test_probes_session50_memplan import LiveBytes
+    e, h, inter, bf16 = 4, 512, 512, torch.bfloat16
+    cfg = AutoConfig.for_model("gpt_oss", hidden_size=h, intermediate_size=inter, num_local_experts=e,
+                               num_experts_per_tok=2, quantization_config={"quant_method": "mxfp4"})
+    w13, w2 = mxfp4_experts(e, h, 2 * inter, 0), mxfp4_experts(e, inter, h, 1)
+    oai = oai_of(e, h, inter, 0, bf16)
+    x = torch.randn(1, h).to(bf16)
+    w, ids = routing(1, e, 2, seed=0)
+    w = w.to(bf16)
+    with LiveBytes(exclude=(x, w, ids, *w13, *w2, oai.b13, oai.b2)) as meter:
+        reference.fused_moe_mxfp4(x, w13, w2, w, ids, oai=oai)
+    term = mxfp4_cpu_bytes(cfg, bf16)
+    assert meter.peak <= term + moe_token_bytes(cfg, bf16), (meter.peak, term, meter.at)
+    assert term < 1.5 * meter.peak, (meter.peak, term)
+    del cfg.quantization_config
+    assert mxfp4_cpu_bytes(cfg, bf16) == 0
 
 
 # ------------------------------------------------------------------------------------------------ refusals

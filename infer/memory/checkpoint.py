@@ -15,7 +15,7 @@ from ..kernels import cpu_gemm
 from ..models.classifier import is_classifier, token_head
 from ..models.moe import float32_tensor, mtp_tensor
 from ..models.multimodal import is_multimodal, text_name
-from ..quant.config import mxfp4_gpt_oss
+from ..quant.config import mxfp4_model
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -82,9 +82,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     if bits is None:
         qc = getattr(model_config, "quantization_config", None)
         bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
-    qc = getattr(model_config, "quantization_config", None)
-    mxfp4 = mxfp4_gpt_oss({"model_type": getattr(model_config, "model_type", None),
-                           "quantization_config": qc if isinstance(qc, dict) or qc is None else vars(qc)})
+    mxfp4 = mxfp4_model(model_config)
     total = 0
     gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
     expert_inputs: dict[str, int] = {}  # the same for a mixture of experts' GPTQ experts (gate/up merged)

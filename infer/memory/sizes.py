@@ -7,9 +7,11 @@ import torch
 
 from ..kernels.intmath import lora_split_most
 from ..kernels.mamba2 import SCAN_GROUP_CHUNKS
-from ..kernels.reference import MASK_ELEMENTS, decode_gather_tokens, longest_batched_decode
+from ..kernels.reference import (MASK_ELEMENTS, MXFP4_ROW_BYTES, MXFP4_ROWS, decode_gather_tokens,
+                                 longest_batched_decode)
 from ..models.limits import context_limit, layer_groups, uniform_window
 from ..models.shapes import ModelShapes
+from ..quant.config import mxfp4_model
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -331,6 +333,19 @@ def _explicit_scores(model_config) -> int:
     return 2 if model_config.model_type == "gemma2" and getattr(model_config, "attn_logit_softcapping", None) else 0
 
 
+def mxfp4_cpu_bytes(model_config, dtype: torch.dtype) -> int:
+    """A step's fixed share of gpt-oss's MXFP4 experts on the CPU (kept packed; kernels.reference.fused_moe_mxfp4
+    dequantizes each expert as its loop reaches it): one expert's gate_up [2I, H] in `dtype` while its matmul runs,
+    and the dequantization's temporaries of reference.MXFP4_ROWS rows (MXFP4_ROW_BYTES a value of the widest
+    input); 0 for any other model. (The GPU's kernel dequantizes in registers: a CPU term counted everywhere, as
+    the others of activation_bytes.)"""
+    from ..models.moe import expert_size
+    if not mxfp4_model(model_config):
+        return 0
+    h, inter = model_config.hidden_size, expert_size(model_config)
+    return 2 * inter * h * element_bytes(dtype) + MXFP4_ROWS * max(h, inter) * MXFP4_ROW_BYTES
+
+
 def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int:
     """A token's peak in a mixture of experts' sparse layer (models.moe; 0 for a dense model): the residual and
     the normed input, the router's logits and float32 probabilities, and for each of its k experts the fused MoE's
@@ -429,7 +444,8 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     rows = min(num_tokens, max(num_seqs, 1))
     row = sampler_row_bytes(model_config) if logits else h * 4  # (a pooled row: its float32 vector)
     forward = max(prefill, decode) + num_tokens * STEP_INPUT_BYTES + (rows * model_config.vocab_size * 4 if logits
-                                                                      else 0)
+                                                                      else 0) \
+        + mxfp4_cpu_bytes(model_config, dtype)
     sampling = num_tokens * (h * b + STEP_INPUT_BYTES) + rows * (h * b + row)
     return max(forward, sampling) + (penalty_table_bytes(model_config, num_seqs) if penalties and logits else 0)
 

@@ -63,7 +63,7 @@ from torch import nn
 
 from .. import kernels
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..quant.config import mxfp4_gpt_oss
+from ..quant.config import mxfp4_model
 from ..kernels import cpu_gemm
 from ..kernels.reference import Int4Experts, MoELoRA, Mxfp4Experts, OaiExperts, mxfp4_dequantize  # noqa: F401
 from .layers import UnquantizedLinearMethod
@@ -406,8 +406,7 @@ class SparseMoeBlock(nn.Module):
                         "(--device cpu: dequantized at load), or serve a checkpoint of 4-bit GPTQ experts")
             self.int4 = (gate_up.config, down.config)
         # the hub's gpt-oss checkpoints (MXFP4 experts): kept packed as stored (Experts' Mxfp4Stack), on every device
-        self.mxfp4 = self.oai and mxfp4_gpt_oss({"model_type": cfg.model_type,
-                                                 "quantization_config": getattr(cfg, "quantization_config", None)})
+        self.mxfp4 = self.oai and mxfp4_model(cfg)
         if self.mxfp4 and (h % 32 or inter % 32):
             raise UnsupportedModelError(f"config.json quantizes the experts as MXFP4 with hidden_size {h} and "
                                         f"intermediate_size {inter}: MXFP4 packs groups of 32 values",

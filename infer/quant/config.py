@@ -23,6 +23,14 @@ def mxfp4_gpt_oss(config: dict) -> bool:
         str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
+def mxfp4_model(model_config) -> bool:
+    """`mxfp4_gpt_oss` of a loaded config (transformers' config object, its quantization_config a dict, an object
+    or none)."""
+    qc = getattr(model_config, "quantization_config", None)
+    return mxfp4_gpt_oss({"model_type": getattr(model_config, "model_type", None),
+                          "quantization_config": qc if isinstance(qc, dict) or qc is None else vars(qc)})
+
+
 def hf_load_options(model_dir) -> dict:
     """transformers' from_pretrained options that load the model in `model_dir` as infer computes it: the hub's
     gpt-oss MXFP4 experts dequantized (Mxfp4Config(dequantize=True): the same values infer's packed experts
