@@ -63,9 +63,9 @@ from torch import nn
 
 from .. import kernels
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..quant.config import mxfp4_model
 from ..kernels import cpu_gemm
 from ..kernels.reference import Int4Experts, MoELoRA, Mxfp4Experts, OaiExperts, mxfp4_dequantize  # noqa: F401
+from ..quant.config import mxfp4_model
 from .layers import UnquantizedLinearMethod
 
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
