@@ -193,7 +193,9 @@ class LoRAAdapter:
         problems += _non_linear_targets(self.config, base_config)
         problems[:0] = _moe_problems(self, base_config)  # first: whatever else is wrong, this is why
         problems[:0] = _multimodal_problems(self, base_config)
-        problems[:0] = _linear_attention_problems(self, base_config)  # first: the reason, not "absent"
+        hybrid = _linear_attention_problems(self, base_config)  # first: the reason, not "absent" (the base has them)
+        if hybrid:
+            problems = hybrid + _without_absent(problems, self, UNADAPTED.get(base_config.model_type, LINEAR_ATTENTION))
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
@@ -256,10 +258,7 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
     if base_config.model_type == "qwen3_next":
         return [Problem("adapters on Qwen3-Next (qwen3_next) are not supported yet",
                         "serve it without adapters (Qwen3.5's are: its attention's and MLP's projections)")]
-    targets = adapter.config.get("target_modules")
-    names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
-    names |= {m.proj for m in adapter.modules.values()}
-    listed = sorted(names & set(LINEAR_ATTENTION))
+    listed = sorted(_target_names(adapter) & set(LINEAR_ATTENTION))
     if not listed:
         return []
     return [Problem(f"targets {listed}, the projections of {base_config.model_type}'s linear-attention (Gated "
@@ -290,13 +289,31 @@ def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
 def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: str) -> list[Problem]:
     """The adapter's targets among `unadapted` (a hybrid's modules infer does not adapt) refused, naming them, `what`
     infer adapts of the base and the `adapted` names to retrain with."""
-    targets = adapter.config.get("target_modules")
-    names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
-    names |= {m.proj for m in adapter.modules.values()}
-    listed = sorted(names & set(unadapted))
+    listed = sorted(_target_names(adapter) & set(unadapted))
     if not listed:
         return []
     return [Problem(f"targets {listed}: infer's adapters of {what}", f"retrain with target_modules among {adapted}")]
+
+
+UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED}
+
+
+def _target_names(adapter: "LoRAAdapter") -> set[str]:
+    """The module names an adapter targets (target_modules' last parts) and adapts (its modules' projections)."""
+    targets = adapter.config.get("target_modules")
+    names = {str(t).split(".")[-1] for t in targets} if isinstance(targets, list) else set()
+    return names | {m.proj for m in adapter.modules.values()}
+
+
+def _without_absent(problems: list[Problem], adapter: "LoRAAdapter", unadapted) -> list[Problem]:
+    """`problems` less the ones that name modules among `unadapted` (a hybrid's modules infer does not adapt, which
+    a problem first in the list names) as ones the base model does not have: it has them. Kept where the adapter's
+    target_modules (a list) name another module no base has, which such a problem may be about."""
+    targets = adapter.config.get("target_modules")
+    known = (*PROJECTIONS, *EMBEDDINGS, *V4_EXPERT_TARGETS["mixtral"], *unadapted)
+    if not isinstance(targets, list) or any(str(t).split(".")[-1] not in known for t in targets):
+        return problems
+    return [p for p in problems if _ABSENT not in p.message]
 
 
 def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> list[Problem]:

@@ -1,0 +1,28 @@
+"""Newcomer probes of the sixty-fourth session: bad inputs across the CLI and the server."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.mark.parametrize("model, targets, named", [
+    ("tiny-granite4", ["in_proj", "out_proj"], "infer's adapters of granitemoehybrid"),
+    ("tiny-nemotron-h", ["in_proj", "up_proj"], "infer's adapters of nemotron_h"),
+    ("tiny-qwen3_5-moe", ["in_proj_qkvz", "out_proj", "q_proj"], "linear-attention (Gated DeltaNet) layers")])
+def test_adapter_of_a_hybrids_unadapted_layers_is_refused_once(tmp_path, monkeypatch, model, targets, named):
+    """`infer lora-validate` of an adapter of a hybrid's Mamba-2 or linear-attention projections names them once, as
+    layers infer does not adapt: not again as modules "which the base model does not have" (the base has them), whose
+    hint listed every other architecture's projections."""
+    from lora_helpers import hf_float, save_adapters
+    monkeypatch.setenv("COLUMNS", "250")
+    paths = save_adapters(hf_float(ensure_builtin(model)), tmp_path, {"a": dict(r=4, lora_alpha=8,
+                                                                                target_modules=targets)})
+    res = CliRunner().invoke(app, ["lora-validate", model, str(paths["a"])])
+    assert res.exit_code == 1, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and named in errors[0], res.output
+    assert "which the base model does not have" not in res.output, res.output
