@@ -26,3 +26,21 @@ def test_adapter_of_a_hybrids_unadapted_layers_is_refused_once(tmp_path, monkeyp
     errors = [line for line in res.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and named in errors[0], res.output
     assert "which the base model does not have" not in res.output, res.output
+
+
+def test_a_batch_line_with_stream_options_but_no_stream_is_refused(tmp_path):
+    """stream_options in a batch line (no stream, or stream: false) ran as if absent, while infer serve and vllm
+    run-batch refuse a request's stream options without stream: true: the line is refused naming the field."""
+    from helpers import infer_run_records
+
+    def line(custom_id, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                "body": {"prompt": "hi", "max_tokens": 2, **body}}
+    records, output = infer_run_records(tmp_path, [line("so", stream_options={"include_usage": True}),
+                                                   line("sf", stream=False, stream_options={"include_usage": False}),
+                                                   line("ok", stream_options=None)],
+                                        "--output-format", "openai", key="custom_id")
+    for custom_id in ("so", "sf"):
+        assert records[custom_id]["response"]["status_code"] == 400, output
+        assert "body.stream_options: a batch line's reply is written whole" in records[custom_id]["error"]["message"]
+    assert records["ok"]["response"]["status_code"] == 200 and records["ok"]["error"] is None, records["ok"]

@@ -688,6 +688,10 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
         raise RequestError("body.stream: a batch line's reply is written whole, never streamed (OpenAI's Batch API "
                            "and vllm run-batch refuse stream: true)", "remove stream (and stream_options) from the "
                            "line's body")
+    if body.get("stream_options"):  # as infer serve's and vLLM's check: the options of a stream that is not one
+        raise RequestError("body.stream_options: a batch line's reply is written whole, never streamed, so it takes "
+                           "no stream options (infer serve and vllm run-batch refuse them without stream: true)",
+                           "remove stream_options from the line's body (every reply's body holds its usage)")
     if body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise RequestError("body.chat_template: a chat template per line is not supported",
                            "remove it from the line's body; `infer run --chat-template FILE` gives the whole run one")
