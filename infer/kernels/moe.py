@@ -375,7 +375,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
                 _config(config, block_m, w13, w2, x.dtype, ids, w13.shape[0]),
                 lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm(
                     a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
-                apart)
+                apart, ungated=w13.shape[1] == w2.shape[2])
 
 
 def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch.Tensor, experts: int) -> dict:
@@ -388,7 +388,7 @@ def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch
 
 
 def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, cfg: dict,
-         gemm, oai=None, apart: bool = False) -> torch.Tensor:
+         gemm, oai=None, apart: bool = False, ungated: bool = False) -> torch.Tensor:
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
     aligned, row_div=True, weighted=False, cfg, bias, act)`), silu_and_mul, the down one (weighted by the routing
     weights), the k rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter
@@ -420,7 +420,9 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m
         if lora is not None:
             adapters = _LoRAPairs(ids, lora, flat_w, block_m)
             gate_up += adapters.delta(x, lora.a13, lora.b13, True)
-        if oai is None:
+        if ungated:  # (experts without gate, w13 their up rows alone: Nemotron 3's relu(up)², in place)
+            act = gate_up.relu_().square_()
+        elif oai is None:
             act = fused.silu_and_mul(gate_up)
         else:
             from .reference import oai_swiglu
@@ -575,7 +577,7 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
                 _config(config, block_m, w13, w2, x.dtype, ids, e),
                 lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_int4(
                     a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
-                apart)
+                apart, ungated=w13.out_features == w2.in_features)
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4 experts

@@ -583,13 +583,18 @@ def oai_swiglu(h: torch.Tensor, inter: int, alpha: float, limit: float) -> torch
 
 
 def _expert_act(h: torch.Tensor, inter: int, oai: OaiExperts | None) -> torch.Tensor:
+    """The experts' activation of gate_up rows h [n, 2I]: SwiGLU (gpt-oss's oai_swiglu); of up rows h [n, I] (w13 of
+    I rows: Nemotron 3's experts without gate, models.nemotron_h) relu(h)², as transformers' NemotronHExperts."""
+    if h.shape[1] == inter:
+        return torch.square(torch.relu(h))
     return F.silu(h[:, :inter]) * h[:, inter:] if oai is None else oai_swiglu(h, inter, oai.alpha, oai.limit)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, lora: MoELoRA | None = None, oai: OaiExperts | None = None) -> torch.Tensor:
     """Semantics: a mixture of experts' SwiGLU MLPs. x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up
-    rows); w2 [E, H, I]; ids [T, k] the experts of each token, weights [T, k] their routing weights (float32, or x's
+    rows; [E, I, H] up rows alone: experts without gate, relu(up)² for silu(gate) * up, Nemotron 3's); w2 [E, H, I];
+    ids [T, k] the experts of each token, weights [T, k] their routing weights (float32, or x's
     dtype). out[t] = sum over j of (weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))) rounded to x's dtype,
     e = ids[t, j], summed in the experts' order (as transformers' experts loop): only the experts some token chose
     run, each over its tokens. With `lora` (MoELoRA), gate_up_e and down_e of a token whose slot s >= 0 each add

@@ -391,9 +391,9 @@ class UngatedMLP(nn.Module):
     layers are registered under the checkpoint's names (`proj_names`); the activation is torch's on the CPU, on the GPU
     one Triton launch (kernels.ungated_act: relu2 and xIELU, torch's ops a launch each) or, on the int4 kernel path,
     the up kernel's epilogue (act_in_up); down's LoRA delta may be left to the rms_norm after it (Arcee's, Apertus's:
-    _norm_consumer)."""
+    _norm_consumer). `inter`: its width where not intermediate_size (Nemotron 3's shared experts)."""
 
-    def __init__(self, cfg, prefix: str, method_for, dtype):
+    def __init__(self, cfg, prefix: str, method_for, dtype, inter: int | None = None):
         super().__init__()
         self.act = activation(cfg)
         if cfg.model_type == "starcoder2":
@@ -401,7 +401,7 @@ class UngatedMLP(nn.Module):
         else:  # (Apertus's have none, whatever its config says)
             bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type != "apertus"
             self.proj_names = ("up_proj", "down_proj")
-        widths = (cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size)
+        widths = (cfg.hidden_size, inter or cfg.intermediate_size, cfg.hidden_size)
         for i, proj in enumerate(self.proj_names):
             names = [f"{prefix}.{proj}"]
             self.add_module(proj, MergedLinear(widths[i], [widths[i + 1]], names, bias, method_for(names), dtype))

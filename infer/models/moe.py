@@ -77,17 +77,22 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "olmoe": "olmo2", "granitemoe": "granite", "granitemoeshared": "granite", "granitemoehybrid": "granite",
         "qwen3_next": "qwen3_next",  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
         "qwen3_5_moe_text": "qwen3_5_moe_text",  # (Qwen3.5 MoE: Qwen3.5's hybrid layers, models.qwen3_5)
-        "ernie4_5_moe": "ernie4_5"}  # (ERNIE 4.5 MoE: ERNIE 4.5's attention, interleaved rotary pairs, use_bias)
+        "ernie4_5_moe": "ernie4_5",  # (ERNIE 4.5 MoE: ERNIE 4.5's attention, interleaved rotary pairs, use_bias)
+        "nemotron_h": "nemotron_h"}  # (Nemotron 3: Nemotron-H's "moe" layers, models.nemotron_h)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
 _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
+# the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
+# `SparseMoeBlock._glm_route`): GLM-4.5's and Nemotron 3's (transformers' NemotronHTopkRouter, the same ops)
+GROUPED = ("glm4_moe", "nemotron_h")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
-_PROJ = {"mixtral": ("w1", "w3", "w2")}
+# (Nemotron 3's experts have no gate: up_proj alone, w13's I rows; "" names no tensor)
+_PROJ = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": ("", "up_proj", "down_proj")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
 # the linear methods of quantized experts: GPTQ's, and AWQ's (quant.awq: each tensor repacked into GPTQ's layout as
 # it is read, so the same stacking, dequantization and kernels)
@@ -102,6 +107,8 @@ def base_type(cfg) -> str:
 
 def is_moe(cfg) -> bool:
     model_type = getattr(cfg, "model_type", None)  # (Granite 4.0 without experts: granite-4.0-micro, dense)
+    if model_type == "nemotron_h":  # (Nemotron-H without "moe" layers: dense)
+        return "moe" in (getattr(cfg, "layers_block_type", None) or ())
     return model_type in BASE and (model_type != "granitemoehybrid" or num_experts(cfg) > 0)
 
 
@@ -110,7 +117,8 @@ def experts_field(cfg) -> str:
     n_routed_experts, ERNIE 4.5 MoE's moe_num_experts."""
     return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "granitemoe": "num_local_experts",
             "granitemoeshared": "num_local_experts", "granitemoehybrid": "num_local_experts",
-            "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts"}.get(cfg.model_type, "num_experts")
+            "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts",
+            "nemotron_h": "n_routed_experts"}.get(cfg.model_type, "num_experts")
 
 
 def top_k_field(cfg) -> str:
@@ -136,6 +144,8 @@ def is_sparse(cfg, layer: int) -> bool:
         return True
     if cfg.model_type == "glm4_moe":
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
+    if cfg.model_type == "nemotron_h":  # (its layers_block_type's "moe" layers: hybrid_override_pattern's "E")
+        return cfg.layers_block_type[layer] == "moe"
     if cfg.model_type == "ernie4_5_moe":  # (transformers' Ernie4_5_MoeDecoderLayer; its config resolves an end of -1)
         interval = int(getattr(cfg, "moe_layer_interval", 1) or 1)
         start, end = int(getattr(cfg, "moe_layer_start_index", 1)), int(getattr(cfg, "moe_layer_end_index", -1))
@@ -163,6 +173,8 @@ def shared_width(cfg) -> int:
         return int(getattr(cfg, "moe_num_shared_experts", 0) or 0) * expert_size(cfg)
     if cfg.model_type == "granitemoeshared":  # (its shared_mlp, beside the block: not adapted, shared_name None)
         return int(getattr(cfg, "shared_intermediate_size", 0) or 0)
+    if cfg.model_type == "nemotron_h":  # (Nemotron 3's shared experts: one relu² MLP without gate, not adapted)
+        return int(getattr(cfg, "moe_shared_expert_intermediate_size", 0) or 0)
     return 0
 
 
@@ -184,8 +196,13 @@ def check_moe(cfg) -> None:
     if not 0 < k <= e:
         raise UnsupportedModelError(f"config.json has {top_k_field(cfg)} {k} with {field} {e}",
                                     f"each token is routed to between 1 and {field} experts")
-    if cfg.model_type == "glm4_moe":
+    if cfg.model_type in GROUPED:
         check_groups(cfg, e, k)
+    if cfg.model_type == "nemotron_h" and getattr(cfg, "moe_latent_size", None) is not None:
+        raise UnsupportedModelError(f"config.json has moe_latent_size {cfg.moe_latent_size}: infer does not run "
+                                    "Nemotron-H's latent projections of the experts (fc1_latent_proj, fc2_latent_proj)",
+                                    "serve a Nemotron 3 checkpoint without moe_latent_size (NVIDIA-Nemotron-3-Nano-"
+                                    "30B-A3B's config.json has none)")
     if cfg.model_type == "ernie4_5_moe" and getattr(cfg, "use_bias", False):
         raise UnsupportedModelError("config.json has use_bias true: transformers' ERNIE 4.5 MoE then adds a bias to "
                                     "the output head (lm_head.bias), which infer's head does not have",
@@ -202,8 +219,9 @@ def check_groups(cfg, e: int, k: int) -> None:
     its two best, the topk_group best groups kept, the top k of their experts; what transformers' router cannot
     compute refused (its view, topk(2) of a group, topk of the groups and of the experts left)."""
     groups, keep = int(getattr(cfg, "n_group", 1) or 0), int(getattr(cfg, "topk_group", 1) or 0)
-    hint = ("GLM-4.5's router splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
-            "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
+    hint = (f"{cfg.model_type}'s router (GLM-4.5's) splits n_routed_experts into n_group equal groups of at least 2 "
+            "experts, keeps topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts "
+            "of those")
     if groups < 1 or e % groups or e // groups < 2:
         raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
     if not 0 < keep <= groups:
@@ -313,16 +331,19 @@ class Experts(nn.Module):
     configs of gate/up and of down): no float weights (w13, w2 [E, 0, 0]) but their int4 stacks (Int4Stack
     w13_int4, w2_int4); mxfp4 (the hub's gpt-oss checkpoints, on every device): no float weights but their MXFP4
     stacks as stored (Mxfp4Stack w13_mxfp4, w2_mxfp4). `biases` (gpt-oss): b13 [E, 2I] (gate's, then up's) and
-    b2 [E, H]."""
+    b2 [E, H]. Not `gated` (Nemotron 3's relu² experts): w13 [E, I, H] their up rows alone (the fused MoE's
+    relu(up)², reference.fused_moe)."""
 
     def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None, biases: bool = False,
-                 mxfp4: bool = False):
+                 mxfp4: bool = False, gated: bool = True):
         super().__init__()
         self.num_experts, self.hidden, self.inter = e, hidden, inter
         self.int4 = int4
         self.mxfp4 = mxfp4
+        self.gated = gated
         rows = (0, 0) if int4 or mxfp4 else None
-        self.w13 = nn.Parameter(torch.empty(e, *(rows or (2 * inter, hidden)), dtype=dtype), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(e, *(rows or ((2 if gated else 1) * inter, hidden)), dtype=dtype),
+                                requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, *(rows or (hidden, inter)), dtype=dtype), requires_grad=False)
         if int4:
             self.w13_int4 = Int4Stack(e, hidden, 2 * inter, int4[0])
@@ -335,6 +356,15 @@ class Experts(nn.Module):
             self.b13 = nn.Parameter(torch.empty(e, 2 * inter, dtype=dtype), requires_grad=False)
             self.b2 = nn.Parameter(torch.empty(e, hidden, dtype=dtype), requires_grad=False)
         self.loaded: set[tuple[int, int]] = set()  # (expert, part): 0 gate, 1 up, 2 down
+
+    def rows(self, part: int) -> slice:
+        """w13's rows of part 0 (gate) or 1 (up): up's are the first I where there is no gate (not `gated`)."""
+        first = part if self.gated else part - 1
+        return slice(first * self.inter, (first + 1) * self.inter)
+
+    def parts(self) -> tuple[int, ...]:
+        """The parts (0 gate, 1 up, 2 down) an expert has: no gate where not `gated`."""
+        return (0, 1, 2) if self.gated else (1, 2)
 
 
 class SparseMoeBlock(nn.Module):
@@ -359,7 +389,8 @@ class SparseMoeBlock(nn.Module):
         # GLM-4.5 (transformers' Glm4MoeTopkRouter): a float32 router (its weight and e_score_correction_bias kept
         # float32 in any dtype), sigmoid scores, the bias added for the choice only, group-limited top k (n_group,
         # topk_group), renormalised where norm_topk_prob says, scaled by routed_scaling_factor; float32 weights
-        self.glm = cfg.model_type == "glm4_moe"
+        # Nemotron 3's (transformers' NemotronHTopkRouter) is GLM-4.5's (`GROUPED`)
+        self.glm = cfg.model_type in GROUPED
         # Granite MoE (transformers' GraniteMoeTopKRouter): the top k of the logits (in float32), their softmax
         # rounded to the model's dtype
         self.granite = cfg.model_type in _GRANITE_ROUTER
@@ -382,15 +413,15 @@ class SparseMoeBlock(nn.Module):
         self.method_for = None
         self.int4 = None  # the GPU path's GPTQ config of the experts (else None: float experts)
         names = _PROJ.get(cfg.model_type, _QWEN_PROJ)
-        for name in names:
+        for name in filter(None, names):
             method = method_for([f"{prefix}.experts.0.{name}"])
             if method is None or isinstance(method, UnquantizedLinearMethod):
                 continue
-            if type(method).__name__ not in _INT4_METHODS:
+            if type(method).__name__ not in _INT4_METHODS or cfg.model_type == "nemotron_h":
                 raise UnsupportedModelError(
                     f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}, "
                     f"{type(method).__name__}): infer runs quantized experts only as GPTQ or AWQ",
-                    "serve the float checkpoint, or a GPTQ one")
+                    "serve the float checkpoint" + ("" if cfg.model_type == "nemotron_h" else ", or a GPTQ one"))
             self.method_for = method_for
         if self.method_for is not None and int4_path(torch.empty(0)):
             # every expert's gate and up alike (one stacked matmul), every down alike (method_for refuses others)
@@ -411,7 +442,10 @@ class SparseMoeBlock(nn.Module):
             raise UnsupportedModelError(f"config.json quantizes the experts as MXFP4 with hidden_size {h} and "
                                         f"intermediate_size {inter}: MXFP4 packs groups of 32 values",
                                         "both must be multiples of 32 (gpt-oss-20b's and 120b's are 2880)")
-        self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai, mxfp4=self.mxfp4)
+        self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai, mxfp4=self.mxfp4,
+                               gated=cfg.model_type != "nemotron_h")
+        # the layer's module the block is (the loader's names of its parameters): Nemotron-H's mixer, else mlp
+        self.module = "mixer" if cfg.model_type == "nemotron_h" else "mlp"
         self.shared_expert = None
         if cfg.model_type in SHARED_EXPERT:
             shared = int(cfg.shared_expert_intermediate_size)
@@ -424,10 +458,16 @@ class SparseMoeBlock(nn.Module):
         # GLM-4.5's: a SwiGLU MLP of n_shared_experts * I every token runs, added unscaled; 0 wide where
         # n_shared_experts is 0 (transformers builds it empty, its output 0: loaded, never run)
         self.shared_experts = None
-        if self.glm or (self.ernie and shared_width(cfg)):  # (ERNIE's: biases where use_bias says, as its MLPs')
+        if cfg.model_type == "glm4_moe" or (self.ernie and shared_width(cfg)):  # (ERNIE's: biases where use_bias says)
             self.shared_width = shared_width(cfg)
             self.shared_experts = MLP(cfg, f"{prefix}.shared_experts", method_for, dtype, inter=self.shared_width)
             self.shared_experts.down_proj.lora_consumer = None  # (its output is added to the experts': no delta left)
+        if cfg.model_type == "nemotron_h":  # Nemotron 3's: a relu² MLP without gate (NemotronHMLP), added unscaled
+            from .llama import UngatedMLP
+            self.shared_width = shared_width(cfg)
+            self.shared_experts = UngatedMLP(cfg, f"{prefix}.shared_experts", method_for, dtype,
+                                             inter=self.shared_width)
+            self.shared_experts.down.lora_consumer = None
         # GraniteMoeShared's shared_mlp (the layer's, beside block_sparse_moe: layers.N.shared_mlp.input_linear, gate
         # rows then up rows, and output_linear), added unscaled; none where shared_intermediate_size is 0
         if cfg.model_type == "granitemoeshared" and shared_width(cfg):
@@ -465,7 +505,7 @@ class SparseMoeBlock(nn.Module):
             layer.finish_loading()  # (a ModelLoadError for a missing qweight, qzeros or scales)
             w = layer.method.dequantized_weight(layer)
             if part < 2:
-                ex.w13.data[index, part * ex.inter:(part + 1) * ex.inter].copy_(w)
+                ex.w13.data[index, ex.rows(part)].copy_(w)
             else:
                 ex.w2.data[index].copy_(w)
             ex.loaded.add((index, part))
@@ -613,9 +653,10 @@ class SparseMoeBlock(nn.Module):
 # a sparse layer's tensors as checkpoints name them (after the loader drops "model."): the router, an expert's
 # projection, or the stacked experts of transformers' own parameter names
 # (GLM-4.5's router has an e_score_correction_bias too)
-_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.(?:weight|e_score_correction_bias)|"
+# (Nemotron 3's: under the layer's mixer, its experts' up_proj without gate, stacked [E, I, H] or apart)
+_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe|mixer)\.(?:gate\.(?:weight|e_score_correction_bias)|"
                      r"experts\.(\d+)\.(\w+)\.(weight|qweight|qzeros|scales|g_idx|bias)|"
-                     r"experts\.(gate_up_proj|down_proj))$")
+                     r"experts\.(gate_up_proj|up_proj|down_proj))$")
 
 
 # gpt-oss's sparse layer as transformers names it: the router (with a bias) and the stacked experts with biases
@@ -629,7 +670,7 @@ _GRANITE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.
 # GraniteMoeShared's shared MLP, beside the layer's block_sparse_moe (models.moe.SparseMoeBlock keeps it)
 _SHARED_MLP = re.compile(r"^layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.(\w+)$")
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_ROUTER32 = re.compile(r"\.mlp\.(?:gate\.)?(?:moe_statics\.)?(weight|e_score_correction_bias)$")
+_ROUTER32 = re.compile(r"\.(?:mlp\.(?:gate\.)?(?:moe_statics\.)?|mixer\.gate\.)(weight|e_score_correction_bias)$")
 # ERNIE 4.5 MoE's router bias as the hub stores it ([1, E]: mlp.moe_statics) and as transformers 5 names it
 _ERNIE_BIAS = re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
 # ERNIE 4.5 MoE's multi-token-prediction layer as the hub stores it (ERNIE-4.5-21B-A3B-PT: model.mtp_block.0...)
@@ -643,7 +684,7 @@ def mtp_tensor(cfg, name: str) -> bool:
     loader skips them; and Qwen3-Next's, Qwen3.5's and Qwen3.5 MoE's (mtp.*, which transformers ignores too)."""
     if getattr(cfg, "model_type", None) == "ernie4_5_moe":
         return _ERNIE_MTP.match(name) is not None
-    if getattr(cfg, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+    if getattr(cfg, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"):
         return name.startswith("mtp.")
     m = _LAYER_KEY.match(name)
     if getattr(cfg, "model_type", None) != "glm4_moe" or m is None:
@@ -656,7 +697,8 @@ def mtp_tensor(cfg, name: str) -> bool:
 def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
     e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
-    return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe") and _ROUTER32.search(name) is not None \
+    return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h") \
+        and _ROUTER32.search(name) is not None \
         and ".mlp.moe_statics.weight" not in name
 
 
@@ -677,7 +719,7 @@ class MoeForCausalLM:
         block = self.layers[layer].mlp
         # Qwen's mlp; Mixtral's block_sparse_moe, or mlp as transformers 5 names its module (its save_pretrained
         # writes block_sparse_moe back, a state_dict saved as it is keeps mlp: transformers reads both)
-        if m.group(2) not in (block.prefix.rpartition(".")[2], "mlp"):
+        if m.group(2) not in (block.prefix.rpartition(".")[2], block.module):
             return None, m
         return block, m
 
@@ -704,7 +746,7 @@ class MoeForCausalLM:
         block, m = self._moe_block(key)
         if block is None:
             return None
-        layer = key.split(".")[1]
+        layer = f'{key.split(".")[1]}.{block.module}'
         experts = block.experts
         e, h, inter = experts.num_experts, experts.hidden, experts.inter
 
@@ -724,17 +766,17 @@ class MoeForCausalLM:
             t = raw if (block.glm or block.ernie) and raw is not None else t
             check(dest.shape, dest)
             dest.data.copy_(t)
-            return f"layers.{layer}.mlp.gate.{part}"
+            return f"layers.{layer}.gate.{part}"
         if block.int4 is not None and (m.group(6) is not None or m.group(5) == "weight"):
             raise ModelLoadError(f"{name} is a float expert's weight in a checkpoint whose config.json quantizes the "
                                  "experts (GPTQ)", "the checkpoint does not match its quantization_config")
         if m.group(6) is not None:  # stacked: [E, 2I, H] or [E, H, I]
-            dest = experts.w13 if m.group(6) == "gate_up_proj" else experts.w2
+            dest = experts.w2 if m.group(6) == "down_proj" else experts.w13
             check(dest.shape, dest)
             dest.data.copy_(t)
-            parts = (0, 1) if m.group(6) == "gate_up_proj" else (2,)
+            parts = (2,) if m.group(6) == "down_proj" else experts.parts()[:-1]
             experts.loaded.update((i, p) for i in range(e) for p in parts)
-            return f"layers.{layer}.mlp.experts.{'w13' if parts == (0, 1) else 'w2'}"
+            return f"layers.{layer}.experts.{'w2' if parts == (2,) else 'w13'}"
         index, proj = int(m.group(3)), m.group(4)
         names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
         if index >= e or proj not in names:
@@ -747,24 +789,24 @@ class MoeForCausalLM:
             check(dest.shape, dest)
             dest.copy_(t)
             experts.loaded.add((index, part + 3))
-            return f"layers.{layer}.mlp.experts.{'b13' if part < 2 else 'b2'}"
+            return f"layers.{layer}.experts.{'b13' if part < 2 else 'b2'}"
         if m.group(5) != "weight":  # a GPTQ expert's tensor: into its own GPTQ layer, dequantized by check_experts
             if block.method_for is None:
                 raise ModelLoadError(f"{name} is a quantized expert's tensor in a checkpoint whose config.json has no "
                                      "quantization_config for it", "use the float checkpoint, or its config.json")
             layer = block.gptq_layer(index, part, proj)
             layer.load_shard(m.group(5), 0, t)
-            return f"layers.{layer_index(key)}.mlp.experts.{'w13' if part < 2 else 'w2'}"
+            return f"layers.{layer_index(key)}.{block.module}.experts.{'w13' if part < 2 else 'w2'}"
         if part < 2:
             dest = experts.w13
             check((inter, h), dest)
-            dest.data[index, part * inter:(part + 1) * inter].copy_(t)
+            dest.data[index, experts.rows(part)].copy_(t)
         else:
             dest = experts.w2
             check((h, inter), dest)
             dest.data[index].copy_(t)
         experts.loaded.add((index, part))
-        return f"layers.{layer}.mlp.experts.{'w13' if part < 2 else 'w2'}"
+        return f"layers.{layer}.experts.{'w13' if part < 2 else 'w2'}"
 
     def _load_shared_mlp(self, m: re.Match, t: torch.Tensor) -> str | None:
         """GraniteMoeShared's layers.N.shared_mlp.input_linear (gate rows, then up rows: the shared MLP's gate_up_proj
@@ -861,7 +903,7 @@ class MoeForCausalLM:
                 for index in range(block.experts.num_experts):
                     # gpt-oss's experts have biases too: parts 3, 4, 5 (loaded stacked, or apart by GPTQModel)
                     # MXFP4 experts: their blocks (parts 0-2) and scales (6-8)
-                    for part in range(9 if block.mxfp4 else 6 if block.oai else 3):
+                    for part in range(9 if block.mxfp4 else 6) if block.oai else block.experts.parts():
                         if (index, part) not in block.experts.loaded:
                             tensor = "qweight" if block.method_for is not None else "weight"  # (GPTQ / AWQ experts)
                             tensor = "bias" if part > 2 else tensor

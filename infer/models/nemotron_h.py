@@ -7,7 +7,13 @@ those layers alone: engine.model_runner counts the modules with a k_cache), or t
 (up_proj, relu(x)², down_proj: llama.UngatedMLP). The checkpoint's backbone.embeddings, backbone.layers.N.{norm,mixer}
 and backbone.norm_f are read as model.embed_tokens, model.layers.N.{norm,mixer} and model.norm (checkpoint_name;
 model.embeddings and model.norm_f too).
-Experts ("E", moe: Nemotron 3's) are refused (registry.check_nemotron_h)."""
+Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B) adds experts ("E", moe): the mixer a models.moe.SparseMoeBlock,
+transformers' NemotronHMoE: GLM-4.5's float32 router (sigmoid scores, e_score_correction_bias steering the choice,
+n_group / topk_group, norm_topk_prob, routed_scaling_factor), n_routed_experts relu² experts without gate (up_proj,
+down_proj: w13 their up rows alone, the fused MoE's relu(up)²) and the shared experts (a relu² MLP of
+moe_shared_expert_intermediate_size, added unscaled); its latent projections (moe_latent_size) refused
+(models.moe.check_moe); checkpoint names mixer.gate.{weight,e_score_correction_bias}, mixer.experts.N.{up,down}_proj
+(or transformers 5's stacked mixer.experts.{up,down}_proj), mixer.shared_experts.{up,down}_proj."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from torch import nn
 from .context import ForwardContext
 from .granite4 import Mamba2Mixer
 from .llama import Attention, LlamaForCausalLM, RMSNorm, UngatedMLP, _NoPE, _Ungated
+from .moe import MoeForCausalLM, SparseMoeBlock
 from .qwen3_5 import StateCacheMixin
 
 # (the hub's backbone.*; model.* where saved under transformers 5's names: its NemotronHModel's embeddings, norm_f)
@@ -48,8 +55,8 @@ def mamba_fields(cfg) -> SimpleNamespace:
 
 
 class NemotronHLayer(nn.Module):
-    """A Nemotron-H block: norm, then the mixer (Mamba2Mixer, Attention or UngatedMLP) whose output the residual adds;
-    `kind`: its layers_block_type entry."""
+    """A Nemotron-H block: norm, then the mixer (Mamba2Mixer, Attention, UngatedMLP or Nemotron 3's SparseMoeBlock)
+    whose output the residual adds; `kind`: its layers_block_type entry."""
 
     def __init__(self, cfg, i: int, method_for, dtype):
         super().__init__()
@@ -63,13 +70,17 @@ class NemotronHLayer(nn.Module):
         elif self.kind == "full_attention":
             self.mixer = Attention(cfg, p, method_for, dtype, i)
             object.__setattr__(self, "self_attn", self.mixer)  # (the rotary's width: LlamaForCausalLM, _NoPE)
+        elif self.kind == "moe":
+            self.mixer = SparseMoeBlock(cfg, p, method_for, dtype)
+            object.__setattr__(self, "mlp", self.mixer)  # (where models.moe.MoeForCausalLM finds a sparse layer)
         else:
             self.mixer = UngatedMLP(cfg, p, method_for, dtype)
 
 
-class NemotronHForCausalLM(_Ungated, _NoPE, LlamaForCausalLM):
+class NemotronHForCausalLM(MoeForCausalLM, _Ungated, _NoPE, LlamaForCausalLM):
     """Nemotron-H: Llama's embedding, final norm (norm_f) and head over NemotronHLayers, attention without rope
-    (_NoPE: every attention layer). Its Mamba-2 layers' states: NemotronHHybridForCausalLM (nemotron_h_class)."""
+    (_NoPE: every attention layer), Nemotron 3's experts' tensors routed by models.moe. Its Mamba-2 layers' states:
+    NemotronHHybridForCausalLM (nemotron_h_class)."""
 
     layer_class = NemotronHLayer
     piecewise = False  # (no piecewise CUDA graphs: `piece` is Llama's)

@@ -52,8 +52,9 @@ SUPPORTED = {
     "Starcoder2ForCausalLM": "starcoder2",
     "ArceeForCausalLM": "arcee",  # Arcee's AFM: Llama with an MLP without gate (up, relu², down)
     "NemotronForCausalLM": "nemotron",  # NVIDIA's Nemotron-4 / Minitron: LayerNorm1P, relu² MLP without gate
-    # NVIDIA's Nemotron-H (Nemotron-H-8B/47B, NVIDIA-Nemotron-Nano-9B-v2): norm-then-mixer blocks of Mamba-2,
-    # attention without rope or a relu² MLP without gate (models.nemotron_h)
+    # NVIDIA's Nemotron-H (Nemotron-H-8B/47B, NVIDIA-Nemotron-Nano-9B-v2) and Nemotron 3
+    # (NVIDIA-Nemotron-3-Nano-30B-A3B): norm-then-mixer blocks of Mamba-2, attention without rope, a relu² MLP
+    # without gate or relu² experts (models.nemotron_h)
     "NemotronHForCausalLM": "nemotron_h",
     "ApertusForCausalLM": "apertus",  # Swiss AI's Apertus: xIELU MLP without gate, q/k norms
     # Shanghai AI Lab's InternLM3 (internlm3-8b-instruct): Llama's layers (transformers runs it as LlamaForCausalLM),
@@ -136,7 +137,8 @@ _STARCODER = ("infer runs BigCode's StarCoder2 (Starcoder2ForCausalLM, model_typ
               "checkpoint")
 _ARCEE = "infer runs Arcee's dense AFM (ArceeForCausalLM, model_type arcee: AFM-4.5B): use an AFM checkpoint"
 _NEMOTRON = ("infer runs NVIDIA's dense Nemotron-4 and Minitron (NemotronForCausalLM, model_type nemotron) and "
-             "Nemotron-H's text models (NemotronHForCausalLM, model_type nemotron_h): use one of those")
+             "Nemotron-H's and Nemotron 3's text models (NemotronHForCausalLM, model_type nemotron_h): use one of "
+             "those")
 _APERTUS = "infer runs Swiss AI's Apertus text models (ApertusForCausalLM, model_type apertus: Apertus-8B, 70B)"
 _INTERNLM = ("infer runs InternLM3 (InternLM3ForCausalLM, model_type internlm3: internlm3-8b-instruct): use an "
              "InternLM3 checkpoint")
@@ -415,14 +417,10 @@ def check_granite4(cfg) -> None:
 
 
 def check_nemotron_h(cfg) -> None:
-    """Nemotron-H's layers_block_type (hybrid_override_pattern) with experts ("E", moe: Nemotron 3's) or without an
-    attention layer, and Mamba-2 heads that its groups do not divide: refused naming them (models.nemotron_h)."""
+    """Nemotron-H's layers_block_type (hybrid_override_pattern) without an attention layer, and Mamba-2 heads that
+    its groups do not divide: refused naming them (models.nemotron_h; its experts, "E", moe: Nemotron 3's, checked
+    by models.moe.check_moe)."""
     types = list(getattr(cfg, "layers_block_type", None) or [])
-    if "moe" in types:
-        raise UnsupportedModelError("nemotron_h with mixture-of-experts layers (hybrid_override_pattern \"E\", "
-                                    "layers_block_type \"moe\": Nemotron 3's) is not supported",
-                                    "infer runs Nemotron-H's Mamba-2 (M), attention (*) and MLP (-) layers: serve "
-                                    "Nemotron-H-8B/47B or NVIDIA-Nemotron-Nano-9B-v2")
     if "full_attention" not in types:
         raise UnsupportedModelError("nemotron_h with no attention layer (no \"*\" in hybrid_override_pattern) is "
                                     "not supported: infer's KV blocks, which count each sequence's tokens, are an "

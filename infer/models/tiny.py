@@ -229,6 +229,14 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-nemotron-h": TinySpec("nemotron_h", 33, config=dict(
         _TINY, hybrid_override_pattern="M-*M-", num_hidden_layers=5, head_dim=16, mamba_num_heads=8,
         mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)),
+    # Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B's pattern, shortened): Mamba-2, experts (E), attention, Mamba-2, MLP,
+    # experts; 8 relu² experts of 32 without gate, 2 a token, in 4 groups (2 kept), scaled by 2.5, a shared expert of
+    # 48; tiny-nemotron-h's Mamba-2 shapes
+    "tiny-nemotron-h-moe": TinySpec("nemotron_h", 34, config=dict(
+        _TINY, hybrid_override_pattern="ME*M-E", num_hidden_layers=6, head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, tie_word_embeddings=False,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
