@@ -354,6 +354,16 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
         return [Problem(f"{what}: infer does not adapt gpt-oss's experts (or its router)",
                         "train the adapter with target_modules on the attention (q_proj, k_proj, v_proj, o_proj), "
                         "or merge the experts' adapter into the weights (peft's merge_and_unload) and serve that")]
+    moe_layer = [m for m in adapter.mlp_modules if ".mixer.shared_experts." in m]  # (Nemotron 3's shared experts)
+    if base_config.model_type == "nemotron_h" and (params or experts or moe_layer):
+        # Nemotron 3's experts (relu² without gate: w13 their up rows alone, which infer's expert slots, gate|up,
+        # do not lay out) and its shared experts (a relu² MLP inside the sparse block)
+        what = f"target_parameters {json.dumps(params)}" if params else f"adapts {(experts or moe_layer)[0]}"
+        return [Problem(f"{what}: infer does not adapt Nemotron 3's experts or shared experts (its moe layers' "
+                        "mixer.experts, mixer.shared_experts; peft's target_modules up_proj and down_proj reach the "
+                        "shared experts too)", "train the adapter with target_modules on the attention (q_proj, "
+                        "k_proj, v_proj, o_proj) and, if at all, with a regex on the MLP layers' up_proj and "
+                        "down_proj alone, or merge it into the weights (peft's merge_and_unload) and serve that")]
     targets = adapter.config.get("target_modules")
     targets = [str(t) for t in targets] if isinstance(targets, list) else []
     shared_mlp = sorted({t for t in targets if t.split(".")[-1] in ("input_linear", "output_linear")}
@@ -1332,7 +1342,7 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     adapter = LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
     found = (_TENSOR.match(n) for n in tensors)
     adapter.mlp_modules = sorted({m["module"].removeprefix("base_model.model.") for m in found
-                                  if m and re.search(r"\.(mlp|block_sparse_moe)\.", m["module"])})
+                                  if m and re.search(r"\.(mlp|block_sparse_moe|mixer\.shared_experts)\.", m["module"])})
     found = (_TENSOR.match(n) for n in tensors)
     adapter.language_model = next((m["module"] for m in found if m and text_name(m["module"]) not in
                                    (None, m["module"])), None)

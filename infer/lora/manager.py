@@ -23,7 +23,7 @@ import torch
 
 from ..errors import LoRAError, LoRANameError, OutOfMemoryError
 from ..models.layers import MergedLinear
-from ..models.moe import SparseMoeBlock
+from ..models.moe import SparseMoeBlock, experts_adapted
 from ..models.registry import UNGATED
 from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
@@ -46,8 +46,10 @@ class LoRAManager:
         if max_loras < 1 or max_lora_rank < 1 or (max_cpu_loras is not None and max_cpu_loras < 1):
             raise LoRAError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}, max_cpu_loras={max_cpu_loras}",
                             "each must be at least 1")
+        adapted = experts_adapted(model.config)  # (Nemotron 3's experts and shared experts: no slots)
         linears = [m for m in model.modules() if isinstance(m, MergedLinear)
-                   and not getattr(m, "output_head", False)]  # a GPTQ lm_head: adapters never target it
+                   and not getattr(m, "output_head", False)  # a GPTQ lm_head: adapters never target it
+                   and (adapted or ".shared_experts." not in m.names[0])]
         self.base_config = model.config
         self.target_modules = target_modules
         self._chosen = check_target_modules(target_modules, model.config)
@@ -56,7 +58,7 @@ class LoRAManager:
         self.device = torch.device(device) if device is not None else _device_of(linears)
         self.dtype = dtype or (linears[0].dtype if linears else torch.float32)
         self._where: dict[str, tuple[LoRALayer, int]] = {}  # HF module path -> (its layer, shard index)
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and adapted]
         # the HF module paths of the layers --lora-target-modules leaves without slots
         self._left_out = {n for m in linears for n in m.names if not selects(self._chosen, module_proj(n))}
         if not selects(self._chosen, "experts.gate_up_proj"):

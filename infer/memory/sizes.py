@@ -134,7 +134,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     from ..lora.adapter import GATED_Q
     from ..lora.experts import expert_slot_elements
     from ..lora.targets import check_target_modules, selects, selects_as
-    from ..models.moe import expert_size, is_sparse, num_experts, shared_name, shared_width
+    from ..models.moe import expert_size, experts_adapted, is_sparse, num_experts, shared_name, shared_width
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
@@ -159,7 +159,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
             continue
         if shared_name(model_config) is not None:  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)
             per_rank += mlp(shared_width(model_config), "shared_expert.")
-        if selects(chosen, "experts.gate_up_proj"):
+        if selects(chosen, "experts.gate_up_proj") and experts_adapted(model_config):  # (not Nemotron 3's)
             per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
     return max_loras * max_rank * per_rank * element_bytes(dtype)
 
@@ -420,7 +420,9 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
     chosen = check_target_modules(lora_targets, model_config) if lora_rank else None
-    experts_rank = lora_rank if selects(chosen, "experts.gate_up_proj") else 0  # (no expert slots: no expert LoRA)
+    from ..models.moe import experts_adapted
+    # (no expert slots: no expert LoRA)
+    experts_rank = lora_rank if selects(chosen, "experts.gate_up_proj") and experts_adapted(model_config) else 0
     per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype),
                     moe_token_bytes(model_config, dtype, experts_rank))
     if lora_rank:

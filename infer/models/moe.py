@@ -185,6 +185,12 @@ def shared_name(cfg) -> str | None:
         cfg.model_type)
 
 
+def experts_adapted(cfg) -> bool:
+    """Whether a sparse layer's experts and shared experts get adapter slots: not Nemotron 3's (relu² experts
+    without gate, its shared experts inside the block; lora.adapter refuses adapters of them)."""
+    return getattr(cfg, "model_type", None) != "nemotron_h"
+
+
 def check_moe(cfg) -> None:
     """What an MoE config may ask that infer cannot run, refused up front."""
     if not is_moe(cfg):
