@@ -19,8 +19,8 @@ from infer.models.tiny import ensure_builtin
 
 from helpers import (builtin_model_tests, check_emulated_decode_graphs, check_greedy_and_logprobs_equal_transformers,
                      check_one_step_and_split_prompts, check_preemption_restarts_from_zero_state,
-                     check_state_slots_all_free, check_warmup_counts_the_states, correction_bias_drawn, greedy_each,
-                     greedy_tokens, hf_model, measured_warmup, random_prompts)
+                     check_state_slots_all_free, check_warmup_counts_the_states, correction_bias_drawn,
+                     estimated_plan, greedy_each, greedy_tokens, hf_model, measured_warmup, random_prompts)
 
 NAME = "tiny-nemotron-h-moe"
 # NVIDIA-Nemotron-3-Nano-30B-A3B's config.json (the hub's values): 52 layers of 23 Mamba-2 (M), 23 experts (E) and 6
@@ -128,12 +128,17 @@ def test_bfloat16_equals_transformers_in_bfloat16():
     """--dtype bfloat16 (the routers float32, as transformers keeps them: _keep_in_fp32_modules_strict): transformers'
     greedy tokens of its bfloat16 load, batched."""
     from transformers import AutoModelForCausalLM
+
+    from infer.memory.sizes import weights_bytes
     hf16 = AutoModelForCausalLM.from_pretrained(ensure_builtin(NAME), dtype=torch.bfloat16).eval()
     hf16.generation_config.eos_token_id = None
     assert hf16.model.layers[1].mixer.gate.weight.dtype == torch.float32
     prompts = random_prompts(512, (5, 13, 30, 2), seed=3)
+    plan = estimated_plan(NAME, "--dtype", "bfloat16", "--max-length", "256")
     with LLM(NAME, block_size=4, dtype="bfloat16", max_num_seqs=2) as llm:
-        assert llm.engine.runner.model.layers[1].mixer.gate.weight.dtype == torch.float32
+        model = llm.engine.runner.model
+        assert model.layers[1].mixer.gate.weight.dtype == torch.float32
+        assert plan["weights_bytes"] == weights_bytes(model)  # (`warmup --estimate`: the routers float32 too)
         assert greedy_tokens(llm, prompts, 8) == greedy_each(hf16, prompts, 8)
 
 
@@ -212,7 +217,7 @@ def _config(**change):
 
 @pytest.mark.parametrize("change, match", [
     ({"moe_latent_size": 32}, r"moe_latent_size 32: infer does not run Nemotron-H's latent projections"),
-    ({"n_group": 3}, r"n_group 3 with n_routed_experts 8.*nemotron_h's router"),
+    ({"n_group": 3}, r"n_group 3 with n_routed_experts 8.*Nemotron 3's router \(GLM-4.5's\) splits"),
     ({"num_experts_per_tok": 9}, r"num_experts_per_tok 9 with n_routed_experts 8"),
     ({"topk_group": 1, "num_experts_per_tok": 3}, r"num_experts_per_tok 3, more than the 2 experts of its "
                                                    r"topk_group 1 groups of 2")])

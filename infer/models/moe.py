@@ -225,9 +225,9 @@ def check_groups(cfg, e: int, k: int) -> None:
     its two best, the topk_group best groups kept, the top k of their experts; what transformers' router cannot
     compute refused (its view, topk(2) of a group, topk of the groups and of the experts left)."""
     groups, keep = int(getattr(cfg, "n_group", 1) or 0), int(getattr(cfg, "topk_group", 1) or 0)
-    hint = (f"{cfg.model_type}'s router (GLM-4.5's) splits n_routed_experts into n_group equal groups of at least 2 "
-            "experts, keeps topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts "
-            "of those")
+    who = "GLM-4.5's router" if cfg.model_type == "glm4_moe" else "Nemotron 3's router (GLM-4.5's)"
+    hint = (f"{who} splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
+            "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
     if groups < 1 or e % groups or e // groups < 2:
         raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
     if not 0 < keep <= groups:
