@@ -135,7 +135,7 @@ def test_bfloat16_equals_transformers_in_bfloat16():
     assert hf16.model.layers[1].mixer.gate.weight.dtype == torch.float32
     prompts = random_prompts(512, (5, 13, 30, 2), seed=3)
     plan = estimated_plan(NAME, "--dtype", "bfloat16", "--max-length", "256")
-    with LLM(NAME, block_size=4, dtype="bfloat16", max_num_seqs=2) as llm:
+    with LLM(NAME, block_size=4, dtype="bfloat16", max_num_seqs=2, max_model_len=256) as llm:
         model = llm.engine.runner.model
         assert model.layers[1].mixer.gate.weight.dtype == torch.float32
         assert plan["weights_bytes"] == weights_bytes(model)  # (`warmup --estimate`: the routers float32 too)
