@@ -402,7 +402,8 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m
     launches in all where the float32 adds, index_selects and the activation's torch ops ran apart. (With adapters
     of gpt-oss's experts, which the loader refuses, the delta would go between: oai_swiglu then runs apart.)
     apart (`python -m infer.bench.moe --oai`'s baseline): gpt-oss's biases and activation as torch ops after plain
-    matmuls, as session 60 ran them (index_select adds, reference.oai_swiglu, the routing weight after the bias)."""
+    matmuls, as session 60 ran them (index_select adds, reference.oai_swiglu, the routing weight after the bias).
+    `ungated` (experts without gate, w13 their up rows alone: Nemotron 3's): relu(up)² in place of silu_and_mul."""
     from . import fused
     t, top_k = ids.shape
     pairs_aligned = aligned(ids, num_experts, cfg["BLOCK_M"])

@@ -1,7 +1,10 @@
 """Mixture-of-experts members of the Llama family: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B,
 8x22B), Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), OpenAI's gpt-oss (gpt-oss-20b, 120b), GLM-4.5 / 4.6
 (GLM-4.5-Air), OLMoE (OLMoE-1B-7B), Granite MoE (granite-3.x-1b-a400m, 3b-a800m), GraniteMoeShared, ERNIE 4.5 MoE
-(ERNIE-4.5-21B-A3B) and, through models.qwen3_5's hybrid layers, Qwen3-Next and Qwen3.5 MoE (Qwen3.5-35B-A3B).
+(ERNIE-4.5-21B-A3B), through models.qwen3_5's hybrid layers, Qwen3-Next and Qwen3.5 MoE (Qwen3.5-35B-A3B), and
+through models.nemotron_h's, Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B: GLM-4.5's router, `GROUPED`; relu² experts
+without gate, `Experts.gated` False: w13 [E, I, H] their up rows alone, which the fused MoE runs as relu(up)²; a
+relu² shared expert, llama.UngatedMLP; its experts and shared experts take no adapters, `experts_adapted`).
 
 GLM-4.5: a float32 router of sigmoid scores whose e_score_correction_bias steers the choice only, group-limited
 top k (n_group groups scored by their two best, topk_group kept), renormalised where norm_topk_prob says, scaled by
