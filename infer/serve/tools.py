@@ -796,10 +796,12 @@ _STRING_KINDS = ("string", "str", "text", "varchar", "char", "enum")
 
 
 def _glm_typed(value: str, schema: Any, known: bool, root: Any) -> Any:
-    """A GLM parameter's text as its value: text when its schema types it a string (`_kind`), else JSON, else a
-    Python literal, else the text (vLLM's glm45; a parameter the function does not name is read so too)."""
+    """A GLM parameter's text as its value: text as written when its schema types it a string (`_kind`; its blanks
+    kept, as vLLM's glm45 keeps them: a file's last newline), else its text less blanks read as JSON, else as a
+    Python literal, else that text (vLLM's glm45; a parameter the function does not name is read so too)."""
     if known and _kind(schema, root) in _STRING_KINDS:
         return value
+    value = value.strip()
     try:
         return json.loads(value, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, RecursionError):
@@ -820,7 +822,7 @@ def _glm_block(body: str, functions: dict[str, Any]) -> tuple[str, str]:
     schema = functions.get(name)
     properties = schema.get("properties") if isinstance(schema, dict) else None
     properties = properties if isinstance(properties, dict) else {}
-    args = {key.strip(): _glm_typed(value.strip(), properties.get(key.strip()), key.strip() in properties, schema)
+    args = {key.strip(): _glm_typed(value, properties.get(key.strip()), key.strip() in properties, schema)
             for key, value in _GLM_ARGS.findall(body, at)}
     return name, json.dumps(args, ensure_ascii=False)
 
@@ -837,18 +839,18 @@ OLMO_START, OLMO_END = "<function_calls>", "</function_calls>"
 
 
 def olmo3_calls(text: str) -> tuple[str | None, list[dict]] | None:
-    """(None, the calls) of an Olmo 3 reply that opens (after blanks) with <function_calls>: the lines up to
-    </function_calls>, each a Python call with literal keyword arguments (JSON's true, false and null too), as
-    vLLM's olmo3 parser reads them (what follows the end tag is dropped); None when it is not that (text). vLLM
-    finds the tags anywhere in a whole reply (its stream only at the start): read at the start here, so that the
-    streamed content is the whole reply's."""
-    lead = text.lstrip()
-    end = lead.find(OLMO_END)
-    if not lead.startswith(OLMO_START) or end < 0:
+    """(content before <function_calls>, None when blank; the calls) of an Olmo 3 reply: the lines up to the
+    </function_calls> that follows, each a Python call with literal keyword arguments (JSON's true, false and null
+    too), as vLLM's olmo3 parser reads them (what follows the end tag is dropped); None when it is not that (text).
+    Olmo 3's template writes a message's content, then its <function_calls>: the tags are found anywhere, as vLLM's
+    whole reply finds them (it drops the content before them; its stream reads them only at the reply's start)."""
+    at = text.find(OLMO_START)
+    end = text.find(OLMO_END, at + len(OLMO_START)) if at >= 0 else -1
+    if end < 0:
         return None
-    lines = [line.strip() for line in lead[len(OLMO_START):end].splitlines() if line.strip()]
+    lines = [line.strip() for line in text[at + len(OLMO_START):end].splitlines() if line.strip()]
     calls = _python_calls("[" + ", ".join(lines) + "]", json_names=True)
-    return None if calls is None else (None, calls)
+    return None if calls is None else (text[:at] if text[:at].strip() else None, calls)
 
 
 # phi4_mini_json: Phi-4-mini's `functools[{"name": ..., "arguments": {...}}, ...]` ("parameters" for "arguments" too)
@@ -925,9 +927,6 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
         return text  # "[1] First,", "[Paris]": no call can follow, the reply streams (the parser leaves it text)
     if req.name == "granite":
         return "" if _granite_may_call(text) else text
-    if req.name == "olmo3":
-        lead = text.lstrip()
-        return "" if lead.startswith(OLMO_START) or OLMO_START.startswith(lead) else text
     if req.name in ("llama3_json", "pythonic"):
         first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
         return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
@@ -940,12 +939,15 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
             if any(start.startswith(text[-k:]) for start in starts):
                 text = text[:-k]
                 break
+    if req.name == "olmo3" and not text.strip():
+        return ""  # (olmo3: blank content before its calls is none, held until text comes)
     return text.rstrip("\n") if req.name == "ernie45" else text  # (ernie45: its content's last newlines, held)
 
 
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
 # bare <function= too)
-_STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "qwen3_coder": (QWEN_START, XML_FUNCTION),
+_STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "olmo3": (OLMO_START,),
+           "qwen3_coder": (QWEN_START, XML_FUNCTION),
            "seed_oss": (SEED_START, XML_FUNCTION)}
 
 

@@ -424,9 +424,11 @@ def _blocks(read):
 
 
 def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
-    """Olmo 3's calls, all at once when its </function_calls> has come (looked for in the new text alone)."""
+    """Olmo 3's calls, all at once when the </function_calls> after its <function_calls> has come (each looked for
+    in the new text alone)."""
     whole = _grown(text, memo)
-    if _found(text, memo, "end", t.OLMO_END) < 0:
+    at = _found(text, memo, "start", t.OLMO_START)
+    if at < 0 or _found(text, memo, "end", t.OLMO_END, at + len(t.OLMO_START)) < 0:
         return []
     if "calls" not in whole:
         parsed = t.olmo3_calls(text)
