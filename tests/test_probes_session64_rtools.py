@@ -51,3 +51,12 @@ def test_glm45_string_value_keeps_its_blanks():
     reply = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>  def f():\n    pass\n</arg_value>\n"
              "<arg_key>days</arg_key>\n<arg_value> 3\n</arg_value>\n</tool_call>")
     _check("glm45", reply, None, [("get_weather", {"city": "  def f():\n    pass\n", "days": 3})])
+
+
+@pytest.mark.parametrize("reply,content", [
+    ("\n<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>", None),
+    ("Sure.\n<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n</tool_call>", "Sure.\n")])
+def test_glm45_blank_content_before_its_calls_is_none(reply, content):
+    """GLM's template writes "\\n" before each <tool_call> (after </think> with a reasoning parser): the message's
+    content was "\\n" beside its calls; vLLM's glm45 makes blank content none. Streamed, the blank is held."""
+    _check("glm45", reply, content, [("get_time", {"zone": "UTC"})])

@@ -828,10 +828,12 @@ def _glm_block(body: str, functions: dict[str, Any]) -> tuple[str, str]:
 
 
 def glm45_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[str | None, list[dict]] | None:
-    """(content before the first call, the calls) of a GLM-4.5/4.6/4.7 reply, as vLLM's glm45 parser reads it: each
-    ended <tool_call> block a call, its values typed by `functions` ({name: parameters schema}); None (text)
+    """(content before the first call, None when blank; the calls) of a GLM-4.5/4.6/4.7 reply, as vLLM's glm45
+    parser reads it: each ended <tool_call> block a call, its values typed by `functions` ({name: parameters schema}); None (text)
     without any, or when a block has no name."""
-    return _blocks_calls(text, lambda body: _glm_block(body, functions or {}))
+    parsed = _blocks_calls(text, lambda body: _glm_block(body, functions or {}))
+    # (GLM writes "\n" before each <tool_call>: blank content is none, as vLLM's glm45 makes it)
+    return None if parsed is None else ((parsed[0] or "").strip() and parsed[0] or None, parsed[1])
 
 
 # olmo3: Olmo 3's calls, one a line, `<function_calls>get_weather(city="Paris")\nadd(a=1, b=true)</function_calls>`
@@ -939,11 +941,13 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
             if any(start.startswith(text[-k:]) for start in starts):
                 text = text[:-k]
                 break
-    if req.name == "olmo3" and not text.strip():
-        return ""  # (olmo3: blank content before its calls is none, held until text comes)
+    if req.name in _BLANK_NONE and not text.strip():
+        return ""  # (blank content before the calls is none, held until text comes)
     return text.rstrip("\n") if req.name == "ernie45" else text  # (ernie45: its content's last newlines, held)
 
 
+# the parsers whose content before the calls is none when it is blank (GLM writes "\n" before its <tool_call>)
+_BLANK_NONE = ("glm45", "olmo3")
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
 # bare <function= too)
 _STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "olmo3": (OLMO_START,),
