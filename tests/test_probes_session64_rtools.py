@@ -60,3 +60,11 @@ def test_glm45_blank_content_before_its_calls_is_none(reply, content):
     """GLM's template writes "\\n" before each <tool_call> (after </think> with a reasoning parser): the message's
     content was "\\n" beside its calls; vLLM's glm45 makes blank content none. Streamed, the blank is held."""
     _check("glm45", reply, content, [("get_time", {"zone": "UTC"})])
+
+
+def test_olmo3_call_with_a_negative_number_is_a_call():
+    """`days=-2` is a unary minus in Python's AST, not a constant: Olmo 3's whole call was text (as vLLM's olmo3
+    parser leaves it); its signed numbers read as numbers (a bool is no number: `-True` stays text)."""
+    reply = "<function_calls>get_weather(city=\"P\", days=-2, o={\"t\": [+1.5, -0.25]})</function_calls>"
+    _check("olmo3", reply, None, [("get_weather", {"city": "P", "days": -2, "o": {"t": [1.5, -0.25]}})])
+    assert split(_req("olmo3"), reply.replace("-2", "-True")) == (reply.replace("-2", "-True"), None)

@@ -360,9 +360,13 @@ _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 def _literal(node: ast.expr, json_names: bool = False) -> Any:
     """A Python literal argument as its JSON value: constants, lists, and dicts whose keys are constants (and, with
-    `json_names`, JSON's true, false and null written bare, as Olmo 3 writes them)."""
+    `json_names`, Olmo 3's: JSON's true, false and null written bare, and signed numbers, `days=-2`, which vLLM's
+    olmo3 parser leaves the whole reply text for; pythonic leaves them text, as vLLM's)."""
     if isinstance(node, ast.Constant):
         return node.value
+    if json_names and isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(
+            node.operand, ast.Constant) and type(node.operand.value) in (int, float):  # -1, -0.5 (vLLM's: text)
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
     if json_names and isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
     if isinstance(node, ast.List):
@@ -941,7 +945,7 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
             if any(start.startswith(text[-k:]) for start in starts):
                 text = text[:-k]
                 break
-    if req.name in _BLANK_NONE and not text.strip():
+    if req.name in _BLANK_NONE and (not text or text.isspace()):  # (no copy of the reply at each token)
         return ""  # (blank content before the calls is none, held until text comes)
     return text.rstrip("\n") if req.name == "ernie45" else text  # (ernie45: its content's last newlines, held)
 
