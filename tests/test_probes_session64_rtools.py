@@ -41,8 +41,10 @@ def test_olmo3_content_before_its_calls_is_content_and_the_calls_are_calls(reply
 
 
 def test_olmo3_end_tag_before_its_start_tag_is_not_its_end():
-    _check("olmo3", "See </function_calls> here.<function_calls>get_time()</function_calls>", "See </function_calls> "
-           "here.", [("get_time", {})])
+    """The calls end at the </function_calls> after their start tag, streamed (each read the same as a fresh one's)
+    as whole; what follows the end tag is dropped (vLLM's)."""
+    _check("olmo3", "See </function_calls> here.<function_calls>get_time()</function_calls> Done.",
+           "See </function_calls> here.", [("get_time", {})])
 
 
 def test_glm45_string_value_keeps_its_blanks():
