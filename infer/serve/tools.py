@@ -833,8 +833,8 @@ def _glm_block(body: str, functions: dict[str, Any]) -> tuple[str, str]:
 
 def glm45_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[str | None, list[dict]] | None:
     """(content before the first call, None when blank; the calls) of a GLM-4.5/4.6/4.7 reply, as vLLM's glm45
-    parser reads it: each ended <tool_call> block a call, its values typed by `functions` ({name: parameters schema}); None (text)
-    without any, or when a block has no name."""
+    parser reads it: each ended <tool_call> block a call, its values typed by `functions` ({name: parameters
+    schema}); None (text) without any, or when a block has no name."""
     parsed = _blocks_calls(text, lambda body: _glm_block(body, functions or {}))
     # (GLM writes "\n" before each <tool_call>: blank content is none, as vLLM's glm45 makes it)
     return None if parsed is None else ((parsed[0] or "").strip() and parsed[0] or None, parsed[1])
