@@ -48,6 +48,7 @@ def _distinct_values(tmp_path):
               "scheduling_policy": "priority", "kv_cache_dtype": "fp8_e5m2",
               "memory_limit": ("3MB", 3 * 2**20), "gpu_memory_utilization": 0.5, "enforce_eager": True,
               "cuda_graph_max_tokens": 64, "max_logprobs": 5, "enable_sleep_mode": True,
+              "state_snapshots": 3,
               "loras": (f"a={lora}", {"a": str(lora)}), "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3,
               "lora_target_modules": ("o_proj,qkv_proj", ["o_proj", "qkv_proj"]),
               "chat_template": "{{ messages[0]['content'] }}",

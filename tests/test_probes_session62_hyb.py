@@ -2,7 +2,7 @@
 per-sequence state cache (engine.state_cache) equals transformers (float32), and Qwen3.5's multimodal checkpoints
 (Qwen3_5ForConditionalGeneration) served as that text model: greedy tokens and logprobs of several
 concurrent prompts of different lengths, prompts cut into chunks, preemption by recompute under a tiny KV budget; the
-state slots are taken and given back; prefix caching is off for it."""
+state slots are taken and given back; prefix caching is off for it without state snapshots."""
 
 from __future__ import annotations
 
@@ -61,12 +61,13 @@ def test_preemption_restarts_from_zero_state(hf):
 
 
 def test_prefix_caching_is_off_with_a_note(hf, caplog):
-    """enable_prefix_caching asked: the engine runs without it (a cached prefix's KV lacks the linear layers' state
-    at its end) and says so; a prompt sharing another's prefix still gives transformers' tokens."""
+    """enable_prefix_caching asked without state snapshots (--state-snapshots 0): the engine runs without it (a
+    cached prefix's KV lacks the linear layers' state at its end) and says so; a prompt sharing another's prefix
+    still gives transformers' tokens. (With snapshots: tests/test_probes_session64_hybcache.py.)"""
     prompts = random_prompts(512, (24,), seed=6)
     prompts.append(prompts[0][:16] + [7, 8, 9])
     with caplog.at_level(logging.INFO, logger="infer"):
-        llm = LLM(str(ensure_builtin(NAME)), block_size=4, enable_prefix_caching=True)
+        llm = LLM(str(ensure_builtin(NAME)), block_size=4, enable_prefix_caching=True, state_snapshots=0)
     with llm:
         assert "prefix caching is off for qwen3_5_text" in caplog.text
         assert not llm.engine.block_manager.enable_prefix_caching

@@ -95,13 +95,13 @@ def test_warmup_counts_the_mamba_states():
 
 
 def test_prefix_caching_is_off_and_speculative_decoding_refused(caplog):
-    """enable_prefix_caching asked of the hybrid: the engine runs without it (the Mamba-2 states of a cached prefix
-    cannot be restored) and says so; the dense shape keeps it. A draft model is refused naming the option."""
+    """enable_prefix_caching asked of the hybrid without state snapshots (--state-snapshots 0): the engine runs
+    without it (the Mamba-2 states of a cached prefix cannot be restored) and says so; the dense shape keeps it. A draft model is refused naming the option."""
     import logging
 
     from infer.errors import ConfigError
     with caplog.at_level(logging.INFO, logger="infer"):
-        with LLM(HYBRID, block_size=4, enable_prefix_caching=True) as llm:
+        with LLM(HYBRID, block_size=4, enable_prefix_caching=True, state_snapshots=0) as llm:
             assert not llm.engine.block_manager.enable_prefix_caching
     assert "prefix caching is off for granitemoehybrid" in caplog.text
     with LLM(DENSE, block_size=4, enable_prefix_caching=True) as llm:

@@ -137,6 +137,8 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
                      gib(plan.lora_bytes)))
     if plan.state_bytes:
         rows.append(("linear-attention states (a slot per sequence, --max-num-seqs)", gib(plan.state_bytes)))
+    if plan.snapshot_bytes:
+        rows.append(("linear-attention state snapshots (prefix cache, --state-snapshots)", gib(plan.snapshot_bytes)))
     rows.append(("runtime reserve (1% of budget, at least 4 MiB)", gib(plan.reserve_bytes)))
     rows += [
         ("KV cache dtype (--kv-cache-dtype)", plan.kv_cache_dtype),

@@ -107,6 +107,8 @@ class BlockManager:
         self.key_suffix = b""
         self.forced: list[int | None] | None = None
         self.states = None  # a hybrid model's state slots (engine.state_cache.StateSlots), taken with the blocks
+        # its prefix cache of states (engine.state_cache.StateSnapshots): a hit is cut to a snapshot (None: no cut)
+        self.snapshots = None
 
     def _key(self, seq: Sequence, i: int) -> bytes:
         key = block_key(seq, i, self.block_size)
@@ -207,7 +209,54 @@ class BlockManager:
             hit = self._window_hit(seq, len(found))
             if hit is not None:
                 return hit
-        return found
+        return found[:self._snapshot_point(seq, len(found))]
+
+    # ------------------------------------------------------------------ a hybrid model's states
+    def _snapshot_point(self, seq: Sequence, blocks: int) -> int:
+        """How many of seq's first `blocks` cached blocks a prefix hit may take: all without state snapshots; with
+        them (a hybrid model) the most whose last block's state is kept (engine.state_cache.StateSnapshots), else 0
+        (the linear layers' states start from zero at position 0 only)."""
+        if self.snapshots is None:
+            return blocks
+        while blocks and self._key(seq, blocks - 1) not in self.snapshots:
+            blocks -= 1
+        return blocks
+
+    def _restore_state(self, seq: Sequence) -> None:
+        """Copy the state snapshot at seq's computed tokens (a prefix hit, cut to one) into its state slot."""
+        if self.snapshots is not None and seq.num_computed_tokens and seq.state_slot is not None:
+            self.snapshots.restore(self._key(seq, seq.num_computed_tokens // self.block_size - 1), seq.state_slot)
+
+    def _snapshot_end(self, seq: Sequence) -> int:
+        """The last block-aligned position of seq's prompt: its prefill's chunks end there (snapshot_chunk)."""
+        return len(seq.prompt_token_ids) // self.block_size * self.block_size
+
+    def snapshot_chunk(self, seq: Sequence, n: int) -> int:
+        """With state snapshots, the tokens of seq's step of at most n (>= 1) within its prompt cut so that it ends at
+        a block boundary where one lies past its computed tokens (vLLM's mamba "align" mode): at the prompt's last
+        full block, and a chunk that leaves prompt tokens for later at the last boundary it reaches, so that the
+        state after it is a prefix's, kept by `snapshot_points`."""
+        if self.snapshots is None:
+            return n
+        start, bs, last = seq.num_computed_tokens, self.block_size, self._snapshot_end(seq)
+        end = start + n
+        if start < last < end:
+            return last - start
+        if end < last and end // bs * bs > start:
+            return end // bs * bs - start
+        return n
+
+    def snapshot_points(self, batch) -> list[tuple[int, bytes]]:
+        """(state slot, prefix-cache key) of each sequence of the batch whose step ends at a block boundary of its
+        prompt: its states there are snapshotted once the step's forward is queued (StateSnapshots.save)."""
+        if self.snapshots is None:
+            return []
+        out, bs = [], self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            end = seq.num_computed_tokens + n
+            if end % bs == 0 and 0 < end <= self._snapshot_end(seq) and seq.state_slot is not None:
+                out.append((seq.state_slot, self._key(seq, end // bs - 1)))
+        return out
 
     def _cached_block(self, seq: Sequence, i: int) -> int | None:
         """The cached block holding the sequence's full block i, or None."""
@@ -323,6 +372,7 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         if self.states is not None:
             self.states.take(seq)
+            self._restore_state(seq)  # (a hybrid model's prefix hit: its state snapshot)
 
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)  # least recently freed first
@@ -397,6 +447,8 @@ class BlockManager:
         for seq in seqs:
             for k, bid in enumerate(seq.block_table[:seq.num_hashed_blocks]):
                 if bid in gone:
+                    if self.snapshots is not None:  # (a hybrid model's state: from a snapshot no further, else zero)
+                        k = self._snapshot_point(seq, k)
                     if not seq.num_preemptions:  # (allocate counted its hits: the blocks it took, all hashed then)
                         if self._reads_cache(seq):
                             self.prefix_hits -= (seq.num_hashed_blocks - k) * bs
@@ -405,6 +457,7 @@ class BlockManager:
                     seq.num_computed_tokens = min(seq.num_computed_tokens, k * bs)
                     seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
                     seq.last_block_hash = self.blocks[seq.block_table[k - 1]].hash if k else None
+                    self._restore_state(seq)
                     break
 
     def register_computed(self, seq: Sequence) -> None:
@@ -491,6 +544,8 @@ class BlockManager:
                 block.hash, block.token_ids = None, None
         self.hash_to_block = {} if in_use else \
             {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}
+        if self.snapshots is not None:  # (a hybrid model's states: forgotten as the free blocks' prefixes are)
+            self.snapshots.clear()
         if counters:
             self.prefix_queries = self.prefix_hits = 0
 

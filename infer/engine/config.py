@@ -164,9 +164,10 @@ def load_chat_template(value: str | Path | None, name: str = "--chat-template",
 RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
           "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1),
-          "cuda_graph_max_tokens": (0, 8192), "max_logprobs": (-1, None)}
+          "cuda_graph_max_tokens": (0, 8192), "max_logprobs": (-1, None),
+          "state_snapshots": (0, None)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
-            "lora_streams", "pdl", "graph_priority"}
+            "lora_streams", "pdl", "graph_priority", "state_snapshots"}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 # vLLM's --kv-cache-dtype values (auto: the model's dtype) and the torch dtype K and V are stored in
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -193,6 +194,12 @@ class EngineConfig:
                                                "--[no-]enable-prefix-caching too).",
                                          flag="--prefix-caching/--no-prefix-caching",
                                          vllm="--enable-prefix-caching/--no-enable-prefix-caching")
+    state_snapshots: int | None = option(None, "A hybrid model's (Qwen3.5, Qwen3-Next, Granite 4.0, Nemotron-H) "
+                                               "prefix cache of its linear-attention states: how many snapshots of a "
+                                               "sequence's states at block-aligned prompt positions are kept (each "
+                                               "the size of a sequence's states; least recently used evicted first; "
+                                               "default: half of --max-num-seqs; 0: no prefix caching for such a "
+                                               "model). Other models ignore it.")
     scheduling_policy: str = option("fcfs", "fcfs | priority: the order waiting requests are admitted in, and which "
                                             "running one is preempted when the KV cache runs out (priority: by "
                                             "each request's priority, lower first, then by arrival; the lowest "

@@ -74,6 +74,17 @@ class HybridBlockManager:
         self.window = max(windows)  # (the sliding groups')
         self.draft_reads = False  # (the sliding groups' stay off: the draft reads the first group's blocks only)
 
+    # (no state snapshots: a model of state slots and layer groups caches no prefix: engine.state_cache)
+    snapshots = None
+
+    @staticmethod
+    def snapshot_chunk(seq: Sequence, n: int) -> int:
+        return n
+
+    @staticmethod
+    def snapshot_points(batch) -> list:
+        return []
+
     @property
     def eagle_reads_next(self) -> bool:
         return self.groups[0].eagle_reads_next

@@ -18,7 +18,7 @@ import torch
 from .. import kernels
 from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, ModelLoadError, OutOfMemoryError,
                       PauseError, RequestError, RequestIdTypeError, SleepModeError, UnknownAdapterError)
-from ..memory.sizes import kv_groups, kv_window
+from ..memory.sizes import kv_groups, kv_window, snapshot_count
 from ..models.classifier import is_classifier
 from ..models.limits import layer_groups
 from .block_manager import BlockManager
@@ -37,7 +37,7 @@ from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
 from .sleep import MODES, PAUSED, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
-from .state_cache import StateSlots, prefix_caching_for, refuse_hybrid_options
+from .state_cache import StateSlots, StateSnapshots, prefix_caching_for, refuse_hybrid_options
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
@@ -262,9 +262,11 @@ class LLMEngine:
                               "*ForTokenClassification model): it generates no text",
                               "start it with --runner pooling and classify or score with it")
         caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.caches_prefixes)
-        caching = prefix_caching_for(self.model_config, caching)  # (off for a hybrid model's states)
         groups = kv_groups(config, self.model_config, self.max_model_len,
                            draft_parts.model_config if draft_parts is not None else None)
+        # a hybrid model's prefix cache keeps its states in snapshot slots (off without: engine.state_cache)
+        snapshots = snapshot_count(config, self.model_config) if caching and groups is None else 0
+        caching = prefix_caching_for(self.model_config, caching, snapshots)
         if groups is not None:
             from .hybrid_blocks import HybridBlockManager
             self.block_manager = HybridBlockManager(parts.num_blocks, config.block_size, caching,
@@ -279,6 +281,9 @@ class LLMEngine:
                                   groups=layer_groups(self.model_config) if groups is not None else None)
         if self.runner.hybrid:  # a state slot per running sequence, taken and freed with its blocks
             self.block_manager.states = StateSlots(config.max_num_seqs)
+            if caching:  # and the prefix cache's snapshots of them
+                self.runner.snapshot_bytes = parts.model.allocate_snapshots(snapshots, self.device)
+                self.block_manager.snapshots = StateSnapshots(snapshots, parts.model.copy_states)
         self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
         self._past_draft_context: set = set()  # the step's decodes left without drafts by the draft's context
         method = (config.speculative_config or {}).get("method")
@@ -854,6 +859,7 @@ class LLMEngine:
             return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
+        saves = self.block_manager.snapshot_points(batch)  # (a hybrid model's states at its prompts' block ends)
         try:
             if self.drafter is not None:  # the draft model's drafts, in the slots the scheduler gave their placeholders
                 self.drafter.propose(batch)
@@ -871,6 +877,8 @@ class LLMEngine:
             self.block_manager.fresh[:0] = batch.zero
             self.block_manager.forget_scheduled(self.scheduler.running)
             raise
+        if saves and (self.speculative is not None or self.pooler is not None or not self.overlap):
+            self.block_manager.snapshots.save(saves)  # (the forward ran: the states are the step's)
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
             # as vLLM's iteration tokens: a row's accepted drafts and its own token, never the drafts it rejected
@@ -903,6 +911,8 @@ class LLMEngine:
             self.block_manager.fresh[:0] = batch.zero
             self.block_manager.forget_scheduled(self.scheduler.running)
             raise
+        if saves:  # (queued after the launched forward, before any later step's)
+            self.block_manager.snapshots.save(saves)
         with interrupts_held():
             self._launched(batch, handle.rows)
             self._inflight = (batch, handle)
@@ -1253,6 +1263,9 @@ class LLMEngine:
         if runner.hybrid:  # the linear layers' states: of no use once every request is aborted or preempted (mode
             # "keep": recomputed from position 0): freed as the KV cache is, never copied, zeros on waking
             kv += [t for layer in runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
+            kv += [t for layer in runner.model.linear_layers() for t in (getattr(layer, "conv_snap", None),
+                                                                          getattr(layer, "rec_snap", None)) if
+                   t is not None]  # (the prefix cache's snapshots: forgotten, reset_prefix_cache above)
         if drafter is not None:
             kept += module_tensors(drafter.model.modules())
             kv.append(drafter.kv_cache)

@@ -43,6 +43,7 @@ class ModelRunner:
         # a hybrid model's linear-attention states: a slot per running sequence (engine.state_cache; 0: none)
         self.hybrid = hasattr(model, "allocate_states")
         self.state_bytes = model.allocate_states(config.max_num_seqs, device) if self.hybrid else 0
+        self.snapshot_bytes = 0  # and its prefix cache's state snapshots (LLMEngine: allocate_snapshots)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured (and checked)
         self.pieces_check: float | None = None  # the check's relative difference (check_pieces)

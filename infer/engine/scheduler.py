@@ -216,7 +216,8 @@ class Scheduler:
         sequence whose lag alone fills the budget still gets one token: never reached, lag is at most one token and
         comes only from drafts, which a budget of one never gives.)"""
         n = min(seq.num_uncomputed_tokens, budget - self.lag(seq))
-        return n if n > 0 or batch else 1
+        n = n if n > 0 or batch else 1
+        return self.bm.snapshot_chunk(seq, n) if n > 0 else n  # (a hybrid model's prompt: to a block boundary)
 
     def schedule(self) -> ScheduledBatch:
         self.bm.scheduled = []  # (the last step ran: its blocks' K/V are written, or being written on the device)

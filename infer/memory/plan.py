@@ -24,8 +24,8 @@ from ..models.registry import is_hybrid
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, group_kv_bytes_per_token,
-                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, pools, sampler_row_bytes, state_bytes,
-                    step_tokens, weights_bytes, window_blocks)
+                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, pools, sampler_row_bytes, snapshot_count,
+                    state_bytes, state_slot_bytes, step_tokens, weights_bytes, window_blocks)
 
 
 class PlanOptions(Protocol):
@@ -363,6 +363,8 @@ class MemoryPlan:
     # a hybrid model's state cache (memory.sizes.state_bytes: max_num_seqs slots of its linear-attention layers'
     # states), beside the KV blocks; 0: none
     state_bytes: int = 0
+    # its prefix cache of states (memory.sizes.snapshot_count: --state-snapshots slots of the same size); 0: none
+    snapshot_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -392,6 +394,9 @@ class MemoryPlan:
         if self.state_bytes > self.budget_bytes // 2:  # a hybrid model's state slots: no length makes room
             tips.append(f"lower --concurrency, whose linear-attention states (a slot per sequence) take "
                         f"{gib(self.state_bytes)} of the budget of {gib(self.budget_bytes)}")
+        if self.snapshot_bytes > self.budget_bytes // 2:  # the prefix cache of states: no length makes room
+            tips.append(f"lower --state-snapshots, whose snapshots of linear-attention states take "
+                        f"{gib(self.snapshot_bytes)} of the budget of {gib(self.budget_bytes)}")
         if self.max_length_at_concurrency > 0:
             tips.append(f"lower --max-length to {self.max_length_at_concurrency}")
         if self.max_concurrency_at_max_length > 0:
@@ -475,7 +480,10 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     reserve = runtime_reserve(budget)
     # a hybrid model's state cache (engine.state_cache): a slot per sequence
     states = state_bytes(model_config, dtype, slots or engine_config.max_num_seqs) if is_hybrid(model_config) else 0
-    kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve - states) // block
+    # and its prefix cache of states: --state-snapshots slots (engine.state_cache.StateSnapshots)
+    snapshots = snapshot_count(engine_config, model_config) * state_slot_bytes(model_config, dtype)
+    kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve - states
+                    - snapshots) // block
     window, step = kv_window(engine_config, model_config, max_length, draft_config)
     if groups is not None:
         window, step = max(groups[1]), groups[2]
@@ -486,7 +494,8 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
                       window=window, window_batched=engine_config.max_num_batched_tokens if window else 0,
                       window_ahead=step - min(engine_config.max_num_batched_tokens, max_length) if window else 0,
                       kv_groups=len(groups[1]) if groups else 0,
-                      full_groups=groups[1].count(0) if groups else 0, state_bytes=states)
+                      full_groups=groups[1].count(0) if groups else 0, state_bytes=states,
+                      snapshot_bytes=snapshots)
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,
@@ -621,6 +630,9 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
         elif plan.state_bytes > plan.budget_bytes // 2:  # a hybrid model's state slots, one per --max-num-seqs
             more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}), whose linear-attention states (a slot per "
                     f"sequence) take {gib(plan.state_bytes)}, or {more}")
+        elif plan.snapshot_bytes > plan.budget_bytes // 2:  # the prefix cache of states
+            more = (f"lower --state-snapshots ({snapshot_count(engine_config, model_config)}), whose snapshots of "
+                    f"linear-attention states take {gib(plan.snapshot_bytes)}, or {more}")
         elif plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
             more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}) or --max-num-batched-tokens "
                     f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
@@ -632,6 +644,7 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
             f"({held}) after weights {gib(plan.weights_bytes)}, "
             f"activations {gib(plan.activation_peak_bytes)}"
             + (f", LoRA adapter slots {gib(plan.lora_bytes)}" if plan.lora_bytes else "")
+            + (f", state snapshots {gib(plan.snapshot_bytes)}" if plan.snapshot_bytes else "")
             + (f", linear-attention states {gib(plan.state_bytes)}" if plan.state_bytes else "")
             + f" and a reserve of {gib(plan.reserve_bytes)} within a budget of {gib(plan.budget_bytes)}; "
             + (f"estimated maximum model length is {fit}" if fit >= SHORTEST else

@@ -39,6 +39,22 @@ def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
     """A hybrid model's state cache (engine.state_cache, models.qwen3_5.StateCacheMixin.allocate_states): per
     linear-attention layer, num_seqs slots and a padding slot of a conv state [conv_dim, K - 1] in the model's dtype
     and a float32 recurrent state (Qwen3.5's [Hv, Dk, Dv], Mamba-2's [H, P, N]); 0 for other models."""
+    return (num_seqs + 1) * state_slot_bytes(model_config, dtype)
+
+
+def snapshot_count(engine_config, model_config) -> int:
+    """The snapshot slots of a hybrid model's prefix cache of states (engine.state_cache.StateSnapshots):
+    --state-snapshots, by default half of --max-num-seqs (at least 1); 0 without prefix caching or for a model
+    without linear-attention layers."""
+    if not _linear_layers(model_config) or not getattr(engine_config, "enable_prefix_caching", False):
+        return 0
+    n = getattr(engine_config, "state_snapshots", None)
+    return max(1, engine_config.max_num_seqs // 2) if n is None else n
+
+
+def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
+    """The bytes of one state slot of a hybrid model (every linear-attention layer's conv and recurrent state, as
+    state_bytes counts them); 0 for other models."""
     layers = len(_linear_layers(model_config))
     if not layers:
         return 0
@@ -56,7 +72,7 @@ def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
         kernel = c.linear_conv_kernel_dim
         rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     conv = conv_dim * (kernel - 1) * element_bytes(dtype)
-    return layers * (num_seqs + 1) * (conv + rec)
+    return layers * (conv + rec)
 
 
 def kv_window(engine_config, model_config, max_length: int, draft_config=None) -> tuple[int, int]:

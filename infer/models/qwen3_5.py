@@ -237,6 +237,31 @@ class StateCacheMixin:
         self.state_pad_slot = num_seqs
         return total
 
+    def allocate_snapshots(self, num_slots: int, device) -> int:
+        """Give each linear-attention layer `num_slots` snapshot slots (conv_snap, rec_snap: engine.state_cache
+        .StateSnapshots, a hybrid model's prefix cache of states) beside its running ones; their bytes."""
+        total = 0
+        for layer in self.linear_layers():
+            layer.conv_snap = torch.zeros(num_slots, *layer.conv_state.shape[1:], dtype=layer.conv_state.dtype,
+                                          device=device)
+            layer.rec_snap = torch.zeros(num_slots, *layer.rec_state.shape[1:], dtype=torch.float32, device=device)
+            total += layer.conv_snap.nbytes + layer.rec_snap.nbytes
+        return total
+
+    def copy_states(self, pairs: list[tuple[int, int]], save: bool) -> None:
+        """Copy the states of each (running slot, snapshot slot) pair into the snapshot (`save`), or of each
+        (snapshot slot, running slot) pair into the running slot: queued on the device, no sync."""
+        layers = self.linear_layers()
+        if not pairs or not layers:
+            return
+        dev = layers[0].conv_state.device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long).to(dev, non_blocking=True)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(dev, non_blocking=True)
+        for layer in layers:
+            for state, snap in ((layer.conv_state, layer.conv_snap), (layer.rec_state, layer.rec_snap)):
+                a, b = (state, snap) if save else (snap, state)
+                b.index_copy_(0, dst, a.index_select(0, src))
+
     @staticmethod
     def kept_states(ctx: ForwardContext) -> torch.Tensor:
         """[B] bool: each sequence's state carried from its last step (False: its step starts at position 0)."""
