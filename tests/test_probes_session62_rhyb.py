@@ -49,7 +49,8 @@ def test_sleep_frees_the_states_as_the_kv_cache_and_reload_keeps_them(hf, level)
         runner = llm.engine.runner
         kv_bytes = runner.kv_cache.untyped_storage().nbytes()
         llm.engine.sleep(level=level)
-        assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == kv_bytes + runner.state_bytes
+        assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == \
+            kv_bytes + runner.state_bytes + runner.snapshot_bytes  # (and the prefix cache's state snapshots)
         llm.engine.wake_up()
         if level == 2:
             llm.engine.reload_weights()

@@ -96,7 +96,8 @@ def test_warmup_counts_the_mamba_states():
 
 def test_prefix_caching_is_off_and_speculative_decoding_refused(caplog):
     """enable_prefix_caching asked of the hybrid without state snapshots (--state-snapshots 0): the engine runs
-    without it (the Mamba-2 states of a cached prefix cannot be restored) and says so; the dense shape keeps it. A draft model is refused naming the option."""
+    without it (the Mamba-2 states of a cached prefix cannot be restored) and says so; the dense shape keeps it. A
+    draft model is refused naming the option."""
     import logging
 
     from infer.errors import ConfigError

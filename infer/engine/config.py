@@ -166,8 +166,8 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1),
           "cuda_graph_max_tokens": (0, 8192), "max_logprobs": (-1, None),
           "state_snapshots": (0, None)}
-OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
-            "lora_streams", "pdl", "graph_priority", "state_snapshots"}
+OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "state_snapshots",  # None: chosen for you
+            "overlap", "lora_epilogue", "lora_streams", "pdl", "graph_priority"}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 # vLLM's --kv-cache-dtype values (auto: the model's dtype) and the torch dtype K and V are stored in
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,

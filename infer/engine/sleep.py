@@ -21,8 +21,8 @@ TAGS = (WEIGHTS, KV_CACHE)  # vLLM's wake_up tags
 # "abort": they end now (finish_reason "abort"); "wait": they run to their end first, then the memory is freed;
 # "keep": they are paused (their KV blocks freed, recomputed on waking) and go on once the engine is awake again
 MODES = ("abort", "wait", "keep")
-# the KV cache's views, a linear layer's states and their snapshots (a hybrid model's prefix cache)
-KV_ATTRS = ("k_cache", "v_cache", "conv_state", "rec_state", "conv_snap", "rec_snap")
+KV_ATTRS = ("k_cache", "v_cache", "conv_state", "rec_state")  # the KV cache's views, a linear layer's states
+KV_ATTRS += ("conv_snap", "rec_snap")  # and their snapshots (a hybrid model's prefix cache: engine.state_cache)
 # the error of a request sleep() aborted (its finish_reason "abort"): the server tells it from a shutdown's abort
 SLEPT = "the engine was put to sleep (sleep mode) before the request finished"
 # the error of a request pause_generation(mode="abort") ended: the server answers it as vLLM's, finish_reason "abort"
