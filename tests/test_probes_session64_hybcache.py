@@ -78,13 +78,14 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(model):
 
 
 def test_a_partial_block_prefix_is_cut_to_the_last_snapshot(model):
-    """Chunks of 8 tokens snapshot the states at 8, 16, 24, 32 and 36 (in 5 snapshot slots); a prompt
+    """Chunks of up to 10 tokens, cut to block boundaries, snapshot the states at 8, 16, 24, 32 and 36 (in 5 snapshot
+    slots); a prompt
     sharing 9 tokens gets 8; one sharing 22 tokens (5 full blocks and part of a sixth) takes the cached blocks up to
     the snapshot at 16, not the 20 tokens cached KV holds; one sharing 3 none."""
     path, hf = model
     prompts = [BASE, BASE[:9] + [8, 8], BASE[:22] + [3, 4, 5, 6, 7], BASE[:3] + [9, 9, 9]]
     want = greedy_each(hf, prompts, 5)
-    with LLM(path, block_size=4, max_num_batched_tokens=8, max_num_seqs=8, state_snapshots=5) as llm:
+    with LLM(path, block_size=4, max_num_batched_tokens=10, max_num_seqs=8, state_snapshots=5) as llm:
         steps = _counting(llm)
         got, cached = _one_by_one(llm, prompts, 5)
         assert llm.engine.block_manager.snapshots.num_slots == 5
@@ -94,21 +95,22 @@ def test_a_partial_block_prefix_is_cut_to_the_last_snapshot(model):
 
 
 def test_a_small_pool_evicts_the_least_recently_used_snapshot(model):
-    """--state-snapshots 1: another prompt's snapshot evicts the first one's, so the first prompt's extension finds
-    its KV blocks but no state and computes its prompt in full (transformers' tokens); with 2 slots it hits."""
+    """Prompts of a 37-token prefix and of another 21-token one, alternating. --state-snapshots 1: each snapshot
+    evicts the one before, so no extension finds a state (its KV blocks are cached) and each computes its prompt in
+    full. 2 slots: the first prefix's snapshot, used by its extension (most recently), outlives the other's, which
+    that extension's own snapshot evicts: its second extension hits, the other's none. Transformers' tokens."""
     path, hf = model
     other = random_prompts(512, (21,), seed=9)[0]
-    prompts = [BASE, other, BASE + [1, 2, 3, 4, 5]]
+    prompts = [BASE, other, BASE + [1, 2, 3, 4, 5], BASE + [9, 9], other + [1, 2, 3]]
     want = greedy_each(hf, prompts, 4)
-    for slots, hit in ((1, 0), (2, 36)):
+    for slots, hits, evicted in ((1, [0, 0, 0, 0, 0], 4), (2, [0, 0, 36, 36, 0], 2)):
         with LLM(path, block_size=4, state_snapshots=slots) as llm:
             got, cached = _one_by_one(llm, prompts, 4)
-            snapshots = llm.engine.block_manager.snapshots
-            assert snapshots.evicted == (2 if slots == 1 else 1)  # (the third prompt's snapshot at 40 too)
+            assert llm.engine.block_manager.snapshots.evicted == evicted, slots
             assert llm.engine.runner.snapshot_bytes == slots * state_slot_bytes(llm.engine.model_config,
                                                                                 torch.float32)
         assert got == want, slots
-        assert cached == [0, 0, hit], slots
+        assert cached == hits, slots
 
 
 def test_preempted_requests_sharing_a_prefix_recompute_from_a_snapshot(model):
