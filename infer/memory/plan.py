@@ -481,7 +481,7 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     # a hybrid model's state cache (engine.state_cache): a slot per sequence
     states = state_bytes(model_config, dtype, slots or engine_config.max_num_seqs) if is_hybrid(model_config) else 0
     # and its prefix cache of states: --state-snapshots slots (engine.state_cache.StateSnapshots)
-    snapshots = snapshot_count(engine_config, model_config) * state_slot_bytes(model_config, dtype)
+    snapshots = snapshot_count(engine_config, model_config, slots) * state_slot_bytes(model_config, dtype)
     kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve - states
                     - snapshots) // block
     window, step = kv_window(engine_config, model_config, max_length, draft_config)

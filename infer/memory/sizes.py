@@ -42,14 +42,14 @@ def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
     return (num_seqs + 1) * state_slot_bytes(model_config, dtype)
 
 
-def snapshot_count(engine_config, model_config) -> int:
+def snapshot_count(engine_config, model_config, num_seqs: int | None = None) -> int:
     """The snapshot slots of a hybrid model's prefix cache of states (engine.state_cache.StateSnapshots):
-    --state-snapshots, by default half of --max-num-seqs (at least 1); 0 without prefix caching or for a model
-    without linear-attention layers."""
+    --state-snapshots, by default half of --max-num-seqs (`num_seqs`: another concurrency's; at least 1); 0 without
+    prefix caching or for a model without linear-attention layers."""
     if not _linear_layers(model_config) or not getattr(engine_config, "enable_prefix_caching", False):
         return 0
     n = getattr(engine_config, "state_snapshots", None)
-    return max(1, engine_config.max_num_seqs // 2) if n is None else n
+    return max(1, (num_seqs or engine_config.max_num_seqs) // 2) if n is None else n
 
 
 def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
