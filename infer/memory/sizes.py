@@ -144,8 +144,9 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     o_proj, gate_up and down_proj of each layer. A mixture of experts' sparse layer has, in place of the MLP's,
     its shared expert's (Qwen2-MoE, of its own width) and every expert's A and B of gate_up and down
     (lora.experts.ExpertLoRA). The gated attention's q_proj (GATED_Q) is twice the query's width; a hybrid's
-    linear-attention layers have their Gated DeltaNet's slots in place of qkv's and o_proj's (with every layer's
-    slots alone: targets never name them). `target_modules` (--lora-target-modules, lora.targets): only the layers
+    linear-attention layers have their Gated DeltaNet's or Mamba-2's slots in place of qkv's and o_proj's, and
+    Granite 4.0's shared_mlp its own (with every layer's slots alone: targets never name them); a Nemotron-H block
+    is one mixer (Mamba-2, attention or MLP). `target_modules` (--lora-target-modules, lora.targets): only the layers
     it selects."""
     from ..lora.adapter import GATED_Q
     from ..lora.experts import expert_slot_elements
@@ -156,28 +157,54 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     q, kv = shapes.q_size, shapes.kv_size
     chosen = check_target_modules(target_modules, model_config)
 
+    from ..models.registry import UNGATED
+    gates = 1 if model_config.model_type in UNGATED else 2  # (an MLP without gate: up_proj's one shard)
+
     def mlp(width: int, prefix: str = "") -> int:  # gate_up's and down_proj's A widths + B heights
-        return (2 * h + 2 * width) * selects_as(chosen, prefix + "gate_up_proj") + \
-            (width + h) * selects_as(chosen, prefix + "down_proj")  # (an MLP without gate's up, down: within these)
+        return gates * (h + width) * selects_as(chosen, prefix + "gate_up_proj") + \
+            (width + h) * selects_as(chosen, prefix + "down_proj")
     wide = 2 if model_config.model_type in GATED_Q else 1  # (gated attention: q_proj's query and gate)
-    # (Gated DeltaNet's layers: the gated-attention families'; Granite 4.0's and Nemotron-H's Mamba-2 layers, which
-    # have no Gated DeltaNet fields, are counted as an attention layer's qkv and o)
-    linear = set(_linear_layers(model_config)) if model_config.model_type in GATED_Q else set()
+    # the linear-attention layers: the gated-attention families' Gated DeltaNet, Granite 4.0's and Nemotron-H's
+    # Mamba-2 (in_proj, out_proj), in place of the attention's qkv and o
+    mamba = model_config.model_type in ("granitemoehybrid", "nemotron_h")
+    linear = set(_linear_layers(model_config)) if model_config.model_type in GATED_Q or mamba else set()
+    # (Nemotron-H's blocks: a Mamba-2 mixer, an attention or an MLP (or experts) alone)
+    blocks = model_config.layers_block_type if model_config.model_type == "nemotron_h" else None
     per_rank = 0
     for layer in range(model_config.num_hidden_layers):
-        if layer in linear:  # Gated DeltaNet's in_proj_qkvz, in_proj_ba, out_proj: slots only on every layer's
-            per_rank += _delta_net_slot_elements(model_config) if chosen is None else 0
-        else:
+        if layer in linear:  # their projections: slots only on every layer's (targets never name them)
+            if chosen is None:
+                per_rank += _mamba_slot_elements(model_config) if mamba else _delta_net_slot_elements(model_config)
+        elif blocks is None or blocks[layer] == "full_attention":
             per_rank += (3 * h + wide * q + 2 * kv) * selects(chosen, "qkv_proj") + \
                 (q + h) * selects(chosen, "o_proj")
-        if not is_sparse(model_config, layer):
+        if blocks is not None and blocks[layer] in ("linear_attention", "full_attention"):
+            continue
+        if model_config.model_type == "granitemoehybrid":  # its shared_mlp's input_linear (gate | up) and
+            # output_linear on every layer: slots only on every layer's (targets never name them)
+            width = int(model_config.shared_intermediate_size)
+            per_rank += (2 * h + 2 * width + width + h) * (chosen is None)
+        elif not is_sparse(model_config, layer):
             per_rank += mlp(inter)
+        if not is_sparse(model_config, layer):
             continue
         if shared_name(model_config) is not None:  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)
             per_rank += mlp(shared_width(model_config), "shared_expert.")
         if selects(chosen, "experts.gate_up_proj") and experts_adapted(model_config):  # (not Nemotron 3's)
             per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
     return max_loras * max_rank * per_rank * element_bytes(dtype)
+
+
+def _mamba_slot_elements(model_config) -> int:
+    """A Mamba-2 layer's adapter slot elements per rank (models.granite4.Mamba2Mixer: A's input widths + B's
+    heights): in_proj (z, x B C, dt) and out_proj."""
+    c = model_config
+    if c.model_type == "nemotron_h":  # (Granite 4.0's fields: models.nemotron_h.mamba_fields)
+        from ..models.nemotron_h import mamba_fields
+        c = mamba_fields(c)
+    inter = int(c.mamba_expand * c.hidden_size)
+    in_out = 2 * inter + 2 * c.mamba_n_groups * c.mamba_d_state + c.mamba_n_heads
+    return c.hidden_size + in_out + inter + c.hidden_size
 
 
 def _delta_net_slot_elements(model_config) -> int:
