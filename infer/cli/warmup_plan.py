@@ -101,7 +101,7 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
     step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
     return activation_bytes(model_config, dtype, step, concurrency, max_length, rank,
                             kv_dtype=engine_config.kv_dtype(dtype), lora_targets=engine_config.lora_target_modules,
-                            logits=not engine_config.pooling()) \
+                            logits=not engine_config.pooling(), triton=engine_config.torch_device().type == "cuda") \
         + cuda_graph_bytes(cfg, model_config, dtype) + speculative_logit_bytes(cfg, model_config) \
         + draft_activation_bytes(cfg, _draft_cfg(engine_config), dtype, max_length, concurrency) \
         + (draft_graph_bytes(cfg, _draft_cfg(engine_config), dtype) if cfg.use_cuda_graphs() else 0) \

@@ -203,8 +203,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     graphs = cuda_graph_bytes(engine_config, model_config, dtype) \
         + draft_graph_bytes(engine_config, draft_config, dtype)
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
-                                kv_dtype=engine_config.kv_dtype(dtype),
-                                lora_targets=engine_config.lora_target_modules) + graphs + spec \
+                                kv_dtype=engine_config.kv_dtype(dtype), lora_targets=engine_config.lora_target_modules,
+                                triton=device.type == "cuda") + graphs + spec \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_length, concurrency)
     if weights is None:
         weights = weights_bytes(model) + (weights_bytes(draft.model) if draft is not None else 0)

@@ -53,6 +53,8 @@ class PlanOptions(Protocol):
 
     def piecewise_tokens(self) -> int: ...
 
+    def torch_device(self) -> torch.device: ...
+
 
 def available_cpu_memory() -> int:
     """Free RAM, or the cgroup limit minus usage when that is smaller."""
@@ -166,7 +168,7 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
         return decode + aux
     beside = expands_beside(engine_config)
     pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False, lora_expand_beside=beside,
-                                  lora_targets=engine_config.lora_target_modules)
+                                  lora_targets=engine_config.lora_target_modules, triton=True)
                  for t in largest_per_stream(token_buckets(tokens), priority, adapters))
     buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype) \
         + graph_inputs_bytes(engine_config, model_config, adapters, tokens)
@@ -213,7 +215,7 @@ def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.d
     seqs = seqs or engine_config.max_num_seqs
     step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False,
                             lora_targets=engine_config.lora_target_modules,
-                            lora_expand_beside=bool(rank) and expands_beside(engine_config))
+                            lora_expand_beside=bool(rank) and expands_beside(engine_config), triton=True)
     shapes = ModelShapes.from_config(model_config)
     # the keys the block tables hold: whole blocks (the kernel partitions by the table's width, not the length)
     size = engine_config.block_size
@@ -507,7 +509,7 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config),
                             kv_dtype=kv_dtype(engine_config, dtype), lora_targets=engine_config.lora_target_modules,
-                            logits=not pools(engine_config)) \
+                            logits=not pools(engine_config), triton=engine_config.torch_device().type == "cuda") \
         + speculative_logit_bytes(engine_config, model_config) \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_len) \
         + cuda_graph_bytes(engine_config, model_config, dtype) + draft_graph_bytes(engine_config, draft_config, dtype) \

@@ -428,6 +428,33 @@ def mamba_scan_bytes(model_config, tokens: int) -> int:
     return heads * (chunks * chunk * per_token + 3 * max(group, (chunks + 1) ** 2)) * 4
 
 
+DELTA_CHUNK = 64  # tokens of a chunk of the chunked gated delta rule (kernels.delta_rule's, kernels.delta_triton's)
+
+
+def delta_rule_bytes(model_config, dtype: torch.dtype, tokens: int, seqs: int, triton: bool = False) -> int:
+    """The temporaries of a Gated DeltaNet layer's chunked gated delta rule over a prefill step of `tokens` tokens
+    of at most `seqs` sequences (Qwen3.5's and Qwen3-Next's linear attention; 0 for other models), in chunks of
+    DELTA_CHUNK tokens, none spanning two sequences (kernels.delta_rule.chunk_layout: at most tokens / C + seqs - 1
+    chunks), per value head of each chunk's C positions, float32: `triton` (CUDA:
+    kernels.delta_triton.chunk_gated_delta_rule_varlen) the intra-chunk terms u, v_new [C, Dv], w, qd, kd [C, Dk],
+    inner [C, C] and the state before the chunk h [Dk, Dv]; else (the torch path,
+    kernels.delta_rule.chunk_gated_delta_rule_varlen) at the intra-chunk part's peak the gathered q, k, v, their
+    beta-scaled k and v, the decays, the triangular system and q k^T, u, w and its right-hand side (6 Dk + 3 Dv +
+    3 C, and g, beta and the decay's sums); beside the output [T, Hv, Dv] in the model's dtype and the chunks'
+    layout."""
+    if not hasattr(model_config, "linear_num_value_heads") or not _linear_layers(model_config) or tokens <= 0:
+        return 0  # (no Gated DeltaNet layer: Granite 4.0's and Nemotron-H's Mamba-2 ones, mamba_scan_bytes)
+    c, chunk = model_config, DELTA_CHUNK
+    hv, dk, dv = int(c.linear_num_value_heads), int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+    chunks = min(tokens, -(-tokens // chunk) + max(min(seqs, tokens), 1) - 1)
+    if triton:
+        per_chunk = chunk * (3 * dk + 2 * dv + chunk) + dk * dv + 1
+    else:
+        per_chunk = chunk * (6 * dk + 3 * dv + 3 * chunk + 5)
+    layout = chunks * (chunk + 8) * 8 + (0 if triton else chunk * chunk)  # (chunk_layout's rows; a causal mask)
+    return hv * (chunks * per_chunk * 4 + tokens * dv * element_bytes(dtype)) + layout
+
+
 def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int, max_length: int) -> int:
     """Bytes a prefill's soft-capped attention (Gemma 2's attn_logit_softcapping: kernels.reference._sdpa, in
     float32) holds past the step's per-token activations: a chunk of its query rows' scores and their softmax (at
@@ -447,14 +474,16 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False, lora_targets: list[str] | None = None,
-                     logits: bool = True) -> int:
+                     logits: bool = True, triton: bool = False) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
     `num_seqs` sequences at context `max_length`, plus (`penalties`) the sampler's penalty table for `num_seqs`
     requests. `kv_dtype`: the KV cache's, when not `dtype` (fp8: the CPU decode gathers it, then upcasts a copy).
     `lora_expand_beside`: a step recorded into a CUDA graph with the adapters' expand beside the matmul (a token
     holds at least lora_beside_token_bytes). `lora_targets`: --lora-target-modules (lora.targets; None: every
     layer): the adapters' temporaries only of the layers with slots. `logits` False: a pooling engine's step (--runner
-    pooling), which computes no logits and samples nothing (no penalty table): its rows are pooled float32 vectors."""
+    pooling), which computes no logits and samples nothing (no penalty table): its rows are pooled float32 vectors.
+    `triton`: a step on CUDA (the Triton kernels' temporaries where they differ from the torch path's:
+    delta_rule_bytes)."""
     from ..lora.targets import check_target_modules, selects
     b = element_bytes(dtype)
     h, inter = model_config.hidden_size, model_config.intermediate_size
@@ -473,7 +502,8 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     if lora_rank and lora_expand_beside:
         per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank, chosen))
     prefill = num_tokens * per_token + softcap_cpu_prefill_bytes(model_config, dtype, num_tokens, max_length) \
-        + mamba_scan_bytes(model_config, min(num_tokens, max_length))
+        + mamba_scan_bytes(model_config, min(num_tokens, max_length)) \
+        + delta_rule_bytes(model_config, dtype, num_tokens, num_seqs, triton)
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
