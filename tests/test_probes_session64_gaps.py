@@ -1,9 +1,9 @@
 """Session 64, small gaps: memory.sizes.delta_rule_bytes counts the temporaries of a Gated DeltaNet prefill's chunked
 gated delta rule (Qwen3.5, Qwen3-Next: the torch path's and the Triton path's [Hv, NC, C, ...] float32 terms and
-per-chunk states), measured, and the activation estimate adds the device's path's; the adapter slots of Granite 4.0's and Nemotron-H's Mamba-2 layers (in_proj and out_proj,
-slots only with every layer's), of Granite 4.0's shared_mlp and of Nemotron-H's one-mixer blocks are what
-memory.sizes.lora_slot_bytes counts (no attention's qkv and o on a Mamba-2 layer, no MLP on a Nemotron-H mixer's
-block)."""
+per-chunk states), measured, and the activation estimate adds the device's path's; the adapter slots of Granite
+4.0's and Nemotron-H's Mamba-2 layers (in_proj and out_proj, slots only with every layer's), of Granite 4.0's
+shared_mlp and of Nemotron-H's one-mixer blocks are what memory.sizes.lora_slot_bytes counts (no attention's qkv and
+o on a Mamba-2 layer, no MLP on a Nemotron-H mixer's block)."""
 
 from __future__ import annotations
 
