@@ -24,7 +24,7 @@ from infer.models.tiny import ensure_builtin
 from helpers import (builtin_model_tests, check_builtin_runs_and_warmup_sizes_it,
                      check_chunked_prefill_and_prefix_caching, check_equal_transformers,
                      check_greedy_and_logprobs_equal_transformers, correction_bias_drawn,
-                     estimate_refusal, norms_shifted_biases_drawn, random_prompts, save_random_model)
+                     norms_shifted_biases_drawn, random_prompts, save_random_model)
 from lora_helpers import check_all8_qv4_equal_peft, check_granite_adapters_equal_peft, hf_float, save_adapter
 from quant_helpers import (check_gpu_path_equals_transformers, check_gptq_moe_equals_dequantized, gptqmodel_greedy,
                            infer_quantize, needs_gptqmodel, quantize_refusal, rtn_gptq_pair)
@@ -283,13 +283,6 @@ def test_ernie_the_router_equals_transformers_where_the_bias_decides(tmp_path):
     torch.testing.assert_close(weights, want_w)
     plain = torch.softmax(x @ router.weight.T, dim=-1).topk(2, dim=-1).indices
     assert not torch.equal(plain, ids)  # (the bias decided some tokens' experts)
-
-
-def test_ernie_use_bias_is_refused_naming_the_output_heads_bias(tmp_path):
-    """use_bias (transformers' ERNIE 4.5 MoE then biases lm_head too, which infer's head has not): refused up front
-    by warmup --estimate, naming the field and what to serve."""
-    text = estimate_refusal(tmp_path, "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", **ERNIE, use_bias=True)
-    assert "config.json has use_bias true: transformers' ERNIE 4.5 MoE then adds a bias to the output head" in text
 
 
 def test_ernie_builtin_tiny_model_runs_and_warmup_sizes_it():

@@ -3,21 +3,24 @@ gated delta rule (Qwen3.5, Qwen3-Next: the torch path's and the Triton path's [H
 per-chunk states), measured, and the activation estimate adds the device's path's; the adapter slots of Granite
 4.0's and Nemotron-H's Mamba-2 layers (in_proj and out_proj, slots only with every layer's), of Granite 4.0's
 shared_mlp and of Nemotron-H's one-mixer blocks are what memory.sizes.lora_slot_bytes counts (no attention's qkv and
-o on a Mamba-2 layer, no MLP on a Nemotron-H mixer's block)."""
+o on a Mamba-2 layer, no MLP on a Nemotron-H mixer's block); ERNIE 4.5 MoE with use_bias (transformers' lm_head
+then has a bias, beside the attention's and MLPs') runs, equal to transformers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infer import LLM
+from infer import LLM, SamplingParams
 from infer.kernels import delta_rule, delta_triton
 from infer.memory import sizes
 from infer.memory.sizes import DELTA_CHUNK, activation_bytes, delta_rule_bytes, lora_slot_bytes
 from infer.models.loader import load_config
 from infer.models.tiny import ensure_builtin
 
+from helpers import check_equal_transformers, random_prompts
 from test_probes_session63_gaps import _LiveBytes
+from test_probes_session63_moe35 import build_ernie
 
 
 class _NoLaunch:
@@ -82,3 +85,19 @@ def test_mamba_hybrid_slots_are_counted(model, targets):
              lora_target_modules=targets) as llm:
         got = llm.engine.lora_manager.device_bytes()
         assert got == lora_slot_bytes(llm.engine.runner.model.config, 2, 4, torch.float32, targets)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ernie_moe_with_use_bias_equals_transformers(tmp_path, tied):
+    """use_bias: transformers' ERNIE 4.5 MoE biases q, k, v, o, the dense and shared MLPs and the output head
+    (lm_head.bias, its own where the weight is tied to the embeddings); infer loads every bias (drawn) and gives
+    transformers' greedy tokens and logprobs."""
+    from safetensors.torch import load_file
+    hf = build_ernie(tmp_path, use_bias=True, tie_word_embeddings=tied)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["lm_head.bias"].abs().sum() > 0 and ("lm_head.weight" in stored) != tied
+    prompts = random_prompts(512, (5, 13, 30), seed=4)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert torch.equal(llm.engine.runner.model.head_bias, stored["lm_head.bias"])
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, f"ernie-moe-use-bias-tied{tied}")

@@ -585,6 +585,9 @@ class LlamaForCausalLM(nn.Module):
         elif not self.tie_word_embeddings:
             self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
+        # ERNIE 4.5 MoE's use_bias: transformers' lm_head has a bias (lm_head.bias, its own, tied weight or not)
+        self.head_bias = nn.Parameter(torch.empty(cfg.vocab_size, dtype=dtype), requires_grad=False) \
+            if cfg.model_type == "ernie4_5_moe" and bool(getattr(cfg, "use_bias", False)) else None
         self.register_buffer("packed_head", None, persistent=False)
         types = rope_layer_types(cfg)  # [None]; Gemma 3's layer types: the full layers' table here (Gemma3ForCausalLM)
         self.register_buffer("cos_sin", build_cos_sin_cache(
@@ -672,9 +675,13 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head:  # at most HEAD_ROWS rows a matmul: the fused int4 kernels, never the dequantize
             # scratch, which would hold the whole head in float (prompt_logprobs and long steps come in slices)
             if len(hidden) <= HEAD_ROWS:
-                return self.lm_head(hidden).float()
-            return torch.cat([self.lm_head(hidden[i:i + HEAD_ROWS]).float() for i in range(0, len(hidden), HEAD_ROWS)])
-        return cpu_gemm.linear(hidden, self._head_weight(), None, self.packed_head).float()
+                return self._head_biased(self.lm_head(hidden)).float()
+            return torch.cat([self._head_biased(self.lm_head(hidden[i:i + HEAD_ROWS])).float()
+                              for i in range(0, len(hidden), HEAD_ROWS)])
+        return cpu_gemm.linear(hidden, self._head_weight(), self.head_bias, self.packed_head).float()
+
+    def _head_biased(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.head_bias is None else logits + self.head_bias
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

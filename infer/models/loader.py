@@ -321,6 +321,8 @@ def place_weights(model, tensors, dtype: torch.dtype):
             _check_kind(name, t, params.get("embed_tokens.weight"))
             stored_head = t  # tied embeddings: kept only if it differs from them (checked once both are in)
             continue
+        if key == "lm_head.bias" and "head_bias" in params:  # (ERNIE 4.5 MoE's use_bias: LlamaForCausalLM.head_bias)
+            key = "head_bias"
         if key not in params:
             unexpected.append(name)
             continue

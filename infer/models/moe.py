@@ -212,11 +212,6 @@ def check_moe(cfg) -> None:
                                     "Nemotron-H's latent projections of the experts (fc1_latent_proj, fc2_latent_proj)",
                                     "serve a Nemotron 3 checkpoint without moe_latent_size (NVIDIA-Nemotron-3-Nano-"
                                     "30B-A3B's config.json has none)")
-    if cfg.model_type == "ernie4_5_moe" and getattr(cfg, "use_bias", False):
-        raise UnsupportedModelError("config.json has use_bias true: transformers' ERNIE 4.5 MoE then adds a bias to "
-                                    "the output head (lm_head.bias), which infer's head does not have",
-                                    "serve an ERNIE 4.5 MoE checkpoint without use_bias (ERNIE-4.5-21B-A3B's and "
-                                    "300B-A47B's config.json set it false)")
     if cfg.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"config.json has clip_qkv {cfg.clip_qkv}: infer does not clip OLMoE's queries, "
                                     "keys and values", "serve an OLMoE checkpoint without clip_qkv (OLMoE-1B-7B's "
