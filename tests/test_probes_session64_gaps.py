@@ -76,11 +76,12 @@ def test_the_activation_estimate_adds_the_devices_delta_rule(monkeypatch, model)
     assert delta_rule_bytes(load_config(ensure_builtin("tiny-granite4")), torch.bfloat16, tokens, seqs) == 0
 
 
-@pytest.mark.parametrize("model", ["tiny-granite4", "tiny-granite4-dense", "tiny-nemotron-h"])
+@pytest.mark.parametrize("model", ["tiny-granite4", "tiny-granite4-dense", "tiny-nemotron-h", "tiny-arcee"])
 @pytest.mark.parametrize("targets", [None, ["qkv_proj"], ["o_proj"]])
 def test_mamba_hybrid_slots_are_counted(model, targets):
     """The slots allocated on Granite 4.0 (with and without experts) and Nemotron-H are lora_slot_bytes' count, byte
-    for byte: a Mamba-2 layer's own in_proj and out_proj only with every layer's slots, never an attention's."""
+    for byte: a Mamba-2 layer's own in_proj and out_proj only with every layer's slots, never an attention's; an MLP
+    without gate's (Nemotron-H's, Arcee's) up_proj one shard."""
     with LLM(model, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4, device="cpu",
              lora_target_modules=targets) as llm:
         got = llm.engine.lora_manager.device_bytes()
