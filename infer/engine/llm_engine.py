@@ -1773,6 +1773,10 @@ def _check_reloadable(model, fresh, path) -> None:
     old_modules = dict(model.named_modules())
     head_follows = hasattr(model, "untie_head")  # (a tied config's head: untied by the load where the checkpoint
     # stores another lm_head, which the headers do not tell; _adopt_weights takes the load's)
+    for name, mod in old_modules.items():  # a mixture of experts' stacks: float, int4 GPTQ or MXFP4 (their modules)
+        was, now = (_experts_kind(m) for m in (mod, new_modules.get(name)))
+        if was != now and None not in (was, now):
+            raise ModelLoadError(f"{path}: {name} are {now} in the new checkpoint, {was} in the loaded one", hint)
     for names, there, has in ((old_modules, new_modules, "has no {} (the loaded model has it)"),
                               (new_modules, old_modules, "has {} (the loaded model has not)")):
         missing = next((n for n in names if n not in there and not (n == "lm_head" and head_follows)), None)
@@ -1799,6 +1803,14 @@ def _check_reloadable(model, fresh, path) -> None:
             if old is not None and value is not None and old.shape != value.shape:
                 raise ModelLoadError(f"{path}: {name}.{key} has shape {tuple(value.shape)} in the new checkpoint, "
                                      f"{tuple(old.shape)} in the loaded one", hint)
+
+
+def _experts_kind(module) -> str | None:
+    """How a mixture of experts' stacked experts (models.moe.Experts) hold their weights: "float", "int4 GPTQ"
+    (Int4Stack) or "MXFP4" (Mxfp4Stack, gpt-oss's as the hub stores them); None for any other module."""
+    if not (hasattr(module, "w13") and hasattr(module, "mxfp4") and hasattr(module, "int4")):
+        return None
+    return "MXFP4" if module.mxfp4 else "int4 GPTQ" if module.int4 else "float"
 
 
 def _adopt_weights(model, fresh) -> None:
