@@ -1,16 +1,22 @@
-"""Session 64's review of gpt-oss's packed MXFP4 experts: reload_weights between an MXFP4 and a float checkpoint of
-the same gpt-oss names the experts' kind (not "another number of layers")."""
+"""Session 64's review of gpt-oss's packed MXFP4 experts: the dequantized values are transformers' at every e8m0
+scale (255, OCP's NaN, as torch's ldexp of an int exponent: 0 stays 0, 0.5 is 2^127) on the CPU and in the Triton
+kernel (interpreted); reload_weights between an MXFP4 and a float checkpoint of the same gpt-oss names the experts'
+kind (not "another number of layers")."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
+import torch
 
 from infer import LLM, SamplingParams
 from infer.errors import ModelLoadError
+from infer.kernels import reference
 
-from test_probes_session60_gptoss import build, to_mxfp4
+from helpers import nan_filled_empty
+from test_probes_session60_gptoss import build, interpreted, to_mxfp4
+from test_probes_session64_mxfp4 import moe_kernels, mxfp4_experts, routing  # noqa: F401 (a fixture)
 
 PROMPTS = [[5, 9, 13, 21, 40], [7, 3, 2, 8, 11, 40, 77]]
 
@@ -44,3 +50,49 @@ def test_reload_weights_between_mxfp4_and_float_experts_names_the_experts_kind(g
         assert f"{kinds[new]} in the new checkpoint, {kinds[loaded]} in the loaded one" in e.value.message
         assert "another number of layers" not in e.value.message and "start a new engine" in e.value.hint
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)] == want
+
+
+def transformers_dequantized(w: reference.Mxfp4Experts, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' dequantized experts (integrations.mxfp4.convert_moe_packed_tensors, [E, in, out]) as the
+    [E, out, in] of F.linear."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    return convert_moe_packed_tensors(w.blocks, w.scales, dtype=dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp4_dequantize_is_transformers_at_every_scale(dtype):
+    """Every byte at every e8m0 scale 0..255: reference.mxfp4_dequantize equals transformers' values (float16's
+    overflow to inf included); scale 255 (OCP's NaN) was 2^128 = inf times the value (code 0: nan), transformers'
+    torch.ldexp of an int exponent gives 0 for code 0, +-2^127 for +-0.5 (inf beyond)."""
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 1, 256 // 16, 16).expand(2, 128, 1, 16, 16)
+    blocks = blocks.reshape(2, 128, 16, 16).contiguous()  # each row's 16 groups: every byte once
+    scales = torch.arange(256, dtype=torch.uint8).reshape(2, 128, 1).expand(2, 128, 16).contiguous()
+    w = reference.Mxfp4Experts(blocks, scales)
+    got, want = w.dequantize(dtype), transformers_dequantized(w, dtype)
+    assert not got.isnan().any() and torch.equal(got, want)
+    top = got[1, 127]  # scale 255: a row of every code
+    assert (top == 0).any() and top.isinf().any()
+    if dtype != torch.float16:
+        assert top[top.abs() < float("inf")].abs().max() == 2.0 ** 127
+
+
+@interpreted
+def test_triton_mxfp4_kernel_takes_scale_255_as_transformers(moe_kernels):  # noqa: F811
+    """A group of the down projection at scale 255 (codes 0 and +-0.5: +-2^127 and 0, finite) and groups at scale
+    0 (2^-127): the Triton kernel (interpreted) and the CPU reference equal the float fused MoE over transformers'
+    dequantized experts, finite (the kernel's 2^(255 - 127) = inf made 0 x inf = nan of code 0)."""
+    t, e, k, h, i = 6, 3, 2, 64, 32
+    w13, w2 = mxfp4_experts(e, h, 2 * i, seed=5), mxfp4_experts(e, i, h, seed=6)
+    w13.scales[:, ::5, 0] = 0
+    w2.blocks[:, 0, 0] = torch.tensor([0x91, 0x00, 0x19, 0x10] * 4, dtype=torch.uint8)
+    w2.scales[:, 0, 0] = 255
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(7)) * 2.0 ** -64  # (products below 2^128)
+    w, ids = routing(t, e, k, seed=8)
+    ids[:, 0] = 1  # (routing leaves expert 0 out)
+    want = reference.fused_moe(x, transformers_dequantized(w13, x.dtype), transformers_dequantized(w2, x.dtype), w,
+                               ids)
+    assert want.isfinite().all() and want[:, 0].abs().min() > 1.0 and want[:, 1:].abs().max() < 1e-10
+    assert torch.equal(reference.fused_moe_mxfp4(x, w13, w2, w, ids), want)
+    with nan_filled_empty(moe_kernels):
+        got = moe_kernels.fused_moe_mxfp4(x, w13, w2, w, ids)
+    torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)  # (float32 sums)

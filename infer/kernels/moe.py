@@ -596,8 +596,16 @@ def _e2m1(c):
 
 @triton.jit
 def _e8m0(s):
-    """The float32 powers of two 2^(s - 127) of e8m0 scales `s` (int32 0..254; 0: the subnormal 2^-127)."""
-    return tl.where(s > 0, s << 23, 1 << 22).to(tl.float32, bitcast=True)
+    """The float32 powers of two 2^(s - 127) of e8m0 scales `s` (int32 0..254; 0: the subnormal 2^-127; 255,
+    OCP's NaN: 2^127, the value times 2 after (`_e8m0_over`), torch's ldexp of an int exponent 128 as transformers
+    dequantizes: 0 stays 0, 0.5 is 2^127, 1 and beyond inf)."""
+    return tl.where(s > 0, tl.minimum(s, 254) << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_over(s):
+    """The factor after `_e8m0`'s of scales `s`: 2 for 255 (2^128 in two steps), else 1."""
+    return tl.where(s == 255, 2.0, 1.0)
 
 
 @triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant a BLOCK_M)
@@ -633,8 +641,9 @@ def _moe_gemm_mxfp4(a_ptr, q_ptr, sc_ptr, out_ptr, weights_ptr, pairs_ptr, exper
         codes = tl.reshape(tl.permute(tl.join(q & 0xF, q >> 4), (0, 2, 1)), (BLOCK_K, BLOCK_N))
         offs_g = k0 // 32 + tl.arange(0, GROUPS)
         s = tl.load(sc_cols + offs_g[:, None], mask=(offs_g[:, None] < k // 32) & mask_n[None, :], other=127)
-        scale = _e8m0(s.to(tl.int32))
-        w = tl.reshape(tl.reshape(_e2m1(codes), (GROUPS, 32, BLOCK_N)) * scale[:, None, :], (BLOCK_K, BLOCK_N))
+        s = s.to(tl.int32)
+        w = tl.reshape(tl.reshape(_e2m1(codes), (GROUPS, 32, BLOCK_N)) * _e8m0(s)[:, None, :]
+                       * _e8m0_over(s)[:, None, :], (BLOCK_K, BLOCK_N))
         w = w.to(a_ptr.dtype.element_ty)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")

@@ -720,7 +720,9 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     4-bit e2m1 codes a byte, low nibble first: the 32 values of a group), scales uint8 [E, N, G] (each group's power
     of two, biased by 127: e8m0), as the float [E, N, G * 32] (the [E, out, in] of F.linear) that transformers
     dequantizes to on a machine without its MXFP4 kernels (integrations.mxfp4.convert_moe_packed_tensors, before
-    its transpose): FP4_VALUES[code] * 2^(scale - 127) in float32, then `dtype` (each value exact in bfloat16).
+    its transpose): FP4_VALUES[code] * 2^(scale - 127) in float32 (torch.ldexp of an int exponent, as
+    transformers: scale 255 (OCP's NaN) 0 for code 0, +-2^127 for +-0.5, inf beyond), then `dtype` (each value exact
+    in bfloat16).
     MXFP4_ROWS rows at a time (their int32 codes and float32 values: at most MXFP4_ROW_BYTES a value of a row
     alive beside the output, memory.sizes.mxfp4_cpu_bytes)."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
@@ -732,8 +734,9 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             vals = torch.stack([lut.index_select(0, (q & 0x0F).flatten().int()),
                                 lut.index_select(0, (q >> 4).flatten().int())], dim=-1).reshape(-1, g, b * 2)
             exp = scales[i, r:r + MXFP4_ROWS].to(torch.int32) - 127
-            out[i, r:r + MXFP4_ROWS] = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32)).reshape(
-                -1, g * b * 2).to(dtype)
+            # (an int exponent: torch's ldexp of the value, transformers' too: scale 255 (OCP's NaN) gives 0 for code
+            # 0, 2^127 for 0.5, inf beyond; a float one multiplies by 2^128 = inf: nan and inf)
+            out[i, r:r + MXFP4_ROWS] = torch.ldexp(vals, exp.unsqueeze(-1)).reshape(-1, g * b * 2).to(dtype)
     return out
 
 
