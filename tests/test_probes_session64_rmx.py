@@ -96,3 +96,34 @@ def test_triton_mxfp4_kernel_takes_scale_255_as_transformers(moe_kernels):  # no
     with nan_filled_empty(moe_kernels):
         got = moe_kernels.fused_moe_mxfp4(x, w13, w2, w, ids)
     torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-5)  # (float32 sums)
+
+
+def test_sleep_offloads_the_packed_experts_and_a_reload_takes_new_mxfp4_weights(gptoss_pair, tmp_path):
+    """An MXFP4 gpt-oss in sleep mode: sleep(level=1) frees the experts' uint8 blocks and scales too, wake_up()
+    restores them (the same tokens); sleep(level=2), new MXFP4 weights written over the folder and reload_weights:
+    the tokens of a fresh engine on the new folder (the old ones' differ)."""
+    _, mxfp4 = gptoss_pair
+    shutil.copytree(mxfp4, tmp_path / "engine")
+    shutil.copytree(gptoss_pair[0], tmp_path / "new")
+    to_mxfp4(tmp_path / "new", seed=11)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def tokens(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    with LLM(str(tmp_path / "new"), block_size=4, max_model_len=32) as llm:
+        new = tokens(llm)
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32, enable_sleep_mode=True) as llm:
+        want = tokens(llm)
+        assert want != new
+        stacks = [m for n, m in llm.llm_engine.runner.model.named_modules() if n.endswith("_mxfp4")]
+        assert stacks and all(s.blocks.dtype == s.scales.dtype == torch.uint8 for s in stacks)
+        llm.sleep(level=1)
+        assert all(t.untyped_storage().nbytes() == 0 for s in stacks for t in (s.blocks, s.scales))
+        llm.wake_up()
+        assert tokens(llm) == want
+        llm.sleep(level=2)
+        shutil.copy(tmp_path / "new" / "model.safetensors", tmp_path / "engine" / "model.safetensors")
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+        assert tokens(llm) == new
