@@ -127,3 +127,41 @@ def test_sleep_offloads_the_packed_experts_and_a_reload_takes_new_mxfp4_weights(
         llm.collective_rpc("reload_weights")
         llm.wake_up(tags=["kv_cache"])
         assert tokens(llm) == new
+
+
+def _with_scale(src, out, scale: int, codes: int | None = None) -> None:
+    """`src`'s MXFP4 checkpoint with layer 1's down_proj group (expert 2, row 3, group 0) at `scale` (its bytes all
+    `codes` where given)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_scales"][2, 3, 0] = scale
+    if codes is not None:
+        tensors["model.layers.1.mlp.experts.down_proj_blocks"][2, 3, 0] = codes
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("scale,codes,dtype,refused", [
+    (255, 0x77, torch.bfloat16, "non-finite values (inf) at expert 2, row 3, group 0 (scale 255)"),
+    (254, 0x66, torch.float32, "non-finite values (inf) at expert 2, row 3, group 0 (scale 254)"),
+    (255, 0x91, torch.bfloat16, None),  # (0 and +-0.5: 0 and +-2^127, finite as transformers dequantizes them)
+    (141, 0x11, torch.float16, None),  # (0.5 x 2^14: within float16)
+    (145, None, torch.float16, "beyond float16's range (inf) at expert 2, row 3, group 0 (scale 145)"),
+    (145, None, torch.bfloat16, None),
+])
+def test_mxfp4_experts_that_dequantize_to_inf_are_refused_at_load(gptoss_pair, tmp_path, scale, codes, dtype,
+                                                                   refused):
+    """Float weights with inf (in the file, or past the dtype's range) are refused at load (loader._check_finite);
+    the packed MXFP4 experts were never a float tensor it saw: a group that dequantizes to inf (scale 255, OCP's
+    NaN, or 254 with large codes; a float16 model's scales past its range) loaded and gave NaN text. Now refused
+    naming the tensor, the expert, row, group and scale; finite ones (code 0 at scale 255) load."""
+    from infer.models.loader import load_model
+    _with_scale(gptoss_pair[1], tmp_path / "m", scale, codes)
+    if refused is None:
+        model, _ = load_model(tmp_path / "m", dtype, torch.device("cpu"))
+        assert model.layers[1].mlp.experts.w2_mxfp4.scales[2, 3, 0] == scale
+        return
+    with pytest.raises(ModelLoadError) as e:
+        load_model(tmp_path / "m", dtype, torch.device("cpu"))
+    assert "layers.1.mlp.experts.down_proj_blocks/_scales" in e.value.message and refused in e.value.message
+    assert ("--dtype" in e.value.hint) == (dtype == torch.float16)

@@ -918,6 +918,36 @@ class MoeForCausalLM:
                                     else ""
                             raise ModelLoadError(f"the checkpoint has no tensor {block.prefix}.experts.{what}",
                                                  "the model folder is incomplete")
+                if block.mxfp4:
+                    for name, stack in (("gate_up_proj", block.experts.w13_mxfp4),
+                                        ("down_proj", block.experts.w2_mxfp4)):
+                        _check_mxfp4_finite(f"{block.prefix}.experts.{name}", stack, block.experts.w13.dtype)
+
+
+def _check_mxfp4_finite(name: str, stack: Mxfp4Stack, dtype: torch.dtype) -> None:
+    """An MXFP4 stack whose values are inf in float32 (scale 255, OCP's NaN, or 253-254 with large codes) or in the
+    model's dtype (a float16 beyond 65504) refused as loader._check_finite refuses float weights (the packed bytes
+    are never a float tensor it sees): only the groups whose scale could overflow dequantized."""
+    if stack.scales.is_meta:
+        return
+    big = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32)
+    # the smallest scale whose largest code (6) may overflow dtype: 2^(s - 127) * 6 beyond its max
+    first = 127 + int(torch.floor(torch.log2(big / 6)).item())
+    risky = stack.scales >= first
+    if not bool(risky.any()):
+        return
+    blocks, scales = stack.blocks[risky], stack.scales[risky]
+    for wide in (torch.float32, dtype):
+        values = mxfp4_dequantize(blocks.view(1, -1, 1, 16), scales.view(1, -1, 1), wide)[0]
+        bad = (~values.isfinite()).any(-1).nonzero()
+        if len(bad):
+            where = risky.nonzero()[bad[0, 0]].tolist()
+            at = f"expert {where[0]}, row {where[1]}, group {where[2]} (scale {scales[bad[0, 0]].item()})"
+            if wide == torch.float32:
+                raise ModelLoadError(f"{name}_blocks/_scales dequantize to non-finite values (inf) at {at}",
+                                     "the checkpoint is broken: download or convert it again")
+            raise ModelLoadError(f"{name}_blocks/_scales dequantize to values beyond {str(dtype)[6:]}'s range "
+                                 f"(inf) at {at}", "use a wider --dtype (bfloat16 or float32)")
 
 
 _CLASS: list[type] = []
