@@ -1,7 +1,8 @@
 """Session 64's review of gpt-oss's packed MXFP4 experts: the dequantized values are transformers' at every e8m0
 scale (255, OCP's NaN, as torch's ldexp of an int exponent: 0 stays 0, 0.5 is 2^127) on the CPU and in the Triton
-kernel (interpreted); reload_weights between an MXFP4 and a float checkpoint of the same gpt-oss names the experts'
-kind (not "another number of layers")."""
+kernel (interpreted); groups that dequantize to inf refused at load as float weights with inf are; reload_weights
+between an MXFP4 and a float checkpoint of the same gpt-oss names the experts' kind (not "another number of
+layers"); sleep offloads the packed experts and a reload takes new MXFP4 weights."""
 
 from __future__ import annotations
 
