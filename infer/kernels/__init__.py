@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from . import delta_rule, lora_reference, reference
+from . import delta_rule, lora_reference, mamba2, reference
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,19 +141,23 @@ def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cac
                                       **_win(window), **_sinks(sinks))
 
 
-def causal_conv1d_update(x, weight, states, slots, kept):
-    """A Gated DeltaNet decode step's conv (delta_rule.causal_conv1d_update): one Triton launch on CUDA."""
+def causal_conv1d_update(x, weight, states, slots, kept, bias=None):
+    """A Gated DeltaNet or Mamba-2 (`bias`) decode step's conv (delta_rule.causal_conv1d_update): one Triton launch
+    on CUDA."""
+    b = [] if bias is None else [bias]  # (passed only where set: the Gated DeltaNet calls as they were)
     if use_triton(x):
-        return _triton("delta_triton").causal_conv1d_update(x, weight, states, slots, kept)
-    return delta_rule.causal_conv1d_update(x, weight, states, slots, kept)
+        return _triton("delta_triton").causal_conv1d_update(x, weight, states, slots, kept, *b)
+    return delta_rule.causal_conv1d_update(x, weight, states, slots, kept, *b)
 
 
-def causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len):
-    """A Gated DeltaNet prefill step's conv over each sequence's tokens from its state (delta_rule.
-    causal_conv1d_varlen): one Triton launch on CUDA."""
+def causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len, bias=None):
+    """A Gated DeltaNet or Mamba-2 (`bias`) prefill step's conv over each sequence's tokens from its state
+    (delta_rule.causal_conv1d_varlen): one Triton launch on CUDA."""
+    b = [] if bias is None else [bias]
     if use_triton(x):
-        return _triton("delta_triton").causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len)
-    return delta_rule.causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len)
+        return _triton("delta_triton").causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len,
+                                                            *b)
+    return delta_rule.causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len, *b)
 
 
 def gated_delta_decode(q, k, v, g, beta, states, slots, kept):
@@ -172,6 +176,23 @@ def gated_delta_prefill(q, k, v, g, beta, states, query_start_loc, slots, kept):
         return _triton("delta_triton").chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, query_start_loc,
                                                                       slots, kept)
     return delta_rule.chunk_gated_delta_rule_varlen(q, k, v, g, beta, states, query_start_loc, slots, kept)
+
+
+def mamba2_decode(x, dt, A, B, C, D, dt_bias, states, slots, kept):
+    """A Mamba-2 decode step's selective state update on the SSM states at `slots` (mamba2.state_update_slots): one
+    Triton launch on CUDA."""
+    if use_triton(x):
+        return _triton("mamba2_triton").state_update_slots(x, dt, A, B, C, D, dt_bias, states, slots, kept)
+    return mamba2.state_update_slots(x, dt, A, B, C, D, dt_bias, states, slots, kept)
+
+
+def mamba2_prefill(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc, slots, kept, limit):
+    """A Mamba-2 prefill step's chunked SSD scan over each sequence's tokens from its SSM state at its slot
+    (mamba2.chunk_scan_varlen): on CUDA in Triton over every chunk of the step at once (mamba2_triton)."""
+    if use_triton(x):
+        return _triton("mamba2_triton").chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc,
+                                                          slots, kept, limit)
+    return mamba2.chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc, slots, kept, limit)
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):

@@ -132,12 +132,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bi
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                         kept: torch.Tensor) -> torch.Tensor:
+                         kept: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One token of each of B sequences: x [B, C], the conv states [slots, C, K - 1] read at `slots` [B] (zero where
-    `kept` [B] is False) and written back there, shifted by the token. Returns silu(conv) [B, C] in x's dtype."""
+    `kept` [B] is False) and written back there, shifted by the token; `bias` [C] or None (Mamba-2's conv has
+    one). Returns silu(conv) [B, C] in x's dtype."""
     # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
     conv = torch.where(kept[:, None, None], states.index_select(0, slots), 0)
-    out, conv = causal_conv1d(x.unsqueeze(-1), weight, conv)
+    out, conv = causal_conv1d(x.unsqueeze(-1), weight, conv, bias)
     states.index_copy_(0, slots, conv.to(states.dtype))
     return out.squeeze(-1)
 
@@ -153,15 +154,16 @@ def recurrent_gated_delta_rule_slots(q, k, v, g, beta, states: torch.Tensor, slo
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
-                         slots: torch.Tensor, kept: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+                         slots: torch.Tensor, kept: torch.Tensor, max_len: int | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """A step's conv over each sequence's tokens x[query_start_loc[i]:query_start_loc[i + 1]] ([T, C] in all) after
-    its conv state at slots[i] (zero where kept[i] is False), the state after them written back there. Returns
-    silu(conv) [T, C] in x's dtype. (`max_len`, the longest sequence, sizes the Triton launch.)"""
+    its conv state at slots[i] (zero where kept[i] is False), the state after them written back there; `bias` [C] or
+    None. Returns silu(conv) [T, C] in x's dtype. (`max_len`, the longest sequence, sizes the Triton launch.)"""
     outs = []
     bounds = query_start_loc.tolist()
     for s, e, slot, k in zip(bounds[:-1], bounds[1:], slots.tolist(), kept.tolist()):
         conv = states[slot:slot + 1] if k else states.new_zeros(1, *states.shape[1:])
-        out, conv = causal_conv1d(x[s:e].t().unsqueeze(0), weight, conv)
+        out, conv = causal_conv1d(x[s:e].t().unsqueeze(0), weight, conv, bias)
         states[slot] = conv[0]
         outs.append(out[0].t())
     return torch.cat(outs) if outs else x.new_empty(0, x.shape[1])

@@ -28,8 +28,8 @@ VALUE_BLOCK = 32  # value columns of a recurrent program's state tile [Dk, VALUE
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, channels, s_x, s_o, s_w, s_s, s_sc,
-                        TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BLOCK: tl.constexpr):
+def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, bias_ptr, channels, s_x, s_o, s_w, s_s,
+                        s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One sequence's token, BLOCK channels: out = silu(w[:, :K-1] . state + w[:, K-1] x); the state shifted by one
     token (its oldest column dropped, x the newest)."""
     b = tl.program_id(0)
@@ -51,6 +51,8 @@ def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, c
     w_last = tl.load(w_ptr + offs * s_w + TAPS - 1, mask=mask, other=0.0).to(tl.float32)
     acc = tl.sum(w * old.to(w_ptr.dtype.element_ty).to(tl.float32), axis=1)
     acc += w_last * x.to(w_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:  # (Mamba-2's conv1d bias, added before the rounding as F.conv1d adds it)
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
     out = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + b * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -59,9 +61,10 @@ def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, c
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                         kept: torch.Tensor) -> torch.Tensor:
+                         kept: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """delta_rule.causal_conv1d_update in one launch: x [B, C] (unit stride along C), weight [C, 1, K], states
-    [slots, C, K - 1] written in place at `slots` [B]; `kept` [B] bool. Returns silu(conv) [B, C] in x's dtype."""
+    [slots, C, K - 1] written in place at `slots` [B]; `kept` [B] bool; `bias` [C] or None (Mamba-2's conv has
+    one). Returns silu(conv) [B, C] in x's dtype."""
     b, c = x.shape
     taps = weight.shape[-1]
     slots, kept = _vectors(slots, kept)
@@ -71,8 +74,9 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if b:
         _conv_update_kernel[(b, cdiv(c, CONV_BLOCK))](
-            x, weight, out, states, slots, kept, c, x.stride(0), out.stride(0), weight.stride(0), states.stride(0),
-            states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1), BLOCK=CONV_BLOCK)
+            x, weight, out, states, slots, kept, weight if bias is None else bias, c, x.stride(0), out.stride(0),
+            weight.stride(0), states.stride(0), states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1),
+            BLOCK=CONV_BLOCK, HAS_BIAS=bias is not None)
     return out
 
 
@@ -81,8 +85,9 @@ VARLEN_CHANNELS = 128  # its state)
 
 
 @triton.jit
-def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr, kept_ptr, channels, s_x, s_o, s_w,
-                        s_s, s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr, kept_ptr, bias_ptr, channels, s_x, s_o,
+                        s_w, s_s, s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        HAS_BIAS: tl.constexpr):
     """BT tokens of one sequence, BC channels: each token's conv over the K - 1 inputs before it (from x inside the
     sequence, from the slot's state before its start: zero where not kept) and itself, silu; the sequence's first
     tile also writes the state after its last token (its K - 1 last inputs), after every read of the old one."""
@@ -110,6 +115,8 @@ def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr,
             w = tl.load(w_ptr + offs_c * s_w + j, mask=mc, other=0.0).to(tl.float32)
             acc += w[None, :] * (xv.to(w_ptr.dtype.element_ty).to(tl.float32)
                                  + sv.to(w_ptr.dtype.element_ty).to(tl.float32))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         out = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + offs_t[:, None] * s_o + offs_c[None, :], out.to(out_ptr.dtype.element_ty),
@@ -128,10 +135,12 @@ def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr,
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
-                         slots: torch.Tensor, kept: torch.Tensor, max_len: int) -> torch.Tensor:
+                         slots: torch.Tensor, kept: torch.Tensor, max_len: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """delta_rule.causal_conv1d_varlen in one launch: x [T, C] (unit stride along C), each sequence's tokens
     query_start_loc[i]:query_start_loc[i + 1] (at most `max_len`) after its conv state at slots[i] (zero where not
-    kept[i]), the states after them written in place. Returns silu(conv) [T, C] in x's dtype."""
+    kept[i]), the states after them written in place; `bias` [C] or None. Returns silu(conv) [T, C] in x's
+    dtype."""
     c, taps = x.shape[1], weight.shape[-1]
     query_start_loc, slots, kept = _vectors(query_start_loc, slots, kept)
     if x.stride(-1) != 1:
@@ -141,9 +150,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
     n = slots.shape[0]
     if n and max_len > 0:
         _conv_varlen_kernel[(n, cdiv(max_len, VARLEN_TOKENS), cdiv(c, VARLEN_CHANNELS))](
-            x, weight, out, states, query_start_loc, slots, kept, c, x.stride(0), out.stride(0), weight.stride(0),
-            states.stride(0), states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1), BT=VARLEN_TOKENS,
-            BC=VARLEN_CHANNELS)
+            x, weight, out, states, query_start_loc, slots, kept, weight if bias is None else bias, c, x.stride(0),
+            out.stride(0), weight.stride(0), states.stride(0), states.stride(1), TAPS=taps,
+            TAPS_P2=next_power_of_2(taps - 1), BT=VARLEN_TOKENS, BC=VARLEN_CHANNELS, HAS_BIAS=bias is not None)
     return out
 
 

@@ -80,3 +80,27 @@ def state_update(state, x, dt, A, B, C, D, dt_bias):
     state = state * torch.exp(dt.float() * A.float()[:, None, None]) + dt * B * x[..., None]
     y = torch.einsum("shpn,shn->shp", state.to(x.dtype), C) + x * D.to(x.dtype)[:, None]
     return y, state
+
+
+def state_update_slots(x, dt, A, B, C, D, dt_bias, states: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor):
+    """state_update with each sequence's state at its slot of `states` [slots, H, P, N] float32 (`slots` [S]; zero
+    where `kept` [S] is False: torch.where, a slot that holds NaN gives zero), the states after the token written
+    back there. Returns y [S, H, P] in x's dtype."""
+    state = torch.where(kept[:, None, None, None], states.index_select(0, slots), 0)
+    y, state = state_update(state, x, dt, A, B, C, D, dt_bias)
+    states.index_copy_(0, slots, state)
+    return y
+
+
+def chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk: int, states: torch.Tensor, query_start_loc: torch.Tensor,
+                      slots: torch.Tensor, kept: torch.Tensor, limit=(0.0, float("inf"))):
+    """A prefill step's scan (chunk_scan) of each sequence's tokens query_start_loc[i]:query_start_loc[i + 1] (x [T,
+    H, P], dt [T, H], B and C [T, G, N]) from its state at slots[i] of `states` [slots, H, P, N] float32 (zero where
+    not kept[i]), the state after them written back there. Returns y [T, H, P] float32. (The CPU path: one
+    chunk_scan a sequence; mamba2_triton's runs every chunk of the step at once.)"""
+    y = x.new_empty(x.shape, dtype=torch.float32)
+    bounds = query_start_loc.tolist()
+    for s, e, slot, k in zip(bounds[:-1], bounds[1:], slots.tolist(), kept.tolist()):
+        state = states[slot] if k else torch.zeros_like(states[slot])
+        y[s:e], states[slot] = chunk_scan(x[s:e], dt[s:e], A, B[s:e], C[s:e], D, dt_bias, chunk, state, limit)
+    return y

@@ -8,7 +8,7 @@ experts; granite-4.0-h-* are Mamba-2 hybrids with experts.
 A Mamba-2 layer keeps, per running sequence, a conv state [conv_dim, K - 1] (model dtype) and an SSM state [H, P, N]
 (float32) in the engine's state cache (engine.state_cache, as Qwen3.5's Gated DeltaNet layers: models.qwen3_5). A
 prefill chunk runs the SSD chunked scan from its slot's state, a decode the one-step recurrence
-(kernels.mamba2)."""
+(kernels.mamba2; on CUDA the Triton kernels of kernels.mamba2_triton, each over all the step's sequences)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import delta_rule, mamba2
+from .. import kernels
 from .context import ForwardContext
 from .layers import MergedLinear
 from .llama import MLP, Attention, GraniteForCausalLM, RMSNorm, _NoPE
@@ -86,16 +86,9 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(x, ctx).split([self.inter, self.conv_dim, self.heads], dim=-1)
         if ctx.max_query_len == 1:
             y = self.norm(self._decode(xbc, dt, ctx.state_slots, kept).reshape(-1, self.inter), z)
-        else:  # (each sequence's normed apart: a prefill's scan output is float32, a decode's the model's dtype)
-            y = torch.cat([self.norm(self._sequence(xbc, dt, s, e, slot, k).reshape(e - s, self.inter), z[s:e])
-                           .to(x.dtype) for s, e, slot, k in zip(
-                ctx.query_start_loc[:-1].tolist(), ctx.query_start_loc[1:].tolist(), ctx.state_slots.tolist(),
-                kept.tolist())])
+        else:
+            y = self._prefill(xbc, dt, z, ctx, kept)
         return self.out_proj(y, ctx), None
-
-    def _conv(self, xbc, state):
-        """silu(causal conv1d + bias) of xbc [S, conv_dim, T] after `state`: (out [S, conv_dim, T], new state)."""
-        return delta_rule.causal_conv1d(xbc, self.conv1d.weight, state, self.conv1d.bias)
 
     def _split(self, out):
         """x [T, H, P], B and C [T, G, N] of the conv's output [T, conv_dim]."""
@@ -106,35 +99,46 @@ class Mamba2Mixer(nn.Module):
                 c.reshape(t, self.groups, self.d_state))
 
     def _decode(self, xbc, dt, slots, kept):
-        """One token of each sequence, its states read and written at `slots` (tensor indexing: no host sync)."""
-        # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
-        conv = torch.where(kept[:, None, None], self.conv_state.index_select(0, slots), 0)
-        out, conv = self._conv(xbc.unsqueeze(-1), conv)
-        self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
-        x, b, c = self._split(out.squeeze(-1))
-        state = torch.where(kept[:, None, None, None], self.rec_state.index_select(0, slots), 0)
-        y, state = mamba2.state_update(state, x, dt, self._a(), b, c, self.D, self.dt_bias)
-        self.rec_state.index_copy_(0, slots, state)
-        return y
+        """One token of each sequence, its states read and written at `slots` (tensor indexing: no host sync): the
+        conv update and the selective state update (on CUDA a Triton launch each: kernels.causal_conv1d_update,
+        kernels.mamba2_decode). Returns y [B, H, P] in the model's dtype."""
+        out = kernels.causal_conv1d_update(xbc, self.conv1d.weight, self.conv_state, slots, kept, self.conv1d.bias)
+        x, b, c = self._split(out)
+        return kernels.mamba2_decode(x, dt, self._a(), b, c, self.D, self.dt_bias, self.rec_state, slots, kept)
 
     def _a(self):
         return -torch.exp(self.A_log.float())
 
-    def _sequence(self, xbc, dt, s: int, e: int, slot: int, kept: bool):
-        """Tokens s..e-1 of one sequence from its slot's states (zero where not `kept`); the slot updated."""
-        conv = self.conv_state[slot:slot + 1] if kept else self.conv_state.new_zeros(1, *self.conv_state.shape[1:])
-        out, conv = self._conv(xbc[s:e].t().unsqueeze(0), conv)
-        self.conv_state[slot] = conv[0]
-        x, b, c = self._split(out[0].t())
-        state = self.rec_state[slot] if kept else torch.zeros_like(self.rec_state[slot])
-        if e - s == 1 and kept:  # (a decode in a mixed step: the recurrence, as transformers decodes)
-            y, new = mamba2.state_update(state[None], x, dt[s:e], self._a(), b, c, self.D, self.dt_bias)
-            new = new[0]
-        else:
-            y, new = mamba2.chunk_scan(x, dt[s:e], self._a(), b, c, self.D, self.dt_bias, self.chunk, state,
-                                       self.limit)
-        self.rec_state[slot] = new
-        return y
+    def _prefill(self, xbc, dt, z, ctx: ForwardContext, kept):
+        """A step with a prefill: the conv over every sequence's tokens from its slot's conv state (zero where not
+        `kept`), then the SSD scan over every prefill (kernels.mamba2_prefill: one call) and, for a decode in the
+        mixed step (one token, its state kept), the recurrence as transformers decodes; each normed by z (a
+        prefill's scan output float32, a decode's in the model's dtype). Returns [T, I] in the model's dtype."""
+        starts, slots = ctx.query_start_loc, ctx.state_slots
+        conv = kernels.causal_conv1d_varlen(xbc, self.conv1d.weight, self.conv_state, starts, slots, kept,
+                                            ctx.max_query_len, self.conv1d.bias)
+        x, b, c = self._split(conv)
+        lens = starts[1:] - starts[:-1]
+        decode = (lens == 1) & kept
+        if not bool(decode.any()):
+            return self.norm(self._scan(x, dt, b, c, starts, slots, kept).reshape(-1, self.inter), z).to(z.dtype)
+        out = torch.empty_like(z)
+        rows = starts[:-1][decode]
+        y = kernels.mamba2_decode(x[rows], dt[rows], self._a(), b[rows], c[rows], self.D, self.dt_bias,
+                                  self.rec_state, slots[decode], kept[decode])
+        out[rows] = self.norm(y.reshape(-1, self.inter), z[rows])
+        prefill = ~decode
+        if bool(prefill.any()):
+            rows = torch.repeat_interleave(prefill, lens).nonzero().squeeze(1)  # the prefills' tokens
+            y = self._scan(x[rows], dt[rows], b[rows], c[rows], F.pad(lens[prefill].cumsum(0), (1, 0)),
+                           slots[prefill], kept[prefill])
+            out[rows] = self.norm(y.reshape(-1, self.inter), z[rows]).to(z.dtype)
+        return out
+
+    def _scan(self, x, dt, b, c, starts, slots, kept):
+        """The SSD scan of the prefills (tokens starts[i]:starts[i + 1] each) from their slots' SSM states."""
+        return kernels.mamba2_prefill(x, dt, self._a(), b, c, self.D, self.dt_bias, self.chunk, self.rec_state,
+                                      starts, slots, kept, self.limit)
 
 
 class Granite4Layer(nn.Module):
