@@ -104,3 +104,11 @@ def chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk: int, states: torch.Tens
         state = states[slot] if k else torch.zeros_like(states[slot])
         y[s:e], states[slot] = chunk_scan(x[s:e], dt[s:e], A, B[s:e], C[s:e], D, dt_bias, chunk, state, limit)
     return y
+
+
+def varlen_scan_bytes(tokens: int, seqs: int, heads: int, dim: int, dstate: int, chunk: int) -> int:
+    """The temporaries of mamba2_triton.chunk_scan_varlen (the GPU path) over `tokens` tokens of at most `seqs`
+    sequences: each chunk's state [NC, H, P, N] and its dt and cumulative sums [H, NC, L] (float32), the chunk
+    layout's rows [NC, L] (int64), the float32 output [T, H, P]; at most one partial chunk a sequence."""
+    nc = -(-tokens // chunk) + seqs - 1 if tokens > 0 else 0
+    return nc * (heads * dim * dstate * 4 + 2 * heads * chunk * 4 + chunk * 8) + tokens * heads * dim * 4

@@ -9,7 +9,8 @@ and vLLM's selective_state_update and chunked scan (ssd_chunk_state, ssd_state_p
 - prefill (chunk_scan_varlen): every chunk of the step's sequences at once (delta_rule.chunk_layout: a chunk never
   straddles two sequences, a sequence's last chunk is shorter): each chunk's own state at its end (_chunk_state),
   the states carried from chunk to chunk of each sequence, linear in its chunks (_state_passing: the slot's state
-  in, the state after the last chunk written back there), each chunk's output from the state before it and its
+  in, each chunk's own state replaced by the state before it, the state after the last chunk written back to the
+  slot), each chunk's output from the state before it and its
   tokens (_chunk_scan).
 
 Same semantics as their torch references in `mamba2.py` (state_update_slots, chunk_scan_varlen): the discretized
@@ -144,11 +145,12 @@ def _chunk_state_kernel(x_ptr, b_ptr, dt_ptr, cum_ptr, cs_ptr, start_ptr, end_pt
 
 
 @triton.jit
-def _state_passing_kernel(cs_ptr, cum_ptr, prev_ptr, state_ptr, first_ptr, slots_ptr, kept_ptr, nc, dim, dstate,
-                          s_s, s_sh, s_sp, L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+def _state_passing_kernel(cs_ptr, cum_ptr, state_ptr, first_ptr, slots_ptr, kept_ptr, nc, dim, dstate, s_s, s_sh,
+                          s_sp, L: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     """One sequence's states carried from chunk to chunk, one head, BP head dims: the tile [BP, N] from the slot
-    (zero where not kept); chunk by chunk the state before it stored (prev [NC, H, P, N]), then decayed by the
-    chunk's total exp(cum_end) plus the chunk's own state; the state after the last chunk stored at the slot."""
+    (zero where not kept); chunk by chunk, the chunk's own state read from cs [NC, H, P, N] and the state before the
+    chunk stored in its place (each element only this program's), then the state decayed by the chunk's total
+    exp(cum_end) plus the chunk's own; the state after the last chunk stored at the slot."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -161,10 +163,10 @@ def _state_passing_kernel(cs_ptr, cum_ptr, prev_ptr, state_ptr, first_ptr, slots
     s = tl.load(tile, mask=(offs_p < tl.where(kept, dim, 0))[:, None] & mn[None, :], other=0.0)
     inner = offs_p[:, None] * dstate + offs_n[None, :]
     for c in range(tl.load(first_ptr + b), tl.load(first_ptr + b + 1)):
-        at = (c * tl.num_programs(1) + h).to(tl.int64) * dim * dstate
-        tl.store(prev_ptr + at + inner, s, mask=mask)
-        s = s * tl.exp(tl.load(cum_ptr + (h * nc + c).to(tl.int64) * L + L - 1)) \
-            + tl.load(cs_ptr + at + inner, mask=mask, other=0.0)
+        at = cs_ptr + (c * tl.num_programs(1) + h).to(tl.int64) * dim * dstate + inner
+        own = tl.load(at, mask=mask, other=0.0)
+        tl.store(at, s, mask=mask)
+        s = s * tl.exp(tl.load(cum_ptr + (h * nc + c).to(tl.int64) * L + L - 1)) + own
     tl.store(tile, s, mask=mask)
 
 
@@ -225,14 +227,6 @@ def scan_terms(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, rows: t
     return d.permute(2, 0, 1).contiguous(), cum.permute(2, 0, 1).contiguous()
 
 
-def scan_bytes(tokens: int, seqs: int, heads: int, dim: int, dstate: int, chunk: int) -> int:
-    """The temporaries of chunk_scan_varlen over `tokens` tokens of `seqs` sequences: each chunk's own state and the
-    state before it [NC, H, P, N], its dt and cumulative sums [H, NC, L] (float32), the chunk layout's rows [NC, L]
-    (int64) and the float32 output [T, H, P]."""
-    nc = -(-tokens // chunk) + seqs - 1 if tokens else 0  # (at most one partial chunk a sequence)
-    return nc * (2 * heads * dim * dstate * 4 + 2 * heads * chunk * 4 + chunk * 8) + tokens * heads * dim * 4
-
-
 def chunk_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                       D: torch.Tensor, dt_bias: torch.Tensor, chunk: int, states: torch.Tensor,
                       query_start_loc: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor,
@@ -253,18 +247,18 @@ def chunk_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     lay = chunk_layout(query_start_loc, chunk)
     nc = lay["rows"].shape[0]
     d, cum = scan_terms(dt, A, dt_bias, lay["rows"], limit)
-    own = torch.empty(nc, h, p, n, dtype=torch.float32, device=x.device)
-    prev = torch.empty_like(own)
+    # each chunk's own state, then the state before it (mamba2.varlen_scan_bytes counts it)
+    chunk_states = torch.empty(nc, h, p, n, dtype=torch.float32, device=x.device)
     bp, bn = max(16, min(DIM_BLOCK, next_power_of_2(p))), max(16, next_power_of_2(n))  # (tl.dot's smallest tile)
     rows = min(SCAN_ROWS, chunk)
     _chunk_state_kernel[(nc, h, cdiv(p, bp))](
-        x, B, d, cum, own, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
+        x, B, d, cum, chunk_states, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
         GROUP=h // g, L=chunk, BL=min(STATE_ROWS, chunk), BP=bp, BN=bn)
     _state_passing_kernel[(len(slots), h, cdiv(p, bp))](
-        own, cum, prev, states, lay["first"], slots, kept, nc, p, n, states.stride(0), states.stride(1),
+        chunk_states, cum, states, lay["first"], slots, kept, nc, p, n, states.stride(0), states.stride(1),
         states.stride(2), L=chunk, BP=bp, BN=bn)
     _chunk_scan_kernel[(nc * (chunk // rows), h, cdiv(p, bp))](
-        x, B, C, D, d, cum, prev, y, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0),
+        x, B, C, D, d, cum, chunk_states, y, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0),
         B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), GROUP=h // g, L=chunk, BM=rows, BK=rows,
         BP=bp, BN=bn)
     return y

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.intmath import lora_split_most
-from ..kernels.mamba2 import SCAN_GROUP_CHUNKS
+from ..kernels.mamba2 import SCAN_GROUP_CHUNKS, varlen_scan_bytes
 from ..kernels.reference import (MASK_ELEMENTS, MXFP4_ROW_BYTES, MXFP4_ROWS, decode_gather_tokens,
                                  longest_batched_decode)
 from ..models.limits import context_limit, layer_groups, uniform_window
@@ -408,12 +408,14 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
 
 
-def mamba_scan_bytes(model_config, tokens: int) -> int:
-    """The float32 temporaries of a Mamba-2 layer's SSD scan of one sequence's `tokens` (kernels.mamba2.chunk_scan,
-    Granite 4.0 and Nemotron-H; 0 for other models), padded to whole chunks of L = mamba_chunk_size: each token's x,
-    x * dt, the skip, the state carried in and the output [H, P] and the repeated B and C [H, N], beside the larger of
-    the chunk-to-chunk carry's three [H, c + 1, c + 1] and three [H, tokens, L] score and decay tensors (the masked
-    cumulative sums, their exp, C.B scores and their product) of at most SCAN_GROUP_CHUNKS + 1 chunks at once."""
+def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int = 1) -> int:
+    """The float32 temporaries of a Mamba-2 layer's SSD scan (Granite 4.0 and Nemotron-H; 0 for other models): the
+    larger of the CPU path's scan of one sequence's `tokens` (kernels.mamba2.chunk_scan), padded to whole chunks of
+    L = mamba_chunk_size: each token's x, x * dt, the skip, the state carried in and the output [H, P] and the
+    repeated B and C [H, N], beside the larger of the chunk-to-chunk carry's three [H, c + 1, c + 1] and three [H,
+    tokens, L] score and decay tensors (the masked cumulative sums, their exp, C.B scores and their product) of at
+    most SCAN_GROUP_CHUNKS + 1 chunks at once; and the GPU path's scan of a whole step's `step_tokens` over `seqs`
+    sequences at once (kernels.mamba2.varlen_scan_bytes)."""
     if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h") \
             or not _linear_layers(model_config) or tokens <= 0:
         return 0
@@ -425,7 +427,8 @@ def mamba_scan_bytes(model_config, tokens: int) -> int:
     chunks = -(-tokens // chunk)
     group = min(chunks, SCAN_GROUP_CHUNKS + 1) * chunk * chunk
     per_token = 5 * int(c.mamba_d_head) + 4 * int(c.mamba_d_state)
-    return heads * (chunks * chunk * per_token + 3 * max(group, (chunks + 1) ** 2)) * 4
+    return max(heads * (chunks * chunk * per_token + 3 * max(group, (chunks + 1) ** 2)) * 4,
+               varlen_scan_bytes(step_tokens, seqs, heads, int(c.mamba_d_head), int(c.mamba_d_state), chunk))
 
 
 DELTA_CHUNK = 64  # tokens of a chunk of the chunked gated delta rule (kernels.delta_rule's, kernels.delta_triton's)
@@ -502,7 +505,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     if lora_rank and lora_expand_beside:
         per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank, chosen))
     prefill = num_tokens * per_token + softcap_cpu_prefill_bytes(model_config, dtype, num_tokens, max_length) \
-        + mamba_scan_bytes(model_config, min(num_tokens, max_length)) \
+        + mamba_scan_bytes(model_config, min(num_tokens, max_length), num_tokens, num_seqs) \
         + delta_rule_bytes(model_config, dtype, num_tokens, num_seqs, triton)
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
