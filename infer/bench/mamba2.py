@@ -45,9 +45,12 @@ def channels() -> int:
 
 
 def _params(device, gen: torch.Generator, dtype) -> dict:
-    """A layer's A (float32), D and dt_bias, as a checkpoint holds them."""
+    """A layer's A (float32, -1 to -16) and D, and dt_bias that puts softplus(dt_bias) between 0.001 and 0.1 (as
+    mamba_ssm initialises them)."""
     kw = dict(device=device, generator=gen)
-    return dict(A=-torch.rand(H, **kw) * 8, D=torch.randn(H, **kw).to(dtype), dt_bias=torch.randn(H, **kw).to(dtype))
+    step = torch.exp(torch.rand(H, **kw) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(0.001)))) * 0.001
+    return dict(A=-1 - torch.rand(H, **kw) * 15, D=torch.randn(H, **kw).to(dtype),
+                dt_bias=(step + torch.log(-torch.expm1(-step))).to(dtype))
 
 
 def build(batch: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dict:
@@ -57,7 +60,7 @@ def build(batch: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dic
     c = channels()
     conv = torch.randn(batch + 1, c, TAPS - 1, **kw).to(dtype)
     rec = torch.randn(batch + 1, H, P, N, **kw) * 0.1
-    return dict(x=torch.randn(batch, c, **kw).to(dtype), dt=torch.randn(batch, H, **kw).to(dtype),
+    return dict(x=torch.randn(batch, c, **kw).to(dtype), dt=(torch.randn(batch, H, **kw) * 0.5).to(dtype),
                 weight=(torch.randn(c, 1, TAPS, **kw) * 0.5).to(dtype), bias=torch.randn(c, **kw).to(dtype),
                 slots=torch.randperm(batch, **kw), kept=torch.ones(batch, dtype=torch.bool, device=device),
                 conv=[conv, conv.clone()], rec=[rec, rec.clone()], **_params(device, gen, dtype))
@@ -86,13 +89,14 @@ def measure(batch: int, bandwidth: float, timer, gen: torch.Generator, device="c
 
     def conv(mod, i):
         return mod.causal_conv1d_update(s["x"], s["weight"], s["conv"][i], s["slots"], s["kept"], s["bias"])
-    x, b, c = split(conv(delta_rule, 1))
+    conv_out = {n: conv(cm, i) for n, (cm, sm, i) in ops.items()}
+    x, b, c = split(conv_out["torch"])
 
     def ssm(mod, i):
         return mod.state_update_slots(x, s["dt"], s["A"], b, c, s["D"], s["dt_bias"], s["rec"][i], s["slots"],
                                       s["kept"])
-    outs = {n: (conv(cm, i), ssm(sm, i)) for n, (cm, sm, i) in ops.items()}
-    err = max(float((outs["triton"][j].float() - outs["torch"][j].float()).abs().max()) for j in (0, 1))
+    ssm_out = {n: ssm(sm, i) for n, (cm, sm, i) in ops.items()}
+    err = max(float((out["triton"].float() - out["torch"].float()).abs().max()) for out in (conv_out, ssm_out))
     us = {}
     for n, (cm, sm, i) in ops.items():
         us[f"conv_{n}"] = 1e3 * timer(lambda cm=cm, i=i: conv(cm, i))
@@ -115,8 +119,9 @@ def build_prefill(batch: int, length: int, device, gen: torch.Generator, dtype=t
     x, b, c = split(torch.randn(t, channels(), **kw).to(dtype))
     rec = torch.randn(batch + 1, H, P, N, **kw) * 0.1
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return dict(xbc=(x, torch.randn(t, H, **kw).to(dtype), b, c), starts=starts, slots=torch.randperm(batch, **kw),
-                kept=torch.ones(batch, dtype=torch.bool, device=device), rec=[rec, rec.clone()],
+    return dict(xbc=(x, (torch.randn(t, H, **kw) * 0.5).to(dtype), b, c), starts=starts,
+                slots=torch.randperm(batch, **kw), kept=torch.ones(batch, dtype=torch.bool, device=device),
+                rec=[rec, rec.clone()],
                 **_params(device, gen, dtype))
 
 

@@ -252,8 +252,8 @@ def chunk_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     bp, bn = max(16, min(DIM_BLOCK, next_power_of_2(p))), max(16, next_power_of_2(n))  # (tl.dot's smallest tile)
     rows = min(SCAN_ROWS, chunk)
     _chunk_state_kernel[(nc, h, cdiv(p, bp))](
-        x, B, d, cum, chunk_states, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
-        GROUP=h // g, L=chunk, BL=min(STATE_ROWS, chunk), BP=bp, BN=bn)
+        x, B, d, cum, chunk_states, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0),
+        B.stride(1), GROUP=h // g, L=chunk, BL=min(STATE_ROWS, chunk), BP=bp, BN=bn)
     _state_passing_kernel[(len(slots), h, cdiv(p, bp))](
         chunk_states, cum, states, lay["first"], slots, kept, nc, p, n, states.stride(0), states.stride(1),
         states.stride(2), L=chunk, BP=bp, BN=bn)
