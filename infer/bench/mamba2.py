@@ -121,8 +121,7 @@ def build_prefill(batch: int, length: int, device, gen: torch.Generator, dtype=t
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return dict(xbc=(x, (torch.randn(t, H, **kw) * 0.5).to(dtype), b, c), starts=starts,
                 slots=torch.randperm(batch, **kw), kept=torch.ones(batch, dtype=torch.bool, device=device),
-                rec=[rec, rec.clone()],
-                **_params(device, gen, dtype))
+                rec=[rec, rec.clone()], **_params(device, gen, dtype))
 
 
 def prefill_bytes(batch: int, tokens: int, dtype=torch.bfloat16) -> int:

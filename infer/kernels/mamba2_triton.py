@@ -31,6 +31,9 @@ from .intmath import cdiv, next_power_of_2
 DIM_BLOCK = 32  # head dims (P) of a program's state tile [P, N] (float32 in registers)
 SCAN_ROWS = 64  # a chunk's output rows (and its source rows a step) that a _chunk_scan program computes
 STATE_ROWS = 64  # a chunk's token rows _chunk_state sums a step
+# software-pipeline stages of _chunk_scan's loop over a chunk's source rows: Triton's default 3 buffer 105 KiB of
+# B and x tiles at granite-4.0-h's shapes, more than an sm_86 / sm_89 GPU's 99 KiB a block
+SCAN_STAGES = 2
 
 
 @triton.jit
@@ -260,5 +263,5 @@ def chunk_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
     _chunk_scan_kernel[(nc * (chunk // rows), h, cdiv(p, bp))](
         x, B, C, D, d, cum, chunk_states, y, lay["start"], lay["end"], nc, p, n, x.stride(0), x.stride(1), B.stride(0),
         B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1), GROUP=h // g, L=chunk, BM=rows, BK=rows,
-        BP=bp, BN=bn)
+        BP=bp, BN=bn, num_stages=SCAN_STAGES)
     return y
