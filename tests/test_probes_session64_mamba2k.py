@@ -230,17 +230,34 @@ def _counted(monkeypatch):
     return calls
 
 
+def _with_conv_bias(name: str, folder):
+    """A copy of the builtin model `name` in `folder` whose Mamba-2 conv1d biases are drawn (the builtin's are
+    transformers' zeros: a kernel that drops the bias would pass)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(ensure_builtin(name), folder)
+    gen = torch.Generator().manual_seed(5)
+    for f in folder.glob("*.safetensors"):
+        tensors = load_file(f)
+        for k, v in tensors.items():
+            if k.endswith("conv1d.bias"):
+                tensors[k] = (torch.randn(v.shape, generator=gen) * 0.5).to(v.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return folder
+
+
 @pytest.mark.parametrize("name", ["tiny-granite4", "tiny-nemotron-h"])
-def test_interpreted_mamba2_kernels_give_hf_tokens(monkeypatch, name):
-    """tiny-granite4 / tiny-nemotron-h (chunk 16) with every op through its Triton kernel: prompts of 40, 5, 21 and
-    3 tokens cut into steps of 24 tokens (a prompt's scan over chunk boundaries and across steps, beside the others'
-    decodes in mixed steps), the decode steps through emulated CUDA graphs (padding rows on the padding slot): the
-    Mamba-2 kernels run (counted), the tokens are transformers'."""
+def test_interpreted_mamba2_kernels_give_hf_tokens(monkeypatch, tmp_path, name):
+    """tiny-granite4 / tiny-nemotron-h (chunk 16; the conv biases drawn) with every op through its Triton kernel:
+    prompts of 40, 5, 21 and 3 tokens cut into steps of 24 tokens (a prompt's scan over chunk boundaries and across
+    steps, beside the others' decodes in mixed steps), the decode steps through emulated CUDA graphs (padding rows
+    on the padding slot): the Mamba-2 kernels run (counted), the tokens are transformers'."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (test_mamba2_on_gpu_with_graphs_gives_hf_tokens)")
     from infer import LLM, SamplingParams
     calls = _counted(monkeypatch)
-    path = ensure_builtin(name)
+    path = _with_conv_bias(name, tmp_path / name)
     prompts = random_prompts(256, (40, 5, 21, 3), seed=3)
     lens = [4, 9, 6, 12]
     with LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=96, max_model_len=64, cuda_graph_max_tokens=16,
@@ -256,11 +273,12 @@ def test_interpreted_mamba2_kernels_give_hf_tokens(monkeypatch, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-granite4", "tiny-nemotron-h"])
-def test_mamba2_on_gpu_with_graphs_gives_hf_tokens(name):
-    """On a GPU: the model in float32 through the compiled kernels, eager and under real CUDA graphs (the slots
-    through the graph's static buffer, padding rows on the padding slot): transformers' tokens both ways."""
+def test_mamba2_on_gpu_with_graphs_gives_hf_tokens(tmp_path, name):
+    """On a GPU: the model (its conv biases drawn) in float32 through the compiled kernels, eager and under real CUDA
+    graphs (the slots through the graph's static buffer, padding rows on the padding slot): transformers' tokens
+    both ways."""
     from infer import LLM, SamplingParams
-    path = ensure_builtin(name)
+    path = _with_conv_bias(name, tmp_path / name)
     prompts = random_prompts(256, (40, 5, 21, 3), seed=3)
     lens = [4, 9, 6, 12]
     want = [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
