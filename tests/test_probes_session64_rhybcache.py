@@ -98,3 +98,51 @@ def test_a_request_aborted_after_its_first_chunk_leaves_its_snapshot(model):
         check_state_slots_all_free(llm)
     assert got == want
     assert cached == [16]
+
+
+def test_a_failed_step_sends_a_hit_on_its_blocks_back_to_a_kept_snapshot(model, monkeypatch):
+    """20 KV blocks of 4, 2 snapshot slots. A running request holds the first 5 blocks of a 37-token prompt (its
+    snapshot at 20 evicted later); the prompt itself snapshots at 36, and a 50-token one evicts its last 4 blocks.
+    Two extensions of the prompt admitted in one step: the first computes it all (no snapshot at 20), registering
+    blocks 5 to 8 as the step is scheduled; the second takes those and the held ones up to the snapshot at 36. The
+    step fails (forget_scheduled): the second goes back to the last snapshot before the blocks the step registered,
+    none (no state at 20), from zero, not to a snapshot at 20 that is not kept. Transformers' tokens for all."""
+    from infer.engine.model_runner import ModelRunner
+    path, hf = model
+    first, second = BASE + [1, 2, 3, 4, 5, 6, 7], BASE + [9, 9, 9, 9, 9, 9, 9]
+    real, failed, managers = ModelRunner.run, [], []
+
+    def run(self, batch):
+        if {s.request_id for s in batch.seqs} >= {"first", "second"} and not failed:
+            seq = next(s for s in batch.seqs if s.request_id == "second")  # (which of its hits the step registers)
+            failed.append([b in managers[0].scheduled for b in seq.block_table[:seq.num_hashed_blocks]])
+            raise RuntimeError("simulated kernel failure")
+        return real(self, batch)
+    monkeypatch.setattr(ModelRunner, "run", run)
+    outs: dict[str, list[int]] = {}
+
+    def finish(engine, request_id: str, prompt: list[int], n: int) -> None:
+        if prompt is not None:
+            engine.add_request(request_id, prompt_token_ids=prompt, params=SamplingParams(max_new_tokens=n,
+                                                                                          ignore_eos=True))
+        while request_id not in outs:
+            try:
+                outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+            except RuntimeError:
+                pass
+    with LLM(path, block_size=4, num_kv_blocks=20, max_model_len=64, state_snapshots=2, max_num_seqs=4) as llm:
+        engine = llm.engine
+        managers.append(engine.block_manager)
+        engine.add_request("held", prompt_token_ids=BASE[:20], params=SamplingParams(max_new_tokens=20,
+                                                                                      ignore_eos=True))
+        engine.step()
+        finish(engine, "prompt", BASE, 1)
+        finish(engine, "other", random_prompts(512, (50,), seed=8)[0], 1)
+        engine.add_request("first", prompt_token_ids=first, params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        finish(engine, "second", second, 4)
+        finish(engine, "first", None, 4)
+        finish(engine, "held", None, 20)
+        assert failed == [[False] * 5 + [True] * 4]  # (the second's 9 hits when the step failed)
+        check_state_slots_all_free(llm)
+    want = greedy_each(hf, [first, second, BASE[:20]], 4)
+    assert [outs["first"], outs["second"], outs["held"][:4]] == want
