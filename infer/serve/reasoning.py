@@ -73,6 +73,34 @@ _H_LONGEST = max(map(len, _H_MARKERS))
 _H_TO = "to="  # a header's recipient (the reply's first header may start with it)
 _H_NEXT = re.compile("|".join(re.escape(m) for m in (*_H_ENDS, _H_START, _H_CHANNEL)))  # where a message's text ends
 _H_SPACES = re.compile(" *")
+_BLANKS = re.compile(r"\s*")  # (str.lstrip's whitespace)
+
+
+def _read_on(text: str, memo: dict | None, key: tuple) -> dict | None:
+    """The state kept in `memo` under `key` for a read of a text that `text` goes on (a stream's reply, read again
+    at each token), cleared when `text` does not go on the last text (read fresh); None without a memo."""
+    if memo is None:
+        return None
+    state = memo.setdefault(key, {})
+    last = state.get("text")
+    if last is None or not (text is last or len(text) >= len(last) and text.startswith(last)):
+        state.clear()
+    state["text"] = text
+    return state
+
+
+def _find(text: str, tag: str, start: int, state: dict | None, last: bool = False) -> int:
+    """text.find(tag, start) (text.rfind with `last`), looked for in the text the last read (`state`'s: _read_on) did
+    not have: no scan of the whole reply at each token."""
+    if state is None:
+        return text.rfind(tag, start) if last else text.find(tag, start)
+    seen, at = state.get((tag, start, last), (start, -1))
+    if at < 0 or last:
+        k = text.rfind(tag, max(start, seen - len(tag) + 1)) if last else text.find(
+            tag, max(start, seen - len(tag) + 1))
+        at = k if k >= 0 else at
+    state[(tag, start, last)] = (len(text), at)
+    return at
 
 
 def harmony_messages(text: str, finished: bool, memo: dict | None = None) -> list[tuple[str, str, bool]]:
@@ -181,7 +209,7 @@ def _less_tag_start(text: str, tag: str | tuple[str, ...], finished: bool) -> st
     return text
 
 
-def _hunyuan_parts(text: str, finished: bool) -> tuple[str, str]:
+def _hunyuan_parts(text: str, finished: bool, memo: dict | None = None) -> tuple[str, str]:
     """(reasoning, content) of a Hunyuan reply, as vLLM's hunyuan_a13b parser reads a whole one: a reply that starts
     with "<think>\n" reasons up to "\n</think>\n<answer>\n" (its no-think form, "<think>\n\n</think>\n<answer>\n",
     none), and the answer after it is the content, up to "\n</answer>" (what follows that is dropped, as vLLM's
@@ -189,17 +217,16 @@ def _hunyuan_parts(text: str, finished: bool) -> tuple[str, str]:
     deltas adding up to the whole reply's fields (vLLM's stream and whole reply disagree there): a think block is
     read at the reply's start only, and one cut short (no answer tag) is all reasoning, as deepseek_r1's (vLLM's
     whole reply makes it content, tags included; its stream, reasoning)."""
-    reasoning, rest = "", text
+    reasoning, rest, state = "", 0, _read_on(text, memo, ("parts", finished))  # (rest: where the answer starts)
     if text.startswith(_HY_THINK):
-        body = text[len(_HY_THINK):]
-        at = body.find(_HY_ANSWER)
+        at = _find(text, _HY_ANSWER, len(_HY_THINK), state)
         if at < 0:
-            return _less_tag_start(body, _HY_ANSWER, finished), ""
-        reasoning, rest = body[:at], body[at + len(_HY_ANSWER):]
+            return _less_tag_start(text[len(_HY_THINK):], _HY_ANSWER, finished), ""
+        reasoning, rest = text[len(_HY_THINK):at], at + len(_HY_ANSWER)
     elif not finished and _HY_THINK.startswith(text):
         return "", ""
-    end = rest.find(_HY_END)
-    return reasoning, rest[:end] if end >= 0 else _less_tag_start(rest, _HY_END, finished)
+    end = _find(text, _HY_END, rest, state)
+    return reasoning, text[rest:end] if end >= 0 else _less_tag_start(text[rest:] if rest else text, _HY_END, finished)
 
 
 # granite: Granite 3.x writes its reasoning and its answer after plain-text markers (vLLM's GraniteReasoningParser)
@@ -207,44 +234,48 @@ _GR_THINK = ("Here is my thought process:", "Here's my thought process:")
 _GR_RESPONSE = ("Here is my response:", "Here's my response:")
 
 
-def _granite_parts(text: str, finished: bool) -> tuple[str, str]:
+def _granite_parts(text: str, finished: bool, memo: dict | None = None) -> tuple[str, str]:
     """(reasoning, content) of a Granite reply: one that starts with a thought-process marker reasons up to the
     first response marker, whose rest is the content; one that does not start so is all content. The markers are
     read at the reply's start, after blanks (the thought's), and anywhere after it (the response's), so that a
     stream's parts only grow: vLLM's whole reply finds the thought marker anywhere (dropping what came before it),
     its stream at the reply's very first character only (a thought marker mid-reply is content there, as here), and
     its whole reply makes a reply without a response marker all content (its stream: reasoning, as here)."""
-    lead = text.lstrip()  # (blanks before the marker: vLLM's whole reply finds it after them too)
-    opener = next((m for m in _GR_THINK if lead.startswith(m)), None)
+    lead = _BLANKS.match(text).end()  # (blanks before the marker: vLLM's whole reply finds it after them too)
+    opener = next((m for m in _GR_THINK if text.startswith(m, lead)), None)
     if opener is None:
-        return ("", "") if not finished and any(m.startswith(lead) for m in _GR_THINK) else ("", text)
-    body = lead[len(opener):]
-    found = min(((body.find(m), m) for m in _GR_RESPONSE if m in body), default=None)
+        head = text[lead:lead + max(map(len, _GR_THINK)) + 1]  # (a text longer than a marker is none of its starts)
+        return ("", "") if not finished and any(m.startswith(head) for m in _GR_THINK) else ("", text)
+    body, state = lead + len(opener), _read_on(text, memo, ("parts", finished))
+    found = min(((at, m) for m in _GR_RESPONSE for at in [_find(text, m, body, state)] if at >= 0), default=None)
     if found is None:
-        return _less_tag_start(body, _GR_RESPONSE, finished), ""
-    return body[:found[0]], body[found[0] + len(found[1]):]
+        return _less_tag_start(text[body:], _GR_RESPONSE, finished), ""
+    return text[body:found[0]], text[found[0] + len(found[1]):]
 
 
-def _unwrapped(parser: str, content: str, finished: bool) -> str:
+def _unwrapped(parser: str, content: str, finished: bool, state: dict | None = None, k: int = 0) -> str:
     """The answer `content` less the wrapper its parser's model writes around it (PARSERS' "wrap": ERNIE's
     <response>...</response>, Command A's <|START_RESPONSE|>...<|END_RESPONSE|>): where it opens the answer (after
     whitespace) the text inside, up to the closing tag (what follows that dropped, as vLLM's); an answer that does
-    not open with it stays as written. Not `finished`: a start that may still become the wrapper held back."""
+    not open with it stays as written. Not `finished`: a start that may still become the wrapper held back. `k`:
+    the answer is content[k:] (read in place); `state`: a stream's (_read_on), whose tags are looked for in the
+    text its last read did not have."""
     wrap = PARSERS[parser].get("wrap")
     if wrap is None:
-        return content
+        return content[k:] if k else content
     start, end = wrap
-    lead = content.lstrip()
-    if not lead.startswith(start):
-        return "" if not finished and start.startswith(lead) else content
-    inner = lead[len(start):]
+    lead = _BLANKS.match(content, k).end()
+    if not content.startswith(start, lead):
+        head = content[lead:lead + len(start) + 1]  # (a text longer than the tag is none of its starts)
+        return "" if not finished and start.startswith(head) else content[k:] if k else content
+    inner = lead + len(start)
     if PARSERS[parser].get("wrap_last"):  # up to the last closing tag (ERNIE: vLLM's rfind), what follows one held
-        at = inner.rfind(end)
+        at = _find(content, end, inner, state, last=True)
         if not finished:
-            return _less_tag_start(inner[:at] if at >= 0 else inner, end, False)
-        return inner[:at] if at >= 0 else inner
-    at = inner.find(end)
-    return inner[:at] if at >= 0 else _less_tag_start(inner, end, finished)
+            return _less_tag_start(content[inner:at] if at >= 0 else content[inner:], end, False)
+        return content[inner:at] if at >= 0 else content[inner:]
+    at = _find(content, end, inner, state)
+    return content[inner:at] if at >= 0 else _less_tag_start(content[inner:], end, finished)
 
 
 # --reasoning-parser: the parsers vLLM names so, whether chat_template_kwargs.enable_thinking false turns thinking
@@ -265,7 +296,7 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            "mistral": {"reads_enable_thinking": False, "tags": ("[THINK]", "[/THINK]"), "needs_start": True},
            # (the tags a prompt may close the block with: Hunyuan's no-think template)
            "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts,
-                            "marks": ("<answer>", "</answer>")},  # (its reply's other tags: no turn's boundary)
+                            "marks": ("<answer>", "</answer>"), "memo": True},  # (its reply's other tags: no turn's boundary)
            # Olmo 3 Think: deepseek_r1's rules; an empty reasoning or content is null, as vLLM's olmo3 writes them
            "olmo3": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "empty_is_null": True},
            # ERNIE 4.5 Thinking: deepseek_r1's rules, its answer in <response>...</response> ("wrap": the content's
@@ -281,7 +312,7 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            "cohere_command": {"reads_enable_thinking": False, "tags": ("<|START_THINKING|>", "<|END_THINKING|>"),
                               "needs_start": True, "wrap": ("<|START_RESPONSE|>", "<|END_RESPONSE|>")},
            # Granite 3.x: plain-text markers, no think block (the template asks for them with thinking true)
-           "granite": {"reads_enable_thinking": False, "tags": None, "split": _granite_parts}}
+           "granite": {"reads_enable_thinking": False, "tags": None, "split": _granite_parts, "memo": True}}
 
 
 def tags(parser: str) -> tuple[str, str] | None:
@@ -408,25 +439,28 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True, memo: dict | 
     that may still become the opening tag ("<thi") and an end of the reasoning that may be the start of the
     closing one ("</th"), held back as stop strings are; each part only grows as the text does. `memo`: a dict the
     stream keeps for this reply, read on from at each token by the parsers of their own memo split (openai_gptoss)."""
-    if req.ended:
-        return "", _unwrapped(req.parser, text, finished)
     own = PARSERS[req.parser].get("split")
-    if own is not None:
+    if own is not None and not req.ended:
         return own(text, finished, memo) if PARSERS[req.parser].get("memo") else own(text, finished)
+    state = _read_on(text, memo, ("parts", finished))  # (each tag looked for in the new text alone)
+    if req.ended:
+        return "", _unwrapped(req.parser, text, finished, state)
     start, end = tags(req.parser)
-    lead = text.lstrip()  # (whitespace before the opening tag: GLM-4.5 writes "\n<think>" after <|assistant|>)
+    lead = _BLANKS.match(text).end()  # (whitespace before the opening tag: GLM-4.5 writes "\n<think>")
+    body = 0  # (where the reasoning starts)
     if req.opened:
         pass  # the prompt opened the block: reasoning from the first character
-    elif lead.startswith(start):
-        text = lead[len(start):]
-    elif not finished and start.startswith(lead):
+    elif text.startswith(start, lead):
+        body = lead + len(start)
+    elif not finished and start.startswith(text[lead:lead + len(start) + 1]):  # (a longer text: none of its starts)
         return "", ""
     elif PARSERS[req.parser].get("needs_start"):
-        return "", _unwrapped(req.parser, text, finished)  # no block opened: all content
-    at = text.find(end)
+        return "", _unwrapped(req.parser, text, finished, state)  # no block opened: all content
+    at = _find(text, end, body, state)
     if at >= 0:
-        return text[:at], _unwrapped(req.parser, text[at + len(end):], finished)
-    return _less_tag_start(text, end, finished), ""  # no closing tag (yet, or the reply was cut short): reasoning
+        return text[body:at], _unwrapped(req.parser, text, finished, state, at + len(end))
+    # no closing tag (yet, or the reply was cut short): reasoning
+    return _less_tag_start(text[body:] if body else text, end, finished), ""
 
 
 def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:

@@ -705,7 +705,7 @@ def _granite_may_call(text: str) -> bool:
     for tag in GRANITE_STARTS:
         if text.startswith(tag, at):
             at = _BLANKS.match(text, at + len(tag)).end()
-        elif tag.startswith(text[at:]):
+        elif tag.startswith(text[at:at + len(tag) + 1]):  # (a text longer than the tag is none of its starts)
             return True
     rest = _BLANKS.match(text, at + 1).end()
     return at == len(text) or text.startswith("[", at) and (rest == len(text) or text[rest] == "{")
@@ -937,9 +937,9 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
         first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
         return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
     starts = _STARTS.get(req.name, (HERMES_START,))
-    found = [at for at in (text.find(start) for start in starts) if at >= 0]
-    if found:
-        text = text[:min(found)]
+    at, content = _first_start(text, starts, memo)
+    if content is not None:
+        text = content
     else:
         for k in range(min(max(map(len, starts)) - 1, len(text)), 0, -1):
             if any(start.startswith(text[-k:]) for start in starts):
@@ -948,6 +948,24 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
     if req.name in _BLANK_NONE and (not text or text.isspace()):  # (no copy of the reply at each token)
         return ""  # (blank content before the calls is none, held until text comes)
     return text.rstrip("\n") if req.name == "ernie45" else text  # (ernie45: its content's last newlines, held)
+
+
+def _first_start(text: str, starts: tuple[str, ...], memo: dict | None) -> tuple[int, str | None]:
+    """(where the first of `starts` is in `text`, -1 when none is; the text before it, None when none is), looked for
+    in the text the last read (`memo`'s, of a text `text` goes on) did not have, the text before a start found kept:
+    no read or copy of the whole reply at each token. (No start is a part of another's: one found stays the first.)"""
+    state = memo.get("visible") if memo is not None else None
+    if state is None or not (text is state[0] or len(text) >= len(state[0]) and text.startswith(state[0])):
+        state = (text, 0, -1, None)
+    _, seen, at, content = state
+    if at < 0:
+        found = [k for k in (text.find(start, max(0, seen - len(start) + 1)) for start in starts) if k >= 0]
+        if found:
+            at = min(found)
+            content = text[:at]
+    if memo is not None:
+        memo["visible"] = (text, len(text), at, content)
+    return at, content
 
 
 # the parsers whose content before the calls is none when it is blank (GLM writes "\n" before its <tool_call>)

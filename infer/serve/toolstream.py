@@ -80,7 +80,7 @@ def json_prefix(raw: str, at: int = 0, nan: bool = False, memo: dict | None = No
     `memo`: where a read of the same text, shorter, stopped, kept there: a read that starts with its text goes on
     from there (a streamed reply read again at each token, in time linear in its length)."""
     state = memo.get((at, nan)) if memo is not None else None
-    if state is not None and raw.startswith(state[0]):
+    if state is not None and (raw is state[0] or len(raw) >= state[6] and raw.startswith(state[0])):
         k, stack, expect, out, opened = state[1], list(state[2]), state[3], [state[4]], state[5]
         if expect == "done":
             return out[0], k
@@ -91,9 +91,8 @@ def json_prefix(raw: str, at: int = 0, nan: bool = False, memo: dict | None = No
     def stop(end: int | None, string: tuple | None = None) -> tuple[str, int | None]:
         text = "".join(out)
         if memo is not None:  # (string: an open one's (start, read so far, its text); the read goes on from there)
-            seen = (string[1] if string else k) + 1  # (and the character after: a number read whole was told so by it)
-            memo[(at, nan)] = (raw[:seen], k, tuple(stack), "done" if end is not None else
-                               expect, text, string)
+            # (the text read is kept as given, no copy: a later read goes on from it when its text starts with it)
+            memo[(at, nan)] = (raw, k, tuple(stack), "done" if end is not None else expect, text, string, len(raw))
         return text + (string[2] if string else ""), end
 
     while True:
@@ -228,7 +227,7 @@ def _hermes(text: str, memo: dict) -> list[tuple[str, str]]:
     """Each <tool_call> block's call: a block that has ended read once (kept), the open one in place (no copy of
     the reply at each token)."""
     out, whole = [], _grown(text, memo)
-    at, n = text.find(t.HERMES_START), 0
+    at, n = _found(text, memo, "first", t.HERMES_START), 0
     while at >= 0:
         start = at + len(t.HERMES_START)
         if ("next", start) in whole:  # (a block the next one's tag ended: where that one starts, its own end)
@@ -259,8 +258,8 @@ def _hermes(text: str, memo: dict) -> list[tuple[str, str]]:
 
 
 def _llama3(text: str, memo: dict) -> list[tuple[str, str]]:
-    body = text[len(t.LLAMA_START):] if text.startswith(t.LLAMA_START) else text
-    return _json_calls("llama3_json", body, 0, memo, ";")
+    # (read in place after the tag: no copy of the reply at each token)
+    return _json_calls("llama3_json", text, len(t.LLAMA_START) if text.startswith(t.LLAMA_START) else 0, memo, ";")
 
 
 def _found(text: str, memo: dict, key: str, tag: str, start: int = 0) -> int:
@@ -270,6 +269,19 @@ def _found(text: str, memo: dict, key: str, tag: str, start: int = 0) -> int:
         at = text.find(tag, max(start, seen - len(tag) + 1))
     memo[key] = (len(text), at)
     return at
+
+
+def _all_found(text: str, memo: dict, key: Any, tag: str, start: int) -> list[int]:
+    """Where each `tag` from `start` is in `text`, looked for in the text the last read (of a text `text` goes on:
+    _grown) did not have."""
+    k, found = memo.get(key, (start, []))
+    at = text.find(tag, k)
+    while at >= 0:
+        found.append(at)
+        k = at + len(tag)
+        at = text.find(tag, k)
+    memo[key] = (max(k, len(text) - len(tag) + 1), found)
+    return found
 
 
 def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
@@ -282,17 +294,28 @@ def _mistral(text: str, memo: dict) -> list[tuple[str, str]]:
         if _found(text, memo, "second", t.MISTRAL_START, k) >= 0:
             return []
         return _json_calls("mistral", text, k + 1, memo, ",")
-    raws = text.split(t.MISTRAL_START)[1:]
-    out = []
-    for n, raw in enumerate(raws):
-        if t.MISTRAL_ARGS not in raw:
+    # `[TOOL_CALLS]name[ARGS]{...}` per call: a call the next one's tag ended read once (kept), the open one in place
+    out, whole, starts = [], memo["whole"], _all_found(text, memo, "starts", t.MISTRAL_START, first)
+    for n, at in enumerate(starts):
+        at += len(t.MISTRAL_START)
+        if n + 1 < len(starts) and ("call", at) in whole:
+            call = whole[("call", at)]
+        else:
+            stop = starts[n + 1] if n + 1 < len(starts) else len(text)
+            args = text.find(t.MISTRAL_ARGS, at, stop) if stop < len(text) else _found(
+                text, memo, ("args", at), t.MISTRAL_ARGS, at)
+            call = None
+            if args >= 0:
+                name = text[at:args].split(t.MISTRAL_CALL_ID, 1)[0].strip()
+                k = _WS.match(text, args + len(t.MISTRAL_ARGS), stop).end()
+                if t._MISTRAL_NAME.fullmatch(name) is not None and k < stop and text[k] == "{":
+                    call = (name, json_prefix(text, k, memo=memo.setdefault(n, {}))[0] if stop == len(text) else
+                            json_prefix(text[k:stop])[0])
+            if stop < len(text):
+                whole[("call", at)] = call
+        if call is None:
             break
-        name, args = raw.split(t.MISTRAL_ARGS, 1)
-        name = name.split(t.MISTRAL_CALL_ID, 1)[0].strip()
-        k = _WS.match(args).end()
-        if t._MISTRAL_NAME.fullmatch(name) is None or not args[k:k + 1] == "{":
-            break
-        out.append((name, json_prefix(args, k, memo=memo.setdefault(n, {}))[0]))
+        out.append(call)
     return out
 
 
@@ -353,7 +376,7 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
         if body < 0:
             return []
         body += len(t.SEED_THINK_END)
-    at = text.find(t.XML_FUNCTION, body)
+    at = _found(text, memo, ("function", body), t.XML_FUNCTION, body)
     while at >= 0:
         start = at + len(t.XML_FUNCTION)
         # the last call: (its start, how far its text was read, its last <parameter=, whether its end came)
@@ -388,13 +411,13 @@ def _xml(family: str, text: str, functions: dict[str, Any], memo: dict) -> list[
             # reads it), else before its open parameter ("{}" before its first)
             key = end if end >= 0 else cut if cut >= 0 else name_end + 1
         done = end >= 0 or at >= 0
-        params = text[name_end + 1:key]
-        if not done and family == "seed_oss" and "<parameter=" in params and not params.rstrip().endswith(
-                "</parameter>"):
-            break  # (seed_oss: a parameter ends at its end tag alone)
-        if (start, key) not in whole:  # (each call's text up to `key` read once)
-            whole[(start, key)] = _xml_arguments(f"{name}>{params}", functions, family)
-        args = whole[(start, key)]
+        if (start, key) not in whole:  # (each call's text up to `key` read once: whether a parameter is open in it
+            params = text[name_end + 1:key]  # (seed_oss: a parameter ends at its end tag alone), its arguments)
+            whole[(start, key)] = (family == "seed_oss" and "<parameter=" in params and not params.rstrip().endswith(
+                "</parameter>"), _xml_arguments(f"{name}>{params}", functions, family))
+        held, args = whole[(start, key)]
+        if not done and held:
+            break
         if args is None:
             break
         out.append((name, args if done else args[:-1]))
@@ -443,11 +466,11 @@ def _named(text: str, memo: dict) -> str:
     (serve/tools.py's _read), a backslash that ends the text held until its escape is whole. `memo`: where the last
     read stopped."""
     state = memo.get("named")
-    if state is None or not text.startswith(state[0]):
+    if state is None or not (text is state[0] or len(text) >= len(state[0]) and text.startswith(state[0])):
         state = ("", 0, False, "")
     out, k, in_string = t.control_escaped(text, state[1], state[2])
     out = state[3] + out
-    memo["named"] = (text[:k], k, in_string, out)
+    memo["named"] = (text, k, in_string, out)  # (the text kept as given: no copy; a backslash at its end unread)
     return out
 
 
