@@ -1,7 +1,8 @@
 """What streaming a tool call costs the server's CPU: a reply whose call has one long string argument streamed a few
 characters at a time, read at each step as a chat stream reads it (serve/tools.py's `visible` for "auto", then
 serve/toolstream.py's `partial_calls` and CallStream's deltas), for each --tool-call-parser and for the forced
-calls (a named tool_choice, "required").
+calls (a named tool_choice, "required"); "reasoning": a Qwen3 reply that thinks as long, then calls (hermes), split
+at each step by the qwen3 --reasoning-parser (serve/reasoning.py's `parts`) before its content is read.
 
     python -m infer.bench.toolstream                              # 3,000 and 24,000 characters, 4 per step
     python -m infer.bench.toolstream --chars 1000 8000 64000 --step 1 --parsers hermes named --json out.json
@@ -18,6 +19,7 @@ import argparse
 import json
 import time
 
+from ..serve.reasoning import ReasoningRequest, parts
 from ..serve.tools import parse_tools, split, visible
 from ..serve.toolstream import CallStream, partial_calls
 
@@ -25,6 +27,7 @@ CODE = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": CODE}}]
 # the forced calls' tool_choice (their replies are read with the hermes server's parser)
 FORCED = {"named": {"type": "function", "function": {"name": "run"}}, "required": "required"}
+THINKING = ReasoningRequest("qwen3")  # the "reasoning" row's split (its calls read with the hermes parser)
 
 
 def replies(chars: int) -> dict[str, str]:
@@ -47,22 +50,26 @@ def replies(chars: int) -> dict[str, str]:
             "glm45": "<tool_call>run\n<arg_key>code</arg_key>\n<arg_value>" + code + "</arg_value>\n</tool_call>",
             "olmo3": '<function_calls>run(code="' + code + '", n=3)</function_calls>',
             "named": '{"code": "' + code + '", "n": 3}',
-            "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]'}
+            "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]',
+            "reasoning": "<think>" + code + '</think>\n\n<tool_call>{"name": "run", "arguments": {"code": "' + code
+                         + '"}}</tool_call>'}
 
 
 def stream_seconds(parser: str, reply: str, step: int) -> float:
     """CPU seconds to stream `reply` `step` characters at a time as the chat route reads it; ValueError when the
     pieces do not join to the whole reply's arguments."""
     body = {"tools": TOOLS, **({"tool_choice": FORCED[parser]} if parser in FORCED else {})}
-    req = parse_tools(body, "hermes" if parser in FORCED else parser)
+    req = parse_tools(body, "hermes" if parser in FORCED or parser == "reasoning" else parser)
     stream, pieces, memo = CallStream(req), [], {}  # (memo: the reply's own, kept across its reads, as the server's)
     start = time.process_time()
     for k in range(0, len(reply), step):
         text = reply[:k]
+        if parser == "reasoning":  # (the content after the reasoning is what the calls are read from)
+            text = parts(THINKING, text, False, memo)[1]
         if req.mode == "auto":
             visible(req, text, memo)
         pieces += stream.deltas(partial_calls(req, text, stream.memo))
-    whole = split(req, reply)[1] or []
+    whole = split(req, parts(THINKING, reply)[1] if parser == "reasoning" else reply)[1] or []
     pieces += stream.deltas(whole, finished=True)
     seconds = time.process_time() - start
     joined = ["".join(p["function"]["arguments"] for p in pieces if p["index"] == k) for k in range(len(whole))]
