@@ -13,7 +13,7 @@ import pytest
 
 from infer.bench.toolstream import FORCED, TOOLS, replies
 from infer.serve import reasoning as r
-from infer.serve.tools import parse_tools, visible
+from infer.serve.tools import parse_tools, split, visible
 from infer.serve.toolstream import CallStream, partial_calls
 
 SLACK = 400  # what a step may read beyond its new text: a tag's width (its starts tried at the text's end), a name
@@ -244,3 +244,18 @@ def test_long_content_before_a_call_is_looked_through_once(parser, chars):
 
     _check_linear(_steps(reply, STEPS[chars], read), STEPS[chars])
     assert stream.sent and visible(req, reply, memo) == visible(req, reply)
+
+
+@pytest.mark.parametrize("chars", sorted(STEPS))
+def test_mistrals_calls_of_their_own_tags_are_read_on(chars):
+    """Mistral's newer syntax, `[TOOL_CALLS]name[ARGS]{...}` a call: each tag looked for in the new text alone, the
+    open call's arguments read in place (the reply was split at its tags at each token), a call the next one's tag
+    ended read once."""
+    code = replies(chars)["named"][len('{"code": "'):-len('", "n": 3}')]
+    reply = '[TOOL_CALLS]run[ARGS]{"n": 1}[TOOL_CALLS]run[ARGS]{"code": "' + code + '", "n": 3}'
+    req, memo = parse_tools({"tools": TOOLS}, "mistral"), {}
+    stream = CallStream(req)
+    _check_linear(_steps(reply, STEPS[chars], lambda text: stream.deltas(partial_calls(req, text, stream.memo))),
+                  STEPS[chars])
+    assert [s[2] for s in stream.sent] == [c["function"]["arguments"] for c in split(req, reply)[1]]
+    assert len(stream.sent) == 2
