@@ -131,8 +131,8 @@ def _check_linear(costs: list[tuple[int, int, int]], step: int, copies: bool = T
     assert max(n for _, _, n in costs) <= 6, max(n for _, _, n in costs)
 
 
-STEPS = {1000: 2, 32000: 16}
-CALLS = [p for p in replies(1) if p != "reasoning"]  # (the bench's replies of a call: "reasoning" thinks first)  # (characters a step: a token's few, more at 32k to keep the test short)
+STEPS = {1000: 2, 32000: 16}  # (characters a step: a token's few, more at 32k to keep the test short)
+CALLS = [p for p in replies(1) if p != "reasoning"]  # (the bench's replies of a call: "reasoning" thinks first)
 
 
 @pytest.mark.parametrize("chars", sorted(STEPS))

@@ -296,7 +296,8 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            "mistral": {"reads_enable_thinking": False, "tags": ("[THINK]", "[/THINK]"), "needs_start": True},
            # (the tags a prompt may close the block with: Hunyuan's no-think template)
            "hunyuan_a13b": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "split": _hunyuan_parts,
-                            "marks": ("<answer>", "</answer>"), "memo": True},  # (its reply's other tags: no turn's boundary)
+                            # (its reply's other tags: no turn's boundary)
+                            "marks": ("<answer>", "</answer>"), "memo": True},
            # Olmo 3 Think: deepseek_r1's rules; an empty reasoning or content is null, as vLLM's olmo3 writes them
            "olmo3": {"reads_enable_thinking": False, "tags": (THINK_START, THINK_END), "empty_is_null": True},
            # ERNIE 4.5 Thinking: deepseek_r1's rules, its answer in <response>...</response> ("wrap": the content's
@@ -438,7 +439,8 @@ def parts(req: ReasoningRequest, text: str, finished: bool = True, memo: dict | 
     """(reasoning, content) of the reply `text`. Not `finished` (a stream): only what can go out now, less a start
     that may still become the opening tag ("<thi") and an end of the reasoning that may be the start of the
     closing one ("</th"), held back as stop strings are; each part only grows as the text does. `memo`: a dict the
-    stream keeps for this reply, read on from at each token by the parsers of their own memo split (openai_gptoss)."""
+    stream keeps for this reply, read on from at each token (harmony's messages; the others' tags looked for in the
+    text the last read did not have)."""
     own = PARSERS[req.parser].get("split")
     if own is not None and not req.ended:
         return own(text, finished, memo) if PARSERS[req.parser].get("memo") else own(text, finished)

@@ -924,7 +924,8 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
     """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
     that may be the start of one ("<tool_c", "[TOOL_"), held back as stop strings are (llama3_json and pythonic:
     nothing of a reply that starts as a call may, "{" or "[" (pythonic: while it may be "[name("), or their tag).
-    `memo`: openai's (harmony_calls'), a dict the stream keeps for this reply."""
+    `memo`: a dict the stream keeps for this reply (openai's harmony_calls', the others' where a call's tag was
+    looked for): each read looks in the text the last one did not have."""
     if req is None or req.mode != "auto":
         return text
     if req.name == "openai":  # (the whole reply) the final channel's text so far
