@@ -253,7 +253,7 @@ def test_mistrals_calls_of_their_own_tags_are_read_on(chars):
     ended read once."""
     code = replies(chars)["named"][len('{"code": "'):-len('", "n": 3}')]
     reply = '[TOOL_CALLS]run[ARGS]{"n": 1}[TOOL_CALLS]run[ARGS]{"code": "' + code + '", "n": 3}'
-    req, memo = parse_tools({"tools": TOOLS}, "mistral"), {}
+    req = parse_tools({"tools": TOOLS}, "mistral")
     stream = CallStream(req)
     _check_linear(_steps(reply, STEPS[chars], lambda text: stream.deltas(partial_calls(req, text, stream.memo))),
                   STEPS[chars])
