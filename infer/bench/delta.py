@@ -165,17 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from .kernels import out_problem
-    problem = out_problem(args.out) or next((f"--batch {b}: give batch sizes of 1 or more" for b in args.batch
-                                             if b < 1), None)
-    if not problem and args.prefill < 0:
-        problem = f"--prefill {args.prefill}: give the prompts' length in tokens (1 or more), or 0 for decode steps"
-    if problem:
-        print(f"python -m infer.bench.delta: error: {problem}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("infer.bench.delta needs a CUDA GPU (the Triton delta rule kernels run only there); none was found",
-              file=sys.stderr)
+    if _refused(args, "delta", "delta rule"):
         return 2
     import triton.testing
 
@@ -191,6 +181,24 @@ def main(argv=None) -> int:
     return _write(args.out, rows, COLUMNS, f"Gated DeltaNet decode step on {torch.cuda.get_device_name()} (copy "
                   f"bandwidth {bandwidth / 1e12:.2f} TB/s), microseconds under CUDA graphs, Hk {HK} Hv {HV} Dk {DK} "
                   f"Dv {DV}, bfloat16", {"copy_GBps": bandwidth / 1e9})
+
+
+def _refused(args: argparse.Namespace, name: str, kernels: str) -> bool:
+    """Whether python -m infer.bench.NAME refuses its arguments (--out, --batch, --prefill) or a machine without CUDA
+    (the Triton KERNELS kernels run only there), said on stderr (infer.bench.delta's and infer.bench.mamba2's)."""
+    from .kernels import out_problem
+    problem = out_problem(args.out) or next((f"--batch {b}: give batch sizes of 1 or more" for b in args.batch
+                                             if b < 1), None)
+    if not problem and args.prefill < 0:
+        problem = f"--prefill {args.prefill}: give the prompts' length in tokens (1 or more), or 0 for decode steps"
+    if problem:
+        print(f"python -m infer.bench.{name}: error: {problem}", file=sys.stderr)
+        return True
+    if not torch.cuda.is_available():
+        print(f"infer.bench.{name} needs a CUDA GPU (the Triton {kernels} kernels run only there); none was found",
+              file=sys.stderr)
+        return True
+    return False
 
 
 def _write(out: str, rows: list[dict], columns: list[str], title: str, extra: dict) -> int:

@@ -161,21 +161,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from .kernels import out_problem
-    problem = out_problem(args.out) or next((f"--batch {b}: give batch sizes of 1 or more" for b in args.batch
-                                             if b < 1), None)
-    if not problem and args.prefill < 0:
-        problem = f"--prefill {args.prefill}: give the prompts' length in tokens (1 or more), or 0 for decode steps"
-    if problem:
-        print(f"python -m infer.bench.mamba2: error: {problem}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("infer.bench.mamba2 needs a CUDA GPU (the Triton Mamba-2 kernels run only there); none was found",
-              file=sys.stderr)
+    from .delta import _refused, _write
+    if _refused(args, "mamba2", "Mamba-2"):
         return 2
     import triton.testing
 
-    from .delta import _write
     from .kernels import copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
