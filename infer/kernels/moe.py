@@ -371,11 +371,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if t == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
-                _config(config, block_m, w13, w2, x.dtype, ids, w13.shape[0]),
-                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm(
+    return _experts(x, w13, w2, weights, ids, top_k, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
+                    config, _gemm, oai, apart, ungated=w13.shape[1] == w2.shape[2])
+
+
+def _experts(x, w13, w2, weights, ids, top_k: int, e: int, out13: int, out2: int, lora, block_m, config, gemm,
+             oai, apart: bool, ungated: bool = False) -> torch.Tensor:
+    """`_run` over the `e` experts w13 (out13 outputs) and w2 (out2), `gemm` (_gemm, _gemm_int4 or _gemm_mxfp4)
+    launched on w13 for the gate_up rows and on w2 for the down ones (fused_moe's, fused_moe_int4's and
+    fused_moe_mxfp4's common part; their arguments)."""
+    return _run(x, ids, weights, e, out13, out2, lora, block_m,
+                _config(config, block_m, w13, w2, x.dtype, ids, e),
+                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: gemm(
                     a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
-                apart, ungated=w13.shape[1] == w2.shape[2])
+                apart, ungated=ungated)
 
 
 def _config(config: dict | None, block_m: int | None, w13, w2, dtype, ids: torch.Tensor, experts: int) -> dict:
@@ -574,11 +583,8 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
         return torch.zeros_like(x)
     x = x.contiguous()
     e = w13.qweight.shape[0]
-    return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
-                _config(config, block_m, w13, w2, x.dtype, ids, e),
-                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_int4(
-                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
-                apart, ungated=w13.out_features == w2.in_features)
+    return _experts(x, w13, w2, weights, ids, top_k, e, w13.out_features, w2.out_features, lora, block_m, config,
+                    _gemm_int4, oai, apart, ungated=w13.out_features == w2.in_features)
 
 
 # ------------------------------------------------------------------------------------------------ MXFP4 experts
@@ -687,8 +693,5 @@ def fused_moe_mxfp4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.
     x = x.contiguous()
     w13, w2 = (type(w)(w.blocks.contiguous(), w.scales.contiguous()) for w in (w13, w2))
     e = w13.blocks.shape[0]
-    return _run(x, ids, weights, e, w13.out_features, w2.out_features, lora, block_m,
-                _config(config, block_m, w13, w2, x.dtype, ids, e),
-                lambda a, out, fw, al, row_div, weighted, cfg, bias, act: _gemm_mxfp4(
-                    a, w13 if row_div else w2, out, fw, al, top_k, row_div, weighted, cfg, bias=bias, act=act), oai,
-                apart)
+    return _experts(x, w13, w2, weights, ids, top_k, e, w13.out_features, w2.out_features, lora, block_m, config,
+                    _gemm_mxfp4, oai, apart)
