@@ -577,7 +577,14 @@ def _typed(value: str, schema: Any, family: str, root: Any = None) -> Any:
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
     as_json = ("object", "array", "arr") if family == "qwen3_coder" else ("object",)
-    if kind in as_json or kind.startswith("dict") or (family == "qwen3_coder" and kind.startswith("list")):
+    return _read_value(value, kind in as_json or kind.startswith("dict")
+                       or (family == "qwen3_coder" and kind.startswith("list")))
+
+
+def _read_value(value: str, as_json: bool = True) -> Any:
+    """`value` read as JSON (when `as_json`), else as a Python literal JSON can hold, else that text (vLLM's
+    qwen3_coder and glm45 read a parameter's text so)."""
+    if as_json:
         try:  # (NaN and Infinity, which Python's JSON reads, are no JSON: a client's JSON.parse refuses them)
             return json.loads(value, parse_constant=_not_json, parse_float=_finite)
         except (ValueError, RecursionError):
@@ -805,16 +812,7 @@ def _glm_typed(value: str, schema: Any, known: bool, root: Any) -> Any:
     Python literal, else that text (vLLM's glm45; a parameter the function does not name is read so too)."""
     if known and _kind(schema, root) in _STRING_KINDS:
         return value
-    value = value.strip()
-    try:
-        return json.loads(value, parse_constant=_not_json, parse_float=_finite)
-    except (ValueError, RecursionError):
-        pass
-    try:
-        read = ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return value
-    return read if _json_value(read) else value
+    return _read_value(value.strip())
 
 
 def _glm_block(body: str, functions: dict[str, Any]) -> tuple[str, str]:
