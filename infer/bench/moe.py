@@ -89,6 +89,17 @@ def mxfp4_bytes(experts: int, k: int, n: int) -> int:
     return experts * (k * n // 2 + k // 32 * n)
 
 
+def _step(t: int, experts: int, top_k: int, hidden: int, device: str):
+    """A step of `t` tokens of the bench (seeded by t): x [t, hidden] bfloat16, their top_k routing weights (bfloat16)
+    and experts, and how many experts they choose."""
+    gen = torch.Generator(device=device).manual_seed(t)
+    x = torch.randn(t, hidden, device=device, generator=gen).bfloat16()
+    weights, ids = torch.topk(torch.randn(t, experts, device=device, generator=gen).softmax(-1), top_k, -1)
+    weights = weights.bfloat16()
+    chosen = int(ids.unique().numel())
+    return x, weights, ids, chosen
+
+
 def measure_mxfp4(tokens, experts: int, top_k: int, hidden: int, inter: int, bandwidth: float,
                   device: str = "cuda") -> list[dict]:
     """One row a count of tokens (the module docstring's --mxfp4): gpt-oss's experts, MXFP4 against bf16."""
@@ -99,11 +110,7 @@ def measure_mxfp4(tokens, experts: int, top_k: int, hidden: int, inter: int, ban
     oai = oai_experts(experts, hidden, inter, device)
     rows = []
     for t in tokens:
-        gen = torch.Generator(device=device).manual_seed(t)
-        x = torch.randn(t, hidden, device=device, generator=gen).bfloat16()
-        weights, ids = torch.topk(torch.randn(t, experts, device=device, generator=gen).softmax(-1), top_k, -1)
-        weights = weights.bfloat16()
-        chosen = int(ids.unique().numel())
+        x, weights, ids, chosen = _step(t, experts, top_k, hidden, device)
         ours = time_graph([lambda: moe.fused_moe_mxfp4(x, w13, w2, weights, ids, oai=oai)])
         dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids, oai=oai)])
         q_bytes = mxfp4_bytes(chosen, hidden, 2 * inter) + mxfp4_bytes(chosen, inter, hidden)
@@ -131,11 +138,7 @@ def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: in
     extra = {"oai": oai_experts(experts, hidden, inter, device)} if oai else {}
     rows = []
     for t in tokens:
-        gen = torch.Generator(device=device).manual_seed(t)
-        x = torch.randn(t, hidden, device=device, generator=gen).bfloat16()
-        weights, ids = torch.topk(torch.randn(t, experts, device=device, generator=gen).softmax(-1), top_k, -1)
-        weights = weights.bfloat16()
-        chosen = int(ids.unique().numel())
+        x, weights, ids, chosen = _step(t, experts, top_k, hidden, device)
         ours = time_graph([lambda: moe.fused_moe_int4(x, w13, w2, weights, ids, **extra)])
         dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids, **extra)])
         q_bytes = int4_bytes(chosen, hidden, 2 * inter, group) + int4_bytes(chosen, inter, hidden, group)
