@@ -40,6 +40,22 @@ COMPILE_ONLY_LAUNCHES = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 ''')
 
 
+# COMPILE_ONLY_PREAMBLE, every launch only compiled, each kernel's shared memory kept in `shared` as "NAME sm_ARCH" (arch[0]: the
+# target a script's loop sets with `triton.runtime.driver.set_active(Driver(arch[0]))`)
+COMPILE_ONLY_SHARED = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
+    shared, arch = {}, [0]
+    launch = jit.JITFunction.run
+    def record(self, *args, grid, warmup, **kwargs):
+        kern = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        shared[f"{self.fn.__name__} sm_{arch[0]}"] = kern.metadata.shared
+        return kern
+    jit.JITFunction.run = record
+    class Driver(kernel_sass.CompileOnlyDriver):  # (a device of its own a target: Triton caches kernels by device)
+        def get_current_device(self):
+            return self.target.arch
+''')
+
+
 @contextlib.contextmanager
 def nan_filled_empty(module):
     """`module.torch.empty` hands out NaN-filled float tensors meanwhile (a row a kernel forgets to write fails the
@@ -1011,6 +1027,19 @@ def check_prompt_logprobs_equal_transformers(hf, prompts, outs) -> None:
             want = torch.tensor([lp[i, p[i + 1]].item() for i in range(len(p) - 1)])
             got = torch.tensor([d["logprob"] for d in o.prompt_logprobs[1:]])
             assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def check_gpu_graphs_equal_hf(path, prompts, lens, max_num_batched_tokens: int) -> None:
+    """On a GPU: the model at `path` in float32, eager and under real CUDA graphs (4 sequences at most): `prompts`'
+    greedy tokens (`lens` of them each) are transformers' both ways."""
+    from infer import LLM, SamplingParams
+    want = [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+    for eager in (True, False):
+        with LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4,
+                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=eager) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                                               for n in lens])]
+            assert got == want, eager
 
 
 def check_emulated_decode_graphs(name: str, hf, monkeypatch, triton: bool, check=None) -> None:

@@ -128,6 +128,18 @@ def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: in
         oracle.close()
 
 
+def check_attention_adapters_equal_peft(base, hf, tmp_path) -> None:
+    """check_mixed_adapters_equal_peft of two adapters saved under tmp_path, "all" (every attention projection, rank
+    8) and "qv" (q and v, rank 4), and the base between them, on prompts of 7, 13 and 22 tokens (a hybrid model's)."""
+    from helpers import random_prompts
+    # (B and A drawn at 0.5: at lora_helpers' 0.15, adapters of the one attention layer of 4 leave the tokens as the
+    # base's)
+    paths = {name: save_adapter(hf, tmp_path / name, i + 1, 0.5, lora_dropout=0.0, **kw) for i, (name, kw) in
+             enumerate({"all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                        "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])}.items())}
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
+
+
 def save_three(hf, root, seed: int, names: str = "abc") -> dict:
     """The adapters of THREE named in `names` on `hf`, saved under root / name (seeds seed, seed + 1, ... in order):
     {name: path}."""

@@ -13,7 +13,7 @@ import torch
 from infer.kernels import delta_rule
 from infer.models.tiny import ensure_builtin
 
-from helpers import hf_greedy, interpreted_module, random_prompts
+from helpers import check_gpu_graphs_equal_hf, hf_greedy, interpreted_module, random_prompts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -169,17 +169,10 @@ def test_conv_varlen_equals_torch(delta, dtype, tol):
 def test_qwen3_5_on_gpu_with_graphs_gives_hf_tokens():
     """On a GPU: tiny-qwen3_5 in float32 through the compiled delta kernels, eager and under real CUDA graphs (the
     slots through the graph's static buffer, padding rows on the padding slot): transformers' tokens both ways."""
-    from infer import LLM, SamplingParams
     path = ensure_builtin("tiny-qwen3_5")
     prompts = random_prompts(256, (5, 20, 3, 4), seed=1)
     lens = [3, 6, 9, 12]
-    want = [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
-    for eager in (True, False):
-        with LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
-                 enforce_eager=eager) as llm:
-            got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
-                                                               for n in lens])]
-            assert got == want, eager
+    check_gpu_graphs_equal_hf(path, prompts, lens, 8)
 
 
 @pytest.mark.parametrize("argv, message", [(["--out", "{tmp}/missing/d.csv"], "missing does not exist"),

@@ -123,15 +123,9 @@ def test_emulated_decode_graphs_index_the_mamba_state_slots(hf, monkeypatch, tri
 def test_mixed_adapters_on_the_attention_equal_peft(tmp_path):
     """Two adapters (every attention projection; q and v alone) and the base model in one batch and each alone:
     peft's tokens."""
-    from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapter
+    from lora_helpers import check_attention_adapters_equal_peft, hf_float
     base = ensure_builtin(HYBRID)
-    hf = hf_float(base)
-    # (B and A drawn at 0.5: at lora_helpers' 0.15, adapters of the one attention layer of 4 leave the tokens as the
-    # base's)
-    paths = {name: save_adapter(hf, tmp_path / name, i + 1, 0.5, lora_dropout=0.0, **kw) for i, (name, kw) in
-             enumerate({"all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-                        "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])}.items())}
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
+    check_attention_adapters_equal_peft(base, hf_float(base), tmp_path)
 
 
 @pytest.mark.parametrize("targets", [["in_proj", "out_proj", "q_proj"], ["input_linear", "v_proj"]])

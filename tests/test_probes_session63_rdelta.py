@@ -15,22 +15,12 @@ import torch
 from infer.kernels import delta_rule
 from infer.kernels.moe import SM90_SMEM
 
-from helpers import COMPILE_ONLY_PREAMBLE, interpreted_module, run_compile_only
+from helpers import COMPILE_ONLY_SHARED, interpreted_module, run_compile_only
 
 SM89_SMEM = 101376  # the shared memory one program may take on sm_86 / sm_89 (99 KiB)
 
-COMPILED = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
+COMPILED = COMPILE_ONLY_SHARED + textwrap.dedent('''
     from infer.kernels import delta_triton as D
-    shared, arch = {}, [0]
-    launch = jit.JITFunction.run
-    def record(self, *args, grid, warmup, **kwargs):
-        kern = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        shared[f"{self.fn.__name__} sm_{arch[0]}"] = kern.metadata.shared
-        return kern
-    jit.JITFunction.run = record
-    class Driver(kernel_sass.CompileOnlyDriver):  # (a device of its own a target: Triton caches kernels by device)
-        def get_current_device(self):
-            return self.target.arch
     hk, hv, dk, dv, taps, t = 16, 32, 128, 128, 4, 70
     conv_dim, bf16 = 2 * hk * dk + hv * dv, torch.bfloat16
     x = torch.zeros(t, conv_dim + hv * dv, dtype=bf16)[:, :conv_dim]  # (in_proj_qkv's columns of in_proj_qkvz)

@@ -18,7 +18,8 @@ from infer.kernels import delta_rule, mamba2
 from infer.kernels.moe import SM90_SMEM
 from infer.models.tiny import ensure_builtin
 
-from helpers import COMPILE_ONLY_PREAMBLE, hf_greedy, interpreted_module, random_prompts, run_compile_only
+from helpers import (COMPILE_ONLY_SHARED, check_gpu_graphs_equal_hf, hf_greedy, interpreted_module, random_prompts,
+                     run_compile_only)
 from test_probes_session63_delta import BF16_TOL, _pool
 from test_probes_session63_rdelta import SM89_SMEM
 
@@ -174,18 +175,8 @@ def test_conv_kernels_with_the_bias_equal_torch(delta, dtype, tol):
     assert torch.allclose(mine[:-1].float(), ref[:-1].float(), atol=tol, rtol=tol, equal_nan=True)
 
 
-COMPILED = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
+COMPILED = COMPILE_ONLY_SHARED + textwrap.dedent('''
     from infer.kernels import delta_triton, mamba2_triton as M
-    shared, arch = {}, [0]
-    launch = jit.JITFunction.run
-    def record(self, *args, grid, warmup, **kwargs):
-        kern = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        shared[f"{self.fn.__name__} sm_{arch[0]}"] = kern.metadata.shared
-        return kern
-    jit.JITFunction.run = record
-    class Driver(kernel_sass.CompileOnlyDriver):  # (a device of its own a target: Triton caches kernels by device)
-        def get_current_device(self):
-            return self.target.arch
     h, p, g, n, taps, t, bf16 = 128, 64, 1, 128, 4, 300, torch.bfloat16  # (granite-4.0-h-small's mixer)
     row = torch.zeros(t, 2 * h * p + 2 * g * n + h, dtype=bf16)  # (z | x|B|C | dt: in_proj's output)
     xbc, dt = row[:, h * p:2 * h * p + 2 * g * n], row[:, -h:]
@@ -277,17 +268,10 @@ def test_mamba2_on_gpu_with_graphs_gives_hf_tokens(tmp_path, name):
     """On a GPU: the model (its conv biases drawn) in float32 through the compiled kernels, eager and under real CUDA
     graphs (the slots through the graph's static buffer, padding rows on the padding slot): transformers' tokens
     both ways."""
-    from infer import LLM, SamplingParams
     path = _with_conv_bias(name, tmp_path / name)
     prompts = random_prompts(256, (40, 5, 21, 3), seed=3)
     lens = [4, 9, 6, 12]
-    want = [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
-    for eager in (True, False):
-        with LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=24,
-                 enforce_eager=eager) as llm:
-            got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
-                                                               for n in lens])]
-            assert got == want, eager
+    check_gpu_graphs_equal_hf(path, prompts, lens, 24)
 
 
 class _NoLaunch:

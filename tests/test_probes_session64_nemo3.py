@@ -164,15 +164,11 @@ def test_the_measured_cpu_peak_is_under_the_estimate():
 def test_adapters_on_the_attention_equal_peft_and_their_slots_are_planned(tmp_path):
     """Two adapters (every attention projection; q and v alone) and the base in one batch and each alone: peft's
     tokens; the slots (attention and MLP layers: none for the experts or the shared experts) are the memory plan's."""
-    from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapter
+    from lora_helpers import check_attention_adapters_equal_peft, hf_float
 
     from infer.memory.sizes import lora_slot_bytes
     base = ensure_builtin(NAME)
-    hf = hf_float(base)
-    paths = {name: save_adapter(hf, tmp_path / name, i + 1, 0.5, lora_dropout=0.0, **kw) for i, (name, kw) in
-             enumerate({"all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-                        "qv": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])}.items())}
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
+    check_attention_adapters_equal_peft(base, hf_float(base), tmp_path)
     with LLM(NAME, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4) as llm:
         manager = llm.engine.lora_manager
         assert not manager.expert_layers and not any(".mixer.shared_experts." in m.names[0] for m in manager.linears)
