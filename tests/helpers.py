@@ -40,8 +40,8 @@ COMPILE_ONLY_LAUNCHES = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 ''')
 
 
-# COMPILE_ONLY_PREAMBLE, every launch only compiled, each kernel's shared memory kept in `shared` as "NAME sm_ARCH" (arch[0]: the
-# target a script's loop sets with `triton.runtime.driver.set_active(Driver(arch[0]))`)
+# COMPILE_ONLY_PREAMBLE, every launch only compiled, each kernel's shared memory kept in `shared` as "NAME sm_ARCH"
+# (arch[0]: the target a script's loop sets with `triton.runtime.driver.set_active(Driver(arch[0]))`)
 COMPILE_ONLY_SHARED = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
     shared, arch = {}, [0]
     launch = jit.JITFunction.run
