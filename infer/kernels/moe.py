@@ -367,19 +367,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """reference.fused_moe in three launches (`_run`; `oai`: gpt-oss's reference.OaiExperts, two launches); block_m:
     the blocks' rows (None: `step_config`'s; a candidate of the bench otherwise, the heuristics' tiles); config: the
     launch config to use (a tuner's candidate; None: `step_config`'s); apart: `_run`'s (the bench's baseline)."""
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    return _experts(x, w13, w2, weights, ids, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m, config, _gemm,
+                    oai, apart, ungated=w13.shape[1] == w2.shape[2])
+
+
+def _experts(x, w13, w2, weights, ids, e: int, out13: int, out2: int, lora, block_m, config, gemm, oai,
+             apart: bool, ungated: bool = False) -> torch.Tensor:
+    """`_run` over the `e` experts w13 (out13 outputs) and w2 (out2), `gemm` (_gemm, _gemm_int4 or _gemm_mxfp4)
+    launched on w13 for the gate_up rows and on w2 for the down ones: a step of no tokens zeros (fused_moe's,
+    fused_moe_int4's and fused_moe_mxfp4's common part; their arguments)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    return _experts(x, w13, w2, weights, ids, top_k, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
-                    config, _gemm, oai, apart, ungated=w13.shape[1] == w2.shape[2])
-
-
-def _experts(x, w13, w2, weights, ids, top_k: int, e: int, out13: int, out2: int, lora, block_m, config, gemm,
-             oai, apart: bool, ungated: bool = False) -> torch.Tensor:
-    """`_run` over the `e` experts w13 (out13 outputs) and w2 (out2), `gemm` (_gemm, _gemm_int4 or _gemm_mxfp4)
-    launched on w13 for the gate_up rows and on w2 for the down ones (fused_moe's, fused_moe_int4's and
-    fused_moe_mxfp4's common part; their arguments)."""
+    x = x.contiguous()
     return _run(x, ids, weights, e, out13, out2, lora, block_m,
                 _config(config, block_m, w13, w2, x.dtype, ids, e),
                 lambda a, out, fw, al, row_div, weighted, cfg, bias, act: gemm(
@@ -578,12 +579,8 @@ def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.T
                    apart: bool = False) -> torch.Tensor:
     """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
     dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
-    t, top_k = ids.shape
-    if t == 0:
-        return torch.zeros_like(x)
-    x = x.contiguous()
     e = w13.qweight.shape[0]
-    return _experts(x, w13, w2, weights, ids, top_k, e, w13.out_features, w2.out_features, lora, block_m, config,
+    return _experts(x, w13, w2, weights, ids, e, w13.out_features, w2.out_features, lora, block_m, config,
                     _gemm_int4, oai, apart, ungated=w13.out_features == w2.in_features)
 
 
@@ -687,11 +684,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.
                     apart: bool = False) -> torch.Tensor:
     """fused_moe over MXFP4 experts (reference.Mxfp4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
     dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
-    t, top_k = ids.shape
-    if t == 0:
-        return torch.zeros_like(x)
-    x = x.contiguous()
     w13, w2 = (type(w)(w.blocks.contiguous(), w.scales.contiguous()) for w in (w13, w2))
     e = w13.blocks.shape[0]
-    return _experts(x, w13, w2, weights, ids, top_k, e, w13.out_features, w2.out_features, lora, block_m, config,
+    return _experts(x, w13, w2, weights, ids, e, w13.out_features, w2.out_features, lora, block_m, config,
                     _gemm_mxfp4, oai, apart)
