@@ -43,9 +43,14 @@ COMPILED = COMPILE_ONLY_SHARED + textwrap.dedent('''
 def test_delta_kernels_fit_the_shared_memory_of_sm90_and_sm89():
     """Each of the five kernels, compiled for sm_90 and sm_89 at the real models' shapes as the launchers launch
     them, takes no more shared memory than a program may have there (else the launch fails on that GPU)."""
-    shared = run_compile_only(COMPILED, 600)
-    names = ["_conv_update_kernel", "_recurrent_kernel", "_conv_varlen_kernel", "_chunk_terms_kernel",
-             "_chunk_h_kernel", "_chunk_o_kernel"]
+    check_compiled_shared_memory(COMPILED, ["_conv_update_kernel", "_recurrent_kernel", "_conv_varlen_kernel",
+                                            "_chunk_terms_kernel", "_chunk_h_kernel", "_chunk_o_kernel"])
+
+
+def check_compiled_shared_memory(script: str, names: list[str]) -> None:
+    """`script` (a COMPILE_ONLY_SHARED script) run: the kernels `names`, each compiled for sm_90 and sm_89 (and no
+    other), each taking no more shared memory than a program may have there."""
+    shared = run_compile_only(script, 600)
     assert sorted(shared) == sorted(f"{n} sm_{a}" for n in names for a in (90, 89)), shared
     for key, used in shared.items():
         assert used <= (SM90_SMEM if key.endswith("sm_90") else SM89_SMEM), (key, used)

@@ -15,13 +15,11 @@ import pytest
 import torch
 
 from infer.kernels import delta_rule, mamba2
-from infer.kernels.moe import SM90_SMEM
 from infer.models.tiny import ensure_builtin
 
-from helpers import (COMPILE_ONLY_SHARED, check_gpu_graphs_equal_hf, hf_greedy, interpreted_module, random_prompts,
-                     run_compile_only)
+from helpers import COMPILE_ONLY_SHARED, check_gpu_graphs_equal_hf, hf_greedy, interpreted_module, random_prompts
 from test_probes_session63_delta import BF16_TOL, _pool
-from test_probes_session63_rdelta import SM89_SMEM
+from test_probes_session63_rdelta import check_compiled_shared_memory
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -200,12 +198,8 @@ def test_mamba2_kernels_compile_for_sm90_and_sm89_within_their_shared_memory():
     """Each kernel of a Mamba-2 step (the convs with the bias, the state update, the scan's three), compiled for
     sm_90 and sm_89 at granite-4.0-h-small's shapes (128 heads of 64, 128 state dims, chunk 256) through the real
     launchers, takes no more shared memory than a program may have there (else the launch fails on that GPU)."""
-    shared = run_compile_only(COMPILED, 600)
-    names = ["_conv_update_kernel", "_conv_varlen_kernel", "_state_update_kernel", "_chunk_state_kernel",
-             "_state_passing_kernel", "_chunk_scan_kernel"]
-    assert sorted(shared) == sorted(f"{k} sm_{a}" for k in names for a in (90, 89)), shared
-    for key, used in shared.items():
-        assert used <= (SM90_SMEM if key.endswith("sm_90") else SM89_SMEM), (key, used)
+    check_compiled_shared_memory(COMPILED, ["_conv_update_kernel", "_conv_varlen_kernel", "_state_update_kernel",
+                                            "_chunk_state_kernel", "_state_passing_kernel", "_chunk_scan_kernel"])
 
 
 def _counted(monkeypatch):
