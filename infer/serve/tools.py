@@ -440,6 +440,13 @@ def _bracketed(body: str) -> str | None:
     return body[start:end + 2] if start >= 0 and end >= start + 2 else None
 
 
+def _named_calls(items: Any) -> bool:
+    """Whether `items` (a reply's JSON) is a list of calls as Mistral's and Granite's replies write them: not empty,
+    each an object with a string "name" and "arguments"."""
+    return isinstance(items, list) and bool(items) and all(
+        isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x for x in items)
+
+
 def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
     """(content before [TOOL_CALLS], the calls) of a reply in Mistral's syntax, as vLLM's mistral parser reads it:
     after one [TOOL_CALLS], a JSON list of {"name", "arguments"} objects (or, as its fallback, the first `[{...}]` in
@@ -461,8 +468,7 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
                 items = json.loads(found, parse_constant=_not_json, parse_float=_finite) if found else None
             except ValueError:
                 return None
-        if not isinstance(items, list) or not items or not all(
-                isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x for x in items):
+        if not _named_calls(items):
             return None
         return content, [_mistral_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False)) for x in items]
     calls = []
@@ -729,8 +735,7 @@ def granite_calls(text: str) -> tuple[str | None, list[dict]] | None:
         items = json.loads(text[at:], parse_constant=_not_json, parse_float=_finite)
     except ValueError:
         return None
-    if not isinstance(items, list) or not items or not all(
-            isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x for x in items):
+    if not _named_calls(items):
         return None
     return None, [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False)) for x in items]
 
