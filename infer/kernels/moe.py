@@ -228,6 +228,16 @@ def _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV: tl.con
 
 
 @triton.jit
+def _dot(acc, a, w, IEEE: tl.constexpr):
+    """acc plus a @ w (the MoE kernels' K step)."""
+    if IEEE:  # float32 weights (and under the interpreter, whose half-precision dot is wrong): no TF32
+        acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(a, w)
+    return acc
+
+
+@triton.jit
 def _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit,
                 WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr, OAI: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
@@ -284,10 +294,7 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
                     other=0.0)
         w = tl.load(w_ptr + e * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None],
                     mask=(offs_n[None, :] < n) & (offs_k[:, None] < k), other=0.0)
-        if IEEE:  # float32 weights (and under the interpreter, whose half-precision dot is wrong): no TF32
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+        acc = _dot(acc, a, w, IEEE)
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit, WEIGHTED,
                 HAS_BIAS, OAI, BLOCK_M, BLOCK_N)
 
@@ -539,10 +546,7 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_
             z = (z + 1) & 0xF
         # (1024 + q) - (1024 + z): the exact q - z in float16 without conversions, times the scale in float16
         w = ((qf - _f16_1024(z)) * s).to(a_ptr.dtype.element_ty)
-        if IEEE:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+        acc = _dot(acc, a, w, IEEE)
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit, WEIGHTED,
                 HAS_BIAS, OAI, BLOCK_M, BLOCK_N)
 
@@ -648,10 +652,7 @@ def _moe_gemm_mxfp4(a_ptr, q_ptr, sc_ptr, out_ptr, weights_ptr, pairs_ptr, exper
         w = tl.reshape(tl.reshape(_e2m1(codes), (GROUPS, 32, BLOCK_N)) * _e8m0(s)[:, None, :]
                        * _e8m0_over(s)[:, None, :], (BLOCK_K, BLOCK_N))
         w = w.to(a_ptr.dtype.element_ty)
-        if IEEE:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
+        acc = _dot(acc, a, w, IEEE)
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, b_ptr, e, s_be, alpha, limit, WEIGHTED,
                 HAS_BIAS, OAI, BLOCK_M, BLOCK_N)
 
