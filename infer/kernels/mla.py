@@ -7,26 +7,29 @@ TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE for t
 pad L + R (576) to a power of two (1024): the score is the L part's dot plus the R part's, each its own
 power-of-two width (512 and 64), and the value product reuses the L part already in registers.
 
-* decode (every sequence's query length 1), flash-decoding: a program per (block of BLOCK_H query heads, sequence,
-  split of the context). The head block is the grid's fastest axis, so the H / BLOCK_H programs that read the same
-  key tiles run side by side and all but the first find them in L2. Splits cut a sequence's key blocks (whole
+* decode (every sequence's query length 1), flash-decoding: a program per (block of `heads` query heads in rows of
+  BLOCK_H = max(16, heads), sequence, split of the context). The head block is the grid's fastest axis, so the
+  H / heads programs that read the same key tiles run side by side and all but the first find them in L2. Splits cut a sequence's key blocks (whole
   BLOCK_N tiles) `parts` ways; with one split the program writes the output, else each writes its partial
   (acc [BLOCK_H, L] float32, running max and sum) and a second small kernel (`_merge_kernel`, a program per
   sequence and head) merges them. The grid depends on T and the sizes only (no host sync: graph-safe).
 * otherwise (prefills, mixed steps) a flash-attention kernel: a program per (tile of BLOCK_Q query tokens of one
   sequence x BLOCK_H heads, head block), rows = (token, head) pairs, causal within the sequence's new tokens.
 
-Head block and programs per SM (H100: 132 SMs, 228 KiB shared memory and 64 K registers an SM). A step must read
-every sequence's context once from HBM: (L + R) x 2 bytes = 1,152 bytes a key in bf16 (V3: 64 x 32k keys is 2.4 GB,
-about 0.75 ms at 3.3 TB/s); q and the output are small beside it (H x 1,088 x 2 bytes a sequence). Each of the
-H / BLOCK_H head blocks reads the same tiles again, from L2 when they run together. BLOCK_H = 16 (tl.dot's smallest
-M; mma m16n8k16) keeps the float32 accumulator 16 x 512 at 64 registers a thread with 4 warps; a key tile of
-BLOCK_N = 32 rows is 36 KiB in bf16, 72 KiB double-buffered, so 2-3 programs fit an SM. H = 16 (V2-Lite) is then one
-head block and H = 128 (V3) eight, whose L2 reads are 8 x 1,152 bytes a key: for H > 16 a block of 32 heads (8 warps,
-still 64 accumulator registers a thread) halves them, at 1-2 programs an SM. The splits make up the rest: `parts`
-gives batch x head blocks x parts >= 2 x 132 programs where the context has that many tiles, e.g. V2-Lite at batch 1
-and 8k context 256 splits of 1 tile, at batch 64 and 1k context 4 splits of 8 tiles; V3 at batch 1 66 splits
-x 4 head blocks, at batch 64 one split (256 programs, two a SM).
+Head block and programs per SM (H100: 132 SMs, 228 KiB shared memory and 64 K registers an SM). A decode step must
+read every sequence's context once from HBM, (L + R) x 2 = 1,152 bytes a key in bf16 (V3 at batch 64 and 32k
+context: 2.4 GB, about 0.75 ms at 3.3 TB/s); q and the output add H x 2,176 bytes a sequence. Each of the H / heads
+head blocks reads the same tiles again, from L2 when they run side by side, so fewer, wider head blocks spare L2;
+but a program's float32 accumulator is heads x L: 16 x 512 is 64 registers a thread at 4 warps, 32 x 512 the same
+at 8 warps. Compiled for sm_90 (tests/test_probes_session65_mla.py): 16 heads take about 200 registers a thread at
+4 warps and 55 KiB of shared memory (a key tile of BLOCK_N = 32 rows is 36 KiB, double-buffered): 2 programs an
+SM; 32 heads about 190 at 8 warps and 74 KiB: 1 an SM. So V2-Lite (H = 16) is one head block of 16, V3 (H = 128)
+four of 32 (L2 reads 4 x 1,152 bytes a key, not 8 x; its 256 programs at batch 64 are two waves). The splits make up the rest: `decode_plan` gives
+batch x head blocks x splits >= 2 x 132 programs where the widest context has that many tiles of 32 keys, and where
+even one split a tile cannot give every SM a program (batch 1, 1k context: 32 tiles), fewer heads a program (down
+to 4 in rows of 16, the padding rows' dots free while a step is bound by its bytes: 16 heads do 30 flops a byte
+read). At batch 1-64 and contexts 1k-32k that is 128-264 programs: V2-Lite batch 1 1k: 4 head blocks x 32
+splits; 8k: 256 splits; batch 64: 4 splits. V3 batch 1 8k: 4 x 66 splits; batch 16: 4 x 4; batch 64: 4 x 1.
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ from . import pdl, reference
 from .attention import LOG2E, _decode_programs, _find_seq, _interpreted_bf16
 from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 
-BLOCK_N = 32  # keys a tile: (L + R) x 32 x 2 bytes = 36 KiB at V3's widths in bf16
+BLOCK_N = 32  # keys a decode tile: (L + R) x 32 x 2 bytes = 36 KiB at V3's widths in bf16
+PREFILL_BLOCK_N = 16  # keys a prefill tile (beside its 32 rows of q: within sm_89's 99 KiB a program, two stages)
 PROGRAMS_PER_SM_MLA = 2  # the decode programs an SM holds at once (shared memory: two double-buffered key tiles)
 MERGE_CHUNK = 16  # the partials the merge reads a step
 
 
 def head_block(num_heads: int) -> int:
-    """Query heads a program attends (see the module docstring): 16, or 32 above 16 heads."""
+    """Query heads a decode program attends at most (see the module docstring): 16, or 32 above 16 heads."""
     return 16 if num_heads <= 16 else 32
 
 
@@ -99,11 +103,12 @@ def _attend_tiles(acc, m_i, l_i, q_l, q_r, pos, c_ptr, table_ptr, lo, hi, s_cb, 
 @triton.jit(do_not_specialize=["s_bt", "num_parts"])
 def _decode_kernel(q_ptr, c_ptr, out_ptr, pacc_ptr, pml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale, num_heads,
                    num_parts, s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt, s_cb, s_cs, s_cd,
-                   BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LATENT: tl.constexpr,
-                   ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                   HEADS: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head block, sequence b, split): the keys part * span..+span of b (span: b's key tiles shared out
-    num_parts ways); b's query (if its query length is 1) of heads hb * BLOCK_H.. . SPLIT: the partials at rows
+    num_parts ways); b's query (if its query length is 1) of the HEADS heads hb * HEADS.. (rows of BLOCK_H >= 16,
+    tl.dot's least, the rest masked). SPLIT: the partials at rows
     (b * num_heads + head) * num_parts + part of pacc [., BLOCK_L] and pml [., 2] (max, sum); a split past b's
     keys writes nothing (`_merge_kernel` reads the used ones only)."""
     pdl.start(PDL)
@@ -116,8 +121,9 @@ def _decode_kernel(q_ptr, c_ptr, out_ptr, pacc_ptr, pml_ptr, tables_ptr, lens_pt
         span = seq_len
     lo = part * span
     if (tl.load(qsl_ptr + b + 1) - q_start == 1) & (lo < seq_len):
-        head = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = head < num_heads
+        rows = tl.arange(0, BLOCK_H)
+        head = hb * HEADS + rows
+        mask_h = (rows < HEADS) & (head < num_heads)
         offs_l = tl.arange(0, BLOCK_L)
         offs_r = tl.arange(0, BLOCK_R)
         mask = mask_h[:, None] & (offs_l < LATENT)[None, :]
@@ -246,31 +252,37 @@ def _widths(q: torch.Tensor, cache: torch.Tensor, latent_dim: int) -> dict:
                 PDL=pdl.on(q.device), **pdl.launch(q.device))
 
 
-def decode_splits(num_seqs: int, num_heads: int, context: int, device: torch.device) -> int:
-    """The splits of a sequence's keys in a decode launch: enough for batch x head blocks x splits to fill
-    PROGRAMS_PER_SM_MLA programs an SM (`decode_parts`), at most one a key tile of the widest context."""
-    programs = _decode_programs(device) // PROGRAMS_PER_SM * PROGRAMS_PER_SM_MLA  # (SMs x programs an SM)
-    return decode_parts(num_seqs, cdiv(num_heads, head_block(num_heads)), context, BLOCK_N, programs)
+def decode_plan(num_seqs: int, num_heads: int, context: int, device: torch.device) -> tuple[int, int]:
+    """(heads a program, splits a sequence) of a decode launch, from sizes only (the block tables' width: `context`
+    keys). Heads: `head_block`'s, halved (down to 4) while the batch's head blocks x key tiles could not give every
+    SM a program; splits: enough for batch x head blocks x splits to fill PROGRAMS_PER_SM_MLA programs an SM
+    (`decode_parts`), at most one a key tile."""
+    sms = _decode_programs(device) // PROGRAMS_PER_SM
+    heads, tiles = head_block(num_heads), cdiv(context, BLOCK_N)
+    while heads > 4 and num_seqs * cdiv(num_heads, heads) * tiles < sms:
+        heads //= 2
+    blocks = cdiv(num_heads, heads)
+    return heads, decode_parts(num_seqs, blocks, context, BLOCK_N, sms * PROGRAMS_PER_SM_MLA)
 
 
 def _decode(q, cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, parts: int | None = None,
-            block_h: int | None = None, compile_only: bool = False) -> None:
-    """The decode launch(es): `parts` splits a sequence (`decode_splits` by default), `block_h` heads a program
-    (`head_block` by default); compile_only: compile both kernels, launch nothing."""
+            heads: int | None = None, compile_only: bool = False) -> None:
+    """The decode launch(es): `heads` a program and `parts` splits a sequence (`decode_plan`'s by default);
+    compile_only: compile both kernels, launch nothing."""
     num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
-    block_h = block_h or head_block(num_heads)
-    if parts is None:
-        parts = decode_splits(num_seqs, num_heads, block_tables.shape[1] * cache.shape[1], q.device)
+    plan = decode_plan(num_seqs, num_heads, block_tables.shape[1] * cache.shape[1], q.device)
+    heads, parts = heads or plan[0], parts or plan[1]
+    block_h = max(16, heads)
     if parts > 1:
         pacc = torch.empty(num_seqs, num_heads, parts, meta["BLOCK_L"], dtype=torch.float32, device=q.device)
         pml = torch.empty(num_seqs, num_heads, parts, 2, dtype=torch.float32, device=q.device)
     else:
         pacc = pml = out  # unused
-    grid = (cdiv(num_heads, block_h), num_seqs, parts)
+    grid = (cdiv(num_heads, heads), num_seqs, parts)
     run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
     run(q, cache, out, pacc, pml, block_tables, seq_lens, query_start_loc, qk_scale, num_heads, parts,
         *q.stride(), *out.stride(), block_tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(3),
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=parts > 1, num_warps=4 if block_h <= 16 else 8, num_stages=2,
+        HEADS=heads, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=parts > 1, num_warps=4 if block_h <= 16 else 8, num_stages=2,
         **meta, **({"grid": grid} if compile_only else {}))
     if parts > 1:
         grid = (num_heads, num_seqs)
@@ -291,7 +303,7 @@ def _prefill(q, cache, block_tables, seq_lens, query_start_loc, qk_scale, out, m
     run = _prefill_kernel.warmup if compile_only else _prefill_kernel[grid]
     run(q, cache, out, block_tables, seq_lens, query_start_loc, num_seqs, qk_scale, num_heads,
         *q.stride(), *out.stride(), block_tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(3),
-        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=BLOCK_N, num_warps=8, num_stages=2, **meta,
+        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=PREFILL_BLOCK_N, num_warps=8, num_stages=2, **meta,
         **({"grid": grid} if compile_only else {}))
 
 
