@@ -1,0 +1,258 @@
+"""Session 65: the Triton paged attention of MLA's absorbed latent cache (kernels.mla.mla_paged_attention: one cache
+row of L + R a token shared by every head, the values its first L dims) under TRITON_INTERPRET=1 (compiled on a GPU)
+against its definition, reference.paged_attention(q, cache, cache, ...)[..., :L]: decode batches (contexts across
+blocks, uneven, of one key, splits of one tile and many, splits past a context's keys, heads a program below 16 and
+past the head count) and prefill / mixed batches (cached prefixes, whole prompts, decodes beside them), float32 and
+bfloat16 (a bound from bf16's epsilon against a float64 computation), outputs and partials poisoned with NaN; a
+non-finite key past a query's position kept from it; bad inputs refused; the CPU path; the launch plan filling an
+H100's SMs at V2-Lite's and V3's heads; compiled for sm_90 / sm_89 at V3's widths within their shared memory,
+without spills; on a GPU the real sizes and a CUDA graph replayed over new lengths; the bench's rows and refusals."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import pytest
+import torch
+
+from infer.kernels import reference
+from infer.kernels.intmath import cdiv
+from infer.kernels.moe import SM90_SMEM
+
+from helpers import COMPILE_ONLY_SHARED, interpreted_module, nan_filled_empty, run_compile_only
+from test_probes_session63_rdelta import SM89_SMEM
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 16
+TOL = 2e-5  # float32: the kernels' sums in another order than torch's
+
+
+@pytest.fixture(scope="module")
+def mla():
+    yield from interpreted_module("infer.kernels.mla")
+
+
+def _batch(gen, lens, queries, heads, latent, rope, dtype=torch.float32, past=30.0):
+    """q [T, H, L+R] of sequences whose last queries[b] tokens are new out of lens[b], a cache whose blocks are
+    handed out in a random order, every slot past a sequence's keys `past` (30: a key read there would outweigh the
+    rest) and every spare block NaN (the block tables' spare entries point at one), seq_lens and query_start_loc."""
+    blocks = [cdiv(n, PAGE) for n in lens]
+    total = sum(blocks) + 2
+    cache = torch.randn(total, PAGE, 1, latent + rope, generator=gen).to(dtype)
+    order = torch.randperm(total - 1, generator=gen).tolist()
+    tables = torch.full((len(lens), max(blocks) + 1), total - 1, dtype=torch.int32)
+    cache[total - 1] = float("nan")
+    used = set()
+    for b, n in enumerate(lens):
+        for j in range(blocks[b]):
+            tables[b, j] = order.pop()
+            used.add(int(tables[b, j]))
+        last = int(tables[b, blocks[b] - 1])
+        cache[last, n - (blocks[b] - 1) * PAGE:] = past
+    for blk in set(range(total)) - used:
+        cache[blk] = float("nan")
+    starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), heads, latent + rope, generator=gen).to(dtype)
+    return [x.to(DEV) for x in (q, cache, tables, torch.tensor(lens, dtype=torch.int32), starts)]
+
+
+def _definition(q, cache, tables, lens, starts, scale, latent):
+    return reference.paged_attention(q.cpu(), cache.cpu(), cache.cpu(), tables.cpu(), lens.cpu(), starts.cpu(),
+                                     scale)[..., :latent]
+
+
+def _float64(q, cache, tables, lens, starts, scale, latent):
+    """The same attention in float64 from the same (rounded) inputs, written out per query."""
+    out = torch.empty(q.shape[0], q.shape[1], latent, dtype=torch.float64)
+    for b in range(lens.shape[0]):
+        n, s0 = int(starts[b + 1] - starts[b]), int(starts[b])
+        keys = int(lens[b])
+        rows = torch.stack([cache[int(tables[b, i // PAGE]), i % PAGE, 0] for i in range(keys)]).double().cpu()
+        for i in range(n):
+            pos = keys - n + i
+            s = q[s0 + i].double().cpu() @ rows[:pos + 1].T * scale
+            out[s0 + i] = torch.softmax(s, -1) @ rows[:pos + 1, :latent]
+    return out
+
+
+LENS = [40, 1, 17, 33, 16]  # across blocks (3 of 16), one key, one block and a key, 3 blocks less 15, one whole block
+
+
+@pytest.mark.parametrize("heads, latent, rope", [(4, 32, 16), (16, 64, 16), (20, 48, 8)])
+@pytest.mark.parametrize("parts, per_program", [(None, None), (1, None), (2, None), (8, None), (3, 4), (2, 32)])
+def test_decode_equals_the_definition(mla, monkeypatch, heads, latent, rope, parts, per_program):
+    """Decode rows of contexts across blocks, uneven, of one key: every split count (one; two; 8, most of them past
+    a context's 3 tiles of 16 keys: they write nothing and the merge reads the used ones only), heads a program
+    below 16 (4 in rows of 16) and past the head count (32); widths that are not powers of two (48 + 8): the output
+    (NaN first, as the partials) equals reference.paged_attention(q, cache, cache)[..., :L]."""
+    monkeypatch.setattr(mla, "BLOCK_N", 16)
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(heads + parts if parts else heads), LENS,
+                                            [1] * len(LENS), heads, latent, rope)
+    want = _definition(q, cache, tables, lens, starts, 0.3, latent)
+    out = torch.full((q.shape[0], heads, latent), float("nan"), device=DEV)
+    with nan_filled_empty(mla):
+        if parts is None and per_program is None:
+            assert mla.mla_paged_attention(q, cache, tables, lens, starts, 0.3, latent, 1, out=out) is out
+        else:
+            mla._decode(q, cache, tables, lens, starts, 0.3 * mla.LOG2E, out, mla._widths(q, cache, latent),
+                        parts=parts, heads=per_program)
+    assert torch.allclose(out.cpu(), want, atol=TOL, rtol=TOL), float((out.cpu() - want).abs().max())
+
+
+def test_merge_of_many_splits_over_a_long_context(mla, monkeypatch):
+    """40 splits of one tile each (more than the merge's chunk of 16 partials: three chunks) over 620 keys, beside a
+    context of 2 keys (39 of its splits empty)."""
+    monkeypatch.setattr(mla, "BLOCK_N", 16)
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(5), [620, 2], [1, 1], 4, 32, 16)
+    want = _definition(q, cache, tables, lens, starts, 0.2, 32)
+    out = torch.full((2, 4, 32), float("nan"), device=DEV)
+    with nan_filled_empty(mla):
+        mla._decode(q, cache, tables, lens, starts, 0.2 * mla.LOG2E, out, mla._widths(q, cache, 32), parts=40)
+    assert torch.allclose(out.cpu(), want, atol=TOL, rtol=TOL), float((out.cpu() - want).abs().max())
+
+
+MIXED = ([40, 30, 1, 50, 33, 9], [1, 7, 1, 20, 33, 9])  # decodes, a chunk after a prefix, whole prompts
+
+
+@pytest.mark.parametrize("heads, latent, rope", [(4, 32, 16), (16, 64, 16), (20, 48, 8)])
+def test_prefill_and_mixed_batches_equal_the_definition(mla, heads, latent, rope):
+    """A step mixing decodes, a prefill chunk after 10 cached tokens (7 new of 30), 20 new of 50, whole prompts of
+    33 and of 9 tokens: causal within each sequence's new tokens, every row equal to the definition's."""
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(heads), *MIXED, heads, latent, rope)
+    want = _definition(q, cache, tables, lens, starts, 0.25, latent)
+    out = torch.full((q.shape[0], heads, latent), float("nan"), device=DEV)
+    mla.mla_paged_attention(q, cache, tables, lens, starts, 0.25, latent, out=out)
+    assert torch.allclose(out.cpu(), want, atol=TOL, rtol=TOL), float((out.cpu() - want).abs().max())
+
+
+def _bf16_bound(cache, latent):
+    """The bf16 kernels' error against float64 on the same inputs: the softmax weights rounded to bf16 before the
+    value product (eps / 2 relative each: eps / 2 x max |v| at most) and the output rounded to bf16 (eps / 2 x
+    |out| <= eps / 2 x max |v|); the float32 sums' errors are far below (1e-5 relative)."""
+    values = cache[..., :latent].float()
+    return torch.finfo(torch.bfloat16).eps * float(values[values.isfinite()].abs().max()) * (1 + 1e-3)
+
+
+@pytest.mark.parametrize("lens, queries", [(LENS, [1] * len(LENS)), MIXED])
+def test_bf16_within_bf16_rounding_of_float64(mla, lens, queries):
+    """bfloat16 q and cache, decode (two splits a sequence at most, as decode_plan gives a small batch here: splits
+    of 32 keys) and mixed: within `_bf16_bound` of the float64 attention of the same bf16 inputs."""
+    q, cache, tables, lens_t, starts = _batch(torch.Generator().manual_seed(1), lens, queries, 16, 64, 16,
+                                              torch.bfloat16)
+    want = _float64(q, cache, tables, lens_t, starts, 0.2, 64)
+    with nan_filled_empty(mla):
+        got = mla.mla_paged_attention(q, cache, tables, lens_t, starts, 0.2, 64)
+    assert got.dtype == torch.bfloat16
+    err = float((got.cpu().double() - want).abs().max())
+    assert err <= _bf16_bound(cache, 64), (err, _bf16_bound(cache, 64))
+
+
+def test_a_key_that_is_not_finite_reaches_only_the_queries_that_attend_to_it(mla):
+    """A prefill of 20 new tokens after 30 cached whose 15th new token's row is NaN (a token the model overflowed
+    on): the 14 queries before it equal the definition's (finite: its masked weight kept from them), those from it
+    on are NaN, as the definition's."""
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(2), [50, 9], [20, 1], 4, 32, 16)
+    cache[int(tables[0, 44 // PAGE]), 44 % PAGE] = float("nan")
+    want = _definition(q, cache, tables, lens, starts, 0.3, 32)
+    got = mla.mla_paged_attention(q, cache, tables, lens, starts, 0.3, 32).cpu()
+    assert torch.isfinite(got[:14]).all() and torch.isnan(got[14:20]).all() and torch.isfinite(got[20]).all()
+    assert torch.allclose(got, want, atol=TOL, rtol=TOL, equal_nan=True)
+
+
+@pytest.mark.parametrize("lens, queries", [(LENS, [1] * len(LENS)), MIXED])
+def test_nan_past_a_sequences_keys_is_never_read(mla, lens, queries):
+    """NaN in every slot past a sequence's keys in its last block (a block's stale rows: a request that overflowed
+    before) and in the spare blocks: decode and mixed outputs finite, equal to the float64 attention of the
+    sequences' own keys. (reference.paged_attention's decode rows read such slots: NaN there, 0 x NaN.)"""
+    q, cache, tables, lens_t, starts = _batch(torch.Generator().manual_seed(6), lens, queries, 4, 32, 16,
+                                              past=float("nan"))
+    got = mla.mla_paged_attention(q, cache, tables, lens_t, starts, 0.3, 32).cpu()
+    want = _float64(q, cache, tables, lens_t, starts, 0.3, 32)
+    assert torch.isfinite(got).all() and torch.allclose(got.double(), want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: dict(a, cache=a["cache"].expand(-1, -1, 2, -1)), "one row of q's width 48 a token"),
+    (lambda a: dict(a, q=a["q"][..., :40]), "one row of q's width 40"),
+    (lambda a: dict(a, latent_dim=48), "latent_dim 48: give kv_lora_rank"),
+    (lambda a: dict(a, latent_dim=0), "latent_dim 0"),
+    (lambda a: dict(a, q=a["q"][0]), "takes q [T, H, L+R]"),
+    (lambda a: dict(a, cache=a["cache"].double()), "store the cache in q's dtype"),
+    (lambda a: dict(a, out=torch.empty(5, 4, 48, device=DEV)), "out must be a torch.float32 tensor of shape (5, 4, 32)"),
+])
+def test_bad_inputs_are_refused(mla, change, message):
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(0), LENS, [1] * len(LENS), 4, 32, 16)
+    args = change(dict(q=q, cache=cache, block_tables=tables, seq_lens=lens, query_start_loc=starts, scale=1.0,
+                       latent_dim=32))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mla.mla_paged_attention(**args)
+
+
+def test_an_empty_batch_returns_an_empty_output(mla):
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(0), [3], [1], 4, 32, 16)
+    out = mla.mla_paged_attention(q[:0], cache, tables[:0], lens[:0], starts[:1], 1.0, 32)
+    assert out.shape == (0, 4, 32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_cpu_path_equals_float64(mla, monkeypatch):
+    """Without a GPU and without TRITON_INTERPRET the op computes with torch (reference.paged_attention, no kernel
+    launched): equal to the float64 attention written out per query (float32 tolerance), mixed batch, out written
+    in place."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for name in ("_decode", "_prefill"):
+        monkeypatch.setattr(mla, name, lambda *a, **k: pytest.fail("a Triton kernel launched on CPU tensors"))
+    mod = mla
+    q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(4), *MIXED, 4, 32, 16)
+    out = torch.full((q.shape[0], 4, 32), float("nan"))
+    assert mod.mla_paged_attention(q, cache, tables, lens, starts, 0.2, 32, out=out) is out
+    want = _float64(q, cache, tables, lens, starts, 0.2, 32)
+    assert torch.allclose(out.double(), want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_plan_fills_an_h100_at_batch_1_to_64(heads):
+    """V2-Lite's 16 heads and V3's 128 at batch 1, 16, 64 and contexts 1k, 8k, 32k: every plan launches at least
+    128 programs (an H100 has 132 SMs: batch 1 at 1k context has 32 tiles of 32 keys, 4 heads a program), at most
+    2 x 132 + a batch's worth (decode_parts' floor of one split), with 4-32 heads a program."""
+    from infer.kernels import mla
+    for batch in (1, 16, 64):
+        for context in (1024, 8192, 32768):
+            per, parts = mla.decode_plan(batch, heads, context, torch.device("cpu"))
+            programs = batch * cdiv(heads, per) * parts
+            assert 128 <= programs <= 264 + batch * cdiv(heads, per), (batch, context, per, parts)
+            assert per in (4, 8, 16, 32) and parts <= cdiv(context, mla.BLOCK_N)
+    assert mla.decode_plan(64, heads, 8192, torch.device("cpu")) == (mla.head_block(heads), 4 if heads == 16 else 1)
+
+
+COMPILED = COMPILE_ONLY_SHARED + textwrap.dedent('''
+    from infer.kernels import mla
+    seen, bf16 = {}, torch.bfloat16
+    def kept(self, *args, **kwargs):  # each launch's kernel: its shared memory and its main loop's local traffic
+        kern = record(self, *args, **kwargs)
+        res, local = kernel_sass.main_loop_spills(kern)
+        seen[f"{self.fn.__name__} h{q.shape[1]} sm_{arch[0]}"] = [kern.metadata.shared, local]
+        return kern
+    jit.JITFunction.run = kept
+    for arch[0] in (90, 89):
+        triton.runtime.driver.set_active(Driver(arch[0]))
+        for h in (16, 128):
+            q, cache = torch.zeros(4, h, 576, dtype=bf16), torch.zeros(8, 16, 1, 576, dtype=bf16)
+            tables, lens = torch.zeros(4, 2, dtype=torch.int32), torch.full((4,), 20, dtype=torch.int32)
+            out, meta = torch.zeros(4, h, 512, dtype=bf16), mla._widths(q, cache, 512)
+            mla._decode(q, cache, tables, lens, torch.arange(5, dtype=torch.int32), 1.0, out, meta, parts=2)
+            mla._prefill(q, cache, tables, lens, torch.tensor([0, 4, 4, 4, 4], dtype=torch.int32), 1.0, out, meta)
+    print(json.dumps(seen))
+''')
+
+
+def test_kernels_fit_the_shared_memory_of_sm90_and_sm89_without_spills():
+    """The decode, merge and prefill kernels compiled for sm_90 and sm_89 at V3's widths (L 512, R 64, bf16) with
+    16 and 128 heads as the launchers launch them: each takes no more shared memory than a program may have there,
+    and none loads or stores spilled registers in its main loop."""
+    seen = run_compile_only(COMPILED, 600)
+    names = ("_decode_kernel", "_merge_kernel", "_prefill_kernel")
+    assert sorted(seen) == sorted(f"{n} h{h} sm_{a}" for n in names for h in (16, 128) for a in (90, 89)), seen
+    for key, (used, local) in seen.items():
+        assert used <= (SM90_SMEM if key.endswith("sm_90") else SM89_SMEM) and local == 0, (key, used, local)
