@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 
+from infer import kernels
 from infer.kernels import reference
 from infer.kernels.intmath import cdiv
 from infer.kernels.moe import SM90_SMEM
@@ -24,13 +25,17 @@ from helpers import COMPILE_ONLY_SHARED, interpreted_module, nan_filled_empty, r
 from test_probes_session63_rdelta import SM89_SMEM
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+USE_TRITON = kernels.use_triton  # (the dispatch as shipped, before the fixture forces it)
 PAGE = 16
 TOL = 2e-5  # float32: the kernels' sums in another order than torch's
 
 
 @pytest.fixture(scope="module")
 def mla():
-    yield from interpreted_module("infer.kernels.mla")
+    """kernels.mla, its op through the Triton kernels on every tensor (interpreted on CPU tensors)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "use_triton", lambda t: True)
+        yield from interpreted_module("infer.kernels.mla")
 
 
 def _batch(gen, lens, queries, heads, latent, rope, dtype=torch.float32, past=30.0):
@@ -201,10 +206,10 @@ def test_an_empty_batch_returns_an_empty_output(mla):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_cpu_path_equals_float64(mla, monkeypatch):
-    """Without a GPU and without TRITON_INTERPRET the op computes with torch (reference.paged_attention, no kernel
+    """On CPU tensors (kernels.use_triton as shipped) the op computes with torch (reference.paged_attention, no kernel
     launched): equal to the float64 attention written out per query (float32 tolerance), mixed batch, out written
     in place."""
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(kernels, "use_triton", USE_TRITON)
     for name in ("_decode", "_prefill"):
         monkeypatch.setattr(mla, name, lambda *a, **k: pytest.fail("a Triton kernel launched on CPU tensors"))
     mod = mla
@@ -298,3 +303,52 @@ def test_gpu_decode_replays_in_a_cuda_graph_over_new_lengths(mla):
     torch.cuda.synchronize()
     want = _float64(q, cache, tables, lens, starts, 0.05, 512)
     assert float((out.cpu().double() - want).abs().max()) <= _bf16_bound(cache, tables, lens, 512)
+
+
+def test_bench_refuses_without_cuda_and_names_the_interpreted_check(monkeypatch, capsys):
+    from infer.bench import mla as bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--interpret" in err
+
+
+@pytest.mark.parametrize("argv, message", [(["--out", "{tmp}/missing/m.csv"], "missing does not exist"),
+                                           (["--out", "{tmp}/m.csv", "--batch", "0"], "--batch 0: give batch sizes"),
+                                           (["--out", "{tmp}/m.csv", "--context", "0"], "--context 0: give")])
+def test_bench_refuses_bad_arguments_before_timing(tmp_path, monkeypatch, capsys, argv, message):
+    from test_probes_session62_probe import _on_a_gpu_that_never_times
+    from infer.bench import mla as bench
+    _on_a_gpu_that_never_times(monkeypatch)
+    assert bench.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_bench_row_on_interpreted_kernels(mla, monkeypatch):
+    """A row at a tiny shape with a stand-in timer of 1 ms a call: the MLA output within bf16 rounding of the
+    generic kernel's (v = k, first L dims), gain 1, the bytes those of the cache rows, q, output and tables, GBps
+    and of_copy from them, the plan decode_plan's."""
+    from infer.bench import mla as bench
+    monkeypatch.setitem(bench.MODELS, "tiny", (4, 32, 16))
+    row = bench.measure("tiny", 3, 40, 1e12, lambda fn: (fn(), 1.0)[1], torch.Generator(device=DEV).manual_seed(0),
+                        DEV)
+    moved = 3 * (40 * 48 * 2 + 4 * (64 + 16) * 2 + 3 * 4)
+    assert bench.bytes_moved("tiny", 3, 40) == moved
+    assert row["gain"] == 1.0 and row["mla_us"] == row["generic_us"] == 1000.0 and row["max_abs_err"] <= 2 ** -6
+    assert row["GBps"] == round(moved / 1e6, 1) and row["of_copy"] == round(moved / 1e-3 / 1e12, 2)
+    assert (row["heads"], row["splits"]) == mla.decode_plan(3, 4, 48, torch.device(DEV))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU check")
+def test_bench_interpreted_check_against_the_definition(mla, capsys):
+    """--interpret on CPU: its rows (tiny V3 and V2-Lite heads, batch 1 and 3) within bf16 rounding of the
+    definition and of the generic kernel (2 x bf16's eps: outputs below 2 in magnitude, each rounded to bf16); the
+    dispatch and the models restored after."""
+    from infer.bench import mla as bench
+    forced = kernels.use_triton
+    assert bench.main(["--interpret", "--out", "unused.csv"]) == 0
+    table = capsys.readouterr().out
+    assert "v2-lite-tiny" in table and "definition_err" in table
+    rows = bench.interpreted_check()
+    assert len(rows) == 4 and all(r["definition_err"] <= 2 ** -6 and r["max_abs_err"] <= 2 ** -6 for r in rows)
+    assert sorted(bench.MODELS) == ["v2-lite", "v3"] and kernels.use_triton is forced

@@ -2,8 +2,8 @@
 layer keeps ONE cache row of width L + R (L = kv_lora_rank, the latent c_kv; R = qk_rope_head_dim, the rotated
 k_pe) shared by all H query heads; the absorbed query of a head is L + R wide too, and the values are the rows'
 first L dims (no V cache). `mla_paged_attention` (signature below) is, by definition,
-reference.paged_attention(q, cache, cache, ...)[..., :L]: on CPU it is computed so; on CUDA tensors (or under
-TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE for the scores and the values and never
+reference.paged_attention(q, cache, cache, ...)[..., :L]: on CPU it is computed so; on CUDA tensors (kernels.use_triton;
+tests force it on CPU tensors under TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE for the scores and the values and never
 pad L + R (576) to a power of two (1024): the score is the L part's dot plus the R part's, each its own
 power-of-two width (512 and 64), and the value product reuses the L part already in registers.
 
@@ -34,12 +34,11 @@ splits; 8k: 256 splits; batch 64: 4 splits. V3 batch 1 8k: 4 x 66 splits; batch 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import kernels
 from . import pdl, reference
 from .attention import LOG2E, _decode_programs, _find_seq, _interpreted_bf16
 from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
@@ -313,7 +312,7 @@ def mla_paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torc
     """MLA's absorbed paged attention: q [T, H, L+R] (L = latent_dim), cache [num_blocks, block_size, 1, L+R];
     block_tables, seq_lens and query_start_loc as reference.paged_attention's. Returns out [T, H, L] (written in
     place when given): reference.paged_attention(q, cache, cache, ...)[..., :L], causal within each sequence's new
-    tokens, the softmax in float32. On CUDA tensors (or under TRITON_INTERPRET=1) the Triton kernels: the decode
+    tokens, the softmax in float32. Where kernels.use_triton(q) (CUDA tensors) the Triton kernels: the decode
     ones when max_query_len is 1, else the prefill kernel; pass max_query_len under a CUDA graph (None: read from
     query_start_loc, a host sync)."""
     _check(q, cache, latent_dim, out)
@@ -321,7 +320,7 @@ def mla_paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torc
         out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not kernels.use_triton(q):
         out.copy_(reference.paged_attention(q, cache, cache, block_tables, seq_lens, query_start_loc, scale,
                                             max_query_len)[..., :latent_dim])
         return out
