@@ -352,3 +352,21 @@ def test_bench_interpreted_check_against_the_definition(mla, capsys):
     rows = bench.interpreted_check()
     assert len(rows) == 4 and all(r["definition_err"] <= 2 ** -6 and r["max_abs_err"] <= 2 ** -6 for r in rows)
     assert sorted(bench.MODELS) == ["v2-lite", "v3"] and kernels.use_triton is forced
+
+
+def test_bench_row_without_the_generic_kernel_or_where_it_fails(mla, monkeypatch, capsys):
+    """--no-generic: no generic time, gain nor error; a generic kernel that raises: its error on stderr, the MLA
+    kernel's row still there."""
+    from infer.bench import mla as bench
+    from infer.kernels import attention
+    monkeypatch.setitem(bench.MODELS, "tiny", (4, 32, 16))
+    timer, gen = (lambda fn: (fn(), 1.0)[1]), torch.Generator(device=DEV).manual_seed(0)
+    row = bench.measure("tiny", 2, 20, 1e12, timer, gen, DEV, generic_too=False)
+    assert "generic_us" not in row and "gain" not in row and row["max_abs_err"] != row["max_abs_err"]
+
+    def broken(*a, **k):
+        raise RuntimeError("out of resources: shared memory")
+    monkeypatch.setattr(attention, "paged_attention", broken)
+    row = bench.measure("tiny", 2, 20, 1e12, timer, gen, DEV)
+    assert "gain" not in row and row["mla_us"] == 1000.0
+    assert "tiny batch 2 context 20: the generic kernel failed: out of resources" in capsys.readouterr().err

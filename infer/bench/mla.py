@@ -55,8 +55,9 @@ def bytes_moved(model: str, batch: int, context: int, e: int = 2) -> int:
 
 
 def measure(model: str, batch: int, context: int, bandwidth: float, timer, gen: torch.Generator,
-            device="cuda") -> dict:
-    """One row: `timer(fn)` gives milliseconds per call of fn (None: no times, the outputs only)."""
+            device="cuda", generic_too: bool = True) -> dict:
+    """One row: `timer(fn)` gives milliseconds per call of fn (None: no times, the outputs only); generic_too: the
+    generic kernel run (and timed) beside."""
     from ..kernels import attention, mla
     s = build(model, batch, context, device, gen)
     args = (s["tables"], s["lens"], s["starts"], s["scale"])
@@ -70,22 +71,31 @@ def measure(model: str, batch: int, context: int, bandwidth: float, timer, gen: 
     heads, splits = mla.decode_plan(batch, s["q"].shape[1], s["tables"].shape[1] * PAGE, s["q"].device)
     row = dict(model=model, batch=batch, context=context, heads=heads, splits=splits)
     got = ours().float()
-    try:
-        err = float((got - generic()[..., :s["latent"]].float()).abs().max())
-        row["generic_us"] = 1e3 * timer(generic) if timer else None
-    except Exception as exc:  # (the generic kernel at 128 heads a KV head and 1024 lanes may not compile or run)
-        print(f"{model} batch {batch} context {context}: the generic kernel failed: {str(exc).splitlines()[0]}",
-              file=sys.stderr)
-        err = float("nan")
+    err = _beside(row, generic, got, s["latent"], timer) if generic_too else float("nan")
     row["max_abs_err"] = float(f"{err:.2e}")
     if timer is None:
-        return {k: v for k, v in row.items() if v is not None}
+        return row
     us, moved = 1e3 * timer(ours), bytes_moved(model, batch, context)
     row.update(mla_us=us, floor_us=moved / bandwidth * 1e6, GBps=round(moved / us / 1e3, 1),
                of_copy=round(moved / us / 1e-6 / bandwidth, 2))
-    if row.get("generic_us") is not None:
+    if "generic_us" in row:
         row["gain"] = row["generic_us"] / us
-    return {k: v for k, v in row.items() if v is not None}
+    return row
+
+
+def _beside(row: dict, generic, got: torch.Tensor, latent: int, timer) -> float:
+    """The generic kernel's run (its time into row["generic_us"] with a timer): the largest difference of `got`
+    from its first `latent` dims (NaN, and its error on stderr, where it fails: at 128 heads a KV head and 1024
+    lanes it may not compile or run)."""
+    try:
+        err = float((got - generic()[..., :latent].float()).abs().max())
+        if timer is not None:
+            row["generic_us"] = 1e3 * timer(generic)
+        return err
+    except Exception as exc:
+        print(f"{row['model']} batch {row['batch']} context {row['context']}: the generic kernel failed: "
+              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return float("nan")
 
 
 def interpreted_check() -> list[dict]:
@@ -125,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs="+", default=list(BATCHES), help="batch sizes to time")
     p.add_argument("--context", type=int, nargs="+", default=list(CONTEXTS), help="keys a sequence")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--no-generic", action="store_true", help="time the MLA kernels only (not the generic one)")
     p.add_argument("--interpret", action="store_true",
                    help="without a GPU: a tiny check of the kernels interpreted on CPU (no times)")
     return p.parse_args(argv)
@@ -162,8 +173,13 @@ def main(argv=None) -> int:
     from .kernels import copy_bandwidth
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
-    rows = [measure(m, b, c, bandwidth, triton.testing.do_bench_cudagraph, gen)
-            for m in args.models for c in args.context for b in args.batch]
+    rows = []
+    for m in args.models:
+        for c in args.context:
+            for b in args.batch:  # (each row printed as it comes: a timed-out run keeps them in its log)
+                rows.append(measure(m, b, c, bandwidth, triton.testing.do_bench_cudagraph, gen,
+                                    generic_too=not args.no_generic))
+                print(rows[-1], flush=True)
     return _write(args.out, rows, COLUMNS, f"MLA decode step on {torch.cuda.get_device_name()}, microseconds under "
                   f"CUDA graphs, bfloat16, block {PAGE}, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
                   {"copy_GBps": bandwidth / 1e9})
