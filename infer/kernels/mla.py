@@ -1,35 +1,35 @@
 """Paged attention of multi-head latent attention (DeepSeek-V2/V3's MLA) with the weights absorbed: every token of a
-layer keeps ONE cache row of width L + R (L = kv_lora_rank, the latent c_kv; R = qk_rope_head_dim, the rotated
-k_pe) shared by all H query heads; the absorbed query of a head is L + R wide too, and the values are the rows'
-first L dims (no V cache). `mla_paged_attention` (signature below) is, by definition,
-reference.paged_attention(q, cache, cache, ...)[..., :L]: on CPU it is computed so; on CUDA tensors (kernels.use_triton;
-tests force it on CPU tensors under TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE for the scores and the values and never
-pad L + R (576) to a power of two (1024): the score is the L part's dot plus the R part's, each its own
+layer keeps ONE cache row of width L + R (L = kv_lora_rank, the latent c_kv; R = qk_rope_head_dim, the rotated k_pe)
+shared by all H query heads; the absorbed query of a head is L + R wide too, and the values are the rows' first L
+dims (no V cache). `mla_paged_attention` (signature below) is, by definition, reference.paged_attention(q, cache,
+cache, ...)[..., :L]: on CPU it is computed so; on CUDA tensors (kernels.use_triton; tests force it on CPU tensors
+under TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE for the scores and the values and
+never pad L + R (576) to a power of two (1024): the score is the L part's dot plus the R part's, each its own
 power-of-two width (512 and 64), and the value product reuses the L part already in registers.
 
 * decode (every sequence's query length 1), flash-decoding: a program per (block of `heads` query heads in rows of
-  BLOCK_H = max(16, heads), sequence, split of the context). The head block is the grid's fastest axis, so the
-  H / heads programs that read the same key tiles run side by side and all but the first find them in L2. Splits cut a sequence's key blocks (whole
-  BLOCK_N tiles) `parts` ways; with one split the program writes the output, else each writes its partial
-  (acc [BLOCK_H, L] float32, running max and sum) and a second small kernel (`_merge_kernel`, a program per
-  sequence and head) merges them. The grid depends on T and the sizes only (no host sync: graph-safe).
+  BLOCK_H = max(16, heads), sequence, split of the context). The head block is the grid's fastest axis, so the H /
+  heads programs that read the same key tiles run side by side and all but the first find them in L2. Splits cut a
+  sequence's key blocks (whole BLOCK_N tiles) `parts` ways; with one split the program writes the output, else each
+  writes its partial (acc [BLOCK_H, L] float32, running max and sum) and a second small kernel (`_merge_kernel`, a
+  program per sequence and head) merges them. The grid depends on T and the sizes only (no host sync: graph-safe).
 * otherwise (prefills, mixed steps) a flash-attention kernel: a program per (tile of BLOCK_Q query tokens of one
   sequence x BLOCK_H heads, head block), rows = (token, head) pairs, causal within the sequence's new tokens.
 
 Head block and programs per SM (H100: 132 SMs, 228 KiB shared memory and 64 K registers an SM). A decode step must
-read every sequence's context once from HBM, (L + R) x 2 = 1,152 bytes a key in bf16 (V3 at batch 64 and 32k
-context: 2.4 GB, about 0.75 ms at 3.3 TB/s); q and the output add H x 2,176 bytes a sequence. Each of the H / heads
-head blocks reads the same tiles again, from L2 when they run side by side, so fewer, wider head blocks spare L2;
-but a program's float32 accumulator is heads x L: 16 x 512 is 64 registers a thread at 4 warps, 32 x 512 the same
-at 8 warps. Compiled for sm_90 (tests/test_probes_session65_mla.py): 16 heads take about 200 registers a thread at
-4 warps and 55 KiB of shared memory (a key tile of BLOCK_N = 32 rows is 36 KiB, double-buffered): 2 programs an
-SM; 32 heads about 190 at 8 warps and 74 KiB: 1 an SM. So V2-Lite (H = 16) is one head block of 16, V3 (H = 128)
-four of 32 (L2 reads 4 x 1,152 bytes a key, not 8 x; its 256 programs at batch 64 are two waves). The splits make up the rest: `decode_plan` gives
-batch x head blocks x splits >= 2 x 132 programs where the widest context has that many tiles of 32 keys, and where
-even one split a tile cannot give every SM a program (batch 1, 1k context: 32 tiles), fewer heads a program (down
-to 4 in rows of 16, the padding rows' dots free while a step is bound by its bytes: 16 heads do 30 flops a byte
-read). At batch 1-64 and contexts 1k-32k that is 128-264 programs: V2-Lite batch 1 1k: 4 head blocks x 32
-splits; 8k: 256 splits; batch 64: 4 splits. V3 batch 1 8k: 4 x 66 splits; batch 16: 4 x 4; batch 64: 4 x 1.
+read every sequence's context once from HBM, (L + R) x 2 = 1,152 bytes a key in bf16 (V3 at batch 64 and 32k context:
+2.4 GB, about 0.75 ms at 3.3 TB/s); q and the output add H x 2,176 bytes a sequence. Each of the H / heads head
+blocks reads the same tiles again, from L2 when they run side by side, so fewer, wider head blocks spare L2; but a
+program's float32 accumulator is heads x L: 16 x 512 is 64 registers a thread at 4 warps, 32 x 512 the same at 8
+warps. Compiled for sm_90 (tests/test_probes_session65_mla.py): 16 heads take about 200 registers a thread at 4 warps
+and 55 KiB of shared memory (a key tile of BLOCK_N = 32 rows is 36 KiB, double-buffered): 2 programs an SM; 32 heads
+about 190 at 8 warps and 74 KiB: 1 an SM. So V2-Lite (H = 16) is one head block of 16, V3 (H = 128) four of 32 (L2
+reads 4 x 1,152 bytes a key, not 8 x; its 256 programs at batch 64 are two waves). The splits make up the rest:
+`decode_plan` gives batch x head blocks x splits >= 2 x 132 programs where the widest context has that many tiles of
+32 keys, and where even one split a tile cannot give every SM a program (batch 1, 1k context: 32 tiles), fewer heads
+a program (down to 4 in rows of 16, the padding rows' dots free while a step is bound by its bytes: 16 heads do 30
+flops a byte read). At batch 1-64 and contexts 1k-32k that is 128-264 programs: V2-Lite batch 1 1k: 4 head blocks x
+32 splits; 8k: 256 splits; batch 64: 4 splits. V3 batch 1 8k: 4 x 66 splits; batch 16: 4 x 4; batch 64: 4 x 1.
 """
 
 from __future__ import annotations
@@ -281,8 +281,8 @@ def _decode(q, cache, block_tables, seq_lens, query_start_loc, qk_scale, out, me
     run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
     run(q, cache, out, pacc, pml, block_tables, seq_lens, query_start_loc, qk_scale, num_heads, parts,
         *q.stride(), *out.stride(), block_tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(3),
-        HEADS=heads, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=parts > 1, num_warps=4 if block_h <= 16 else 8, num_stages=2,
-        **meta, **({"grid": grid} if compile_only else {}))
+        HEADS=heads, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=parts > 1, num_warps=4 if block_h <= 16 else 8,
+        num_stages=2,        **meta, **({"grid": grid} if compile_only else {}))
     if parts > 1:
         grid = (num_heads, num_seqs)
         run = _merge_kernel.warmup if compile_only else _merge_kernel[grid]
