@@ -143,8 +143,8 @@ def _half_bound(cache, tables, lens, latent):
     return torch.finfo(cache.dtype).eps * top * (1 + 1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lens, queries", [(LENS, [1] * len(LENS)), MIXED])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("lens, queries", [(LENS, [1] * len(LENS)), MIXED], ids=["decode", "mixed"])
 def test_half_precision_within_its_rounding_of_float64(mla, lens, queries, dtype):
     """bfloat16 and float16 q and cache, decode (two splits a sequence at most, as decode_plan gives a small batch
     here: splits of 32 keys) and mixed: within `_half_bound` of the float64 attention of the same inputs. (float16
@@ -171,7 +171,7 @@ def test_a_key_that_is_not_finite_reaches_only_the_queries_that_attend_to_it(mla
     assert torch.allclose(got, want, atol=TOL, rtol=TOL, equal_nan=True)
 
 
-@pytest.mark.parametrize("lens, queries", [(LENS, [1] * len(LENS)), MIXED])
+@pytest.mark.parametrize("lens, queries", [(LENS, [1] * len(LENS)), MIXED], ids=["decode", "mixed"])
 def test_nan_past_a_sequences_keys_is_never_read(mla, lens, queries):
     """NaN in every slot past a sequence's keys in its last block (a block's stale rows: a request that overflowed
     before) and in the spare blocks: decode and mixed outputs finite, equal to the float64 attention of the
@@ -192,7 +192,7 @@ def test_nan_past_a_sequences_keys_is_never_read(mla, lens, queries):
     (lambda a: dict(a, cache=a["cache"].double()), "store the cache in q's dtype"),
     (lambda a: dict(a, out=torch.empty(5, 4, 48, device=DEV)),
      "out must be a torch.float32 tensor of shape (5, 4, 32)"),
-])
+], ids=["two_kv_heads", "cache_width", "latent_all", "latent_zero", "q_2d", "cache_dtype", "out_shape"])
 def test_bad_inputs_are_refused(mla, change, message):
     q, cache, tables, lens, starts = _batch(torch.Generator().manual_seed(0), LENS, [1] * len(LENS), 4, 32, 16)
     args = change(dict(q=q, cache=cache, block_tables=tables, seq_lens=lens, query_start_loc=starts, scale=1.0,
