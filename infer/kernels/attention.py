@@ -134,6 +134,15 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
+@triton.jit
+def _tile_of(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Program `tile`'s sequence b (`_find_seq`), b's first query token and query count, and the tile's index among
+    b's tiles of BLOCK_Q queries (past b's queries: none are the tile's)."""
+    b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    return b, q_start, tl.load(qsl_ptr + b + 1) - q_start, tile - (q_start // BLOCK_Q + b)
+
+
 # Neither the batch size nor the block tables' width (their row stride s_bt: 1, or a multiple of 16, would each
 # specialize) may compile a variant of its own on a user's request: warm_kernels() cannot reach every width.
 @triton.jit(do_not_specialize=["num_seqs", "s_bt"])
@@ -146,10 +155,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                     SINKS: tl.constexpr = False):
     pdl.start(PDL)
     tile, kv_head = tl.program_id(0), tl.program_id(1)
-    b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + b)
-    n = tl.load(qsl_ptr + b + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + b)
+    b, q_start, n, local = _tile_of(qsl_ptr, num_seqs, tile, BLOCK_Q)
     if local * BLOCK_Q < n:
         seq_len = tl.load(lens_ptr + b)
         rows = tl.arange(0, BLOCK_Q * GROUP_PAD)

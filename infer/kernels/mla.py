@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .. import kernels
 from . import pdl, reference
-from .attention import LOG2E, _decode_programs, _find_seq, _interpreted_bf16
+from .attention import LOG2E, _decode_programs, _interpreted_bf16, _merge, _tile_of
 from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 
 BLOCK_N = 32  # keys a decode tile: (L + R) x 32 x 2 bytes = 36 KiB at V3's widths in bf16
@@ -99,6 +99,12 @@ def _attend_tiles(acc, m_i, l_i, q_l, q_r, pos, c_ptr, table_ptr, lo, hi, s_cb, 
     return acc, m_i, l_i
 
 
+@triton.jit
+def _span(seq_len, num_parts, BLOCK_N: tl.constexpr):
+    """The keys of a split: the sequence's key tiles shared out num_parts ways (whole tiles, at least one)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_parts), 1) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["s_bt", "num_parts"])
 def _decode_kernel(q_ptr, c_ptr, out_ptr, pacc_ptr, pml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale, num_heads,
                    num_parts, s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt, s_cb, s_cs, s_cd,
@@ -115,7 +121,7 @@ def _decode_kernel(q_ptr, c_ptr, out_ptr, pacc_ptr, pml_ptr, tables_ptr, lens_pt
     q_start = tl.load(qsl_ptr + b)
     seq_len = tl.load(lens_ptr + b)
     if SPLIT:
-        span = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_parts), 1) * BLOCK_N
+        span = _span(seq_len, num_parts, BLOCK_N)
     else:
         span = seq_len
     lo = part * span
@@ -154,34 +160,15 @@ def _merge_kernel(out_ptr, pacc_ptr, pml_ptr, lens_ptr, qsl_ptr, num_heads, num_
                   BLOCK_N: tl.constexpr, LATENT: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
                   PDL: tl.constexpr = False):
     """Program (head, sequence b): b's output of that head from the partials of its splits that hold keys (as
-    `_decode_kernel` cuts them), CHUNK at a time, by their max and sum."""
+    `_decode_kernel` cuts them), CHUNK at a time, by their max and sum (the generic decode's `_merge`)."""
     pdl.start(PDL)
     h, b = tl.program_id(0), tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - q_start == 1:
         seq_len = tl.load(lens_ptr + b)
-        span = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_parts), 1) * BLOCK_N
-        used = tl.cdiv(seq_len, span)
-        row0 = (b * num_heads + h).to(tl.int64) * num_parts
-        offs_l = tl.arange(0, BLOCK_L)
-        m_run = tl.full((1,), float("-inf"), tl.float32)
-        l_run = tl.zeros((1,), tl.float32)
-        acc = tl.zeros((BLOCK_L,), tl.float32)
-        for c in range(0, used, CHUNK):
-            parts = c + tl.arange(0, CHUNK)
-            valid = parts < used
-            prow = row0 + parts
-            m = tl.load(pml_ptr + prow * 2, mask=valid, other=float("-inf"))
-            l_s = tl.load(pml_ptr + prow * 2 + 1, mask=valid, other=0.0)
-            m_new = tl.maximum(m_run, tl.max(m, 0))
-            alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk (m_run is -inf there)
-            w = tl.where(valid, tl.exp2(m - m_new), 0.0)
-            a = tl.load(pacc_ptr + prow[:, None] * BLOCK_L + offs_l[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha + tl.sum(a * w[:, None], 0)
-            l_run = l_run * alpha + tl.sum(l_s * w, 0)
-            m_run = m_new
-        tl.store(out_ptr + q_start.to(tl.int64) * s_ot + h * s_oh + offs_l * s_od,
-                 (acc / l_run).to(out_ptr.dtype.element_ty), mask=offs_l < LATENT)
+        used = tl.cdiv(seq_len, _span(seq_len, num_parts, BLOCK_N))
+        _merge(out_ptr + q_start.to(tl.int64) * s_ot, pacc_ptr, pml_ptr, h, (b * num_heads + h).to(tl.int64)
+               * num_parts, used, s_oh, s_od, lens_ptr, BLOCK_L, LATENT, CHUNK)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "s_bt"])
@@ -194,10 +181,7 @@ def _prefill_kernel(q_ptr, c_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr, num_se
     binary search over query_start_loc); its rows the (token, head) pairs of those tokens and the block's heads."""
     pdl.start(PDL)
     tile, hb = tl.program_id(0), tl.program_id(1)
-    b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + b)
-    n = tl.load(qsl_ptr + b + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + b)
+    b, q_start, n, local = _tile_of(qsl_ptr, num_seqs, tile, BLOCK_Q)
     if local * BLOCK_Q < n:
         seq_len = tl.load(lens_ptr + b)
         rows = tl.arange(0, BLOCK_Q * BLOCK_H)
