@@ -45,7 +45,7 @@ from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 
 BLOCK_N = 32  # keys a decode tile: (L + R) x 32 x 2 bytes = 36 KiB at V3's widths in bf16
 PREFILL_BLOCK_N = 16  # keys a prefill tile (beside its 32 rows of q: within sm_89's 99 KiB a program, two stages)
-PROGRAMS_PER_SM_MLA = 2  # the decode programs an SM holds at once (shared memory: two double-buffered key tiles)
+PROGRAMS_PER_SM_MLA = 2  # decode programs an SM holds at once (16 heads: ~200 registers a thread at 4 warps)
 MERGE_CHUNK = 16  # the partials the merge reads a step
 
 
