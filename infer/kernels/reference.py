@@ -502,12 +502,6 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     # a window: the blocks before the shortest row's window hold no key any row sees (not gathered)
     first = max(0, min(row_lens) - window) // bs if window else 0
     tables = block_tables.index_select(0, idx)[:, first:nblocks].long()
-    if not equal:  # a shorter row's table is padded with block 0, which holds whatever its last owner left (NaN
-        # from a request that went non-finite), and a masked key's value still enters the sum as 0 x value: the
-        # padding reads the row's own first block instead (its values finite, masked out)
-        own = torch.tensor([(n + bs - 1) // bs for n in row_lens], device=q.device)
-        tables = torch.where(torch.arange(first, nblocks, device=q.device)[None] < own[:, None], tables,
-                             tables[:, :1])
     r, flat, keys = tables.shape[0], tables.flatten(), max_len - first * bs
     k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :keys].transpose(1, 2).to(q.dtype)
     v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :keys].transpose(1, 2).to(q.dtype)
@@ -521,11 +515,14 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
         if window:
             mask = mask & (kpos >= lens_t[:, None] - window)
         mask = mask[:, None, None, :]
-        if batched or window:  # verify rows: a row's masked padding holds its sequence's later drafts, whose keys
-            # or values may not be finite (a draft the model overflowed on, rejected later); a window: a longer row's
-            # keys before its window may (a token it overflowed on, out of the window since): 0 x NaN would reach it
-            pad = ~mask[:, :, 0, :, None]
-            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        # the masked keys' and values' slots may hold what is not finite, and 0 x NaN would reach the row: a shorter
+        # row's padding (its table padded with block 0) and its own last block's slots past its length (what their last
+        # owner left: a request that went non-finite), verify rows' later drafts (a draft the model overflowed on,
+        # rejected later), a window's keys before it (a token overflowed on, out of the window since); k and v are this
+        # call's copies: zeroed in place
+        pad = ~mask[:, :, 0, :, None]
+        k.masked_fill_(pad, 0)
+        v.masked_fill_(pad, 0)
     o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap,
               sinks=sinks)
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
