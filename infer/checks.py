@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, RequestError
+from .errors import ConfigError, RequestError, bom_error
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*((?:[KMGT]i?)?B?)?\s*$", re.I)
 
@@ -92,6 +92,9 @@ def tokenizer_problem(path: Path | str, error: BaseException) -> tuple[str, str]
                 f"{', its config.json naming ' + source + ' as its source' if source else ''})")
     for name in TOKENIZER_JSON:
         if name in names:
+            bom = bom_error(path / name)
+            if bom is not None:  # (json.loads of the bytes skips it; transformers reads the text, and fails)
+                return bom.message, bom.hint
             try:
                 json.loads((path / name).read_bytes())
             except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError

@@ -131,3 +131,19 @@ def read_utf8(path, what: str) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})",
                           "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def bom_error(path, cls: type[InferError] = ConfigError) -> InferError | None:
+    """The refusal of a JSON file that starts with a UTF-8 byte-order mark (a Windows editor's "UTF-8 with BOM"),
+    or None when it has none: transformers (and so vLLM) cannot read such a config.json or tokenizer_config.json
+    (json.loads: "Unexpected UTF-8 BOM"), so infer refuses it with the fix instead of a decoder's words."""
+    import shlex
+    from pathlib import Path
+    try:
+        with Path(path).open("rb") as f:
+            if f.read(3) != b"\xef\xbb\xbf":
+                return None
+    except OSError:
+        return None
+    return cls(f"{path} starts with a UTF-8 byte-order mark (BOM), which transformers cannot read as JSON",
+               f"save it as UTF-8 without a BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' {shlex.quote(str(path))})")

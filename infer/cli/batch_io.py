@@ -31,12 +31,18 @@ class InputLine:
     status: int = 400  # a failed line's status in an OpenAI batch output line: 404 for a body.model that is no model
 
 
+def _own_id(obj) -> str | None:
+    """The id a line gives itself: an OpenAI batch line's custom_id (a string only, as OpenAI's), else its "id"."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("custom_id"), str):
+        return obj["custom_id"]
+    return str(obj["id"]) if obj.get("custom_id") is None and is_request_id(obj.get("id")) else None
+
+
 def _line_id(obj, line_no: int) -> str:
-    if isinstance(obj, dict):
-        for key in ("custom_id", "id"):
-            if is_request_id(obj.get(key)):
-                return str(obj[key])
-    return str(line_no)
+    own = _own_id(obj)
+    return str(line_no) if own is None else own
 
 
 def unreadable_id(line_no: int) -> str:
@@ -207,8 +213,7 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: Model
         item.error = f"line {line_no}: cannot read this request ({type(e).__name__}: {e})"
     # a failed line whose id is its line number (it gave none, or none usable: a JSON array, "id": 1.5) gives way
     # to a later line's own id: that valid line was refused as its duplicate and never ran
-    own = isinstance(obj, dict) and any(is_request_id(obj.get(key)) for key in ("custom_id", "id"))
-    item.made_id = item.error is not None and not own
+    item.made_id = item.error is not None and _own_id(obj) is None
     return item
 
 

@@ -585,7 +585,7 @@ def _embedding_line(obj: dict, tokenizer, default_id: str, names: ModelNames, ma
     prompts = [[int(t) for t in item] if isinstance(item, list) else
                encode_prompt(tokenizer, prompt=item, max_tokens=None if keep else max_tokens)
                for item in embedding_inputs(body.get("input"), "body.input")]
-    req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
+    req_id = batch_custom_id(obj, default_id)
     return ParsedRequest(req_id, prompts[0], params, names.lora_for(body.get("model")),
                          openai={"embedding": True, "pooling": pooling, "chat": False, "model": body.get("model"),
                                  "encoding_format": fmt, "request_id": rid, "inputs": prompts})
@@ -724,7 +724,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     lora = body.get("lora")
     if lora is None:
         lora = names.lora_for(body.get("model"))
-    req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
+    req_id = batch_custom_id(obj, default_id)
     for key in ("return_token_ids", "return_tokens_as_token_ids"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise RequestError(f"body.{key} must be a boolean, got {type(body[key]).__name__}")
@@ -791,6 +791,21 @@ def request_id(value: Any, field: str) -> str:
         raise RequestError(f"field {field!r} holds a NUL character (\\u0000), which infer keeps for the ids of the "
                            "requests a line of several inputs or a beam search makes", "remove it from the id")
     return str(value)
+
+
+def batch_custom_id(obj: dict, default_id: str) -> str:
+    """An OpenAI batch line's custom_id: a string, as OpenAI's Batch API and vllm run-batch require (a number would
+    come back as a string in the output line, which a join on the input's custom_id then misses); none or null: the
+    line's number."""
+    value = obj.get("custom_id")
+    if value is None:
+        return default_id
+    if not isinstance(value, str):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        raise RequestError(f"field 'custom_id' must be a string, got {json.dumps(value)[:60]}",
+                           f'quote it: "custom_id": "{value}"' if number else
+                           'e.g. "custom_id": "request-1" (each output line carries its line\'s custom_id)')
+    return request_id(value, "custom_id")
 
 
 def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None,

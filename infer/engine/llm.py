@@ -179,6 +179,12 @@ def _vllm_keywords(method):
     return call
 
 
+def _not_pooling(call: str) -> RequestError:
+    """The refusal of a pooling call (`call`: the method the user called) on an LLM that generates text."""
+    return RequestError(EMBED_ONLY.replace("/v1/embeddings", call).replace("server", "LLM"),
+                        'create it with LLM(MODEL, runner="pooling")')
+
+
 def _per_text(value, name: str, count: int):
     """LLM.score's `value` given one per pair (a list) as one per text of an embedding model's pairs (each pair's two
     texts run as two prompts: a list of one per pair was refused as "2N prompts but N"); anything else as it is."""
@@ -557,7 +563,8 @@ class LLM:
         given = [p.task for p in (pooling_params if isinstance(pooling_params, (list, tuple)) else [pooling_params])
                  if isinstance(p, PoolingParams) and p.task is not None]  # (the params' own task, as vLLM reads it)
         task = pooling_task or (given[0] if given else pooler.task if pooler is not None else "embed")
-        return self._pool(task, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority)
+        return self._pool(task, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority,
+                          method="LLM.encode")
 
     def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None, use_tqdm=True,
               pooling_params: PoolingParams | None = None, lora_request=None,
@@ -569,12 +576,14 @@ class LLM:
         from .classify import (ScoringRequestOutput, check_cross_encoder, check_texts, cosine, pair_ids, pair_labels,
                                score_pairs)
         engine = self._engine()
-        if engine.pooler is not None and engine.pooler.task not in ("embed", "classify"):
+        if engine.pooler is None:  # (before the texts are read: LLM.score's refusal, not LLM.embed's)
+            raise _not_pooling("LLM.score")
+        if engine.pooler.task not in ("embed", "classify"):
             raise RequestError(f"this model does {engine.pooler.task} only (a *ForTokenClassification model): it "
                                "scores no pairs", "score with a cross-encoder or an embedding model; "
                                "LLM.encode(..., pooling_task=\"token_classify\") classifies each token")
         data_1, data_2 = _score_data(data_1, "data_1"), _score_data(data_2, "data_2")
-        crossed = engine.pooler is not None and engine.pooler.task == "classify"
+        crossed = engine.pooler.task == "classify"
         pairs = score_pairs(data_1, data_2, "data_1", "data_2", empty=crossed)
         check_texts(zip((n for pair in pair_labels(data_1, data_2, "data_1", "data_2") for n in pair),
                         (t for pair in pairs for t in pair)), engine.model_config.vocab_size)
@@ -595,13 +604,13 @@ class LLM:
         return [ScoringRequestOutput(a.request_id, cosine(a.outputs.data, b.outputs.data),
                                      a.prompt_token_ids + b.prompt_token_ids) for a, b in zip(outs[::2], outs[1::2])]
 
-    def _pool(self, task: str, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority):
-        """The outputs of embed (task "embed") or classify: the engine's pooler must do that task."""
+    def _pool(self, task: str, prompts, pooling_params, lora_request, lora, truncate_prompt_tokens, priority,
+              method: str | None = None):
+        """The outputs of embed (task "embed") or classify: the engine's pooler must do that task. `method`: the
+        public method the user called, named in a refusal (LLM.encode of task embed is no call of LLM.embed)."""
         pooler = self._engine().pooler
         if pooler is None:
-            call = f"LLM.{task}" if task in ("embed", "classify") else "LLM.encode"  # (no LLM.token_embed)
-            raise RequestError(EMBED_ONLY.replace("/v1/embeddings", call).replace("server", "LLM"),
-                               'create it with LLM(MODEL, runner="pooling")')
+            raise _not_pooling(method or (f"LLM.{task}" if task in ("embed", "classify") else "LLM.encode"))
         if task not in pooler.tasks:
             from .pooling import task_refusal
             raise task_refusal(task, pooler)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError, RequestError, bom_error
 from .sampling_params import RequestOutputKind
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -116,7 +116,7 @@ def _json(path: Path) -> dict | list | None:
     try:
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {path}: {e}", "fix or remove the file") from None
+        raise bom_error(path) or ConfigError(f"cannot read {path}: {e}", "fix or remove the file") from None
 
 
 def sentence_transformers_pooling(folder: Path) -> dict:

@@ -133,7 +133,8 @@ class SamplingParams:
              "stop_token_ids must be a list of token ids"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.prefix_token_ids),
              "prefix_token_ids must be a list of token ids"),
-            (self.seed is None or 0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed}"),
+            (self.seed is None or 0 <= self.seed <= MAX_SEED,  # (-1 is no seed: None by _check_types, as vLLM's)
+             f"seed must be in 0..{MAX_SEED}, or -1 for none (a random draw), got {self.seed}"),
             # (the engine caps both at its max_logprobs, 20 by default: LLMEngine.validate)
             (self.logprobs is None or self.logprobs >= -1,
              f"logprobs must be at least 0, or -1 (the whole vocabulary), got {self.logprobs}"),

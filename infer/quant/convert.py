@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError, LoRAError, ModelLoadError, OutputError
+from ..errors import ConfigError, LoRAError, ModelLoadError, OutputError, bom_error
 
 DTYPES = ("float16", "bfloat16", "float32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -60,7 +60,7 @@ def read_config_json(model_dir: Path) -> dict:
     except OSError as e:
         raise ModelLoadError(f"cannot read {path}: {e.strerror or e}", "check the file's permissions") from None
     except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
-        raise ModelLoadError(f"cannot read {path}: it is not valid JSON ({e})",
+        raise bom_error(path, ModelLoadError) or ModelLoadError(f"cannot read {path}: it is not valid JSON ({e})",
                              "the file is corrupted or truncated; copy the model folder again") from None
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"cannot read {path}: it is not a JSON object",

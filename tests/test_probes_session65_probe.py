@@ -1,0 +1,108 @@
+"""Probes of the sixty-fifth session: inputs that crashed, hung or misled (the CLI, the server, the Python API)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.errors import RequestError
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from infer import LLM
+    return LLM("tiny-llama", block_size=4)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"pooling_task": "embed"}, {"pooling_task": "classify"},
+                                    {"pooling_task": "token_embed"}])
+def test_encode_on_a_generating_llm_names_llm_encode(llm, kwargs):
+    """LLM.encode on a text-generation LLM said "LLM.embed needs the LLM started with --runner pooling": a method the
+    user never called."""
+    with pytest.raises(RequestError) as e:
+        llm.encode(["hi"], **kwargs)
+    assert "LLM.encode needs" in e.value.message and "LLM.embed" not in e.value.message, e.value
+    assert 'runner="pooling"' in e.value.hint
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_json_file_with_a_utf8_bom_is_refused_with_the_fix(tmp_path, name):
+    """A config.json saved "UTF-8 with BOM" (transformers cannot read it either) said "cannot read ...: Unexpected UTF-8
+    BOM (decode using utf-8-sig)" with the hint "fix or remove the file" (removing config.json breaks the model); a
+    tokenizer_config.json with one said the tokenizer "cannot be loaded". Both now name the mark and how to drop it."""
+    folder = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), folder)
+    path = folder / name
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi", "max_new_tokens": 2}\n')
+    res = CliRunner().invoke(app, ["run", str(folder), str(src), "-o", str(tmp_path / "o.jsonl"), "-q"])
+    assert res.exit_code == 2, res.output
+    assert f"{path} starts with a UTF-8 byte-order mark (BOM)" in res.output, res.output
+    assert "without a BOM" in res.output and "fix or remove" not in res.output, res.output
+    path.write_bytes(path.read_bytes()[3:])  # the fix the hint gives: the same folder runs
+    res = CliRunner().invoke(app, ["run", str(folder), str(src), "-o", str(tmp_path / "o.jsonl"), "-q"])
+    assert res.exit_code == 0, res.output
+
+
+def test_convert_refuses_a_config_json_with_a_bom(tmp_path):
+    """infer convert reads config.json itself first: the same refusal, not "it is not valid JSON ... corrupted"."""
+    folder = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), folder)
+    path = folder / "config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    res = CliRunner().invoke(app, ["convert", str(folder), "-o", str(tmp_path / "out")])
+    assert res.exit_code != 0 and "starts with a UTF-8 byte-order mark" in res.output, res.output
+    assert "corrupted" not in res.output, res.output
+
+
+def _batch(custom_id, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "hi", "max_tokens": 2}, **extra}
+
+
+def test_a_batch_line_with_a_number_as_custom_id_is_refused(tmp_path):
+    """An OpenAI batch line's custom_id is a string (OpenAI's Batch API and vllm run-batch refuse a number); infer ran
+    "custom_id": 7 and wrote "7" back, which a join on the input's custom_id misses. The line is refused naming the
+    field; the other lines complete, and a null custom_id still falls back to the line's number."""
+    from helpers import infer_run_records
+    lines = [_batch(7), _batch("ok"), _batch(True), _batch(["a"]), _batch(None), _batch(1.5)]
+    records, output = infer_run_records(tmp_path, lines, "--output-format", "openai", key="custom_id")
+    assert sorted(records) == ["1", "3", "4", "5", "6", "ok"], records
+    assert records["ok"]["error"] is None and records["5"]["error"] is None  # (null: the line number)
+    want = {"1": 'got 7 (quote it: "custom_id": "7")', "3": "got true (e.g.", "4": 'got ["a"]', "6": "got 1.5 (quote"}
+    for key, said in want.items():
+        assert records[key]["response"]["status_code"] == 400, records[key]
+        message = records[key]["error"]["message"]
+        assert message.startswith(f"line {key}: field 'custom_id' must be a string, {said}"), message
+
+
+def test_a_numeric_custom_id_gives_way_to_a_later_lines_own_id(tmp_path):
+    """The refused line's record carries its line number, which is no id of its own: a later line whose custom_id is
+    that number (as a string) runs, and is not refused as its duplicate."""
+    from helpers import infer_run_records
+    records, _ = infer_run_records(tmp_path, [_batch(2), _batch("1")], "--output-format", "openai",
+                                   key="custom_id")
+    assert records["1"]["error"] is None and records["1"]["response"]["status_code"] == 200, records
+    assert len(records) == 2 and "custom_id' must be a string" in next(
+        r for k, r in records.items() if k != "1")["error"]["message"], records
+
+
+def test_a_seeds_refusal_names_minus_one_which_it_takes():
+    """seed -1 is taken as no seed (vLLM's), yet the refusal of -2 said "seed must be in 0..2^63-1": it now names -1."""
+    from infer import SamplingParams
+    assert SamplingParams(seed=-1).seed is None
+    for bad in (-2, 2 ** 63):
+        with pytest.raises(RequestError, match=r"seed must be in 0\.\.9223372036854775807, or -1 for none"):
+            SamplingParams(seed=bad)
+
+
+def test_score_on_a_generating_llm_names_llm_score(llm):
+    """LLM.score on a text-generation LLM said "LLM.embed needs the LLM started with --runner pooling"."""
+    with pytest.raises(RequestError) as e:
+        llm.score("a", ["b", "c"])
+    assert "LLM.score needs" in e.value.message and "LLM.embed" not in e.value.message, e.value
