@@ -106,3 +106,25 @@ def test_score_on_a_generating_llm_names_llm_score(llm):
     with pytest.raises(RequestError) as e:
         llm.score("a", ["b", "c"])
     assert "LLM.score needs" in e.value.message and "LLM.embed" not in e.value.message, e.value
+
+
+@pytest.mark.parametrize("command", [["convert", "{model}", "-o", "{tmp}/out"], ["quantize", "{model}", "-o", "{tmp}/q"],
+                                     ["lora-validate", "{model}", "{tmp}"]])
+@pytest.mark.parametrize("model", ["", " "])
+def test_an_empty_model_is_refused_as_empty(tmp_path, command, model):
+    """An empty MODEL (`infer convert "$UNSET" -o out`) was Path(''), the current folder: "model folder . has no
+    config.json" (convert, quantize, lora-validate), or for " " a hint to `hf download ORG/ `."""
+    args = [a.format(model=model, tmp=tmp_path) for a in command]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert f"error: the model is empty ({model!r})" in res.output, res.output
+    assert "model folder ." not in res.output and "ORG/" not in res.output, res.output
+
+
+@pytest.mark.parametrize("given", ["", "  "])
+def test_an_empty_input_path_is_refused_as_empty(tmp_path, given):
+    """`infer run MODEL ""` said "input . is a directory, not a file": Path('') is the current folder."""
+    res = CliRunner().invoke(app, ["run", "tiny-llama", given, "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 2, res.output
+    assert "error: Invalid value for 'input': it is empty; give the path of a JSONL file" in res.output, res.output
+    assert not (tmp_path / "o.jsonl").exists()

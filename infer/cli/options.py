@@ -237,6 +237,14 @@ def folder_path(value) -> Path:
     return path
 
 
+def input_file_path(value) -> Path:
+    """An input file argument's value as a Path, `~` expanded; an empty one (`infer run MODEL "$UNSET"`) is refused:
+    Path('') is the current folder, which was then refused as "input . is a directory"."""
+    if not isinstance(value, Path) and not str(value).strip():
+        raise typer.BadParameter("it is empty; give the path of a JSONL file")
+    return Path(value).expanduser()
+
+
 def symlink_loop(path: Path) -> bool:
     """Whether `path` (or a folder above it) is a symbolic link that leads back to itself."""
     try:

@@ -40,7 +40,8 @@ def _check_format(value: str) -> str:
 def run(
     model: o.Model,
     input: Annotated[Path, typer.Argument(help="JSONL file: one request per line (prompt | messages | "
-                                               "prompt_token_ids, or an OpenAI batch line).", show_default=False)],
+                                               "prompt_token_ids, or an OpenAI batch line).", show_default=False,
+                                          parser=o.input_file_path)],
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="Output JSONL (default, or -o -: stdout).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already in OUTPUT and complete the rest (OUTPUT must come "
                                               "from the same input and options).")] = False,

@@ -25,6 +25,10 @@ _HUB_URL = re.compile(_HUB_SITE + r"(?!(?:datasets|spaces|docs|collections|paper
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
     """A local model folder as it is (it must hold config.json), or a built-in model name built into the cache."""
+    if not str(name_or_path).strip():  # (Path('') is the current folder: "model folder . has no config.json")
+        raise ModelLoadError(f"the model is empty ({str(name_or_path)!r}): no folder, built-in name or hub id",
+                             "give a model folder, a built-in model (e.g. tiny-llama) or a Hugging Face id "
+                             "(is the variable that holds it unset?)")
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
