@@ -113,7 +113,8 @@ def test_ids_are_strings_or_integers():
     for bad in ({"x": 1}, [1], True):
         with pytest.raises(RequestError, match="field 'id' must be a string or an integer"):
             parse_request({"id": bad, "prompt": "x"}, tok, "1")
-        with pytest.raises(RequestError, match="field 'custom_id' must be a string or an integer"):
+    for bad in ({"x": 1}, [1], True, 5):  # (a batch line's custom_id is a string, as OpenAI's and vLLM's)
+        with pytest.raises(RequestError, match="field 'custom_id' must be a string, got"):
             parse_request({"custom_id": bad, "body": {"prompt": "x"}}, tok, "1")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -108,8 +109,8 @@ def test_score_on_a_generating_llm_names_llm_score(llm):
     assert "LLM.score needs" in e.value.message and "LLM.embed" not in e.value.message, e.value
 
 
-@pytest.mark.parametrize("command", [["convert", "{model}", "-o", "{tmp}/out"], ["quantize", "{model}", "-o", "{tmp}/q"],
-                                     ["lora-validate", "{model}", "{tmp}"]])
+@pytest.mark.parametrize("command", [["convert", "{model}", "-o", "{tmp}/out"],
+                                     ["quantize", "{model}", "-o", "{tmp}/q"], ["lora-validate", "{model}", "{tmp}"]])
 @pytest.mark.parametrize("model", ["", " "])
 def test_an_empty_model_is_refused_as_empty(tmp_path, command, model):
     """An empty MODEL (`infer convert "$UNSET" -o out`) was Path(''), the current folder: "model folder . has no
@@ -128,3 +129,41 @@ def test_an_empty_input_path_is_refused_as_empty(tmp_path, given):
     assert res.exit_code == 2, res.output
     assert "error: Invalid value for 'input': it is empty; give the path of a JSONL file" in res.output, res.output
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.parametrize("line", [{"id": "q0", "prompt": "hello"}, {"messages": [{"role": "user", "content": "hi"}]},
+                                  {"custom_id": "q0", "method": "POST", "url": "/v1/completions",
+                                   "body": {"prompt": "hi"}}])
+def test_an_input_file_given_as_output_is_kept(tmp_path, resume, line):
+    """`-o` naming another input file (prompts.jsonl for prompts2.jsonl) no run wrote: a plain run deleted its
+    requests without a word; --resume took their ids for records and said "nothing to resume" (exit 0, no record).
+    Both are refused and the file kept; an output a finished run wrote still starts over."""
+    src, other = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
+    src.write_text('{"id": "q0", "prompt": "hi", "max_new_tokens": 2}\n')
+    other.write_text(json.dumps(line) + "\n")
+    kept = other.read_bytes()
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(other), "-q",
+                                   *(["--resume"] if resume else [])])
+    assert res.exit_code == 2, res.output
+    key = next(k for k in ("prompt", "messages", "body") if k in line)
+    assert f"error: -o {other} holds requests, not records (its first line has '{key}')" in " ".join(
+        res.output.split()), res.output
+    assert other.read_bytes() == kept and not (tmp_path / "other.jsonl.resume.json").exists()
+
+
+def test_records_without_their_fingerprint_still_start_over(tmp_path):
+    """The check reads the first line only as a request: infer's own records (an id, no finish_reason... would be
+    a request) of a run whose fingerprint is gone are started over, as before, and resumed."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "hi", "max_new_tokens": 2}) + "\n" for i in range(2)))
+    for fmt in ([], ["--output-format", "openai"]):
+        if fmt:
+            src.write_text("".join(json.dumps(_batch(f"q{i}")) + "\n" for i in range(2)))
+        assert CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q", *fmt]).exit_code == 0
+        (tmp_path / "out.jsonl.resume.json").unlink()
+        res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q", *fmt])
+        assert res.exit_code == 0 and len(out.read_text().splitlines()) == 2, res.output
+        (tmp_path / "out.jsonl.resume.json").unlink()
+        res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q", "--resume", *fmt])
+        assert res.exit_code == 0 and len(out.read_text().splitlines()) == 2, res.output

@@ -271,6 +271,36 @@ def _write_json(path: Path, data: dict, hint: str = "make room or fix the folder
         raise OutputError(f"cannot write {path}: {e.strerror or e}", hint) from None
 
 
+_REQUEST_KEYS = ("prompt", "messages", "prompt_token_ids", "body", "input")  # what an input line has, no record
+
+
+def _first_line_request(output: Path) -> str | None:
+    """The request field (prompt, messages, body...) the first line of OUTPUT has when that line is an input's
+    request, not a record of either --output-format (a record has finish_reason, or response); else None."""
+    try:
+        with open(output, "rb") as f:
+            head = next((raw for raw in f if raw.strip()), b"")
+        line = json.loads(head.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(line, dict) or "finish_reason" in line or "response" in line:
+        return None
+    return next((key for key in _REQUEST_KEYS if key in line), None)
+
+
+def check_not_an_input(output: Path, resume: bool) -> None:
+    """Refuse an OUTPUT no run wrote (no fingerprint) whose first line is a request: an input file named by -o by
+    mistake. A plain run deleted it; --resume read its requests' ids as records ("nothing to resume", exit 0)."""
+    if fingerprint_path(output).exists() or not output.is_file() or not output.stat().st_size:
+        return
+    key = _first_line_request(output)
+    if key is not None:
+        did = "--resume would take its requests' ids for records" if resume else "Writing the records would delete it"
+        raise ConfigError(f"-o {output} holds requests, not records (its first line has {key!r}), and no infer run "
+                          f"wrote it: is it an input file? {did}", "give another -o (the file the records go to), "
+                          "or delete the file first")
+
+
 def check_not_unfinished(output: Path) -> None:
     """A run without --resume starts OUTPUT over. When OUTPUT holds the records of a run that stopped before its
     end (killed, Ctrl-C, a full disk), that would throw away work that --resume keeps: refuse, and say so."""

@@ -26,8 +26,8 @@ from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_batch_lines,
 from .beam_lines import LineBeams, is_beam_line
 from .embed_lines import LineInputs, inputs_of, is_many_inputs_line
 from .entry import Terminated, terminate_as_interrupt
-from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
-                     output_lock, side_files, write_fingerprint)
+from .resume import (check_not_an_input, check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target,
+                     mark_complete, output_lock, side_files, write_fingerprint)
 
 
 def _check_format(value: str) -> str:
@@ -129,6 +129,8 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
                 replica_options: dict | None = None, retry_failed: bool = False) -> None:
     """`run` once its paths are checked, with the output locked (`replica_options`: run_data_parallel's
     max_restarts and placement_timeout, for --data-parallel; `retry_failed`: --retry-failed)."""
+    if resumable:
+        check_not_an_input(output, resume)
     if resume and resumable and not force_resume:
         check_resume(output, input, options, retry_failed)
     if not resume and resumable:
