@@ -147,3 +147,12 @@ def bom_error(path, cls: type[InferError] = ConfigError) -> InferError | None:
         return None
     return cls(f"{path} starts with a UTF-8 byte-order mark (BOM), which transformers cannot read as JSON",
                f"save it as UTF-8 without a BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' {shlex.quote(str(path))})")
+
+
+def json_problem(e: Exception) -> str:
+    """Why json.loads refused a text, in words for whoever wrote it: a JSONDecodeError's own, "nested too deeply"
+    for a RecursionError, and an integer of more than 4300 digits without Python's advice to raise the limit
+    (sys.set_int_max_str_digits(): a program's remedy, not the text's)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return str(e).split(";")[0]

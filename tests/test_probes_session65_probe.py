@@ -167,3 +167,68 @@ def test_records_without_their_fingerprint_still_start_over(tmp_path):
         (tmp_path / "out.jsonl.resume.json").unlink()
         res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q", "--resume", *fmt])
         assert res.exit_code == 0 and len(out.read_text().splitlines()) == 2, res.output
+
+
+BIG = "9" * 5000  # an integer of more digits than Python reads (4300): json.loads raises a plain ValueError
+DEEP = "[" * 100000 + "]" * 100000  # arrays nested past the parser's recursion: RecursionError
+
+
+def test_a_5000_digit_number_in_a_run_line_says_so_without_pythons_advice(tmp_path):
+    """A line holding a 5000-digit number said "... use sys.set_int_max_str_digits() to increase the limit": advice
+    for a Python program, which no user of infer run can follow. The line is refused naming the number; the others
+    complete."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": "big", "prompt": "hi", "max_new_tokens": ' + BIG + '}\n'
+                   '{"id": "ok", "prompt": "hi", "max_new_tokens": 2}\n')
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["ok"]["error"] is None, records
+    error = records["line1"]["error"]
+    assert error == "line 1: bad JSON: Exceeds the limit (4300 digits) for integer string conversion: value has " \
+                    "5000 digits", error
+
+
+def test_the_servers_body_with_a_5000_digit_number_is_refused_without_pythons_advice():
+    from infer.serve.body import load_json
+    from infer.serve.protocol import ApiError
+    with pytest.raises(ApiError) as e:
+        load_json(('{"prompt": "hi", "max_tokens": ' + BIG + "}").encode(), 64)
+    assert e.value.status == 400 and "value has 5000 digits" in str(e.value), e.value
+    assert "set_int_max_str_digits" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("text, said", [('{"method": "ngram", "num_speculative_tokens": ' + BIG + "}",
+                                         "value has 5000 digits"), (DEEP, "nested too deeply")])
+def test_speculative_and_pooler_config_json_python_cannot_read_is_a_config_error(text, said):
+    """--speculative-config or --pooler-config holding a 5000-digit number, or arrays nested past the parser, was a
+    ValueError or RecursionError traceback (only JSONDecodeError was caught)."""
+    from infer.engine.pooling import parse_pooler_config
+    from infer.engine.speculative import parse_speculative_config
+    from infer.errors import ConfigError
+    for parse, flag in ((parse_speculative_config, "--speculative-config"), (parse_pooler_config, "--pooler-config")):
+        with pytest.raises(ConfigError) as e:
+            parse(text)
+        assert e.value.message == f"{flag} is not JSON: {said}" or (
+            said.startswith("value") and e.value.message.startswith(f"{flag} is not JSON: Exceeds the limit")
+            and e.value.message.endswith(said)), e.value
+        assert "set_int_max_str_digits" not in str(e.value)
+
+
+def test_a_json_schema_text_nested_past_the_parser_is_a_request_error():
+    """structured_outputs.json given as JSON text nested past the parser raised RecursionError (only ValueError was
+    caught): a server answered it 500."""
+    from infer import SamplingParams
+    with pytest.raises(RequestError, match="structured_outputs.json is not valid JSON: nested too deeply"):
+        SamplingParams(structured_outputs={"json": DEEP})
+
+
+def test_cors_and_calibration_json_python_cannot_read_is_a_config_error(tmp_path):
+    """--allowed-origins nested past the parser, and a calibration line with a 5000-digit number, were tracebacks."""
+    from infer.errors import ConfigError
+    from infer.quant.calibration import _jsonl_text
+    from infer.serve.cors import json_list
+    with pytest.raises(ConfigError, match=r"--allowed-origins '\[\[\[.*' is not JSON \(nested too deeply\)"):
+        json_list(DEEP, "--allowed-origins")
+    with pytest.raises(ConfigError, match=r"line 3 is not valid JSON \(Exceeds the limit .* 5000 digits\)"):
+        _jsonl_text('{"text": ' + BIG + "}", tmp_path / "c.jsonl", 3, str)

@@ -18,7 +18,7 @@ from typing import IO
 
 from ..engine.inputs import ModelNames, ParsedRequest, is_request_id, parse_request
 from ..engine.pooling import PoolingRequestOutput
-from ..errors import ConfigError, OutputError, RequestError, UnknownModelError
+from ..errors import ConfigError, OutputError, RequestError, UnknownModelError, json_problem
 
 
 @dataclass
@@ -193,8 +193,8 @@ def _loads(text: str):
         raise ValueError(f"bad JSON: {e.msg} (column {e.colno})") from None
     except RecursionError:
         raise ValueError("bad JSON: nested too deeply") from None
-    except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise ValueError(f"bad JSON: {e}") from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's advice to raise the limit left out)
+        raise ValueError(f"bad JSON: {json_problem(e)}") from None
 
 
 def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: ModelNames,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, RequestError, bom_error
+from ..errors import ConfigError, RequestError, bom_error, json_problem
 from .sampling_params import RequestOutputKind
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -52,8 +52,8 @@ def parse_pooler_config(value) -> dict | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--pooler-config is not JSON: {e}",
+        except (ValueError, RecursionError) as e:  # (a 5000-digit integer, arrays nested past the parser)
+            raise ConfigError(f"--pooler-config is not JSON: {json_problem(e)}",
                               '--pooler-config \'{"pooling_type": "MEAN", "normalize": true}\'') from None
     if not isinstance(value, dict):
         raise ConfigError(f"--pooler-config must be a JSON object, got {type(value).__name__}",

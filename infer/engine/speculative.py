@@ -22,7 +22,7 @@ import sys
 from array import array
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, json_problem
 
 METHODS = ("ngram", "draft_model", "eagle3", "eagle")
 EAGLE_METHODS = ("eagle3", "eagle")  # a draft head over the target's hidden states (engine.eagle): EAGLE-3, EAGLE-1
@@ -69,8 +69,8 @@ def parse_speculative_config(value) -> dict | None:
             return None
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--speculative-config is not JSON: {e}", HINT) from None
+        except (ValueError, RecursionError) as e:  # (a 5000-digit integer, arrays nested past the parser)
+            raise ConfigError(f"--speculative-config is not JSON: {json_problem(e)}", HINT) from None
     if not isinstance(value, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {type(value).__name__}", HINT)
     method, model = value.get("method"), value.get("model")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..errors import RequestError
+from ..errors import RequestError, json_problem
 from ..kernels import apply_bitmask
 from .schema_overlap import overlapping
 
@@ -92,8 +92,8 @@ class StructuredOutputsParams:
             if isinstance(value, str):
                 try:
                     parsed = json.loads(value)
-                except ValueError as e:
-                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}",
+                except (ValueError, RecursionError) as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON: {json_problem(e)}",
                                        "give the JSON schema as an object, or as its JSON text") from None
             else:
                 parsed = value

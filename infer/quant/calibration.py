@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..checks import reads_content_parts
-from ..errors import ConfigError, RequestError, read_utf8
+from ..errors import ConfigError, RequestError, json_problem, read_utf8
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "calibration.txt"
 MIN_WINDOW = 16  # a trailing window shorter than this is dropped
@@ -88,8 +88,9 @@ def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messa
     where = f"{path}, line {lineno}"
     try:
         obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where} is not valid JSON ({e.msg})", "write one JSON object per line") from None
+    except (ValueError, RecursionError) as e:  # (a 5000-digit integer, arrays nested past the parser)
+        raise ConfigError(f"{where} is not valid JSON ({getattr(e, 'msg', None) or json_problem(e)})",
+                          "write one JSON object per line") from None
     for key in ("text", "prompt", "messages"):  # a lone surrogate (JSON can carry one) is refused as infer run does
         try:
             check_text(obj.get(key) if isinstance(obj, dict) else None, key)

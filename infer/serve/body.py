@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect, Request
 
 from ..engine.inputs import check_text
-from ..errors import RequestError
+from ..errors import RequestError, json_problem
 from .protocol import ApiError
 
 DEFAULT_MAX_BODY_SIZE = 8 * 2**20  # bytes (8 MiB)
@@ -118,8 +118,8 @@ def load_json(raw: bytes, max_depth: int) -> Any:
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start + 1})") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", code="json_too_deep") from None
-    except ValueError as e:  # e.g. an integer of more than 4300 digits
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's advice to raise the limit left out)
+        raise ApiError(400, f"the request body is not valid JSON: {json_problem(e)}") from None
 
 
 def _check_finite(value: Any, name: str) -> None:

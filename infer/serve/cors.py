@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, json_problem
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,8 @@ def json_list(value: str, option: str) -> tuple[str, ...]:
     hint = f"give a JSON list of strings, e.g. {option} '[\"*\"]' or {option} '[\"http://localhost:3000\"]'"
     try:
         parsed = json.loads(value)
-    except ValueError as e:
-        raise ConfigError(f"{option} {value!r} is not JSON ({e})", hint) from None
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{option} {value[:60]!r} is not JSON ({json_problem(e)})", hint) from None
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise ConfigError(f"{option} {value!r} is not a JSON list of strings", hint)
     return tuple(parsed)
