@@ -232,3 +232,22 @@ def test_cors_and_calibration_json_python_cannot_read_is_a_config_error(tmp_path
         json_list(DEEP, "--allowed-origins")
     with pytest.raises(ConfigError, match=r"line 3 is not valid JSON \(Exceeds the limit .* 5000 digits\)"):
         _jsonl_text('{"text": ' + BIG + "}", tmp_path / "c.jsonl", 3, str)
+
+
+def test_an_adapter_config_with_a_bom_or_a_5000_digit_number_is_refused_clearly(tmp_path):
+    """adapter_config.json saved with a BOM said "is not valid JSON: Unexpected UTF-8 BOM" and to re-save the adapter
+    with peft; one holding a 5000-digit number was a ValueError traceback (only JSONDecodeError was caught)."""
+    from infer.errors import LoRAError
+    from infer.lora.adapter import read_config
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    bom, big = tmp_path / "bom", tmp_path / "big"
+    for folder in (bom, big):
+        folder.mkdir()
+    (bom / "adapter_config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(config).encode())
+    (big / "adapter_config.json").write_text(json.dumps(config).replace('"r": 4', '"r": ' + BIG))
+    with pytest.raises(LoRAError) as e:
+        read_config("bom", bom)
+    assert "adapter_config.json starts with a UTF-8 byte-order mark (BOM)" in e.value.message, e.value
+    assert "without a BOM" in e.value.hint
+    with pytest.raises(LoRAError, match=r"adapter_config.json is not valid JSON: Exceeds the limit .* 5000 digits \(re-"):
+        read_config("big", big)

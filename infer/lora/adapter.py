@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoRAError
+from ..errors import LoRAError, bom_error, json_problem
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_name, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED, is_hybrid
@@ -606,10 +606,15 @@ def read_config(name: str, path: Path, typed: str | None = None) -> dict:
             raise _fail(name, path, f"is a full model (config.json, no {CONFIG_FILE}), not a PEFT LoRA adapter",
                         "pass it as the base model, or pass the adapter folder peft's save_pretrained wrote")
         raise _fail(name, path, f"{CONFIG_FILE} is missing", "a PEFT adapter folder holds adapter_config.json")
+    bom = bom_error(file)
+    if bom is not None:  # (peft cannot read it either)
+        raise _fail(name, path, f"{CONFIG_FILE} starts with a UTF-8 byte-order mark (BOM), which peft cannot read as "
+                    "JSON", bom.hint)
     try:
         config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(name, path, f"{CONFIG_FILE} is not valid JSON: {e}", "re-save the adapter with peft") from e
+    except (OSError, ValueError, RecursionError) as e:  # (ValueError: bad JSON, not UTF-8, a 5000-digit integer)
+        raise _fail(name, path, f"{CONFIG_FILE} is not valid JSON: {json_problem(e)}",
+                    "re-save the adapter with peft") from None
     if not isinstance(config, dict):
         raise _fail(name, path, f"{CONFIG_FILE} is not a JSON object", "re-save the adapter with peft")
     if config.get("peft_type") is None:  # peft reads the adapter's kind from it: a KeyError without it
