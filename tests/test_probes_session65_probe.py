@@ -251,3 +251,12 @@ def test_an_adapter_config_with_a_bom_or_a_5000_digit_number_is_refused_clearly(
     assert "without a BOM" in e.value.hint
     with pytest.raises(LoRAError, match=r"adapter_config.json is not valid JSON: Exceeds the limit .* 5000 digits \(re-"):
         read_config("big", big)
+
+
+def test_an_empty_merge_lora_is_refused_as_empty(tmp_path):
+    """`infer convert MODEL -o OUT --merge-lora "$UNSET"` said "--merge-lora .: adapter_config.json is missing"."""
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "out"), "--merge-lora", ""])
+    assert res.exit_code == 2, res.output
+    assert "error: Invalid value for '--merge-lora': it is empty; give the path of a PEFT adapter folder" \
+        in res.output, res.output
+    assert not (tmp_path / "out").exists()

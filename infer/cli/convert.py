@@ -27,7 +27,9 @@ def convert(
                                                  show_default=False)] = None,
     merge_lora: Annotated[Optional[list[Path]], typer.Option(help="A PEFT LoRA adapter folder to fold into the "
                                                                   "weights (merge_and_unload). Float models only.",
-                                                             show_default=False)] = None,
+                                                             show_default=False,
+                                                             parser=o.given_path("a PEFT adapter folder"),
+                                                             metavar="<path>")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded. "
                                                      "KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024, a "
                                                      "plain number is bytes.")] = "4GB",

@@ -237,12 +237,18 @@ def folder_path(value) -> Path:
     return path
 
 
-def input_file_path(value) -> Path:
-    """An input file argument's value as a Path, `~` expanded; an empty one (`infer run MODEL "$UNSET"`) is refused:
-    Path('') is the current folder, which was then refused as "input . is a directory"."""
-    if not isinstance(value, Path) and not str(value).strip():
-        raise typer.BadParameter("it is empty; give the path of a JSONL file")
-    return Path(value).expanduser()
+def given_path(what: str):
+    """A parser of a path argument or option naming `what` ("a JSONL file"): the value as a Path, `~` expanded; an
+    empty one (`infer run MODEL "$UNSET"`) is refused: Path('') is the current folder, which was then refused as
+    "input . is a directory" (or --merge-lora's "--merge-lora .: adapter_config.json is missing")."""
+    def parse(value) -> Path:
+        if not isinstance(value, Path) and not str(value).strip():
+            raise typer.BadParameter(f"it is empty; give the path of {what}")
+        return Path(value).expanduser()
+    return parse
+
+
+input_file_path = given_path("a JSONL file")
 
 
 def symlink_loop(path: Path) -> bool:
