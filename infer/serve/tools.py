@@ -62,6 +62,9 @@ class ToolRequest:
     # the server's --tool-call-parser, whatever the mode: a forced call's id takes the form its family's chat template
     # takes back (mistral: 9 letters and digits), as "auto"'s calls do
     parser: str | None = None
+    # the calls of the conversation's assistant messages: kimi_k2's forced calls are numbered on from them
+    # (`functions.NAME:IDX`, the ids its template takes back, as vLLM numbers them)
+    history: int = 0
 
 
 NAMED_HINT = 'e.g. "tool_choice": {"type": "function", "function": {"name": "get_weather"}}'
@@ -191,7 +194,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}, **defs}
         if parallel is False:
             schema["maxItems"] = 1
-        return ToolRequest(_rendered(tools), "required", schema=schema, parser=parser)
+        return ToolRequest(_rendered(tools), "required", schema=schema, parser=parser, history=_history(body))
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
@@ -201,7 +204,8 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
         raise _error("tool_choice", f"tool_choice names {name!r}, which is not among the tools",
                      f"tools has: {', '.join(functions)}")
     _check_object_arguments({name: functions[name]}, functions)
-    return ToolRequest(_rendered(tools), "named", name=name, schema=functions[name], parser=parser)
+    return ToolRequest(_rendered(tools), "named", name=name, schema=functions[name], parser=parser,
+                       history=_history(body))
 
 
 _JSON_TYPES = {"array", "string", "integer", "number", "boolean", "null"}
@@ -235,6 +239,24 @@ def _mistral_call(name: str, arguments: str) -> dict:
     Mistral's chat templates (and mistral_common) refuse any other id when the client sends the call back with the
     tool's reply ("Tool call IDs should be alphanumeric strings with length 9!")."""
     return _call(name, arguments, "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9)))
+
+
+def call_id(req: ToolRequest, name: str, k: int) -> str:
+    """The id of the reply's `k`th call when its text writes none, in the form the --tool-call-parser's family takes
+    back: mistral's 9 letters and digits, kimi_k2's `functions.NAME:IDX` (numbered on from the conversation's
+    calls), else vLLM's `chatcmpl-tool-...`."""
+    if req.parser == "mistral":
+        return _mistral_call(name, "")["id"]
+    if req.parser == "kimi_k2":
+        return f"functions.{name}:{req.history + k}"
+    return _call(name, "")["id"]
+
+
+def _history(body: dict) -> int:
+    """How many calls the conversation's assistant messages hold (vLLM's count for kimi_k2's ids)."""
+    messages = body.get("messages")
+    return sum(len(m["tool_calls"]) for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
+               and isinstance(m.get("tool_calls"), list)) if isinstance(messages, list) else 0
 
 
 def _not_json(constant: str) -> Any:
@@ -887,11 +909,116 @@ def phi4_mini_calls(text: str) -> tuple[str | None, list[dict]] | None:
                                                           ensure_ascii=False)) for x in items]
 
 
+# deepseek_v3, deepseek_v31, kimi_k2: a section of calls, each between a begin and an end token, `head` its text up to
+# its JSON arguments: DeepSeek-V3's `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`,
+# V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`, Kimi-K2's
+# `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>` (vLLM's parsers' regexes)
+DS_CALLS_BEGIN, DS_CALL_BEGIN, DS_CALL_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+KIMI_SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # (vLLM's stream takes both)
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+
+
+@dataclass(frozen=True)
+class Sectioned:
+    sections: tuple[str, ...]  # where the calls start (the content is the text before the first)
+    begin: str
+    end: str
+    head: re.Pattern  # a call's text up to its arguments, its name (and Kimi's id) in the groups "name", "id"
+    fence: bool = False  # the arguments are followed by "```" (DeepSeek-V3's code block)
+
+
+SECTIONED = {
+    "deepseek_v3": Sectioned((DS_CALLS_BEGIN,), DS_CALL_BEGIN, DS_CALL_END,
+                             re.compile(r"[^\n]*?<｜tool▁sep｜>(?P<name>[^\n]*)\n[ \t]*```json[ \t]*\n"), fence=True),
+    "deepseek_v31": Sectioned((DS_CALLS_BEGIN,), DS_CALL_BEGIN, DS_CALL_END,
+                              re.compile(r"(?P<name>[^\n]*?)<｜tool▁sep｜>")),
+    "kimi_k2": Sectioned(KIMI_SECTIONS, KIMI_CALL_BEGIN, KIMI_CALL_END,
+                         re.compile(r"\s*(?P<id>[^<]+:\d+)\s*<\|tool_call_argument_begin\|>")),
+}
+
+
+def sectioned_head(spec: Sectioned, match: re.Match) -> tuple[str, str | None]:
+    """(name, the call's id written in the text: Kimi's `functions.NAME:IDX`, None for the others) of a call's head;
+    ValueError when the name is empty or holds a blank or "<"."""
+    call_id = match.group("id").strip() if "id" in spec.head.groupindex else None
+    name = call_id.split(":")[0].split(".")[-1] if call_id is not None else match.group("name").strip()
+    if not name or "<" in name or any(c.isspace() for c in name):
+        raise ValueError("a call without its name")
+    return name, call_id
+
+
+def sectioned_block(spec: Sectioned, body: str) -> tuple[str, str, str | None]:
+    """(name, arguments, id) of one ended call (its text between the begin and end tokens): its arguments a JSON
+    object (written again as json.dumps writes it); ValueError when it is not that."""
+    match = spec.head.match(body)
+    if match is None:
+        raise ValueError("a call without its head")
+    name, call_id = sectioned_head(spec, match)
+    args = body[match.end():].rstrip()
+    if spec.fence:
+        if not args.endswith("```"):
+            raise ValueError("arguments without the end of their code block")
+        args = args[:-3]
+    value = json.loads(args, parse_constant=_not_json, parse_float=_finite)
+    if not isinstance(value, dict):
+        raise ValueError("arguments that are no JSON object")
+    return name, json.dumps(value, ensure_ascii=False), call_id
+
+
+def section_start(spec: Sectioned, text: str) -> int:
+    """Where the first of the spec's section tokens is in `text` (-1: none is)."""
+    return min((k for k in (text.find(s) for s in spec.sections) if k >= 0), default=-1)
+
+
+def _sectioned_calls(family: str, text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before the section's token, None when empty; the calls) of a reply in `family`'s syntax, as vLLM's
+    parser reads it: each call that ended after the section's token (one left open at the reply's end is none),
+    Kimi's with the id it writes. None (text) without a call, or when a call does not read (vLLM passes arguments
+    that are no JSON on as they are; a begin token inside a call drops it)."""
+    spec = SECTIONED[family]
+    at = section_start(spec, text)
+    if at < 0:
+        return None
+    calls, k = [], at
+    while True:
+        start = text.find(spec.begin, k)
+        end = text.find(spec.end, start + len(spec.begin)) if start >= 0 else -1
+        if end < 0:
+            break
+        body = text[start + len(spec.begin):end]
+        if spec.begin in body:
+            return None
+        try:
+            name, args, call_id = sectioned_block(spec, body)
+        except ValueError:
+            return None
+        calls.append(_call(name, args, call_id))
+        k = end + len(spec.end)
+    return (text[:at] or None, calls) if calls else None
+
+
+def deepseek_v3_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """DeepSeek-V3's and R1's calls (see _sectioned_calls)."""
+    return _sectioned_calls("deepseek_v3", text)
+
+
+def deepseek_v31_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """DeepSeek-V3.1's calls (see _sectioned_calls)."""
+    return _sectioned_calls("deepseek_v31", text)
+
+
+def kimi_k2_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """Kimi-K2's calls, each with the id it writes (`functions.NAME:IDX`, as vLLM passes it on; see
+    _sectioned_calls)."""
+    return _sectioned_calls("kimi_k2", text)
+
+
 # --tool-call-parser: the syntaxes "auto" reads
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls,
            "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls,
            "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls,
-           "phi4_mini_json": phi4_mini_calls}
+           "phi4_mini_json": phi4_mini_calls, "deepseek_v3": deepseek_v3_calls, "deepseek_v31": deepseek_v31_calls,
+           "kimi_k2": kimi_k2_calls}
 # the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
 TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45")
 # the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
@@ -977,6 +1104,7 @@ _BLANK_NONE = ("glm45", "olmo3")
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
 # bare <function= too)
 _STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "olmo3": (OLMO_START,),
+           **{family: spec.sections for family, spec in SECTIONED.items()},
            "qwen3_coder": (QWEN_START, XML_FUNCTION),
            "seed_oss": (SEED_START, XML_FUNCTION)}
 
@@ -1048,13 +1176,13 @@ def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     stays text. ("auto" is read by split, with the parser's PARSERS.)"""
     if req is None or req.mode in ("none", "auto"):
         return None
-    make = _mistral_call if req.parser == "mistral" else _call
     try:
         value, text = _read(text)
         if req.mode == "named":
-            return [make(req.name, text)]
+            return [_call(req.name, text, call_id(req, req.name, 0))]
         if not isinstance(value, list):
             return None
-        return [make(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False), call_id(req, item["name"], k))
+                for k, item in enumerate(value)]
     except (ValueError, RecursionError):  # cut short, or nested deeper than Python's JSON reads: text
         return None

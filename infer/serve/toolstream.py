@@ -460,6 +460,46 @@ def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
     return list(whole["calls"])
 
 
+def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
+    """(name, arguments so far, id) of each call of a DeepSeek or Kimi reply (serve/tools.py's SECTIONED): an ended
+    call read once (kept), the open one's arguments as they come once its head is whole and they open with "{" (its
+    tokens looked for in the new text alone). A call's head that does not read, or a begin token inside a call,
+    stops the read there (the whole reply reads no call after it either)."""
+    spec, whole = t.SECTIONED[family], _grown(text, memo)
+    at = min((k for k in (_found(text, memo, ("section", s), s) for s in spec.sections) if k >= 0), default=-1)
+    if at < 0:
+        return []
+    done, k = whole.get("done", ((), at))
+    out = list(done)
+    while True:
+        start = _found(text, memo, ("begin", k), spec.begin, k)
+        if start < 0:
+            break
+        body = start + len(spec.begin)
+        end = _found(text, memo, ("end", body), spec.end, body)
+        inner = _found(text, memo, ("begin", body), spec.begin, body)
+        if end >= 0 and not 0 <= inner < end:  # an ended call: read once
+            try:
+                out.append(t.sectioned_block(spec, text[body:end]))
+            except (ValueError, RecursionError):
+                break
+            k = end + len(spec.end)
+            whole["done"] = (tuple(out), k)
+            continue
+        head = spec.head.match(text, body) if end < 0 and inner < 0 else None
+        if head is None:
+            break
+        try:
+            name, call_id = t.sectioned_head(spec, head)
+        except ValueError:
+            break
+        args = _WS.match(text, head.end()).end()
+        if text.startswith("{", args):
+            out.append((name, json_prefix(text, args, memo=memo.setdefault(("args", body), {}))[0], call_id))
+        break
+    return out
+
+
 def _named(text: str, memo: dict) -> str:
     """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
     reply's arguments are its text), a raw control character in a string escaped as the whole reply escapes it
@@ -501,6 +541,8 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
         elif req.name == "glm45":
             functions = {x["function"]["name"]: x["function"].get("parameters") for x in req.tools}
             calls = _blocks(lambda body: t._glm_block(body, functions))(text, memo)
+        elif req.name in t.SECTIONED:
+            calls = _sectioned(req.name, text, memo)
         elif req.name in t.TYPED_PARSERS:
             calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools},
                          memo)
@@ -526,10 +568,12 @@ class CallStream:
             self.check_whole(calls)
         out = []
         for k, call in enumerate(calls):
-            name, args = (call["function"]["name"], call["function"]["arguments"]) if finished else call
+            name, args = (call["function"]["name"], call["function"]["arguments"]) if finished else call[:2]
             if k >= len(self.sent):
-                make = t._mistral_call if self.req.parser == "mistral" else t._call
-                call_id = call["id"] if finished else make(name, "")["id"]
+                # (a call's id: the whole reply's, or the one its text writes (Kimi's), else one made as the whole
+                # reply's parse makes them)
+                call_id = call["id"] if finished else call[2] if len(call) > 2 and call[2] else t.call_id(
+                    self.req, name, k)
                 self.sent.append([call_id, name, args])
                 out.append({"index": k, "id": call_id, "type": "function",
                             "function": {"name": name, "arguments": args}})
