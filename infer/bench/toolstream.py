@@ -49,6 +49,12 @@ def replies(chars: int) -> dict[str, str]:
             "ernie45": '<tool_call>{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}</tool_call>',
             "glm45": "<tool_call>run\n<arg_key>code</arg_key>\n<arg_value>" + code + "</arg_value>\n</tool_call>",
             "olmo3": '<function_calls>run(code="' + code + '", n=3)</function_calls>',
+            "deepseek_v3": 'Ok.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>run\n```json\n{"code": "'
+                           + code + '", "n": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+            "deepseek_v31": 'Ok.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>{"code": "' + code
+                            + '", "n": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+            "kimi_k2": 'Ok.<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>'
+                       '{"code": "' + code + '", "n": 3}<|tool_call_end|><|tool_calls_section_end|>',
             "named": '{"code": "' + code + '", "n": 3}',
             "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]',
             "reasoning": "<think>" + code + '</think>\n\n<tool_call>{"name": "run", "arguments": {"code": "' + code

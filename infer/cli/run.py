@@ -74,7 +74,8 @@ def run(
                                                             "vllm run-batch's): deepseek_r1 | qwen3 | "
                                                             "seed_oss | openai_gptoss | hunyuan_a13b | "
                                                             "exaone4 | mistral | olmo3 | ernie45 | glm45 | "
-                                                            "apertus | cohere_command | granite.")] = None,
+                                                            "apertus | cohere_command | granite | "
+                                                            "deepseek_v3 | kimi_k2.")] = None,
     enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
                                                                help="With --output-format openai: each body's usage "
                                                                     "reports prompt_tokens_details.cached_tokens, "

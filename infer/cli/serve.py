@@ -100,8 +100,10 @@ def serve(
         "Llama 4: a Python list of calls), mistral ([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small), qwen3_coder "
         "(Qwen3-Coder: <function=NAME><parameter=KEY>), seed_oss (Seed-OSS: <seed:tool_call>), openai (gpt-oss: "
         "harmony's to=functions.NAME messages), granite (Granite 3.x: <|tool_call|>[...]), glm45 (GLM-4.5 to 4.7: "
-        "<arg_key>/<arg_value>), olmo3 (Olmo 3: <function_calls>), ernie45 (ERNIE 4.5: <tool_call>{...}) or "
-        "phi4_mini_json (Phi-4-mini: functools[...]).")] = None,
+        "<arg_key>/<arg_value>), olmo3 (Olmo 3: <function_calls>), ernie45 (ERNIE 4.5: <tool_call>{...}), "
+        "phi4_mini_json (Phi-4-mini: functools[...]), deepseek_v3 (DeepSeek-V3, R1: <｜tool▁calls▁begin｜> and a "
+        "```json block per call), deepseek_v31 (DeepSeek-V3.1: NAME<｜tool▁sep｜>{...}) or kimi_k2 (Kimi-K2: "
+        "<|tool_calls_section_begin|>, ids functions.NAME:IDX).")] = None,
     reasoning_parser: Annotated[Optional[str], _server(
         "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "
@@ -111,8 +113,10 @@ def serve(
         "(EXAONE 4.0: thinks with chat_template_kwargs enable_thinking true), mistral (Magistral's "
         "[THINK]...[/THINK]), olmo3 (Olmo 3 Think), ernie45 (ERNIE 4.5 Thinking: its <response> wrapper left out), "
         "glm45 (GLM-4.5/4.6), apertus (Apertus's <|inner_prefix|>...<|inner_suffix|>), cohere_command (Command A "
-        "Reasoning's <|START_THINKING|>...<|END_THINKING|>) or granite (Granite 3.x's 'Here is my thought "
-        "process:' ... 'Here is my response:'). Tool calls are read from the answer only.")] = None,
+        "Reasoning's <|START_THINKING|>...<|END_THINKING|>), granite (Granite 3.x's 'Here is my thought "
+        "process:' ... 'Here is my response:'), deepseek_v3 (DeepSeek-V3.1: thinks with chat_template_kwargs "
+        "thinking true) or kimi_k2 (Kimi-K2 Thinking: thinks unless thinking is false). Tool calls are read from "
+        "the answer only.")] = None,
     trust_request_chat_template: Annotated[bool, _server(
         "--trust-request-chat-template", help="Let a chat request's own chat_template field render its messages (the "
         "template runs on the server: only for clients you trust).")] = False,

@@ -22,7 +22,7 @@ _CHUNKS = ("infer splits a long prefill into steps of at most --max-num-batched-
 
 # the --reasoning-parser names (serve/reasoning.py's PARSERS; tests/test_probes_session52_tools.py holds them equal)
 _REASONING = ("deepseek_r1 | qwen3 | seed_oss | openai_gptoss | hunyuan_a13b | exaone4 | mistral | olmo3 | ernie45 | "
-              "glm45 | apertus | cohere_command | granite")
+              "glm45 | apertus | cohere_command | granite | deepseek_v3 | kimi_k2")
 VLLM_HINTS = {
     "--tensor-parallel-size": _ONE_GPU,
     "-tp": _ONE_GPU,
@@ -127,7 +127,8 @@ VLLM_HINTS = {
                                  f"--reasoning-parser {_REASONING}",
     "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
                             "hermes | llama3_json | pythonic | mistral | qwen3_coder | seed_oss | openai | granite | "
-                            "glm45 | olmo3 | ernie45 | phi4_mini_json (and vLLM's llama4_json, llama4_pythonic, "
+                            "glm45 | olmo3 | ernie45 | phi4_mini_json | deepseek_v3 | deepseek_v31 | kimi_k2 (and "
+                            "vLLM's llama4_json, llama4_pythonic, "
                             "qwen3_xml, granite4, glm47)",
     "--exclude-tools-when-tool-choice-none": "infer serve renders the tools of a tool_choice \"none\" request in "
                                              "the prompt (vLLM's default); to leave them out, send the request "

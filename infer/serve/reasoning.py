@@ -7,6 +7,10 @@ writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_
 - qwen3: the same rules (Qwen3.5 and the thinking releases open the block in the prompt too), except that with
   `chat_template_kwargs: {"enable_thinking": false}` the reply is all content (the template closed the block).
   SmolLM3's <think> block splits so too (its template reads enable_thinking; with thinking off it closes the block).
+- deepseek_v3: deepseek_r1's rules when `chat_template_kwargs` `thinking` (or `enable_thinking`) is true
+  (DeepSeek-V3.1's template thinks only when asked), else the reply is all content, as vLLM's deepseek_v3 splits it.
+- kimi_k2: the same, thinking unless `thinking` is false (Kimi-K2 Thinking's default), and the "(no content)" Kimi
+  writes before calls left out of the content (a content of blanks alone is null), as vLLM's kimi_k2 parser.
 - exaone4: deepseek_r1's rules when `chat_template_kwargs: {"enable_thinking": true}` asks EXAONE 4.0 to think; without
   it (its template's default) the reply is all content, as vLLM's exaone4 parser splits it.
 - mistral: Magistral's [THINK]...[/THINK] (special tokens), reasoning only in a reply that starts with [THINK] (a
@@ -262,7 +266,7 @@ def _unwrapped(parser: str, content: str, finished: bool, state: dict | None = N
     text its last read did not have."""
     wrap = PARSERS[parser].get("wrap")
     if wrap is None:
-        return content[k:] if k else content
+        return _dropped(parser, content, finished, state, k)
     start, end = wrap
     lead = _BLANKS.match(content, k).end()
     if not content.startswith(start, lead):
@@ -276,6 +280,30 @@ def _unwrapped(parser: str, content: str, finished: bool, state: dict | None = N
         return content[inner:at] if at >= 0 else content[inner:]
     at = _find(content, end, inner, state)
     return content[inner:at] if at >= 0 else _less_tag_start(content[inner:], end, finished)
+
+
+def _dropped(parser: str, content: str, finished: bool, state: dict | None, k: int) -> str:
+    """The answer content[k:] less each of its parser's "drop" texts (Kimi's "(no content)"), as vLLM's kimi_k2
+    cleans it. Not `finished`: a tail that may still become one held back, and an answer of blanks alone held (the
+    whole reply's is null). `state`: a stream's (_read_on): each drop looked for in the text its last read did not
+    have."""
+    drop = PARSERS[parser].get("drop")
+    if drop is None:
+        return content[k:] if k else content
+    seen, found = state.get(("drop", k), (k, ())) if state is not None else (k, ())
+    found = list(found)
+    at = content.find(drop, max(k, seen - len(drop) + 1, found[-1] + len(drop) if found else k))
+    while at >= 0:
+        found.append(at)
+        at = content.find(drop, at + len(drop))
+    if state is not None:
+        state[("drop", k)] = (len(content), tuple(found))
+    ends = [k] + [at + len(drop) for at in found]
+    out = "".join(content[a:b] for a, b in zip(ends, found + [len(content)]))
+    if finished:
+        return out
+    out = _less_tag_start(out, drop, False)
+    return "" if out.isspace() else out
 
 
 # --reasoning-parser: the parsers vLLM names so, whether chat_template_kwargs.enable_thinking false turns thinking
@@ -313,7 +341,15 @@ PARSERS = {"deepseek_r1": {"reads_enable_thinking": False, "tags": (THINK_START,
            "cohere_command": {"reads_enable_thinking": False, "tags": ("<|START_THINKING|>", "<|END_THINKING|>"),
                               "needs_start": True, "wrap": ("<|START_RESPONSE|>", "<|END_RESPONSE|>")},
            # Granite 3.x: plain-text markers, no think block (the template asks for them with thinking true)
-           "granite": {"reads_enable_thinking": False, "tags": None, "split": _granite_parts, "memo": True}}
+           "granite": {"reads_enable_thinking": False, "tags": None, "split": _granite_parts, "memo": True},
+           # DeepSeek-V3.1/V3.2 (vLLM's deepseek_v3): deepseek_r1's rules when chat_template_kwargs thinking (or
+           # enable_thinking) is true, else all content ("thinking_keys": the kwargs read, either true thinks)
+           "deepseek_v3": {"reads_enable_thinking": True, "thinking_keys": ("thinking", "enable_thinking"),
+                           "thinking_by_default": False, "tags": (THINK_START, THINK_END)},
+           # Kimi-K2 Thinking (vLLM's kimi_k2): the same, thinking unless chat_template_kwargs thinking is false, and
+           # the "(no content)" Kimi writes for an answer that is only calls left out of the content ("drop")
+           "kimi_k2": {"reads_enable_thinking": True, "thinking_keys": ("thinking",), "thinking_by_default": True,
+                       "tags": (THINK_START, THINK_END), "drop": "(no content)"}}
 
 
 def tags(parser: str) -> tuple[str, str] | None:
@@ -393,9 +429,14 @@ def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tok
         return None
     include = body.get("include_reasoning") is not False
     kwargs = body.get("chat_template_kwargs") or {}
-    # the template's enable_thinking: chat_template_kwargs', else reasoning_effort's (as vLLM passes it)
-    thinking = kwargs["enable_thinking"] if "enable_thinking" in kwargs else body.get("reasoning_effort") != "none" \
-        and PARSERS[parser].get("thinking_by_default", True)
+    # the template's enable_thinking: chat_template_kwargs', else reasoning_effort's (as vLLM passes it); a parser
+    # of its own keys (deepseek_v3's thinking) reads them alone, thinking when one of those sent is true
+    keys = [k for k in PARSERS[parser].get("thinking_keys", ()) if k in kwargs]
+    if "thinking_keys" in PARSERS[parser]:
+        thinking = any(bool(kwargs[k]) for k in keys) if keys else PARSERS[parser]["thinking_by_default"]
+    else:
+        thinking = kwargs["enable_thinking"] if "enable_thinking" in kwargs else body.get(
+            "reasoning_effort") != "none" and PARSERS[parser].get("thinking_by_default", True)
     off = PARSERS[parser]["reads_enable_thinking"] and not thinking
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
@@ -469,10 +510,13 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a finished reply as vLLM's message has them: reasoning null when there is none;
     content null when the reply stops at (or before) the closing tag."""
     if req.ended:
-        return None, _unwrapped(req.parser, text, True)
+        content = _unwrapped(req.parser, text, True)
+        return None, None if PARSERS[req.parser].get("drop") and content.isspace() else content
     reasoning, content = parts(req, text)
     # (a parser of its own split, or olmo3's: an empty reasoning null, as vLLM's)
     own = tags(req.parser) is None or "split" in PARSERS[req.parser] or PARSERS[req.parser].get("empty_is_null")
     unopened = PARSERS[req.parser].get("needs_start") and not req.opened and not text.lstrip().startswith(
         tags(req.parser)[0])  # (no block: null)
+    if PARSERS[req.parser].get("drop") and content.isspace():  # (Kimi's: an answer of blanks alone is null)
+        content = ""
     return (reasoning or None) if own or unopened else reasoning, content or None

@@ -23,7 +23,10 @@ may be written "<tool_call>"), or glm45, `<tool_call>NAME\n<arg_key>K</arg_key>\
 </tool_call>` (GLM-4.5/4.6/4.7), its values typed by the schema, or olmo3, `<function_calls>` then a Python call a
 line, `name(key=value)`, then `</function_calls>` (Olmo 3), or ernie45, hermes' blocks as ERNIE 4.5 writes them
 (only ended blocks are calls; the content's last newlines dropped), or phi4_mini_json, `functools[{"name": ...,
-"arguments": {...}}]` (Phi-4-mini).
+"arguments": {...}}]` (Phi-4-mini), or deepseek_v3, deepseek_v31 and kimi_k2, a section of calls after
+`<｜tool▁calls▁begin｜>` (`<|tool_calls_section_begin|>`), each between its begin and end tokens: DeepSeek-V3's and
+R1's `function<｜tool▁sep｜>NAME` then its JSON arguments in a ```json block, V3.1's `NAME<｜tool▁sep｜>{...}`,
+Kimi-K2's `functions.NAME:IDX<|tool_call_argument_begin|>{...}`, whose id is the call's.
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
