@@ -26,7 +26,10 @@ DEEP = "[" * 5000  # deeper than json.loads / ast.parse recurse (Python's defaul
 PREFIX = {"hermes": "<tool_call>", "llama3_json": '{"name": "f", "parameters": ', "mistral": "[TOOL_CALLS]",
           "pythonic": "[f(a=", "qwen3_coder": "<tool_call><function=", "seed_oss": "<seed:tool_call><function=",
           "openai": "", "granite": "<|tool_call|>", "glm45": "<tool_call>f\n<arg_key>a</arg_key><arg_value>",
-          "olmo3": "<function_calls>f(a=", "ernie45": "<tool_call>", "phi4_mini_json": "functools["}
+          "olmo3": "<function_calls>f(a=", "ernie45": "<tool_call>", "phi4_mini_json": "functools[",
+          "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n",
+          "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>",
+          "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"}
 # (openai: a reply without harmony's markers is content; its deep calls: session61_tools)
 DEEP_TEMPLATE = "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}"
 

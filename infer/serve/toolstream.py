@@ -461,10 +461,10 @@ def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
 
 
 def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
-    """(name, arguments so far, id) of each call of a DeepSeek or Kimi reply (serve/tools.py's SECTIONED): an ended
-    call read once (kept), the open one's arguments as they come once its head is whole and they open with "{" (its
-    tokens looked for in the new text alone). A call's head that does not read, or a begin token inside a call,
-    stops the read there (the whole reply reads no call after it either)."""
+    """(name, arguments so far[, the id its text writes: Kimi's]) of each call of a DeepSeek or Kimi reply
+    (serve/tools.py's SECTIONED): an ended call read once (kept), the open one's arguments as they come once its head
+    is whole and they open with "{" (its tokens looked for in the new text alone). A call that does not read, or a
+    begin token inside a call, stops the read there (the whole reply reads no call after it either)."""
     spec, whole = t.SECTIONED[family], _grown(text, memo)
     at = min((k for k in (_found(text, memo, ("section", s), s) for s in spec.sections) if k >= 0), default=-1)
     if at < 0:
@@ -480,9 +480,10 @@ def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
         inner = _found(text, memo, ("begin", body), spec.begin, body)
         if end >= 0 and not 0 <= inner < end:  # an ended call: read once
             try:
-                out.append(t.sectioned_block(spec, text[body:end]))
+                name, args, call_id = t.sectioned_block(spec, text[body:end])
             except (ValueError, RecursionError):
                 break
+            out.append((name, args) if call_id is None else (name, args, call_id))
             k = end + len(spec.end)
             whole["done"] = (tuple(out), k)
             continue
@@ -495,7 +496,8 @@ def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
             break
         args = _WS.match(text, head.end()).end()
         if text.startswith("{", args):
-            out.append((name, json_prefix(text, args, memo=memo.setdefault(("args", body), {}))[0], call_id))
+            args = json_prefix(text, args, memo=memo.setdefault(("args", body), {}))[0]
+            out.append((name, args) if call_id is None else (name, args, call_id))
         break
     return out
 
@@ -526,7 +528,8 @@ def _required(text: str, memo: dict) -> list[tuple[str, str]]:
 
 def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> list[tuple[str, str]]:
     """(name, arguments so far) of each call of a streamed reply (`text`: what the parser reads) that has shown
-    itself a call: each name final, each arguments text a start of the whole reply's (`split`). A forced call (a
+    itself a call: each name final, each arguments text a start of the whole reply's (`split`); a third item, the
+    call's id, where its text writes one (kimi_k2's `functions.NAME:IDX`). A forced call (a
     named tool_choice, "required") streams as vLLM's does: the named function's arguments as the reply writes them,
     "required"'s list a call at a time. `memo`: where the read of the same reply, shorter, stopped (CallStream's):
     this one goes on from there."""
