@@ -284,9 +284,8 @@ def _unwrapped(parser: str, content: str, finished: bool, state: dict | None = N
 
 def _dropped(parser: str, content: str, finished: bool, state: dict | None, k: int) -> str:
     """The answer content[k:] less each of its parser's "drop" texts (Kimi's "(no content)"), as vLLM's kimi_k2
-    cleans it. Not `finished`: a tail that may still become one held back, and an answer of blanks alone held (the
-    whole reply's is null). `state`: a stream's (_read_on): each drop looked for in the text its last read did not
-    have."""
+    cleans it; an answer of blanks alone is none (null, as vLLM's). Not `finished`: a tail that may still become one
+    held back. `state`: a stream's (_read_on): each drop looked for in the text its last read did not have."""
     drop = PARSERS[parser].get("drop")
     if drop is None:
         return content[k:] if k else content
@@ -300,9 +299,7 @@ def _dropped(parser: str, content: str, finished: bool, state: dict | None, k: i
         state[("drop", k)] = (len(content), tuple(found))
     ends = [k] + [at + len(drop) for at in found]
     out = "".join(content[a:b] for a, b in zip(ends, found + [len(content)]))
-    if finished:
-        return out
-    out = _less_tag_start(out, drop, False)
+    out = _less_tag_start(out, drop, finished)
     return "" if out.isspace() else out
 
 
@@ -511,12 +508,10 @@ def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
     content null when the reply stops at (or before) the closing tag."""
     if req.ended:
         content = _unwrapped(req.parser, text, True)
-        return None, None if PARSERS[req.parser].get("drop") and content.isspace() else content
+        return None, content or None if PARSERS[req.parser].get("drop") else content
     reasoning, content = parts(req, text)
     # (a parser of its own split, or olmo3's: an empty reasoning null, as vLLM's)
     own = tags(req.parser) is None or "split" in PARSERS[req.parser] or PARSERS[req.parser].get("empty_is_null")
     unopened = PARSERS[req.parser].get("needs_start") and not req.opened and not text.lstrip().startswith(
         tags(req.parser)[0])  # (no block: null)
-    if PARSERS[req.parser].get("drop") and content.isspace():  # (Kimi's: an answer of blanks alone is null)
-        content = ""
     return (reasoning or None) if own or unopened else reasoning, content or None
