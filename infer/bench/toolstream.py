@@ -55,6 +55,9 @@ def replies(chars: int) -> dict[str, str]:
                             + '", "n": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
             "kimi_k2": 'Ok.<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>'
                        '{"code": "' + code + '", "n": 3}<|tool_call_end|><|tool_calls_section_end|>',
+            "internlm": 'Ok.<|action_start|><|plugin|>\n{"name": "run", "parameters": {"code": "' + code
+                        + '", "n": 3}}<|action_end|>',
+            "xlam": '[{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}]',
             "named": '{"code": "' + code + '", "n": 3}',
             "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]',
             "reasoning": "<think>" + code + '</think>\n\n<tool_call>{"name": "run", "arguments": {"code": "' + code

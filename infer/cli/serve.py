@@ -102,8 +102,9 @@ def serve(
         "harmony's to=functions.NAME messages), granite (Granite 3.x: <|tool_call|>[...]), glm45 (GLM-4.5 to 4.7: "
         "<arg_key>/<arg_value>), olmo3 (Olmo 3: <function_calls>), ernie45 (ERNIE 4.5: <tool_call>{...}), "
         "phi4_mini_json (Phi-4-mini: functools[...]), deepseek_v3 (DeepSeek-V3, R1: <｜tool▁calls▁begin｜> and a "
-        "```json block per call), deepseek_v31 (DeepSeek-V3.1: NAME<｜tool▁sep｜>{...}) or kimi_k2 (Kimi-K2: "
-        "<|tool_calls_section_begin|>, ids functions.NAME:IDX).")] = None,
+        "```json block per call), deepseek_v31 (DeepSeek-V3.1: NAME<｜tool▁sep｜>{...}), kimi_k2 (Kimi-K2: "
+        "<|tool_calls_section_begin|>, ids functions.NAME:IDX), internlm (InternLM2/2.5: "
+        "<|action_start|><|plugin|>{...}) or xlam (xLAM: a JSON list of calls).")] = None,
     reasoning_parser: Annotated[Optional[str], _server(
         "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "

@@ -26,7 +26,9 @@ line, `name(key=value)`, then `</function_calls>` (Olmo 3), or ernie45, hermes' 
 "arguments": {...}}]` (Phi-4-mini), or deepseek_v3, deepseek_v31 and kimi_k2, a section of calls after
 `<｜tool▁calls▁begin｜>` (`<|tool_calls_section_begin|>`), each between its begin and end tokens: DeepSeek-V3's and
 R1's `function<｜tool▁sep｜>NAME` then its JSON arguments in a ```json block, V3.1's `NAME<｜tool▁sep｜>{...}`,
-Kimi-K2's `functions.NAME:IDX<|tool_call_argument_begin|>{...}`, whose id is the call's.
+Kimi-K2's `functions.NAME:IDX<|tool_call_argument_begin|>{...}`, whose id is the call's, or internlm,
+`<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>` (InternLM2/2.5, one call), or xlam, a JSON
+list of {"name", "arguments"} objects, the whole reply or in a ```json block, a <tool_call> or after </think> (xLAM).
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
@@ -1016,12 +1018,85 @@ def kimi_k2_calls(text: str) -> tuple[str | None, list[dict]] | None:
     return _sectioned_calls("kimi_k2", text)
 
 
+# internlm: InternLM2/2.5's one call, `<|action_start|><|plugin|>\n{"name": ..., "parameters": {...}}<|action_end|>`
+INTERNLM_START, INTERNLM_END = "<|action_start|><|plugin|>", "<|action_end|>"
+
+
+def internlm_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before the call's tags, None when empty; the call) of an InternLM2 reply, as vLLM's internlm parser
+    reads it: one call (its parser reads no second), the JSON object from the first "{" after the tags up to
+    <|action_end|> (or the reply's end), its "parameters" (else "arguments", else {}) the arguments. None (text)
+    when it is not that."""
+    at = text.find(INTERNLM_START)
+    if at < 0 or text.find(INTERNLM_START, at + len(INTERNLM_START)) >= 0:
+        return None
+    action = text[at + len(INTERNLM_START):].split(INTERNLM_END, 1)[0]
+    try:
+        call = json.loads(action[action.find("{"):] if "{" in action else action, parse_constant=_not_json,
+                          parse_float=_finite)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    args = call["parameters"] if "parameters" in call else call.get("arguments", {})
+    return text[:at] or None, [_call(call["name"], json.dumps(args, ensure_ascii=False))]
+
+
+# xlam: Salesforce xLAM's JSON list of {"name", "arguments"} objects: the whole reply, or (in this order) what follows
+# its </think>, a ```json code block, a [TOOL_CALLS] line or a <tool_call> block that holds one (vLLM's xlam)
+XLAM_BLOCKS = (re.compile(r"```(?:json)?\s*([\s\S]*?)```"), re.compile(r"\[TOOL_CALLS\]([\s\S]*?)(?=\n|$)"),
+               re.compile(r"<tool_call>([\s\S]*?)</tool_call>"))
+XLAM_THINK_END = "</think>"
+XLAM_STARTS = ("```", "[TOOL_CALLS]", HERMES_START, XLAM_THINK_END)  # (where a stream's content stops)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except ValueError:
+        return None
+
+
+def _xlam_found(text: str) -> tuple[str | None, Any]:
+    """(content, the calls' JSON) as vLLM's xlam finds them; (None, None) when no JSON is found."""
+    think = text.find(XLAM_THINK_END)
+    if think >= 0:
+        content, rest = text[:think + len(XLAM_THINK_END)], text[think + len(XLAM_THINK_END):].strip()
+        value = _json_or_none(rest)
+        if value is not None:
+            return content, value
+        for pattern in XLAM_BLOCKS:
+            value = next((v for v in map(_json_or_none, pattern.findall(rest)) if v is not None), None)
+            if value is not None:
+                return content, value
+    for pattern in XLAM_BLOCKS:
+        value = next((v for v in map(_json_or_none, pattern.findall(text)) if v is not None), None)
+        if value is not None:
+            return pattern.sub("", text), value
+    value = _json_or_none(text) if text.lstrip().startswith("[") else None
+    return (None, value) if value is not None else (None, None)
+
+
+def xlam_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content, the calls) of an xLAM reply, as vLLM's xlam parser reads it (_xlam_found): each item of the list
+    that is an object with a name and arguments a call (the others left out), its arguments written as JSON (an
+    object) or kept as the text they are (a string); the content the text around the JSON, its last blanks dropped
+    (vLLM's drops its first blanks too, which a stream has sent). None (text) without any call."""
+    content, value = _xlam_found(text)
+    if not isinstance(value, list):
+        return None
+    calls = [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False) if isinstance(x["arguments"], dict)
+                   else _arguments(x["arguments"]))
+             for x in value if isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x]
+    return ((content or "").rstrip() or None, calls) if calls else None
+
+
 # --tool-call-parser: the syntaxes "auto" reads
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls,
            "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls,
            "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls,
            "phi4_mini_json": phi4_mini_calls, "deepseek_v3": deepseek_v3_calls, "deepseek_v31": deepseek_v31_calls,
-           "kimi_k2": kimi_k2_calls}
+           "kimi_k2": kimi_k2_calls, "internlm": internlm_calls, "xlam": xlam_calls}
 # the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
 TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45")
 # the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
@@ -1067,21 +1142,38 @@ def visible(req: ToolRequest | None, text: str, memo: dict | None = None) -> str
         return text  # "[1] First,", "[Paris]": no call can follow, the reply streams (the parser leaves it text)
     if req.name == "granite":
         return "" if _granite_may_call(text) else text
+    if req.name == "xlam":
+        return _xlam_visible(text, memo)
     if req.name in ("llama3_json", "pythonic"):
         first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
         return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
     starts = _STARTS.get(req.name, (HERMES_START,))
     at, content = _first_start(text, starts, memo)
-    if content is not None:
-        text = content
-    else:
-        for k in range(min(max(map(len, starts)) - 1, len(text)), 0, -1):
-            if any(start.startswith(text[-k:]) for start in starts):
-                text = text[:-k]
-                break
+    text = content if content is not None else _less_start(text, starts)
     if req.name in _BLANK_NONE and (not text or text.isspace()):  # (no copy of the reply at each token)
         return ""  # (blank content before the calls is none, held until text comes)
     return text.rstrip("\n") if req.name == "ernie45" else text  # (ernie45: its content's last newlines, held)
+
+
+def _less_start(text: str, starts: tuple[str, ...]) -> str:
+    """`text` less an end that may be the start of one of `starts` ("<tool_c"), held back as stop strings are."""
+    for k in range(min(max(map(len, starts)) - 1, len(text)), 0, -1):
+        if any(start.startswith(text[-k:]) for start in starts):
+            return text[:-k]
+    return text
+
+
+def _xlam_visible(text: str, memo: dict | None) -> str:
+    """xLAM's content so far: nothing of a reply that starts (after blanks) as its list, else the text before a code
+    block, a [TOOL_CALLS] or a <tool_call> (up to a </think>, itself included), its last blanks held (the whole
+    reply's content has them dropped)."""
+    lead = _BLANKS.match(text).end()
+    if lead == len(text) or text.startswith("[", lead):
+        return ""
+    at, content = _first_start(text, XLAM_STARTS, memo)
+    if content is None:
+        return _less_start(text, XLAM_STARTS).rstrip()
+    return (content + XLAM_THINK_END if text.startswith(XLAM_THINK_END, at) else content).rstrip()
 
 
 def _first_start(text: str, starts: tuple[str, ...], memo: dict | None) -> tuple[int, str | None]:
@@ -1107,7 +1199,7 @@ _BLANK_NONE = ("glm45", "olmo3")
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
 # bare <function= too)
 _STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "olmo3": (OLMO_START,),
-           **{family: spec.sections for family, spec in SECTIONED.items()},
+           **{family: spec.sections for family, spec in SECTIONED.items()}, "internlm": (INTERNLM_START,),
            "qwen3_coder": (QWEN_START, XML_FUNCTION),
            "seed_oss": (SEED_START, XML_FUNCTION)}
 

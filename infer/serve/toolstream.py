@@ -15,6 +15,7 @@ arguments, max_tokens cuts it), or whose arguments repeat a key, has already sen
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -174,6 +175,7 @@ _HEAD = {"hermes": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*"
          "mistral": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*'),
          "phi4_mini_json": re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*'
                                       r'"(?:arguments|parameters)"\s*:\s*')}
+_HEAD["internlm"] = _HEAD["phi4_mini_json"]  # (InternLM2's object: its name, then its parameters or arguments)
 
 
 def _json_call(kind: str, raw: str, at: int = 0, memo: dict | None = None) -> tuple[tuple[str, str] | None,
@@ -502,6 +504,32 @@ def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
     return out
 
 
+def _internlm(text: str, memo: dict) -> list[tuple[str, str]]:
+    """InternLM2's one call, from the first "{" after its tags (each looked for in the new text alone); none once a
+    second call's tags come (the whole reply is then text)."""
+    _grown(text, memo)
+    at = _found(text, memo, "start", t.INTERNLM_START)
+    if at < 0 or _found(text, memo, "second", t.INTERNLM_START, at + len(t.INTERNLM_START)) >= 0:
+        return []
+    brace = _found(text, memo, "brace", "{", at + len(t.INTERNLM_START))
+    end = _found(text, memo, "end", t.INTERNLM_END, at + len(t.INTERNLM_START))
+    if brace < 0 or 0 <= end < brace:
+        return []
+    call, _ = _json_call("internlm", text, brace, memo=memo.setdefault("call", {}))
+    return [] if call is None else [call]
+
+
+def _xlam(text: str, memo: dict) -> list[tuple[str, str]]:
+    """xLAM's calls as they come where the reply is (after blanks) its JSON list, read as mistral's, up to a call
+    whose arguments are no object (kept as text by the whole reply: sent whole at the end); its other forms (a code
+    block, a <tool_call>, after </think>) go out whole at the reply's end."""
+    at = t._BLANKS.match(text).end()
+    if not text.startswith("[", at):
+        return []
+    calls = _json_calls("mistral", text, at + 1, memo, ",")
+    return list(itertools.takewhile(lambda call: not call[1] or call[1].startswith("{"), calls))
+
+
 def _named(text: str, memo: dict) -> str:
     """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
     reply's arguments are its text), a raw control character in a string escaped as the whole reply escapes it
@@ -552,7 +580,8 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
                      "pythonic": _pythonic, "granite": _granite, "ernie45": _blocks(t._ernie_block),
-                     "olmo3": _olmo3, "phi4_mini_json": _phi4_mini}[req.name](text, memo)
+                     "olmo3": _olmo3, "phi4_mini_json": _phi4_mini, "internlm": _internlm,
+                     "xlam": _xlam}[req.name](text, memo)
     except RecursionError:
         return []
     return calls if req.parallel else calls[:1]
