@@ -386,12 +386,13 @@ _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
 def _literal(node: ast.expr, json_names: bool = False) -> Any:
-    """A Python literal argument as its JSON value: constants, lists, and dicts whose keys are constants (and, with
-    `json_names`, Olmo 3's: JSON's true, false and null written bare, and signed numbers, `days=-2`, which vLLM's
-    olmo3 parser leaves the whole reply text for; pythonic leaves them text, as vLLM's)."""
+    """A Python literal argument as its JSON value: constants, signed numbers (`days=-2`, a unary minus in Python's
+    AST, which vLLM's pythonic and olmo3 parsers leave the whole reply text for: a call to move back 2 days is a
+    call), lists, and dicts whose keys are constants (and, with `json_names`, Olmo 3's JSON true, false and null
+    written bare)."""
     if isinstance(node, ast.Constant):
         return node.value
-    if json_names and isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(
             node.operand, ast.Constant) and type(node.operand.value) in (int, float):  # -1, -0.5 (vLLM's: text)
         return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
     if json_names and isinstance(node, ast.Name) and node.id in _JSON_NAMES:
