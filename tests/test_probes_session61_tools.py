@@ -211,7 +211,7 @@ def test_the_cli_takes_the_new_parsers_and_vllms_qwen3_xml_name():
     assert [_tool_parser(True, p) for p in ("qwen3_coder", "qwen3_xml", "seed_oss", "openai")] == [
         "qwen3_coder", "qwen3_coder", "seed_oss", "openai"]
     with pytest.raises(ConfigError) as e:
-        _tool_parser(True, "kimi_k2")
+        _tool_parser(True, "jamba")
     assert "qwen3_coder" in str(e.value.hint) and "openai" in str(e.value.hint)
 
 

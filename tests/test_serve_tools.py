@@ -258,7 +258,7 @@ def test_the_parser_options_only_work_together():
     from infer.cli.serve import _tool_parser
     from infer.errors import ConfigError
     assert _tool_parser(True, "hermes") == "hermes" and _tool_parser(False, None) is None
-    for enable, parser, message in ((True, None, "needs --tool-call-parser"), (True, "xlam", "not available"),
+    for enable, parser, message in ((True, None, "needs --tool-call-parser"), (True, "jamba", "not available"),
                                     (False, "hermes", "needs --enable-auto-tool-choice")):
         with pytest.raises(ConfigError, match=message):
             _tool_parser(enable, parser)

@@ -441,11 +441,82 @@ def _phi4_mini(text: str, memo: dict) -> list[tuple[str, str]]:
     return [] if at < 0 else _json_calls("phi4_mini_json", text, at + len(t.PHI4_START), memo, ",")
 
 
-def _blocks(read):
-    """The calls of the <tool_call> blocks that have ended (glm45, ernie45: a call goes out whole once its end tag
-    has come, as vLLM's streams them), each read once (serve/tools.py's tagged_blocks, read on from where the last
-    read stopped)."""
-    return lambda text, memo: t.tagged_blocks(text, read, _grown(text, memo))[0]
+def _ernie45(text: str, memo: dict) -> list[tuple[str, str]]:
+    """ERNIE's calls: each ended block's (read once: serve/tools.py's tagged_blocks, read on from where the last read
+    stopped), then the open block's arguments as they come, read as hermes' (vLLM's ernie45 streams them; the whole
+    reply drops a block the reply leaves open)."""
+    state = _grown(text, memo)
+    calls, bad = t.tagged_blocks(text, t._ernie_block, state)
+    start = state["at"][1]
+    if not bad and start >= 0:
+        call, _ = _json_call("hermes", text, start + len(t.HERMES_START), memo=memo.setdefault(("open", start), {}))
+        calls += [] if call is None else [call]
+    return calls
+
+
+def _glm45(text: str, functions: dict[str, Any], memo: dict) -> list[tuple[str, str]]:
+    """GLM's calls: each ended block's (read once), then the open block's, its arguments as they come (vLLM's glm45
+    streams them; the whole reply drops a block the reply leaves open)."""
+    state = _grown(text, memo)
+    calls, bad = t.tagged_blocks(text, lambda body: t._glm_block(body, functions), state)
+    start = state["at"][1]
+    if not bad and start >= 0:
+        call = _glm_open(text, start + len(t.HERMES_START), functions, memo.setdefault(("open", start), {}))
+        calls += [] if call is None else [call]
+    return calls
+
+
+_GLM_KEY_END, _GLM_VALUE, _GLM_VALUE_END = "</arg_key>", "<arg_value>", "</arg_value>"
+
+
+def _glm_open(text: str, body: int, functions: dict[str, Any], memo: dict) -> tuple[str, str] | None:
+    """(name, arguments so far) of the GLM block open at text[body:] once its name is whole: each key and value
+    that ended as the whole reply writes it (typed by the schema), then a string parameter's value as it comes (a
+    tail that may be its end tag held); any other value is held until it ends, and so is all that follows a key
+    not followed by its value. `memo`: the block's, its tags looked for in the new text alone."""
+    if "name" not in memo:
+        ends = [k for k in (_found(text, memo, "line", "\n", body), _found(text, memo, "key", t.GLM_KEY, body))
+                if k >= 0]
+        if not ends:
+            return None
+        name = text[body:min(ends)].strip()
+        if not name or "<" in name or any(c.isspace() for c in name):
+            return None
+        memo["name"] = (name, min(ends))
+    name, pos = memo["name"]
+    schema = functions.get(name)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+    done, pos = memo.get("done", ((), pos))
+    pieces = list(done)
+    while True:
+        key = _found(text, memo, ("key", pos), t.GLM_KEY, pos)
+        key_end = _found(text, memo, ("key_end", key), _GLM_KEY_END, key) if key >= 0 else -1
+        if key_end < 0:
+            break
+        start = _WS.match(text, key_end + len(_GLM_KEY_END)).end()
+        if not text.startswith(_GLM_VALUE, start):
+            break
+        start += len(_GLM_VALUE)
+        end = _found(text, memo, ("value_end", start), _GLM_VALUE_END, start)
+        key_name = text[key + len(t.GLM_KEY):key_end].strip()
+        head = json.dumps(key_name, ensure_ascii=False) + ": "
+        if end >= 0:
+            value = t._glm_typed(text[start:end], properties.get(key_name), key_name in properties, schema)
+            pieces.append(head + json.dumps(value, ensure_ascii=False))
+            pos = end + len(_GLM_VALUE_END)
+            memo["done"] = (tuple(pieces), pos)
+            continue
+        if key_name in properties and t._kind(properties[key_name], schema) in t._STRING_KINDS:
+            safe = len(text) - next((k for k in range(min(len(_GLM_VALUE_END) - 1, len(text) - start), 0, -1)
+                                     if _GLM_VALUE_END.startswith(text[-k:])), 0)
+            seen, escaped = memo.get(("text", start), (start, ""))
+            if safe > seen:  # (the value's new characters written as json.dumps writes them, once)
+                escaped += json.dumps(text[seen:safe], ensure_ascii=False)[1:-1]
+                memo[("text", start)] = (safe, escaped)
+            pieces.append(head + '"' + escaped)
+        break
+    return name, "{" + ", ".join(pieces)
 
 
 def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
@@ -570,8 +641,7 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
         if req.mode == "required":
             calls = _required(text, memo)
         elif req.name == "glm45":
-            functions = {x["function"]["name"]: x["function"].get("parameters") for x in req.tools}
-            calls = _blocks(lambda body: t._glm_block(body, functions))(text, memo)
+            calls = _glm45(text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools}, memo)
         elif req.name in t.SECTIONED:
             calls = _sectioned(req.name, text, memo)
         elif req.name in t.TYPED_PARSERS:
@@ -579,7 +649,7 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
                          memo)
         else:
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
-                     "pythonic": _pythonic, "granite": _granite, "ernie45": _blocks(t._ernie_block),
+                     "pythonic": _pythonic, "granite": _granite, "ernie45": _ernie45,
                      "olmo3": _olmo3, "phi4_mini_json": _phi4_mini, "internlm": _internlm,
                      "xlam": _xlam}[req.name](text, memo)
     except RecursionError:
