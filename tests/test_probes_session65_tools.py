@@ -219,7 +219,7 @@ def _stream_what_goes_out(req, reply: str, caplog, cuts) -> None:
 NEW = ("deepseek_v3", "deepseek_v31", "kimi_k2", "internlm", "xlam")
 
 
-@pytest.mark.parametrize("parser", NEW)
+@pytest.mark.parametrize("parser", [*NEW, "glm45", "ernie45"])
 def test_arguments_go_out_in_pieces_as_they_come(parser):
     """The bench's reply of each parser (a long string argument): its arguments go out a few characters at a time,
     not whole at the reply's end. (tests/test_probes_session64_lin.py checks each step reads its new text alone.)"""
@@ -438,3 +438,44 @@ def test_infer_run_splits_deepseek_v3s_reasoning_per_line(deepseek_model, tmp_pa
     message = {k: r["response"]["body"]["choices"][0]["message"] for k, r in recs.items()}
     assert (message["on"]["reasoning"], message["on"]["content"]) == ("abc", "xyz"), out
     assert (message["off"]["reasoning"], message["off"]["content"]) == (None, "abc</think>xyz"), out
+
+
+# ------------------------------------------------------------------------------------------- the known gaps closed
+GLM = "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n<arg_key>city</arg_key>\n<arg_value>"
+
+
+def test_glm_streams_a_string_value_as_it_comes_and_holds_a_typed_one_until_whole():
+    """vLLM's glm45 streams a call's arguments: a string parameter's text as it comes (a tail that may be its end
+    tag held), a typed value (an integer: "12" may grow) once its end tag has come; they went out whole at
+    </tool_call>."""
+    req = _req("glm45")
+    assert partial_calls(req, GLM[:GLM.index("12") + 2]) == [("get_weather", "{")]
+    assert partial_calls(req, GLM) == [("get_weather", '{"days": 12, "city": "')]
+    assert partial_calls(req, GLM + 'Pa"ris\n</arg_v') == [("get_weather", '{"days": 12, "city": "Pa\\"ris\\n')]
+    reply = GLM + 'Pa"ris\n</arg_v</arg_value>\n</tool_call>'
+    pieces, whole = _streamed(req, reply, range(len(reply) + 1))
+    assert json.loads(whole[0]["function"]["arguments"]) == {"days": 12, "city": 'Pa"ris\n</arg_v'}
+    assert [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
+
+
+@pytest.mark.parametrize("parser,reply", [
+    ("glm45", GLM + "Paris"), ("ernie45", '<tool_call>{"name": "get_time", "arguments": {"zone": "x"}}')])
+def test_a_call_left_open_at_the_end_is_text_though_its_start_went_out(parser, reply, caplog):
+    """As vLLM's glm45 and ernie45: only a block that ended is a call; a stream has sent the open one's start (cut by
+    max_tokens), and says so."""
+    req = _req(parser)
+    assert split(req, reply) == (reply, None)
+    _stream_what_goes_out(req, reply, caplog, range(len(reply) + 1))
+    assert "went out streamed" in caplog.text
+
+
+@pytest.mark.parametrize("reply,args", [
+    ("[get_weather(days=-2, city='P')]", {"days": -2, "city": "P"}),
+    ("[get_time(zone=[-1.5, +2, {'a': -0.0}])]", {"zone": [-1.5, 2, {"a": -0.0}]})])
+def test_pythonic_reads_a_signed_number_whole_and_streamed(reply, args):
+    """A signed number is a unary minus in Python's AST: the whole reply was text (as vLLM's pythonic reads it)."""
+    req = _req("pythonic")
+    content, calls = split(req, reply)
+    assert content == "" and json.loads(calls[0]["function"]["arguments"]) == args
+    pieces, whole = _streamed(req, reply, range(len(reply) + 1))
+    assert [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
