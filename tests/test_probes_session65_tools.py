@@ -479,3 +479,26 @@ def test_pythonic_reads_a_signed_number_whole_and_streamed(reply, args):
     assert content == "" and json.loads(calls[0]["function"]["arguments"]) == args
     pieces, whole = _streamed(req, reply, range(len(reply) + 1))
     assert [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
+
+
+OLMO = ('I will.\n<function_calls>\nget_weather(city="Paris", days=-2)\nget_time(zone=\'x\'), get_time()\n'
+        + "".join(f'get_time(zone="z{k}")\n' for k in range(5)) + "</function_calls>")
+
+
+def test_olmo3_sends_each_call_as_its_line_ends_each_line_read_once(monkeypatch):
+    """Olmo 3's calls went out all at once at </function_calls>: each goes out once its line has ended (a call
+    whole: its literals typed once whole), each line parsed once, the same calls as the whole reply's."""
+    from infer.serve import tools
+    req = _req("olmo3")
+    first = OLMO.index(")\n") + 2
+    assert partial_calls(req, OLMO[:first - 1]) == []
+    assert partial_calls(req, OLMO[:first]) == [("get_weather", '{"city": "Paris", "days": -2}')]
+    counted, real = [], tools._python_calls
+    monkeypatch.setattr(tools, "_python_calls", lambda *a, **k: counted.append(1) or real(*a, **k))
+    stream, pieces = CallStream(req), []
+    for k in range(len(OLMO) + 1):
+        pieces += stream.deltas(partial_calls(req, OLMO[:k], stream.memo))
+    whole = split(req, OLMO)[1]
+    pieces += stream.deltas(whole, finished=True)
+    assert len(whole) == 8 and [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
+    assert sum(counted) <= 7 + 2, sum(counted)  # (each line once, the whole list at its end tag, split's)

@@ -520,12 +520,27 @@ def _glm_open(text: str, body: int, functions: dict[str, Any], memo: dict) -> tu
 
 
 def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
-    """Olmo 3's calls, all at once when the </function_calls> after its <function_calls> has come (each looked for
-    in the new text alone)."""
+    """Olmo 3's calls, each line's once the line has ended (a call whole: its literals are typed once whole), read
+    once; all of them as the whole reply reads them once the </function_calls> after its <function_calls> has come
+    (each tag looked for in the new text alone). A line that is no call stops the read there (the whole reply is
+    then text)."""
     whole = _grown(text, memo)
     at = _found(text, memo, "start", t.OLMO_START)
-    if at < 0 or _found(text, memo, "end", t.OLMO_END, at + len(t.OLMO_START)) < 0:
+    if at < 0:
         return []
+    if _found(text, memo, "end", t.OLMO_END, at + len(t.OLMO_START)) < 0:
+        pos, scan, calls, bad = whole.get("lines", (at + len(t.OLMO_START), at + len(t.OLMO_START), (), False))
+        line_end = text.rfind("\n", scan) if not bad else -1
+        if line_end >= pos:
+            for line in text[pos:line_end].splitlines():  # (the lines as the whole reply splits them)
+                parsed = t._python_calls("[" + line.strip() + "]", json_names=True) if line.strip() else []
+                if parsed is None:
+                    bad = True
+                    break
+                calls += tuple((c["function"]["name"], c["function"]["arguments"]) for c in parsed)
+            pos = line_end + 1
+        whole["lines"] = (pos, len(text), calls, bad)
+        return list(calls)
     if "calls" not in whole:
         parsed = t.olmo3_calls(text)
         whole["calls"] = [] if parsed is None else [(c["function"]["name"], c["function"]["arguments"])
