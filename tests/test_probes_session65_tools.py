@@ -85,6 +85,15 @@ CALLS = [
      [("get_time", {}, None)]),
     ("xlam", 'a <tool_call>[{"name": "get_time", "arguments": {}}, {"bad": 1}]</tool_call> b', "a  b",
      [("get_time", {}, None)]),
+    ("hunyuan_a13b", 'Sure.<tool_calls>[{"name": "get_weather", "arguments": ' + ARGS + '}, {"name": "get_time", '
+     '"arguments": "{}"}]</tool_calls>', "Sure.", [("get_weather", ARGS_VALUE, None), ("get_time", {}, None)]),
+    # blank content is none; a list in a think block is no call, the first outside one is
+    ("hunyuan_a13b", '\n<think>no <tool_calls>[{"name": "get_weather", "arguments": {}}]</tool_calls></think>\n'
+     '<tool_calls>\n[{"name": "get_time", "arguments": {"zone": "x"}}]\n</tool_calls>',
+     '\n<think>no <tool_calls>[{"name": "get_weather", "arguments": {}}]</tool_calls></think>\n',
+     [("get_time", {"zone": "x"}, None)]),
+    ("hunyuan_a13b", '\n<tool_calls>[{"name": "get_time", "arguments": {}}]</tool_calls>', None,
+     [("get_time", {}, None)]),
 ]
 # replies no call reads: the whole reply is the content, and no piece of a call goes out at any cut
 NOT_CALLS = {
@@ -97,6 +106,8 @@ NOT_CALLS = {
     "internlm": ["<|action_start|><|interpreter|>print(1)<|action_end|>", "Plain <|action_start|> text",
                  "<|action_start|><|plugin|>no call here<|action_end|>"],
     "xlam": ["[1] First point.", "Plain text.", "```python\nprint(1)\n```", '[{"answer": 1}]', "<think>a</think>b"],
+    "hunyuan_a13b": ['<think><tool_calls>[{"name": "get_time", "arguments": {}}]</tool_calls></think>',
+                     "I use <tool_calls> tags", '<tool_calls>{"name": "get_time"}</tool_calls>'],
 }
 # replies whose call turns out malformed after it showed itself: the whole reply is text (the stream sent the call's
 # start: toolstream's known limit, vLLM's too)
@@ -110,6 +121,7 @@ MALFORMED = {
     "internlm": ['<|action_start|><|plugin|>{"name": "get_time", "parameters": {}}<|action_end|>'
                  '<|action_start|><|plugin|>{"name": "get_weather", "parameters": {}}<|action_end|>'],  # (one only)
     "xlam": ['[{"name": "get_time", "arguments": {}}] and more'],
+    "hunyuan_a13b": ['<tool_calls>[{"name": "get_time", "arguments": {}}] oops</tool_calls>'],
 }
 
 
@@ -216,7 +228,7 @@ def _stream_what_goes_out(req, reply: str, caplog, cuts) -> None:
     assert bool(stream.sent) == ("went out streamed" in caplog.text)
 
 
-NEW = ("deepseek_v3", "deepseek_v31", "kimi_k2", "internlm", "xlam")
+NEW = ("deepseek_v3", "deepseek_v31", "kimi_k2", "internlm", "xlam", "hunyuan_a13b")
 
 
 @pytest.mark.parametrize("parser", [*NEW, "glm45", "ernie45"])

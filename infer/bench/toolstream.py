@@ -58,6 +58,8 @@ def replies(chars: int) -> dict[str, str]:
             "internlm": 'Ok.<|action_start|><|plugin|>\n{"name": "run", "parameters": {"code": "' + code
                         + '", "n": 3}}<|action_end|>',
             "xlam": '[{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}]',
+            "hunyuan_a13b": '<tool_calls>[{"name": "run", "arguments": {"code": "' + code
+                            + '", "n": 3}}]</tool_calls>',
             "named": '{"code": "' + code + '", "n": 3}',
             "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]',
             "reasoning": "<think>" + code + '</think>\n\n<tool_call>{"name": "run", "arguments": {"code": "' + code

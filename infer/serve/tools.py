@@ -28,7 +28,8 @@ line, `name(key=value)`, then `</function_calls>` (Olmo 3), or ernie45, hermes' 
 R1's `function<｜tool▁sep｜>NAME` then its JSON arguments in a ```json block, V3.1's `NAME<｜tool▁sep｜>{...}`,
 Kimi-K2's `functions.NAME:IDX<|tool_call_argument_begin|>{...}`, whose id is the call's, or internlm,
 `<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>` (InternLM2/2.5, one call), or xlam, a JSON
-list of {"name", "arguments"} objects, the whole reply or in a ```json block, a <tool_call> or after </think> (xLAM).
+list of {"name", "arguments"} objects, the whole reply or in a ```json block, a <tool_call> or after </think> (xLAM),
+or hunyuan_a13b, such a list in `<tool_calls>...</tool_calls>` outside a think block (Hunyuan-A13B).
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
@@ -1086,10 +1087,42 @@ def xlam_calls(text: str) -> tuple[str | None, list[dict]] | None:
     content, value = _xlam_found(text)
     if not isinstance(value, list):
         return None
-    calls = [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False) if isinstance(x["arguments"], dict)
-                   else _arguments(x["arguments"]))
-             for x in value if isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x]
+    calls = _xlam_items(value)
     return ((content or "").rstrip() or None, calls) if calls else None
+
+
+def _xlam_items(items: list) -> list[dict]:
+    """The calls of a list of xLAM's (and Hunyuan's) call objects: each object with a string name and arguments,
+    its arguments written as JSON (an object) or kept as the text they are (a string); the other items left out."""
+    return [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False) if isinstance(x["arguments"], dict)
+                  else _arguments(x["arguments"]))
+            for x in items if isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x]
+
+
+# hunyuan_a13b: Hunyuan-A13B's `<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>`
+HUNYUAN_START, HUNYUAN_END = "<tool_calls>", "</tool_calls>"
+_HUNYUAN_BLOCK = re.compile(r"<tool_calls>([\s\S]*?)</tool_calls>")
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def hunyuan_a13b_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before the calls' tags, None when blank; the calls) of a Hunyuan-A13B reply, as vLLM's hunyuan_a13b
+    parser reads it: the first <tool_calls>...</tool_calls> outside a <think> block whose text is JSON, a list
+    whose objects with a name and arguments are the calls (the others left out), each call's arguments written as
+    JSON (an object) or kept as the text they are (a string). None (text) without any call."""
+    thinks = [m.span() for m in _THINK_BLOCK.finditer(text)] if "<think>" in text else []
+    for match in _HUNYUAN_BLOCK.finditer(text):
+        if any(a < match.start() and match.end() < b for a, b in thinks):
+            continue
+        value = _json_or_none(match.group(1).strip())
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            return None
+        calls = _xlam_items(value)
+        content = text[:match.start()]
+        return (content if content.strip() else None, calls) if calls else None
+    return None
 
 
 # --tool-call-parser: the syntaxes "auto" reads
@@ -1097,7 +1130,8 @@ PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pyth
            "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls,
            "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls,
            "phi4_mini_json": phi4_mini_calls, "deepseek_v3": deepseek_v3_calls, "deepseek_v31": deepseek_v31_calls,
-           "kimi_k2": kimi_k2_calls, "internlm": internlm_calls, "xlam": xlam_calls}
+           "kimi_k2": kimi_k2_calls, "internlm": internlm_calls, "xlam": xlam_calls,
+           "hunyuan_a13b": hunyuan_a13b_calls}
 # the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
 TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45")
 # the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
@@ -1196,11 +1230,12 @@ def _first_start(text: str, starts: tuple[str, ...], memo: dict | None) -> tuple
 
 
 # the parsers whose content before the calls is none when it is blank (GLM writes "\n" before its <tool_call>)
-_BLANK_NONE = ("glm45", "olmo3")
+_BLANK_NONE = ("glm45", "olmo3", "hunyuan_a13b")
 # where a call may start, for each parser `visible` holds back from (qwen3_coder, seed_oss: vLLM's back-off reads a
 # bare <function= too)
 _STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "olmo3": (OLMO_START,),
            **{family: spec.sections for family, spec in SECTIONED.items()}, "internlm": (INTERNLM_START,),
+           "hunyuan_a13b": (HUNYUAN_START,),
            "qwen3_coder": (QWEN_START, XML_FUNCTION),
            "seed_oss": (SEED_START, XML_FUNCTION)}
 

@@ -616,6 +616,24 @@ def _xlam(text: str, memo: dict) -> list[tuple[str, str]]:
     return list(itertools.takewhile(lambda call: not call[1] or call[1].startswith("{"), calls))
 
 
+def _hunyuan(text: str, memo: dict) -> list[tuple[str, str]]:
+    """Hunyuan's list after its first <tool_calls> (looked for in the new text alone), read as mistral's, up to a
+    call whose arguments are no object; none where a <think> before it is still open (the whole reply looks for
+    the calls outside think blocks)."""
+    _grown(text, memo)
+    at = _found(text, memo, "start", t.HUNYUAN_START)
+    if at < 0:
+        return []
+    think = _found(text, memo, "think", "<think>")
+    if 0 <= think < at and not 0 <= _found(text, memo, "thought", "</think>", think) < at:
+        return []
+    k = _WS.match(text, at + len(t.HUNYUAN_START)).end()
+    if not text.startswith("[", k):
+        return []
+    calls = _json_calls("mistral", text, k + 1, memo, ",")
+    return list(itertools.takewhile(lambda call: not call[1] or call[1].startswith("{"), calls))
+
+
 def _named(text: str, memo: dict) -> str:
     """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
     reply's arguments are its text), a raw control character in a string escaped as the whole reply escapes it
@@ -666,7 +684,7 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
             calls = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "openai": _harmony,
                      "pythonic": _pythonic, "granite": _granite, "ernie45": _ernie45,
                      "olmo3": _olmo3, "phi4_mini_json": _phi4_mini, "internlm": _internlm,
-                     "xlam": _xlam}[req.name](text, memo)
+                     "xlam": _xlam, "hunyuan_a13b": _hunyuan}[req.name](text, memo)
     except RecursionError:
         return []
     return calls if req.parallel else calls[:1]
