@@ -76,13 +76,13 @@ def _req(parser: str):
     return parse_tools({"tools": TOOLS}, parser)
 
 
-def _content_streamed(req, reply: str) -> str:
-    """The content a stream sends (visible at each cut, each a start of the next), checked to be a start of the
-    whole reply's content; the whole reply's content."""
+def _content_streamed(req, reply: str, cuts=None) -> str:
+    """The content a stream sends (visible at each cut, every length unless `cuts`, each a start of the next and a
+    fresh read's), checked to be a start of the whole reply's content; the whole reply's content."""
     memo, sent = {}, ""
-    for k in range(len(reply) + 1):
+    for k in range(len(reply) + 1) if cuts is None else cuts:
         now = visible(req, reply[:k], memo)
-        assert now.startswith(sent), (reply[:k], sent, now)
+        assert now.startswith(sent) and now == visible(req, reply[:k]), (reply[:k], sent, now)
         sent = now
     whole = split(req, reply)[0]
     assert whole.startswith(sent), (whole, sent)

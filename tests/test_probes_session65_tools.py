@@ -22,11 +22,12 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, reasoning_request  # noqa: E402
 from infer.serve.reasoning import split as reasoning_split  # noqa: E402
-from infer.serve.tools import parse_tools, split, tool_calls, visible  # noqa: E402
+from infer.serve.tools import parse_tools, split, tool_calls  # noqa: E402
 from infer.serve.toolstream import CallStream, partial_calls  # noqa: E402
 
 from helpers import (check_stream_adds_up, forced_chat_body, joined_deltas, joined_tool_calls,  # noqa: E402
                      streamed_chat_choices, tiny_chat_engine, tiny_llama_with_added_tokens)
+from test_probes_session64_tools import _content_streamed  # noqa: E402
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                            "zone": {"type": "string"}}}
@@ -146,19 +147,6 @@ def _streamed(req, reply: str, cuts) -> tuple[list[dict], list[dict]]:
 
 def _joined(pieces: list[dict]) -> list[dict]:
     return joined_tool_calls([{"delta": {"tool_calls": [p]}} for p in pieces])
-
-
-def _content_streamed(req, reply: str, cuts) -> str:
-    """The content a stream sends (visible at each cut, each a start of the next, a start of the whole reply's);
-    the whole reply's content."""
-    memo, sent = {}, ""
-    for k in cuts:
-        now = visible(req, reply[:k], memo)
-        assert now.startswith(sent) and now == visible(req, reply[:k]), (reply[:k], sent, now)
-        sent = now
-    whole = split(req, reply)[0]
-    assert whole.startswith(sent), (whole, sent)
-    return whole
 
 
 @pytest.mark.parametrize("parser,reply,content,calls", CALLS)
