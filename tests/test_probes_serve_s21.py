@@ -31,7 +31,8 @@ PREFIX = {"hermes": "<tool_call>", "llama3_json": '{"name": "f", "parameters": '
           "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>",
           "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>",
           "internlm": '<|action_start|><|plugin|>{"name": "f", "parameters": ', "xlam": '[{"name": "f", "arguments": ',
-          "hunyuan_a13b": '<tool_calls>[{"name": "f", "arguments": '}
+          "hunyuan_a13b": '<tool_calls>[{"name": "f", "arguments": ',
+          "minimax_m2": '<minimax:tool_call><invoke name="f"><parameter name="a">'}
 # (openai: a reply without harmony's markers is content; its deep calls: session61_tools)
 DEEP_TEMPLATE = "{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}"
 

@@ -95,6 +95,12 @@ CALLS = [
      [("get_time", {"zone": "x"}, None)]),
     ("hunyuan_a13b", '\n<tool_calls>[{"name": "get_time", "arguments": {}}]</tool_calls>', None,
      [("get_time", {}, None)]),
+    # values typed by the schema's type (a string keeps its text less blanks, an unknown parameter stays text)
+    ("minimax_m2", 'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">\n Pa"ris \u00e9 \n'
+     '</parameter>\n<parameter name="days">3</parameter><parameter name="extra">[1, 2]</parameter>\n</invoke>\n'
+     "<invoke name='get_time'>\n<parameter name=\"zone\">null</parameter></invoke>\n</minimax:tool_call>", "Sure.\n",
+     [("get_weather", {"city": 'Pa"ris \u00e9', "days": 3, "extra": "[1, 2]"}, None),
+      ("get_time", {"zone": None}, None)]),
 ]
 # replies no call reads: the whole reply is the content, and no piece of a call goes out at any cut
 NOT_CALLS = {
@@ -109,6 +115,7 @@ NOT_CALLS = {
     "xlam": ["[1] First point.", "Plain text.", "```python\nprint(1)\n```", '[{"answer": 1}]', "<think>a</think>b"],
     "hunyuan_a13b": ['<think><tool_calls>[{"name": "get_time", "arguments": {}}]</tool_calls></think>',
                      "I use <tool_calls> tags", '<tool_calls>{"name": "get_time"}</tool_calls>'],
+    "minimax_m2": ['<minimax:tool_call><invoke name="">x</invoke></minimax:tool_call>', "Plain <minimax:tool_ text"],
 }
 # replies whose call turns out malformed after it showed itself: the whole reply is text (the stream sent the call's
 # start: toolstream's known limit, vLLM's too)
@@ -123,6 +130,7 @@ MALFORMED = {
                  '<|action_start|><|plugin|>{"name": "get_weather", "parameters": {}}<|action_end|>'],  # (one only)
     "xlam": ['[{"name": "get_time", "arguments": {}}] and more'],
     "hunyuan_a13b": ['<tool_calls>[{"name": "get_time", "arguments": {}}] oops</tool_calls>'],
+    "minimax_m2": ['<minimax:tool_call><invoke name="get_time"><parameter name="days">5</parameter></invoke>'],  # open
 }
 
 
@@ -216,13 +224,14 @@ def _stream_what_goes_out(req, reply: str, caplog, cuts) -> None:
     assert bool(stream.sent) == ("went out streamed" in caplog.text)
 
 
-NEW = ("deepseek_v3", "deepseek_v31", "kimi_k2", "internlm", "xlam", "hunyuan_a13b")
+NEW = ("deepseek_v3", "deepseek_v31", "kimi_k2", "internlm", "xlam", "hunyuan_a13b", "minimax_m2")
 
 
-@pytest.mark.parametrize("parser", [*NEW, "glm45", "ernie45"])
+@pytest.mark.parametrize("parser", [p for p in (*NEW, "glm45", "ernie45") if p != "minimax_m2"])
 def test_arguments_go_out_in_pieces_as_they_come(parser):
     """The bench's reply of each parser (a long string argument): its arguments go out a few characters at a time,
-    not whole at the reply's end. (tests/test_probes_session64_lin.py checks each step reads its new text alone.)"""
+    not whole at the reply's end (minimax_m2's each parameter once whole, its value typed: below). (The bench's
+    replies: tests/test_probes_session64_lin.py checks each step reads its new text alone.)"""
     from infer.bench.toolstream import TOOLS as BENCH_TOOLS, replies
     reply = replies(400)[parser]
     req = parse_tools({"tools": BENCH_TOOLS}, parser)
@@ -502,3 +511,12 @@ def test_olmo3_sends_each_call_as_its_line_ends_each_line_read_once(monkeypatch)
     pieces += stream.deltas(whole, finished=True)
     assert len(whole) == 8 and [c["function"] for c in _joined(pieces)] == [c["function"] for c in whole]
     assert sum(counted) <= 7 + 2, sum(counted)  # (each line once, the whole list at its end tag, split's)
+
+
+def test_minimax_sends_each_parameter_once_it_has_ended():
+    req = _req("minimax_m2")
+    head = '<minimax:tool_call><invoke name="get_weather"><parameter name="days">1'
+    assert partial_calls(req, head[:head.index('">') + 1]) == []
+    assert partial_calls(req, head[:head.index('">') + 2]) == [("get_weather", "{")]
+    assert partial_calls(req, head) == [("get_weather", "{")]  # ("1" may grow)
+    assert partial_calls(req, head + '2</parameter><parameter name="city">Par') == [("get_weather", '{"days": 12')]

@@ -60,6 +60,8 @@ def replies(chars: int) -> dict[str, str]:
             "xlam": '[{"name": "run", "arguments": {"code": "' + code + '", "n": 3}}]',
             "hunyuan_a13b": '<tool_calls>[{"name": "run", "arguments": {"code": "' + code
                             + '", "n": 3}}]</tool_calls>',
+            "minimax_m2": '<minimax:tool_call>\n<invoke name="run">\n<parameter name="n">3</parameter>\n'
+                          '<parameter name="code">' + code + '</parameter>\n</invoke>\n</minimax:tool_call>',
             "named": '{"code": "' + code + '", "n": 3}',
             "required": '[{"name": "run", "parameters": {"code": "' + code + '", "n": 3}}]',
             "reasoning": "<think>" + code + '</think>\n\n<tool_call>{"name": "run", "arguments": {"code": "' + code

@@ -104,8 +104,8 @@ def serve(
         "phi4_mini_json (Phi-4-mini: functools[...]), deepseek_v3 (DeepSeek-V3, R1: <｜tool▁calls▁begin｜> and a "
         "```json block per call), deepseek_v31 (DeepSeek-V3.1: NAME<｜tool▁sep｜>{...}), kimi_k2 (Kimi-K2: "
         "<|tool_calls_section_begin|>, ids functions.NAME:IDX), internlm (InternLM2/2.5: "
-        "<|action_start|><|plugin|>{...}), xlam (xLAM: a JSON list of calls) or hunyuan_a13b (Hunyuan-A13B: "
-        "<tool_calls>[...]</tool_calls>).")] = None,
+        "<|action_start|><|plugin|>{...}), xlam (xLAM: a JSON list of calls), hunyuan_a13b (Hunyuan-A13B: "
+        "<tool_calls>[...]</tool_calls>) or minimax_m2 (MiniMax-M2: <minimax:tool_call><invoke name=...>).")] = None,
     reasoning_parser: Annotated[Optional[str], _server(
         "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
         "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills), qwen3 (Qwen3, "

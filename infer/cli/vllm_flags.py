@@ -128,7 +128,7 @@ VLLM_HINTS = {
     "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
                             "hermes | llama3_json | pythonic | mistral | qwen3_coder | seed_oss | openai | granite | "
                             "glm45 | olmo3 | ernie45 | phi4_mini_json | deepseek_v3 | deepseek_v31 | kimi_k2 | "
-                            "internlm | xlam | hunyuan_a13b (and "
+                            "internlm | xlam | hunyuan_a13b | minimax_m2 (and "
                             "vLLM's llama4_json, llama4_pythonic, "
                             "qwen3_xml, granite4, glm47)",
     "--exclude-tools-when-tool-choice-none": "infer serve renders the tools of a tool_choice \"none\" request in "

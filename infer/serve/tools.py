@@ -29,7 +29,9 @@ R1's `function<｜tool▁sep｜>NAME` then its JSON arguments in a ```json block
 Kimi-K2's `functions.NAME:IDX<|tool_call_argument_begin|>{...}`, whose id is the call's, or internlm,
 `<|action_start|><|plugin|>{"name": ..., "parameters": {...}}<|action_end|>` (InternLM2/2.5, one call), or xlam, a JSON
 list of {"name", "arguments"} objects, the whole reply or in a ```json block, a <tool_call> or after </think> (xLAM),
-or hunyuan_a13b, such a list in `<tool_calls>...</tool_calls>` outside a think block (Hunyuan-A13B).
+or hunyuan_a13b, such a list in `<tool_calls>...</tool_calls>` outside a think block (Hunyuan-A13B), or minimax_m2,
+`<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter></invoke></minimax:tool_call>`
+(MiniMax-M2), its values typed by the parameter's schema type as vLLM types them.
 Without a parser "auto" is refused with what to send instead, rather than
 answered with text the client would take for "no call".
 """
@@ -1125,15 +1127,87 @@ def hunyuan_a13b_calls(text: str) -> tuple[str | None, list[dict]] | None:
     return None
 
 
+# minimax_m2: MiniMax-M2's `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>
+# </minimax:tool_call>`, each value typed by the parameter's schema "type" (vLLM's minimax_m2)
+MINIMAX_START, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_INVOKE, MINIMAX_INVOKE_END = "<invoke name=", "</invoke>"
+MINIMAX_PARAM, MINIMAX_PARAM_END = "<parameter name=", "</parameter>"
+_MINIMAX_BLOCKS = re.compile(r"<minimax:tool_call>(.*?)</minimax:tool_call>", re.DOTALL)
+_MINIMAX_INVOKES = re.compile(r"<invoke name=(.*?)</invoke>", re.DOTALL)
+_MINIMAX_PARAMS = re.compile(r"<parameter name=(.*?)</parameter>", re.DOTALL)
+
+
+def _unquoted(name: str) -> str:
+    name = name.strip()
+    return name[1:-1] if len(name) > 1 and name[0] == name[-1] and name[0] in "\"'" else name
+
+
+def minimax_value(value: str, schema: Any) -> Any:
+    """A MiniMax-M2 parameter's text (less its blanks) as the value its schema's "type" names, as vLLM's minimax_m2
+    types it: "null" is null, a string stays text, an integer or number reads as one (an integral number as an
+    int), a boolean is true for "true" or "1", anything else reads as JSON; a value that does not read stays text."""
+    value = value.strip()
+    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
+    kind = kind.lower() if isinstance(kind, str) else ""
+    if value.lower() == "null":
+        return None
+    if kind in ("string", "str", "text"):
+        return value
+    try:
+        if kind in ("integer", "int"):
+            return int(value)
+        if kind in ("number", "float"):
+            number = _finite(value)
+            return value if number != number else int(number) if number.is_integer() else number  # (NaN: text)
+    except ValueError:
+        return value
+    if kind in ("boolean", "bool"):
+        return value.lower() in ("true", "1")
+    read = _json_or_none(value)
+    return value if read is None else read
+
+
+def minimax_invoke(raw: str, functions: dict[str, Any]) -> tuple[str, str]:
+    """(name, arguments) of one invoke's text (after `<invoke name=`, before `</invoke>`): its parameters typed by
+    the named function's schema. ValueError when it has no name."""
+    name, sep, _ = raw.partition(">")
+    name = _unquoted(name)
+    if not sep or not name:
+        raise ValueError("an invoke without its name")
+    schema = functions.get(name)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+    args = {}
+    for param in _MINIMAX_PARAMS.findall(raw):
+        key, sep, value = param.partition(">")
+        if sep and key:
+            args[_unquoted(key)] = minimax_value(value, properties.get(_unquoted(key)))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def minimax_m2_calls(text: str, functions: dict[str, Any] | None = None) -> tuple[str | None, list[dict]] | None:
+    """(content before the first <minimax:tool_call>, None when empty; the calls) of a MiniMax-M2 reply, as vLLM's
+    minimax_m2 parser reads it: each invoke that ended inside a tool-call block that ended. None (text) without any,
+    or when an invoke has no name."""
+    if MINIMAX_START not in text:
+        return None
+    try:
+        calls = [_call(*minimax_invoke(raw, functions or {})) for block in _MINIMAX_BLOCKS.findall(text)
+                 for raw in _MINIMAX_INVOKES.findall(block)]
+    except ValueError:
+        return None
+    return (text[:text.find(MINIMAX_START)] or None, calls) if calls else None
+
+
 # --tool-call-parser: the syntaxes "auto" reads
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls,
            "qwen3_coder": qwen3_coder_calls, "seed_oss": seed_oss_calls, "openai": harmony_calls,
            "granite": granite_calls, "glm45": glm45_calls, "olmo3": olmo3_calls, "ernie45": ernie45_calls,
            "phi4_mini_json": phi4_mini_calls, "deepseek_v3": deepseek_v3_calls, "deepseek_v31": deepseek_v31_calls,
            "kimi_k2": kimi_k2_calls, "internlm": internlm_calls, "xlam": xlam_calls,
-           "hunyuan_a13b": hunyuan_a13b_calls}
+           "hunyuan_a13b": hunyuan_a13b_calls, "minimax_m2": minimax_m2_calls}
 # the parsers that type a call's values by the tools' schemas (they get {name: parameters schema} too)
-TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45")
+TYPED_PARSERS = ("qwen3_coder", "seed_oss", "glm45", "minimax_m2")
 # the parsers that read the whole reply, not the content a --reasoning-parser leaves (harmony's calls are messages)
 WHOLE_REPLY_PARSERS = ("openai",)
 # vLLM's other names of these syntaxes (its llama4_json parser is its llama3_json one; its llama4_pythonic reads the
@@ -1235,7 +1309,7 @@ _BLANK_NONE = ("glm45", "olmo3", "hunyuan_a13b")
 # bare <function= too)
 _STARTS = {"mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START,), "olmo3": (OLMO_START,),
            **{family: spec.sections for family, spec in SECTIONED.items()}, "internlm": (INTERNLM_START,),
-           "hunyuan_a13b": (HUNYUAN_START,),
+           "hunyuan_a13b": (HUNYUAN_START,), "minimax_m2": (MINIMAX_START,),
            "qwen3_coder": (QWEN_START, XML_FUNCTION),
            "seed_oss": (SEED_START, XML_FUNCTION)}
 

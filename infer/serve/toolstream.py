@@ -634,6 +634,62 @@ def _hunyuan(text: str, memo: dict) -> list[tuple[str, str]]:
     return list(itertools.takewhile(lambda call: not call[1] or call[1].startswith("{"), calls))
 
 
+def _minimax(text: str, functions: dict[str, Any], memo: dict) -> list[tuple[str, str]]:
+    """MiniMax-M2's calls after its first <minimax:tool_call>: each invoke that ended read once (kept), then the
+    open one's parameters that ended (each typed once whole), its tags looked for in the new text alone."""
+    whole = _grown(text, memo)
+    at = _found(text, memo, "start", t.MINIMAX_START)
+    if at < 0:
+        return []
+    done, k = whole.get("done", ((), at))
+    out = list(done)
+    while True:
+        start = _found(text, memo, ("invoke", k), t.MINIMAX_INVOKE, k)
+        if start < 0:
+            break
+        body = start + len(t.MINIMAX_INVOKE)
+        end = _found(text, memo, ("end", body), t.MINIMAX_INVOKE_END, body)
+        if end >= 0:
+            try:
+                out.append(t.minimax_invoke(text[body:end], functions))
+            except ValueError:
+                break
+            k = end + len(t.MINIMAX_INVOKE_END)
+            whole["done"] = (tuple(out), k)
+            continue
+        call = _minimax_open(text, body, functions, memo.setdefault(("open", body), {}))
+        out += [] if call is None else [call]
+        break
+    return out
+
+
+def _minimax_open(text: str, body: int, functions: dict[str, Any], memo: dict) -> tuple[str, str] | None:
+    """(name, arguments so far) of the invoke open at text[body:] once its name's ">" has come: "{" and each
+    parameter that ended, as the whole reply writes it (read once, kept)."""
+    head = _found(text, memo, "head", ">", body)
+    name = t._unquoted(text[body:head]) if head >= 0 else ""
+    if not name:
+        return None
+    schema = functions.get(name)
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+    pieces, pos = memo.get("done", ((), head + 1))
+    pieces = list(pieces)
+    while True:
+        start = _found(text, memo, ("param", pos), t.MINIMAX_PARAM, pos)
+        end = _found(text, memo, ("param_end", start), t.MINIMAX_PARAM_END, start) if start >= 0 else -1
+        if end < 0:
+            break
+        key, sep, value = text[start + len(t.MINIMAX_PARAM):end].partition(">")
+        if sep and key:
+            key = t._unquoted(key)
+            pieces.append(json.dumps(key, ensure_ascii=False) + ": " + json.dumps(
+                t.minimax_value(value, properties.get(key)), ensure_ascii=False))
+        pos = end + len(t.MINIMAX_PARAM_END)
+        memo["done"] = (tuple(pieces), pos)
+    return name, "{" + ", ".join(pieces)
+
+
 def _named(text: str, memo: dict) -> str:
     """The arguments so far of a reply constrained to a named function's arguments: its text as it comes (the whole
     reply's arguments are its text), a raw control character in a string escaped as the whole reply escapes it
@@ -677,6 +733,8 @@ def partial_calls(req: t.ToolRequest, text: str, memo: dict | None = None) -> li
             calls = _glm45(text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools}, memo)
         elif req.name in t.SECTIONED:
             calls = _sectioned(req.name, text, memo)
+        elif req.name == "minimax_m2":
+            calls = _minimax(text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools}, memo)
         elif req.name in t.TYPED_PARSERS:
             calls = _xml(req.name, text, {x["function"]["name"]: x["function"].get("parameters") for x in req.tools},
                          memo)
