@@ -548,46 +548,63 @@ def _olmo3(text: str, memo: dict) -> list[tuple[str, str]]:
     return list(whole["calls"])
 
 
-def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
-    """(name, arguments so far[, the id its text writes: Kimi's]) of each call of a DeepSeek or Kimi reply
-    (serve/tools.py's SECTIONED): an ended call read once (kept), the open one's arguments as they come once its head
-    is whole and they open with "{" (its tokens looked for in the new text alone). A call that does not read, or a
-    begin token inside a call, stops the read there (the whole reply reads no call after it either)."""
-    spec, whole = t.SECTIONED[family], _grown(text, memo)
-    at = min((k for k in (_found(text, memo, ("section", s), s) for s in spec.sections) if k >= 0), default=-1)
+def _between(text: str, memo: dict, sections: tuple[str, ...], begin: str, end: str, read, read_open) -> list:
+    """The calls of a reply whose calls follow the first of its `sections` tokens, each between `begin` and `end`:
+    each ended call's `read(its text)` (read once, kept), then the open one's `read_open(text, where its text
+    starts)` (None: nothing yet), the tokens looked for in the new text alone. A call that does not read
+    (ValueError), or a begin inside a call, stops the read there (the whole reply reads no call after it either)."""
+    whole = _grown(text, memo)
+    at = min((k for k in (_found(text, memo, ("section", s), s) for s in sections) if k >= 0), default=-1)
     if at < 0:
         return []
     done, k = whole.get("done", ((), at))
     out = list(done)
     while True:
-        start = _found(text, memo, ("begin", k), spec.begin, k)
+        start = _found(text, memo, ("begin", k), begin, k)
         if start < 0:
             break
-        body = start + len(spec.begin)
-        end = _found(text, memo, ("end", body), spec.end, body)
-        inner = _found(text, memo, ("begin", body), spec.begin, body)
-        if end >= 0 and not 0 <= inner < end:  # an ended call: read once
+        body = start + len(begin)
+        stop = _found(text, memo, ("end", body), end, body)
+        inner = _found(text, memo, ("begin", body), begin, body)
+        if stop >= 0 and not 0 <= inner < stop:  # an ended call: read once
             try:
-                name, args, call_id = t.sectioned_block(spec, text[body:end])
+                out.append(read(text[body:stop]))
             except (ValueError, RecursionError):
                 break
-            out.append((name, args) if call_id is None else (name, args, call_id))
-            k = end + len(spec.end)
+            k = stop + len(end)
             whole["done"] = (tuple(out), k)
             continue
-        head = spec.head.match(text, body) if end < 0 and inner < 0 else None
+        call = read_open(text, body) if stop < 0 and inner < 0 else None
+        out += [] if call is None else [call]
+        break
+    return out
+
+
+def _sectioned(family: str, text: str, memo: dict) -> list[tuple]:
+    """(name, arguments so far[, the id its text writes: Kimi's]) of each call of a DeepSeek or Kimi reply
+    (serve/tools.py's SECTIONED; _between): the open one's arguments as they come once its head is whole and they
+    open with "{"."""
+    spec = t.SECTIONED[family]
+
+    def read(raw: str) -> tuple:
+        name, args, call_id = t.sectioned_block(spec, raw)
+        return (name, args) if call_id is None else (name, args, call_id)
+
+    def read_open(text: str, body: int) -> tuple | None:
+        head = spec.head.match(text, body)
         if head is None:
-            break
+            return None
         try:
             name, call_id = t.sectioned_head(spec, head)
         except ValueError:
-            break
+            return None
         args = _WS.match(text, head.end()).end()
-        if text.startswith("{", args):
-            args = json_prefix(text, args, memo=memo.setdefault(("args", body), {}))[0]
-            out.append((name, args) if call_id is None else (name, args, call_id))
-        break
-    return out
+        if not text.startswith("{", args):
+            return None
+        args = json_prefix(text, args, memo=memo.setdefault(("args", body), {}))[0]
+        return (name, args) if call_id is None else (name, args, call_id)
+
+    return _between(text, memo, spec.sections, spec.begin, spec.end, read, read_open)
 
 
 def _internlm(text: str, memo: dict) -> list[tuple[str, str]]:
@@ -635,32 +652,11 @@ def _hunyuan(text: str, memo: dict) -> list[tuple[str, str]]:
 
 
 def _minimax(text: str, functions: dict[str, Any], memo: dict) -> list[tuple[str, str]]:
-    """MiniMax-M2's calls after its first <minimax:tool_call>: each invoke that ended read once (kept), then the
-    open one's parameters that ended (each typed once whole), its tags looked for in the new text alone."""
-    whole = _grown(text, memo)
-    at = _found(text, memo, "start", t.MINIMAX_START)
-    if at < 0:
-        return []
-    done, k = whole.get("done", ((), at))
-    out = list(done)
-    while True:
-        start = _found(text, memo, ("invoke", k), t.MINIMAX_INVOKE, k)
-        if start < 0:
-            break
-        body = start + len(t.MINIMAX_INVOKE)
-        end = _found(text, memo, ("end", body), t.MINIMAX_INVOKE_END, body)
-        if end >= 0:
-            try:
-                out.append(t.minimax_invoke(text[body:end], functions))
-            except ValueError:
-                break
-            k = end + len(t.MINIMAX_INVOKE_END)
-            whole["done"] = (tuple(out), k)
-            continue
-        call = _minimax_open(text, body, functions, memo.setdefault(("open", body), {}))
-        out += [] if call is None else [call]
-        break
-    return out
+    """MiniMax-M2's calls after its first <minimax:tool_call> (_between): each invoke that ended, then the open one's
+    parameters that ended (each typed once whole)."""
+    return _between(text, memo, (t.MINIMAX_START,), t.MINIMAX_INVOKE, t.MINIMAX_INVOKE_END,
+                    lambda raw: t.minimax_invoke(raw, functions),
+                    lambda text, body: _minimax_open(text, body, functions, memo.setdefault(("open", body), {})))
 
 
 def _minimax_open(text: str, body: int, functions: dict[str, Any], memo: dict) -> tuple[str, str] | None:
