@@ -318,7 +318,8 @@ class PiecewiseGraphs(_StaticTokens):
         t, attn = self.max_batch, model.layers[0].self_attn
         dtype, hidden = model.embed_tokens.weight.dtype, model.config.hidden_size
         self.query = torch.zeros(t, attn.q_size, dtype=dtype, device=device)  # piece i -> attention i
-        self.attn_out = torch.zeros(t, attn.q_size, dtype=dtype, device=device)  # attention i -> piece i + 1
+        # attention i -> piece i + 1 (o_proj's input: q_size wide, but MLA's heads * v_head_dim: out_size)
+        self.attn_out = torch.zeros(t, getattr(attn, "out_size", attn.q_size), dtype=dtype, device=device)
         self.residual = torch.zeros(t, hidden, dtype=dtype, device=device)  # piece i -> piece i + 1
         self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)  # the last piece -> the logits
         # EAGLE-3: the target's aux states, each written by the piece that computes that layer's input (none: none)

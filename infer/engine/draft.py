@@ -214,10 +214,10 @@ class DraftRunner:
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         a = layers[0]
         # uninitialised as the target's: every block is zeroed when a sequence gets it (zero)
-        self.kv_cache = torch.empty(len(layers), 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                    dtype=kv_dtype, device=device)
+        self.kv_cache = torch.empty(len(layers), getattr(a, "kv_copies", 2), num_blocks, block_size, a.num_kv_heads,
+                                    a.head_dim, dtype=kv_dtype, device=device)  # (MLA's latent rows: one copy)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, -1]
 
     def zero(self, block_ids) -> None:
         if len(block_ids):

@@ -120,19 +120,21 @@ class ModelRunner:
         # Uninitialised: on CPU, pages become resident only as blocks are used; each block is zeroed when it is
         # handed to a sequence (zero_blocks), so masked attention never reads garbage.
         # --kv-cache-dtype: fp8 stores K and V in 1 byte (the kernels saturate and round on write, upcast on read)
+        # a latent layout (MLA's kv_copies 1: models.deepseek) keeps one row a token, its v_cache the k_cache itself
+        copies = getattr(a, "kv_copies", 2)
         if self.groups is not None:  # layer groups: layer j of a group in slot j of the pool's blocks
             size, groups = self.groups
-            cache = torch.empty(size, 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+            cache = torch.empty(size, copies, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                                 dtype=self.config.kv_dtype(self.dtype), device=self.device)
             for g, (window, members) in enumerate(groups):
                 for j, i in enumerate(members):
                     assert layers[i].window == window, "a layer of another window in the group"
-                    layers[i].k_cache, layers[i].v_cache, layers[i].kv_group = cache[j, 0], cache[j, 1], g
+                    layers[i].k_cache, layers[i].v_cache, layers[i].kv_group = cache[j, 0], cache[j, -1], g
             return cache
-        cache = torch.empty(len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+        cache = torch.empty(len(layers), copies, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                             dtype=self.config.kv_dtype(self.dtype), device=self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, -1]
         return cache
 
     @property

@@ -20,11 +20,12 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     """K and V of every layer that attends (a hybrid model's linear-attention layers keep a state instead:
-    state_bytes)."""
+    state_bytes); MLA's one latent row a layer (ModelShapes.kv_copies)."""
     layers = model_config.num_hidden_layers - len(_linear_layers(model_config))
     if getattr(model_config, "model_type", None) == "nemotron_h":  # (its MLP layers keep no KV either)
         layers = model_config.layers_block_type.count("full_attention")
-    return 2 * layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
+    shapes = ModelShapes.from_config(model_config)
+    return shapes.kv_copies * layers * shapes.kv_size * element_bytes(dtype)
 
 
 def _linear_layers(model_config) -> list[int]:
@@ -128,7 +129,8 @@ def _groups_gain(groups, model_config, draft_config, max_length: int, block_size
 
 def group_kv_bytes_per_token(model_config, dtype: torch.dtype, layers: int) -> int:
     """A pool block's KV per token under layer groups (`kv_groups`): `layers` layers' worth."""
-    return 2 * layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
+    shapes = ModelShapes.from_config(model_config)
+    return shapes.kv_copies * layers * shapes.kv_size * element_bytes(dtype)
 
 
 def window_blocks(window: int, step: int, block_size: int) -> int:

@@ -28,7 +28,7 @@ from .moe import GRANITE_MOE, SparseMoeBlock, base_type, is_sparse
 from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, GRANITE, OLMO, POST_NORMS, POST_ONLY,
                        UNGATED, activation)
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, query_scaling, rope_layer_types
-from .shapes import ModelShapes
+from .shapes import ModelShapes, is_mla
 
 # rows of one GPTQ output-head matmul: no more than memory.sizes.DEQUANT_MIN_TOKENS, so the head always runs in the
 # fused int4 kernels and never dequantizes whole into the scratch (which the memory plan does not size for it)
@@ -297,11 +297,11 @@ class MLP(nn.Module):
         their aliases)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
-        # only Llama's, Granite's, SmolLM3's, Seed-OSS's, InternLM3's and Helium's MLPs have biases (mlp_bias), and
-        # ERNIE 4.5's (use_bias)
+        # only Llama's, Granite's, SmolLM3's, Seed-OSS's, InternLM3's, Helium's and DeepSeek-V2's MLPs have biases
+        # (mlp_bias), and ERNIE 4.5's (use_bias)
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "granite_swa",
                                                                             "smollm3", "seed_oss",
-                                                                            "internlm3", "helium") \
+                                                                            "internlm3", "helium", "deepseek_v2") \
             or (cfg.model_type in ("ernie4_5", "ernie4_5_moe") and bool(getattr(cfg, "use_bias", False)))
         names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
                                                                           ("gate_proj", "up_proj"))
@@ -449,7 +449,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, i: int, method_for, dtype):
         super().__init__()
         p = f"model.layers.{i}"
-        self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
+        if is_mla(cfg):  # DeepSeek's multi-head latent attention (models.deepseek)
+            from .deepseek import MLAttention
+            self.self_attn = MLAttention(cfg, f"{p}.self_attn", method_for, dtype, i)
+        else:
+            self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
         if cfg.model_type in UNGATED:
             self.mlp = UngatedMLP(cfg, f"{p}.mlp", method_for, dtype)
         elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)

@@ -81,7 +81,9 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "qwen3_next": "qwen3_next",  # (Qwen3-Next: Qwen3.5's hybrid layers, models.qwen3_5)
         "qwen3_5_moe_text": "qwen3_5_moe_text",  # (Qwen3.5 MoE: Qwen3.5's hybrid layers, models.qwen3_5)
         "ernie4_5_moe": "ernie4_5",  # (ERNIE 4.5 MoE: ERNIE 4.5's attention, interleaved rotary pairs, use_bias)
-        "nemotron_h": "nemotron_h"}  # (Nemotron 3: Nemotron-H's "moe" layers, models.nemotron_h)
+        "nemotron_h": "nemotron_h",  # (Nemotron 3: Nemotron-H's "moe" layers, models.nemotron_h)
+        # (DeepSeek-V3 and V2: multi-head latent attention, models.deepseek; GLM-4.5's layout of the experts)
+        "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
@@ -90,7 +92,11 @@ _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
 # `SparseMoeBlock._glm_route`): GLM-4.5's and Nemotron 3's (transformers' NemotronHTopkRouter, the same ops)
-GROUPED = ("glm4_moe", "nemotron_h")
+GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3")  # (and DeepSeek-V3's: transformers' DeepseekV3TopkRouter)
+# the families of GLM-4.5's layout of a sparse layer: the first first_k_dense_replace layers dense, n_shared_experts
+# shared experts (mlp.shared_experts, added unscaled), n_routed_experts experts, multi-token-prediction layers after
+# num_hidden_layers (skipped: `mtp_tensor`)
+GLM_LAYOUT = ("glm4_moe", "deepseek_v3", "deepseek_v2")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
@@ -121,7 +127,8 @@ def experts_field(cfg) -> str:
     return {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "granitemoe": "num_local_experts",
             "granitemoeshared": "num_local_experts", "granitemoehybrid": "num_local_experts",
             "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts",
-            "nemotron_h": "n_routed_experts"}.get(cfg.model_type, "num_experts")
+            "nemotron_h": "n_routed_experts", "deepseek_v3": "n_routed_experts",
+            "deepseek_v2": "n_routed_experts"}.get(cfg.model_type, "num_experts")
 
 
 def top_k_field(cfg) -> str:
@@ -145,7 +152,7 @@ def is_sparse(cfg, layer: int) -> bool:
     # decoder_sparse_step a config.json copied from Qwen3-Next's says; its config has no dense intermediate_size)
     if cfg.model_type in _ALL_SPARSE or cfg.model_type == "qwen3_5_moe_text":
         return True
-    if cfg.model_type == "glm4_moe":
+    if cfg.model_type in GLM_LAYOUT:
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
     if cfg.model_type == "nemotron_h":  # (its layers_block_type's "moe" layers: hybrid_override_pattern's "E")
         return cfg.layers_block_type[layer] == "moe"
@@ -170,7 +177,7 @@ def shared_width(cfg) -> int:
     n_shared_experts experts' (n_shared_experts * moe_intermediate_size)."""
     if cfg.model_type in SHARED_EXPERT:  # (Qwen3-Next's too)
         return int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
-    if cfg.model_type == "glm4_moe":
+    if cfg.model_type in GLM_LAYOUT:
         return int(getattr(cfg, "n_shared_experts", 0) or 0) * expert_size(cfg)
     if cfg.model_type == "ernie4_5_moe":  # (moe_num_shared_experts experts of moe_intermediate_size as one MLP)
         return int(getattr(cfg, "moe_num_shared_experts", 0) or 0) * expert_size(cfg)
@@ -184,7 +191,8 @@ def shared_width(cfg) -> int:
 def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
     return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
-            "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts"}.get(
+            "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts", "deepseek_v3": "shared_experts",
+            "deepseek_v2": "shared_experts"}.get(
         cfg.model_type)
 
 
@@ -207,6 +215,8 @@ def check_moe(cfg) -> None:
                                     f"each token is routed to between 1 and {field} experts")
     if cfg.model_type in GROUPED:
         check_groups(cfg, e, k)
+    if cfg.model_type == "deepseek_v2":
+        check_v2_router(cfg, e, k)
     if cfg.model_type == "nemotron_h" and getattr(cfg, "moe_latent_size", None) is not None:
         raise UnsupportedModelError(f"config.json has moe_latent_size {cfg.moe_latent_size}: infer does not run "
                                     "Nemotron-H's latent projections of the experts (fc1_latent_proj, fc2_latent_proj)",
@@ -223,10 +233,33 @@ def check_groups(cfg, e: int, k: int) -> None:
     its two best, the topk_group best groups kept, the top k of their experts; what transformers' router cannot
     compute refused (its view, topk(2) of a group, topk of the groups and of the experts left)."""
     groups, keep = int(getattr(cfg, "n_group", 1) or 0), int(getattr(cfg, "topk_group", 1) or 0)
-    who = "GLM-4.5's router" if cfg.model_type == "glm4_moe" else "Nemotron 3's router (GLM-4.5's)"
+    who = {"glm4_moe": "GLM-4.5's router", "deepseek_v3": "DeepSeek-V3's router (GLM-4.5's)"}.get(
+        cfg.model_type, "Nemotron 3's router (GLM-4.5's)")
     hint = (f"{who} splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
             "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
     if groups < 1 or e % groups or e // groups < 2:
+        raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
+    if not 0 < keep <= groups:
+        raise UnsupportedModelError(f"config.json has topk_group {keep} with n_group {groups}", hint)
+    if k > keep * (e // groups):
+        raise UnsupportedModelError(f"config.json has num_experts_per_tok {k}, more than the {keep * (e // groups)} "
+                                    f"experts of its topk_group {keep} groups of {e // groups}", hint)
+
+
+def check_v2_router(cfg, e: int, k: int) -> None:
+    """DeepSeek-V2's router (`SparseMoeBlock._v2_route`): topk_method greedy (the top k of the softmax) or
+    group_limited_greedy (n_group groups scored by their best, topk_group kept); anything else refused naming it."""
+    method = getattr(cfg, "topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"deepseek_v2 with topk_method {method!r} is not supported",
+                                    "DeepSeek-V2's router (transformers' DeepseekV2TopkRouter) takes topk_method "
+                                    "\"greedy\" or \"group_limited_greedy\"")
+    if method == "greedy":
+        return
+    groups, keep = int(getattr(cfg, "n_group", 0) or 0), int(getattr(cfg, "topk_group", 0) or 0)
+    hint = ("DeepSeek-V2's group_limited_greedy router splits n_routed_experts into n_group equal groups, keeps "
+            "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
+    if groups < 1 or e % groups:
         raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
     if not 0 < keep <= groups:
         raise UnsupportedModelError(f"config.json has topk_group {keep} with n_group {groups}", hint)
@@ -403,7 +436,16 @@ class SparseMoeBlock(nn.Module):
         # divided by their sum clamped to moe_norm_min, rounded to the model's dtype
         self.ernie = cfg.model_type == "ernie4_5_moe"
         self.norm_min = float(getattr(cfg, "moe_norm_min", 1e-12) or 0.0)
-        self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie else dtype, bias=self.oai)
+        # DeepSeek-V2 (transformers' DeepseekV2TopkRouter): a float32 router, the softmax's top k (greedy) or that of
+        # the topk_group groups of the best experts (group_limited_greedy), times routed_scaling_factor, never
+        # renormalised (norm_topk_prob unread); float32 weights
+        self.v2 = cfg.model_type == "deepseek_v2"
+        if self.v2:
+            self.groups, self.topk_group = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+            self.limited = getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
+            self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
+            self.float_weights = True
+        self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie or self.v2 else dtype, bias=self.oai)
         if self.glm or self.ernie:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
                                                              requires_grad=False)
@@ -462,7 +504,7 @@ class SparseMoeBlock(nn.Module):
         # GLM-4.5's: a SwiGLU MLP of n_shared_experts * I every token runs, added unscaled; 0 wide where
         # n_shared_experts is 0 (transformers builds it empty, its output 0: loaded, never run)
         self.shared_experts = None
-        if cfg.model_type == "glm4_moe" or (self.ernie and shared_width(cfg)):  # (ERNIE's: biases where use_bias says)
+        if cfg.model_type in GLM_LAYOUT or (self.ernie and shared_width(cfg)):  # (ERNIE's: biases where use_bias says)
             self.shared_width = shared_width(cfg)
             self.shared_experts = MLP(cfg, f"{prefix}.shared_experts", method_for, dtype, inter=self.shared_width)
             self.shared_experts.down_proj.lora_consumer = None  # (its output is added to the experts': no delta left)
@@ -547,6 +589,8 @@ class SparseMoeBlock(nn.Module):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
         if self.glm:
             return self._glm_route(x)
+        if self.v2:
+            return self._v2_route(x)
         if self.ernie:
             probs = torch.softmax(self.gate(x.float()), dim=-1, dtype=torch.float32)
             ids = torch.topk(probs + self.gate.e_score_correction_bias, self.top_k, dim=-1)[1]
@@ -579,6 +623,19 @@ class SparseMoeBlock(nn.Module):
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+    def _v2_route(self, x: torch.Tensor):
+        """DeepSeek-V2's routing, transformers' DeepseekV2TopkRouter's ops: (float32 weights [T, k], experts [T, k])."""
+        scores = torch.softmax(self.gate(x.float()), dim=-1, dtype=torch.float32)
+        if self.limited:
+            t, e = scores.shape
+            per = e // self.groups
+            best = torch.topk(scores.view(t, self.groups, per).max(dim=-1).values, k=self.topk_group, dim=-1,
+                              sorted=False)[1]
+            kept = torch.zeros(t, self.groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            scores = scores.masked_fill(~kept.unsqueeze(-1).expand(t, self.groups, per).reshape(t, e), 0.0)
+        weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
         return weights * self.scaling, ids
 
     def moe_experts(self):
@@ -691,7 +748,7 @@ def mtp_tensor(cfg, name: str) -> bool:
     if getattr(cfg, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"):
         return name.startswith("mtp.")
     m = _LAYER_KEY.match(name)
-    if getattr(cfg, "model_type", None) != "glm4_moe" or m is None:
+    if getattr(cfg, "model_type", None) not in ("glm4_moe", "deepseek_v3") or m is None:
         return False
     n = int(cfg.num_hidden_layers)
     mtp = getattr(cfg, "num_nextn_predict_layers", getattr(cfg, "num_mtp_layers", 0))
@@ -701,7 +758,8 @@ def mtp_tensor(cfg, name: str) -> bool:
 def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
     e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
-    return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h") \
+    return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h", "deepseek_v3",
+                                                "deepseek_v2") \
         and _ROUTER32.search(name) is not None \
         and ".mlp.moe_statics.weight" not in name
 
@@ -767,7 +825,7 @@ class MoeForCausalLM:
             dest = getattr(block.gate, part, None)
             if dest is None:
                 return None  # (the loader names it as a tensor config.json has no place for)
-            t = raw if (block.glm or block.ernie) and raw is not None else t
+            t = raw if (block.glm or block.ernie or block.v2) and raw is not None else t
             check(dest.shape, dest)
             dest.data.copy_(t)
             return f"layers.{layer}.gate.{part}"

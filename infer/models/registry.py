@@ -81,6 +81,11 @@ SUPPORTED = {
     # IBM's Granite 4.0 (granite-4.0-micro: attention layers alone; granite-4.0-h-*: Mamba-2 and attention layers with
     # experts): Granite's scalars, a shared MLP on every layer, a Mamba-2 state per sequence (models.granite4)
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    # DeepSeek-V3 (DeepSeek-V3/V3.1/R1, Moonlight-16B-A3B, Kimi-K2): multi-head latent attention served over a latent
+    # KV cache of one row a token (models.deepseek), GLM-4.5's router and layout of the experts (models.moe)
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    # DeepSeek-V2 (DeepSeek-V2-Lite, V2, V2.5): the same attention, a softmax router of greedy or group-limited top k
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
 # 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
@@ -145,8 +150,18 @@ _INTERNLM = ("infer runs InternLM3 (InternLM3ForCausalLM, model_type internlm3: 
 _HELIUM = "infer runs Kyutai's Helium (HeliumForCausalLM, model_type helium: helium-1-2b): use a Helium checkpoint"
 _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, model_type hunyuan_v1_dense: "
             "Hunyuan-0.5B/1.8B/4B/7B-Instruct): use one of those")
+_DEEPSEEK = ("infer runs DeepSeek-V3's layout (DeepseekV3ForCausalLM, model_type deepseek_v3: DeepSeek-V3, V3.1, R1, "
+             "Moonlight-16B-A3B, Kimi-K2) and DeepSeek-V2's (DeepseekV2ForCausalLM, model_type deepseek_v2: "
+             "DeepSeek-V2-Lite, V2, V2.5): use one of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
+    "deepseek_v32": ("DeepSeek-V3.2 (DeepseekV32ForCausalLM), whose DeepSeek Sparse Attention (a lightning indexer "
+                     "choosing each query's keys) infer does not compute", _DEEPSEEK),
+    "deepseek_v4": ("DeepSeek-V4 (model_type deepseek_v4), an attention and layout infer does not compute",
+                    _DEEPSEEK),
+    "deepseek_vl_v2": ("DeepSeek-VL2, a vision-language model (remote code)", _DEEPSEEK),
+    "deepseek": ("the first DeepSeek MoE (DeepseekForCausalLM: deepseek-moe-16b, remote code of another layout)",
+                 _DEEPSEEK),
     "granitemoe_swa": ("Granite's mixture of experts with sliding-window layers (GraniteMoeSwa)", _GRANITE),
     "olmo": ("the first OLMo (OlmoForCausalLM: OLMo-1B/7B, OLMo-7B-0424), whose LayerNorms have no weights "
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
@@ -443,6 +458,10 @@ def model_class(cfg):
     if cfg.model_type in HYBRID:
         from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_next_class
         return Qwen3_5ForCausalLM if cfg.model_type == "qwen3_5_text" else qwen3_next_class()
+    from .shapes import is_mla
+    if is_mla(cfg):  # (DeepSeek's multi-head latent attention)
+        from .deepseek import deepseek_class
+        return deepseek_class()
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class(cfg.model_type in ("granitemoe", "granitemoeshared"))

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..errors import OutOfMemoryError, UnsupportedModelError
-from .shapes import ModelShapes
+from .shapes import ModelShapes, is_mla
 
 
 def rope_layer_types(cfg) -> list[str | None]:
@@ -185,7 +185,8 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
         cfg.rope_parameters = {**rope_parameters(cfg), "rope_theta": base}
     params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", "default")
-    head_dim = ModelShapes.from_config(cfg).head_dim
+    # (MLA's rope is over qk_rope_head_dim, transformers' config.head_dim; ModelShapes' head is the latent row)
+    head_dim = int(cfg.qk_rope_head_dim) if is_mla(cfg) else ModelShapes.from_config(cfg).head_dim
     if rope_type not in ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional"):
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
                                     "supported rope types: default, linear, llama3, yarn, dynamic, longrope, "

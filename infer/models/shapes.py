@@ -2,6 +2,10 @@
 
 `head_dim` is the config's own when it has one (Qwen3 sets it apart from hidden_size / heads), else
 hidden_size // num_attention_heads; `num_key_value_heads` defaults to the head count (no GQA).
+
+Multi-head latent attention (DeepSeek-V2/V3's MLA: `MLA`, models.deepseek) is served as multi-query attention over
+the compressed latent: one "KV head" of kv_lora_rank + qk_rope_head_dim dims a token, whose row is both its key and
+its value (`latent`: the cache holds one copy, not K and V), queried by num_attention_heads latent queries as wide.
 """
 
 from __future__ import annotations
@@ -25,16 +29,29 @@ _COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermedi
 _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "sliding_window")
 
 
+# the families of multi-head latent attention (models.deepseek.MLAttention)
+MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+
+
+def is_mla(cfg) -> bool:
+    """Whether the model's attention is multi-head latent attention (`MLA`: a latent KV cache of one copy)."""
+    return getattr(cfg, "model_type", None) in MLA
+
+
 @dataclass(frozen=True)
 class ModelShapes:
     hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    latent: bool = False  # MLA's latent cache: each row both key and value (one copy a token and layer, not two)
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShapes":
         heads = cfg.num_attention_heads
+        if is_mla(cfg):  # (the attention as the kernels see it: Hk 1, rows of the latent and the roped key)
+            return cls(hidden_size=cfg.hidden_size, num_heads=heads, num_kv_heads=1,
+                       head_dim=int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim), latent=True)
         return cls(hidden_size=cfg.hidden_size, num_heads=heads,
                    num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -48,6 +65,11 @@ class ModelShapes:
     def kv_size(self) -> int:
         """Width of the key (and of the value) projection's output: num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_copies(self) -> int:
+        """The cache's tensors a layer keeps per token row: K and V (2), or MLA's latent row alone (1)."""
+        return 1 if self.latent else 2
 
 
 def check_shapes(cfg) -> None:

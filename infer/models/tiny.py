@@ -237,6 +237,24 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, tie_word_embeddings=False,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # DeepSeek-V3 (V3/R1's shape, shrunk): multi-head latent attention (a latent of 32 and a roped key of 16: cache
+    # rows of 48, a width no power of two), q through q_lora_rank 48, heads of 16 + 16 (values 16), yarn rope whose
+    # mscale_all_dim scales the softmax; the first layer dense, then 8 experts of 32 in 4 groups of 2 (2 kept, top 2,
+    # renormalised, scaled by 2.5) beside a shared expert
+    "tiny-deepseek-v3": TinySpec("deepseek_v3", 35, config=dict(
+        _TINY, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 1024})),
+    # DeepSeek-V2-Lite's shape, shrunk: the same attention with q_proj (no q_lora_rank), the first layer dense, then
+    # 8 experts of 32 (the softmax's greedy top 2, not renormalised) beside 2 shared experts
+    "tiny-deepseek-v2": TinySpec("deepseek_v2", 36, config=dict(
+        _TINY, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
