@@ -324,3 +324,95 @@ def test_what_the_router_cannot_compute_is_refused_up_front(tmp_path, name):
                                         ("tiny-deepseek-v2", "DeepseekV2ForCausalLM")])
 def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
     check_builtin_runs_and_warmup_sizes_it(name, arch, False)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# the attention's projections (q_lora_rank set: q_a_proj and q_b_proj; kv_b_proj is absorbed) and the stacked experts
+# (target_parameters)
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+                         target_parameters=EXPERTS),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_b_proj", "o_proj"], target_parameters=EXPERTS)}
+# (q_lora_rank null: q_proj)
+V2_ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
+               "qv4": dict(r=4, lora_alpha=4, target_modules=["kv_a_proj_with_mqa"], target_parameters=EXPERTS)}
+
+
+@pytest.fixture(scope="module")
+def ds_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on a DeepSeek-V3."""
+    from lora_helpers import base_and_adapters
+    return base_and_adapters(tmp_path_factory.mktemp("dsv3_lora"), ADAPTERS, build)
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(ds_lora):
+    """Adapters of q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj and the stacked experts, each alone and mixed with
+    the base in one batch: peft's tokens; kv_b_proj (absorbed) has no adapter slots."""
+    from lora_helpers import check_all8_qv4_equal_peft
+    check_all8_qv4_equal_peft(*ds_lora)
+
+
+def test_v2_peft_adapters_of_q_proj_equal_peft(tmp_path):
+    from lora_helpers import base_and_adapters, check_all8_qv4_equal_peft
+    check_all8_qv4_equal_peft(*base_and_adapters(
+        tmp_path, V2_ADAPTERS, lambda folder: build(folder, "deepseek_v2", q_lora_rank=None)))
+
+
+def test_an_adapter_of_kv_b_proj_is_refused_naming_it_and_merging(ds_lora, tmp_path):
+    """Weights on self_attn.kv_b_proj (absorbed into the query and the output): refused, naming the module and the
+    merge that serves it (a problem `infer convert --merge-lora` folds in); the dense MLP's and the shared experts'
+    up_proj (which peft on transformers 5 turns into the experts' parameters) refused as for GLM-4.5."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    base, _, paths = ds_lora
+    for module, width, words in (
+            ("layers.1.self_attn.kv_b_proj", (4, 32, 128), "which infer's multi-head latent attention absorbs"),
+            ("layers.0.mlp.up_proj", (4, 64, 96), "is a dense layer's MLP projection, which peft (on transformers 5) "
+                                                  "does not adapt in a deepseek_v3")):
+        folder = tmp_path / module
+        shutil.copytree(paths["qv4"], folder)
+        tensors = load_file(folder / "adapter_model.safetensors")
+        r, cols, rows = width
+        tensors[f"base_model.model.model.{module}.lora_A.weight"] = torch.randn(r, cols)
+        tensors[f"base_model.model.model.{module}.lora_B.weight"] = torch.randn(rows, r)
+        save_file(tensors, folder / "adapter_model.safetensors")
+        config = json.loads((folder / "adapter_config.json").read_text())
+        config["target_modules"] += [module.rpartition(".")[2]]
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+        assert any(words in p.message and f"model.{module}" in p.message for p in problems), problems
+        if "kv_b_proj" in module:
+            [p] = problems
+            assert p.merges and "infer convert --merge-lora" in p.hint, p
+        with pytest.raises(LoRAError, match=module.rpartition(".")[2]):
+            LLM(str(base), loras={"x": str(folder)})
+
+
+def test_lora_target_modules_names_the_latent_attentions_layers(ds_lora):
+    """--lora-target-modules takes q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj (q_proj alone is no fused qkv);
+    kv_b_proj is refused as a module without slots."""
+    from infer.errors import ConfigError
+    from lora_helpers import check_mixed_adapters_equal_peft
+    base, hf, paths = ds_lora
+    check_mixed_adapters_equal_peft(base, hf, {"qv4": paths["qv4"]}, random_prompts(512, (6, 9), seed=2),
+                                    ["qv4", None], lora_target_modules=["q_b_proj", "o_proj", "experts"])
+    with pytest.raises(ConfigError, match="kv_b_proj"):
+        LLM(str(base), loras={"qv4": str(paths["qv4"])}, lora_target_modules=["kv_b_proj"])
+
+
+@interpreted
+def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(ds_lora, monkeypatch):
+    """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs: peft's
+    tokens."""
+    from lora_helpers import check_mixed_adapters_gpu_path_equal_peft
+    base, hf, paths = ds_lora
+
+    def check_model(model):
+        assert all(layer.mlp.lora is not None for layer in model.layers[1:])
+        assert all(layer.self_attn.kv_b_proj.lora is None for layer in model.layers)
+    check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)

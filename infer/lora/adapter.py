@@ -22,7 +22,7 @@ from ..errors import LoRAError, bom_error, json_problem
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_name, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
 from ..models.registry import COHERE, GLM, UNGATED, is_hybrid
-from ..models.shapes import ModelShapes
+from ..models.shapes import ModelShapes, is_mla
 from .targets import LINEAR_ATTENTION
 
 ATTN, MLP = "self_attn", "mlp"
@@ -32,7 +32,11 @@ LLAMA_PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": A
 PHI3_PROJECTIONS = {"qkv_proj": ATTN, "o_proj": ATTN, "gate_up_proj": MLP, "down_proj": MLP}
 # StarCoder2's MLP (transformers' Starcoder2MLP): c_fc, then c_proj, no gate
 STARCODER2_PROJECTIONS = {"c_fc": MLP, "c_proj": MLP}
-PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS}  # every name some base adapts
+# DeepSeek's multi-head latent attention (models.deepseek: q_proj where q_lora_rank is null, o_proj; kv_b_proj is
+# absorbed, its adapters refused: _absorbed_problems)
+MLA_PROJECTIONS = {"q_a_proj": ATTN, "q_b_proj": ATTN, "kv_a_proj_with_mqa": ATTN, "kv_b_proj": ATTN}
+PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS,
+               **MLA_PROJECTIONS}  # every name some base adapts
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -86,10 +90,13 @@ _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj":
 # GLM-4.5's are turned, its dense layers' and shared experts' too: neither is adapted by those names)
 V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
                      "glm4_moe": ("gate_proj", "up_proj", "down_proj"), "olmoe": ("gate_proj", "up_proj", "down_proj"),
-                     "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj")}
+                     "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj"),
+                     "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
+                     "deepseek_v2": ("gate_proj", "up_proj", "down_proj")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
-                 "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj)")
+                 "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
+                 "q_a_proj,q_b_proj, kv_a_proj_with_mqa,o_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
 # phi3, granite, olmo2, olmo3, glm, glm4, cohere, cohere2, exaone4, starcoder2, smollm3, seed_oss, ernie4_5, arcee,
@@ -101,6 +108,7 @@ PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4"
                    "granite_swa")
 # nor Ministral 3's, nor a multimodal model's (peft reads the wrapper's model_type: gemma3, mistral3; peft_model_type)
 PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
+PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2")  # (nor DeepSeek's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -199,6 +207,7 @@ class LoRAAdapter:
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
+        problems += _absorbed_problems(self, base_config)
         for m in self.modules.values():
             if m.layer >= num_layers:
                 problems.append(Problem(f"{m.name} is in layer {m.layer} but the base model has {num_layers} layers",
@@ -224,6 +233,21 @@ class LoRAAdapter:
             problems.append(Problem(f"rank {self.rank} is larger than --max-lora-rank {max_rank}",
                                     f"raise --max-lora-rank to at least {self.rank}"))
         return problems
+
+
+def _absorbed_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
+    """An adapter of DeepSeek's kv_b_proj, which infer's multi-head latent attention absorbs (models.deepseek: its
+    W_UK into the query, its W_UV after the attention; a delta of its output has no place there): refused naming
+    the module, mergeable (peft's merge_and_unload folds it into the weights)."""
+    absorbed = [m.name for m in adapter.modules.values() if is_mla(base_config) and m.proj == "kv_b_proj"]
+    if not absorbed:
+        return []
+    more = f" (and {len(absorbed) - 1} more modules)" if len(absorbed) > 1 else ""
+    return [Problem(f"adapts {absorbed[0]}{more}, which infer's multi-head latent attention absorbs into the query "
+                    "and the output (kv_b_proj's W_UK and W_UV): an adapter of it is not served",
+                    "merge the adapter into the base (infer convert --merge-lora, or peft's merge_and_unload) and "
+                    "serve that, or train it without kv_b_proj (q_proj / q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+                    "o_proj take adapters)", merges=True)]
 
 
 def _multimodal_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
@@ -519,6 +543,18 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
 GATED_Q = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 
 
+def mla_shapes(c) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of the projections of DeepSeek's multi-head latent attention (models.deepseek):
+    q_proj, or q_a_proj and q_b_proj where q_lora_rank is set; kv_a_proj_with_mqa, kv_b_proj (absorbed: refused,
+    `_absorbed_problems`), o_proj."""
+    h, hidden, qk = c.num_attention_heads, c.hidden_size, c.qk_nope_head_dim + c.qk_rope_head_dim
+    rank = getattr(c, "q_lora_rank", None)
+    out = {"q_a_proj": (hidden, rank), "q_b_proj": (rank, h * qk)} if rank else {"q_proj": (hidden, h * qk)}
+    return {**out, "kv_a_proj_with_mqa": (hidden, c.kv_lora_rank + c.qk_rope_head_dim),
+            "kv_b_proj": (c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
+            "o_proj": (h * c.v_head_dim, hidden)}
+
+
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every projection of a Llama-family base model (a HF config): Phi-3's fused
     qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's."""
@@ -528,6 +564,8 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
         # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
         wide = 2 if base_config.model_type in GATED_Q else 1
         out = {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        if is_mla(base_config):
+            out = mla_shapes(base_config)
         layers = [is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)]
         if not all(layers):
             out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})

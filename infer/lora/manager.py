@@ -49,6 +49,7 @@ class LoRAManager:
         adapted = experts_adapted(model.config)  # (Nemotron 3's experts and shared experts: no slots)
         linears = [m for m in model.modules() if isinstance(m, MergedLinear)
                    and not getattr(m, "output_head", False)  # a GPTQ lm_head: adapters never target it
+                   and not getattr(m, "absorbed", False)  # (MLA's kv_b_proj: models.deepseek, never run as a layer)
                    and (adapted or ".shared_experts." not in m.names[0])]
         self.base_config = model.config
         self.target_modules = target_modules

@@ -25,7 +25,8 @@ UNGATED_MLP = ("up_proj", "down_proj")  # Arcee's, Nemotron's and Apertus's MLP 
 # the names whose layers memory.sizes counts as a dense MLP's gate_up_proj and down_proj (an MLP without gate's up
 # and down layers: within those widths)
 _SLOTS_AS = {"gate_up_proj": ("gate_up_proj", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
-ALL_NAMES = (*ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)  # every name some model takes
+MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # DeepSeek's (models.deepseek), with q_proj, o_proj
+ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)  # every name some model takes
 # a hybrid model's linear-attention (Gated DeltaNet: models.qwen3_5) projections, which adapters do not adapt (yet)
 LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
@@ -54,6 +55,10 @@ def model_target_names(model_config) -> list[str]:
     shared = shared_name(model_config) is not None and any(sparse)  # (Qwen2-MoE's, GLM-4.5's)
     from ..models.registry import UNGATED
     names = list(ATTENTION)
+    from ..models.shapes import is_mla
+    if is_mla(model_config):  # (DeepSeek's multi-head latent attention: its own projections, kv_b_proj absorbed)
+        rank = getattr(model_config, "q_lora_rank", None)
+        names = [*(MLA_ATTENTION[:2] if rank else ("q_proj",)), MLA_ATTENTION[2], "o_proj"]
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
     if model_config.model_type in UNGATED:
@@ -86,7 +91,10 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
                           "all of them")
     chosen = set(targets)
     from ..models.registry import UNGATED
+    from ..models.shapes import is_mla
     for fused, parts in FUSED.items():
+        if fused == "qkv_proj" and is_mla(model_config):  # (MLA's q_proj a layer of its own)
+            continue
         if fused == "gate_up_proj" and model_config.model_type in UNGATED:  # (no fused MLP: up_proj a layer of its
             continue  # own; q, k and v still one fused layer)
         named = [p for p in parts if p in chosen]

@@ -88,6 +88,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = linear("kv_a_proj_with_mqa", hidden, self.head_dim, bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = linear("kv_b_proj", self.rank, h * (self.nope_dim + self.v_head_dim), False)
+        self.kv_b_proj.absorbed = True  # (its weight read as W_UK and W_UV, never run as a layer: no adapter slots)
         self.o_proj = linear("o_proj", self.out_size, hidden, bias)
         self.o_proj.lora_consumer = _norm_consumer(cfg, dtype)  # (the post-attention norm adds o's delta)
         # DeepSeek-V2 rotates interleaved pairs always (its complex rotation), DeepSeek-V3 where rope_interleave says
