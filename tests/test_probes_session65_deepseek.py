@@ -21,7 +21,7 @@ from infer.cli.main import app
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
                      check_equal_transformers, correction_bias_drawn, estimate_refusal, greedy_each, greedy_tokens,
                      norms_shifted_biases_drawn, random_prompts, save_random_model)
-from quant_helpers import check_gpu_path_equals_transformers
+from quant_helpers import check_gpu_path_equals_transformers, needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 # DeepSeek-V3's shape, shrunk: 61 layers there (3 dense), 128 heads of 128 + 64 (values 128) over a latent of 512,
@@ -416,3 +416,84 @@ def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(ds_lora, monk
         assert all(layer.mlp.lora is not None for layer in model.layers[1:])
         assert all(layer.self_attn.kv_b_proj.lora is None for layer in model.layers)
     check_mixed_adapters_gpu_path_equal_peft(base, hf, paths, monkeypatch, check_model)
+
+
+# ------------------------------------------------------------------------------------------- GLM-4.7-Flash
+# GLM-4.7-Flash's shape, shrunk: 47 layers there (the first dense), 20 heads of 192 + 64 (values 256) over a latent
+# of 512, q through 768, 64 experts of 1536 (top 4) beside a shared expert; here its mlp_layer_types of 3 layers
+# (dense, sparse, sparse), SMALL's attention and experts
+GLM_LITE = dict(SMALL, mlp_layer_types=["dense", "sparse", "sparse"])
+
+
+@pytest.mark.parametrize("config", [dict(), dict(q_lora_rank=None, mlp_layer_types=["sparse", "dense", "sparse"])])
+def test_glm_47_flash_equals_transformers(tmp_path, config):
+    """GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's latent attention, GLM-4.5's router and experts on the
+    layers mlp_layer_types names sparse: transformers' greedy tokens and logprobs, and in chunks with prefix caching."""
+    from infer.models.moe import SparseMoeBlock
+    hf = save_random_model(tmp_path, "glm4_moe_lite", "Glm4MoeLiteForCausalLM", {**GLM_LITE, **config}, 0,
+                           norms_shifted_biases_drawn)
+    hf = correction_bias_drawn(hf, tmp_path, 0, 0.3, buffers=True)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        model = llm.engine.runner.model
+        assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == \
+            [t == "sparse" for t in hf.config.mlp_layer_types]
+        assert llm.engine.runner.kv_cache.shape[1] == 1
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, "glm4_moe_lite")
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
+
+
+@pytest.mark.parametrize("config, words", [
+    (dict(mlp_layer_types=["dense", "moe", "sparse"]), "glm4_moe_lite mlp_layer_types ['moe'] are not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+     "glm4_moe_lite with a rotary of 8 dims (head_dim 16 times partial_rotary_factor 0.5) over qk_rope_head_dim 16 "
+     "is not supported"),
+])
+def test_glm_47_flash_refusals_name_the_field(tmp_path, config, words):
+    """mlp_layer_types of another kind than dense and sparse, a rotary (head_dim, its qk_rope_head_dim, times
+    partial_rotary_factor) of another width than qk_rope_head_dim: `infer warmup --estimate` refuses them naming the
+    field."""
+    text = estimate_refusal(tmp_path, "glm4_moe_lite", "Glm4MoeLiteForCausalLM", **{**GLM_LITE, **config})
+    assert words in text, text
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@pytest.fixture(scope="module")
+def gptq_ds(tmp_path_factory):
+    """(tiny-deepseek-v3's folder, `infer quantize`'s GPTQ checkpoint of it: GPTQModel's deepseek_v3 definition)."""
+    from infer.models.tiny import ensure_builtin
+    from quant_helpers import infer_quantize
+    return ensure_builtin("tiny-deepseek-v3"), infer_quantize("tiny-deepseek-v3", tmp_path_factory.mktemp("gq") / "q")
+
+
+@needs_gptqmodel
+def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_its_dequantized_weights(gptq_ds):
+    """`infer quantize` of tiny-deepseek-v3 through GPTQModel quantizes the latent attention's projections (kv_b_proj
+    too: dequantized once for its absorption), the dense MLP, the shared experts and the experts; infer runs it with
+    transformers' greedy tokens of the same weights dequantized, and warmup --estimate counts its weights."""
+    from safetensors.torch import load_file
+
+    from quant_helpers import check_gptq_moe_equals_dequantized
+    src, out = gptq_ds
+    tensors = load_file(out / "model.safetensors")
+    for name in ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+                 "self_attn.o_proj", "mlp.experts.3.up_proj"):
+        assert f"model.layers.1.{name}.qweight" in tensors, name
+    check_gptq_moe_equals_dequantized(src, out)
+
+
+@needs_gptqmodel
+@interpreted
+def test_gptq_checkpoint_through_the_kernels_equals_the_cpu_path(gptq_ds, monkeypatch):
+    """The GPU code path (int4 kernels, interpreted; kv_b_proj's int4 weight dequantized once for W_UK and W_UV)
+    gives the CPU path's greedy tokens."""
+    from quant_helpers import int4_kernel_path
+    _, out = gptq_ds
+    prompts = random_prompts(512, (5, 12), seed=4)
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        want = greedy_tokens(llm, prompts, 5)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(out), block_size=4, dtype="float32", max_model_len=32) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.kv_b_proj.weight is None
+        assert greedy_tokens(llm, prompts, 5) == want

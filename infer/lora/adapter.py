@@ -92,7 +92,8 @@ V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtra
                      "glm4_moe": ("gate_proj", "up_proj", "down_proj"), "olmoe": ("gate_proj", "up_proj", "down_proj"),
                      "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj"),
                      "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
-                     "deepseek_v2": ("gate_proj", "up_proj", "down_proj")}
+                     "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
+                     "glm4_moe_lite": ("gate_proj", "up_proj", "down_proj")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
@@ -108,7 +109,7 @@ PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4"
                    "granite_swa")
 # nor Ministral 3's, nor a multimodal model's (peft reads the wrapper's model_type: gemma3, mistral3; peft_model_type)
 PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
-PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2")  # (nor DeepSeek's)
+PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepSeek's, GLM-4.7-Flash's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}

@@ -114,10 +114,11 @@ class MLAttention(nn.Module):
         layer = self.kv_b_proj
         if isinstance(layer.method, UnquantizedLinearMethod):
             w = layer.weight
-        else:
-            if self._kv_b is None:
-                self._kv_b = layer.dequantized_weight().to(layer.dtype)
-            w = self._kv_b
+        else:  # (again when its tensors change: reload_weights)
+            key = tuple((t.data_ptr(), t._version) for t in (layer.qweight, layer.qzeros, layer.scales))
+            if self._kv_b is None or self._kv_b[0] != key:
+                self._kv_b = key, layer.dequantized_weight().to(layer.dtype)
+            w = self._kv_b[1]
         return w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.rank)
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):

@@ -83,7 +83,8 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "ernie4_5_moe": "ernie4_5",  # (ERNIE 4.5 MoE: ERNIE 4.5's attention, interleaved rotary pairs, use_bias)
         "nemotron_h": "nemotron_h",  # (Nemotron 3: Nemotron-H's "moe" layers, models.nemotron_h)
         # (DeepSeek-V3 and V2: multi-head latent attention, models.deepseek; GLM-4.5's layout of the experts)
-        "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2"}
+        "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2",
+        "glm4_moe_lite": "glm4_moe_lite"}  # (GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
@@ -92,11 +93,11 @@ _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
 # `SparseMoeBlock._glm_route`): GLM-4.5's and Nemotron 3's (transformers' NemotronHTopkRouter, the same ops)
-GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3")  # (and DeepSeek-V3's: transformers' DeepseekV3TopkRouter)
+GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3", "glm4_moe_lite")  # (and DeepSeek-V3's: transformers' DeepseekV3TopkRouter)
 # the families of GLM-4.5's layout of a sparse layer: the first first_k_dense_replace layers dense, n_shared_experts
 # shared experts (mlp.shared_experts, added unscaled), n_routed_experts experts, multi-token-prediction layers after
 # num_hidden_layers (skipped: `mtp_tensor`)
-GLM_LAYOUT = ("glm4_moe", "deepseek_v3", "deepseek_v2")
+GLM_LAYOUT = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
@@ -128,7 +129,8 @@ def experts_field(cfg) -> str:
             "granitemoeshared": "num_local_experts", "granitemoehybrid": "num_local_experts",
             "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts",
             "nemotron_h": "n_routed_experts", "deepseek_v3": "n_routed_experts",
-            "deepseek_v2": "n_routed_experts"}.get(cfg.model_type, "num_experts")
+            "deepseek_v2": "n_routed_experts", "glm4_moe_lite": "n_routed_experts"}.get(cfg.model_type,
+                                                                                         "num_experts")
 
 
 def top_k_field(cfg) -> str:
@@ -152,6 +154,8 @@ def is_sparse(cfg, layer: int) -> bool:
     # decoder_sparse_step a config.json copied from Qwen3-Next's says; its config has no dense intermediate_size)
     if cfg.model_type in _ALL_SPARSE or cfg.model_type == "qwen3_5_moe_text":
         return True
+    if cfg.model_type == "glm4_moe_lite":  # (GLM-4.7-Flash: its mlp_layer_types, "dense" or "sparse" a layer)
+        return cfg.mlp_layer_types[layer] == "sparse"
     if cfg.model_type in GLM_LAYOUT:
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
     if cfg.model_type == "nemotron_h":  # (its layers_block_type's "moe" layers: hybrid_override_pattern's "E")
@@ -192,7 +196,7 @@ def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
     return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
             "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts", "deepseek_v3": "shared_experts",
-            "deepseek_v2": "shared_experts"}.get(
+            "deepseek_v2": "shared_experts", "glm4_moe_lite": "shared_experts"}.get(
         cfg.model_type)
 
 
@@ -233,7 +237,8 @@ def check_groups(cfg, e: int, k: int) -> None:
     its two best, the topk_group best groups kept, the top k of their experts; what transformers' router cannot
     compute refused (its view, topk(2) of a group, topk of the groups and of the experts left)."""
     groups, keep = int(getattr(cfg, "n_group", 1) or 0), int(getattr(cfg, "topk_group", 1) or 0)
-    who = {"glm4_moe": "GLM-4.5's router", "deepseek_v3": "DeepSeek-V3's router (GLM-4.5's)"}.get(
+    who = {"glm4_moe": "GLM-4.5's router", "deepseek_v3": "DeepSeek-V3's router (GLM-4.5's)",
+           "glm4_moe_lite": "GLM-4.7-Flash's router (GLM-4.5's)"}.get(
         cfg.model_type, "Nemotron 3's router (GLM-4.5's)")
     hint = (f"{who} splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
             "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
@@ -748,7 +753,7 @@ def mtp_tensor(cfg, name: str) -> bool:
     if getattr(cfg, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"):
         return name.startswith("mtp.")
     m = _LAYER_KEY.match(name)
-    if getattr(cfg, "model_type", None) not in ("glm4_moe", "deepseek_v3") or m is None:
+    if getattr(cfg, "model_type", None) not in ("glm4_moe", "deepseek_v3", "glm4_moe_lite") or m is None:
         return False
     n = int(cfg.num_hidden_layers)
     mtp = getattr(cfg, "num_nextn_predict_layers", getattr(cfg, "num_mtp_layers", 0))
@@ -759,7 +764,7 @@ def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
     e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
     return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h", "deepseek_v3",
-                                                "deepseek_v2") \
+                                                "deepseek_v2", "glm4_moe_lite") \
         and _ROUTER32.search(name) is not None \
         and ".mlp.moe_statics.weight" not in name
 

@@ -86,6 +86,9 @@ SUPPORTED = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     # DeepSeek-V2 (DeepSeek-V2-Lite, V2, V2.5): the same attention, a softmax router of greedy or group-limited top k
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    # Zhipu's GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's attention (models.deepseek) with GLM-4.5's
+    # router and experts on the layers mlp_layer_types names "sparse"
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
 # 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
@@ -131,7 +134,8 @@ _GRANITE = ("infer runs IBM Granite's dense models (GraniteForCausalLM, model_ty
 _OLMO = ("infer runs OLMo 2, OLMo 3 and OLMoE (Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM): use one "
          "of those")
 _GLM = ("infer runs GLM-4-0414 and GLM-Z1 (Glm4ForCausalLM, model_type glm4), glm-4-9b-chat-hf (GlmForCausalLM, "
-        "model_type glm) and GLM-4.5 / 4.6 (Glm4MoeForCausalLM, model_type glm4_moe): use one of those")
+        "model_type glm), GLM-4.5 / 4.6 (Glm4MoeForCausalLM, model_type glm4_moe) and GLM-4.7-Flash "
+        "(Glm4MoeLiteForCausalLM, model_type glm4_moe_lite): use one of those")
 _ERNIE = ("infer runs ERNIE 4.5's dense models (Ernie4_5ForCausalLM, model_type ernie4_5: ERNIE-4.5-0.3B) and its "
           "text mixtures of experts (Ernie4_5_MoeForCausalLM, model_type ernie4_5_moe: ERNIE-4.5-21B-A3B): use one "
           "of those")
@@ -166,7 +170,6 @@ NEAR_FAMILIES = {
     "olmo": ("the first OLMo (OlmoForCausalLM: OLMo-1B/7B, OLMo-7B-0424), whose LayerNorms have no weights "
              "(and optional clipping of q, k and v: clip_qkv)", _OLMO),
     "olmo_hybrid": ("OLMo's hybrid of linear-attention and attention layers (model_type olmo_hybrid)", _OLMO),
-    "glm4_moe_lite": ("GLM-4.7-Flash, a mixture of experts (Glm4MoeLiteForCausalLM)", _GLM),
     "ernie4_5_vl_moe": ("ERNIE 4.5's vision-language mixture of experts (Ernie4_5_VLMoeForConditionalGeneration)",
                         _ERNIE),
     "ernie": ("the first ERNIE (ErnieModel: ERNIE 1.0 to 3.0), a BERT-style encoder, not a causal language model",
@@ -234,6 +237,8 @@ def check_supported(cfg) -> str:
         check_hunyuan(cfg)
     if model_type == "granite_swa":
         check_granite_swa(cfg)
+    if model_type == "glm4_moe_lite":
+        check_glm4_moe_lite(cfg)
     if model_type == "granitemoehybrid":
         check_granite4(cfg)
     elif model_type == "nemotron_h":
@@ -374,6 +379,28 @@ def check_linear_attention(cfg) -> None:
     if other:
         raise UnsupportedModelError(f"{t} layer_types {other} are not supported",
                                     f"{t}'s layers are linear_attention or full_attention")
+
+
+def check_glm4_moe_lite(cfg) -> None:
+    """GLM-4.7-Flash's mlp_layer_types other than "dense" and "sparse" (or not one a layer), and a rotary whose width
+    (transformers': head_dim, its config's name of qk_rope_head_dim, times partial_rotary_factor) is not
+    qk_rope_head_dim (its attention rotates those dims by it: transformers fails on another): refused naming them."""
+    types = list(getattr(cfg, "mlp_layer_types", None) or [])
+    other = sorted({str(t) for t in types if t not in ("dense", "sparse")})
+    if other or len(types) != cfg.num_hidden_layers:
+        raise UnsupportedModelError(f"glm4_moe_lite mlp_layer_types {other or types} are not supported"
+                                    + ("" if other else f" for {cfg.num_hidden_layers} layers"),
+                                    "GLM-4.7-Flash's mlp_layer_types give each of num_hidden_layers layers \"dense\" "
+                                    "or \"sparse\": use the config.json that came with the weights")
+    from .rope import rope_parameters
+    factor = rope_parameters(cfg).get("partial_rotary_factor", 1.0)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if int(head * factor) != cfg.qk_rope_head_dim:
+        raise UnsupportedModelError(f"glm4_moe_lite with a rotary of {int(head * factor)} dims (head_dim {head} times "
+                                    f"partial_rotary_factor {factor}) over qk_rope_head_dim {cfg.qk_rope_head_dim} is "
+                                    "not supported (transformers fails rotating them)",
+                                    "remove partial_rotary_factor (GLM-4.7-Flash rotates all qk_rope_head_dim dims): "
+                                    "use the config.json that came with the weights")
 
 
 def check_granite_swa(cfg) -> None:
