@@ -92,8 +92,9 @@ _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
-# `SparseMoeBlock._glm_route`): GLM-4.5's and Nemotron 3's (transformers' NemotronHTopkRouter, the same ops)
-GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3", "glm4_moe_lite")  # (and DeepSeek-V3's: transformers' DeepseekV3TopkRouter)
+# `SparseMoeBlock._glm_route`): GLM-4.5's and Nemotron 3's (transformers' NemotronHTopkRouter, the same ops), and
+# DeepSeek-V3's and GLM-4.7-Flash's (transformers' DeepseekV3TopkRouter, Glm4MoeLiteTopkRouter)
+GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3", "glm4_moe_lite")
 # the families of GLM-4.5's layout of a sparse layer: the first first_k_dense_replace layers dense, n_shared_experts
 # shared experts (mlp.shared_experts, added unscaled), n_routed_experts experts, multi-token-prediction layers after
 # num_hidden_layers (skipped: `mtp_tensor`)
