@@ -243,7 +243,13 @@ def check_groups(cfg, e: int, k: int) -> None:
         cfg.model_type, "Nemotron 3's router (GLM-4.5's)")
     hint = (f"{who} splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
             "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
-    if groups < 1 or e % groups or e // groups < 2:
+    _check_group_counts(e, k, groups, keep, 2, hint)
+
+
+def _check_group_counts(e: int, k: int, groups: int, keep: int, least: int, hint: str) -> None:
+    """n_group groups of at least `least` of the E experts, topk_group of them kept (1 to n_group), k experts of
+    those: what a group-limited router computes; anything else refused naming the fields, with `hint`."""
+    if groups < 1 or e % groups or e // groups < least:
         raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
     if not 0 < keep <= groups:
         raise UnsupportedModelError(f"config.json has topk_group {keep} with n_group {groups}", hint)
@@ -265,13 +271,7 @@ def check_v2_router(cfg, e: int, k: int) -> None:
     groups, keep = int(getattr(cfg, "n_group", 0) or 0), int(getattr(cfg, "topk_group", 0) or 0)
     hint = ("DeepSeek-V2's group_limited_greedy router splits n_routed_experts into n_group equal groups, keeps "
             "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
-    if groups < 1 or e % groups:
-        raise UnsupportedModelError(f"config.json has n_group {groups} with n_routed_experts {e}", hint)
-    if not 0 < keep <= groups:
-        raise UnsupportedModelError(f"config.json has topk_group {keep} with n_group {groups}", hint)
-    if k > keep * (e // groups):
-        raise UnsupportedModelError(f"config.json has num_experts_per_tok {k}, more than the {keep * (e // groups)} "
-                                    f"experts of its topk_group {keep} groups of {e // groups}", hint)
+    _check_group_counts(e, k, groups, keep, 1, hint)
 
 
 def on_gpu(t: torch.Tensor) -> bool:

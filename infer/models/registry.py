@@ -381,17 +381,23 @@ def check_linear_attention(cfg) -> None:
                                     f"{t}'s layers are linear_attention or full_attention")
 
 
+def _layer_kinds(cfg, field: str, kinds: tuple[str, ...], hint: str) -> list:
+    """config.json's `field` (a kind per layer), refused naming it where a kind is not among `kinds` or the list is
+    not one a layer (num_hidden_layers)."""
+    types = list(getattr(cfg, field, None) or [])
+    other = sorted({str(t) for t in types if t not in kinds})
+    if other or len(types) != cfg.num_hidden_layers:
+        raise UnsupportedModelError(f"{cfg.model_type} {field} {other or types} are not supported"
+                                    + ("" if other else f" for {cfg.num_hidden_layers} layers"), hint)
+    return types
+
+
 def check_glm4_moe_lite(cfg) -> None:
     """GLM-4.7-Flash's mlp_layer_types other than "dense" and "sparse" (or not one a layer), and a rotary whose width
     (transformers': head_dim, its config's name of qk_rope_head_dim, times partial_rotary_factor) is not
     qk_rope_head_dim (its attention rotates those dims by it: transformers fails on another): refused naming them."""
-    types = list(getattr(cfg, "mlp_layer_types", None) or [])
-    other = sorted({str(t) for t in types if t not in ("dense", "sparse")})
-    if other or len(types) != cfg.num_hidden_layers:
-        raise UnsupportedModelError(f"glm4_moe_lite mlp_layer_types {other or types} are not supported"
-                                    + ("" if other else f" for {cfg.num_hidden_layers} layers"),
-                                    "GLM-4.7-Flash's mlp_layer_types give each of num_hidden_layers layers \"dense\" "
-                                    "or \"sparse\": use the config.json that came with the weights")
+    _layer_kinds(cfg, "mlp_layer_types", ("dense", "sparse"), "GLM-4.7-Flash's mlp_layer_types give each of "
+                 "num_hidden_layers layers \"dense\" or \"sparse\": use the config.json that came with the weights")
     from .rope import rope_parameters
     factor = rope_parameters(cfg).get("partial_rotary_factor", 1.0)
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -434,13 +440,9 @@ def check_granite4(cfg) -> None:
     (full_attention, "attention") or without an attention layer, a position_embedding_type other than rope and
     none, and Mamba-2 heads that its groups do not divide (transformers fails on them): refused naming them
     (models.granite4)."""
-    types = list(getattr(cfg, "layer_types", None) or [])
-    other = sorted({str(t) for t in types if t not in ("linear_attention", "full_attention")})
-    if other or len(types) != cfg.num_hidden_layers:
-        raise UnsupportedModelError(f"granitemoehybrid layer_types {other or types} are not supported"
-                                    + ("" if other else f" for {cfg.num_hidden_layers} layers"),
-                                    "Granite 4.0's layer_types give each of num_hidden_layers layers \"mamba\" or "
-                                    "\"attention\": use the config.json that came with the weights")
+    types = _layer_kinds(cfg, "layer_types", ("linear_attention", "full_attention"),
+                         "Granite 4.0's layer_types give each of num_hidden_layers layers \"mamba\" or \"attention\": "
+                         "use the config.json that came with the weights")
     if types and "full_attention" not in types:  # (transformers' default layer_types: every layer Mamba-2)
         raise UnsupportedModelError("granitemoehybrid with no attention layer (every layer_types entry \"mamba\") is "
                                     "not supported: infer's KV blocks, which count each sequence's tokens, are an "
