@@ -61,6 +61,8 @@ class UnquantizedLinearMethod:
         layer.weight.data[start:start + size].copy_(tensor)
 
     def finish_loading(self, layer: "MergedLinear") -> None:
+        if getattr(layer, "absorbed", False):  # (MLA's kv_b_proj: its weight read as W_UK / W_UV, never multiplied)
+            return
         layer.register_buffer("packed_weight", cpu_gemm.prepack(layer.weight.data), persistent=False)
 
     def apply(self, layer: "MergedLinear", x: torch.Tensor) -> torch.Tensor:
