@@ -144,8 +144,8 @@ def test_preemption_under_a_tiny_kv_budget_equals_transformers(tmp_path):
 @interpreted
 @pytest.mark.parametrize("family", ARCH)
 def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, family):
-    """Every op through its Triton kernel (interpreted on CPU): the paged attention over latent rows of 48 (no power
-    of two) as multi-query attention, the rotary of q_pe and k_pe, the fused MoE with float32 routing weights;
+    """Every op through its Triton kernel (interpreted on CPU): MLA's paged attention (kernels.mla) over latent rows
+    of 48 (32 + 16: no power of two), the rotary of q_pe and k_pe, the fused MoE with float32 routing weights;
     decodes through emulated CUDA graphs, the other steps through emulated piecewise graphs: transformers' tokens."""
     check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, family, rope_parameters=YARN))
 
@@ -154,8 +154,9 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, fa
 @pytest.mark.parametrize("queries", [(1, 1, 1), (5, 1, 3)])
 def test_triton_paged_attention_of_latent_rows_of_48_equals_the_reference(monkeypatch, queries):
     """kernels.attention.paged_attention (interpreted) of 4 query heads of 48 over one KV head of 48 whose K and V
-    are the same cache (MLA's `mla_attention`): the reference's output (random inputs); decodes alone and prefills
-    beside decodes, sequences of 3 to 14 tokens over blocks of 4 in a random order."""
+    are the same cache: the reference's output (random inputs); decodes alone and prefills beside decodes, sequences
+    of 3 to 14 tokens over blocks of 4 in a random order; `mla_attention` on a GPU (kernels.mla's kernels) its
+    latent part."""
     from infer.kernels import attention, reference
     from infer.models.deepseek import mla_attention
     g = torch.Generator().manual_seed(len(queries) + sum(queries))

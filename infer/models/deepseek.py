@@ -42,8 +42,13 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                   query_start_loc: torch.Tensor, scale: float, max_query_len: int, rank: int) -> torch.Tensor:
     """MLA over the latent cache: the latent queries q [T, H, rank + rope] attend, as multi-query attention (one KV
     head), to the cache rows [num_blocks, block_size, 1, rank + rope], which are the keys and the values; returns
-    each head's output's latent part [T, H, rank] (the rope dims of the values are not the model's). The paged
-    attention's (kernels.paged_attention: torch on the CPU, Triton on a GPU), K and V the same tensor."""
+    each head's output's latent part [T, H, rank] (the rope dims of the values are not the model's). On a GPU the
+    MLA kernels (kernels.mla: each cache row read once for a block of heads, the key's latent and rope parts two
+    dots, the values the latent part already loaded); elsewhere, and for a cache of another dtype than q's (float8),
+    the paged attention's (kernels.paged_attention: torch on the CPU), K and V the same tensor."""
+    if kernels.use_triton(q) and cache.dtype == q.dtype:
+        return kernels._triton("mla").mla_paged_attention(q, cache, block_tables, seq_lens, query_start_loc, scale,
+                                                          rank, max_query_len)
     o = kernels.paged_attention(q, cache, cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
     return o[..., :rank]
 
