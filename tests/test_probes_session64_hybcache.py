@@ -58,7 +58,8 @@ BASE = random_prompts(512, (37,), seed=6)[0]
 def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(model):
     """A 37-token prompt, then the same prompt with 7 more tokens (blocks of 4): the second finds the first's 9 full
     blocks and the states snapshotted at their end (the first prompt's prefill was cut there), so it computes only
-    its last 8 tokens; both give transformers' tokens and those of caching off."""
+    its last 8 tokens (in two chunks: its prompt of 11 blocks is cut at 40, the last boundary before its last
+    token, for a request that repeats it); both give transformers' tokens and those of caching off."""
     path, hf = model
     prompts = [BASE, BASE + [5, 6, 7, 8, 9, 10, 11]]
     want = greedy_each(hf, prompts, 6)
@@ -74,36 +75,38 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(model):
     assert got == want
     assert cached == [0, 36]
     # the first prompt's prefill: 36 tokens to its last block boundary, then its last one; the second's: 8 tokens
-    assert [n for n in steps if n] == [36, 1, 8]
+    assert [n for n in steps if n] == [36, 1, 4, 4]
 
 
 def test_a_partial_block_prefix_is_cut_to_the_last_snapshot(model):
-    """Chunks of up to 10 tokens, cut to block boundaries, snapshot the states at 8, 16, 24, 32 and 36 (in 5 snapshot
-    slots); a prompt
+    """Chunks of up to 10 tokens, cut to block boundaries, snapshot the states at 8, 16, 24, 32 and 36, its decode
+    at 40, the second prompt's at 12 (in 7 snapshot slots: none evicted before the third prompt); a prompt
     sharing 9 tokens gets 8; one sharing 22 tokens (5 full blocks and part of a sixth) takes the cached blocks up to
     the snapshot at 16, not the 20 tokens cached KV holds; one sharing 3 none."""
     path, hf = model
     prompts = [BASE, BASE[:9] + [8, 8], BASE[:22] + [3, 4, 5, 6, 7], BASE[:3] + [9, 9, 9]]
     want = greedy_each(hf, prompts, 5)
-    with LLM(path, block_size=4, max_num_batched_tokens=10, max_num_seqs=8, state_snapshots=5) as llm:
+    with LLM(path, block_size=4, max_num_batched_tokens=10, max_num_seqs=8, state_snapshots=7) as llm:
         steps = _counting(llm)
         got, cached = _one_by_one(llm, prompts, 5)
-        assert llm.engine.block_manager.snapshots.num_slots == 5
+        assert llm.engine.block_manager.snapshots.num_slots == 7
     assert got == want
     assert cached == [0, 8, 16, 0]
     assert [n for n in steps if n] == [8, 8, 8, 8, 4, 1, 3, 8, 3, 4, 2]  # (chunks end at block boundaries)
 
 
 def test_a_small_pool_evicts_the_least_recently_used_snapshot(model):
-    """Prompts of a 37-token prefix and of another 21-token one, alternating. --state-snapshots 1: each snapshot
-    evicts the one before, so no extension finds a state (its KV blocks are cached) and each computes its prompt in
-    full. 2 slots: the first prefix's snapshot, used by its extension (most recently), outlives the other's, which
-    that extension's own snapshot evicts: its second extension hits, the other's none. Transformers' tokens."""
+    """Prompts of a 37-token prefix and of another 21-token one, alternating, each snapshotted at its prefill's last
+    block boundary and at its decode's (at 36 and 40, 20 and 24). --state-snapshots 1: each snapshot evicts the one
+    before, so no extension finds a state (its KV blocks are cached) and each computes its prompt in full. 4 slots:
+    the first prefix's snapshot at 36, used by its extension (most recently), outlives the other's at 20 and 24,
+    which that extension's own snapshots evict: its second extension hits, the other's none. Transformers'
+    tokens."""
     path, hf = model
     other = random_prompts(512, (21,), seed=9)[0]
     prompts = [BASE, other, BASE + [1, 2, 3, 4, 5], BASE + [9, 9], other + [1, 2, 3]]
     want = greedy_each(hf, prompts, 4)
-    for slots, hits, evicted in ((1, [0, 0, 0, 0, 0], 4), (2, [0, 0, 36, 36, 0], 2)):
+    for slots, hits, evicted in ((1, [0, 0, 0, 0, 0], 9), (4, [0, 0, 36, 36, 0], 5)):
         with LLM(path, block_size=4, state_snapshots=slots) as llm:
             got, cached = _one_by_one(llm, prompts, 4)
             assert llm.engine.block_manager.snapshots.evicted == evicted, slots
@@ -129,8 +132,8 @@ def test_preempted_requests_sharing_a_prefix_recompute_from_a_snapshot(model):
 
 
 def test_samples_and_beams_share_the_prompt_state(model):
-    """n = 3 greedy samples of a prompt (the later ones admitted with the first: no snapshot yet, computed in full)
-    and again after it (each from the snapshot), and beam search over prompts sharing a prefix: the tokens of
+    """n = 3 greedy samples of a prompt (the later ones wait a step for the first's snapshot:
+    BlockManager.awaits_snapshot) and again after it (each from the snapshot), and beam search over prompts sharing a prefix: the tokens of
     caching off."""
     from infer.engine.beam import BeamSearchParams
     path, _ = model

@@ -101,8 +101,8 @@ def test_a_request_aborted_after_its_first_chunk_leaves_its_snapshot(model):
 
 
 def test_a_failed_step_sends_a_hit_on_its_blocks_back_to_a_kept_snapshot(model, monkeypatch):
-    """20 KV blocks of 4, 2 snapshot slots. A running request holds the first 5 blocks of a 37-token prompt (its
-    snapshot at 20 evicted later); the prompt itself snapshots at 36, and a 50-token one evicts its last 4 blocks.
+    """20 KV blocks of 4, 3 snapshot slots (one is the running request's past its prompt). A running request holds
+    the first 5 blocks of a 37-token prompt (its snapshots at 16 and 20 evicted later); the prompt itself snapshots at 36, and a 50-token one evicts its last 4 blocks.
     Two extensions of the prompt admitted in one step: the first computes it all (no snapshot at 20), registering
     blocks 5 to 8 as the step is scheduled; the second takes those and the held ones up to the snapshot at 36. The
     step fails (forget_scheduled): the second goes back to the last snapshot before the blocks the step registered,
@@ -130,7 +130,7 @@ def test_a_failed_step_sends_a_hit_on_its_blocks_back_to_a_kept_snapshot(model, 
                 outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
             except RuntimeError:
                 pass
-    with LLM(path, block_size=4, num_kv_blocks=20, max_model_len=64, state_snapshots=2, max_num_seqs=4) as llm:
+    with LLM(path, block_size=4, num_kv_blocks=20, max_model_len=64, state_snapshots=3, max_num_seqs=4) as llm:
         engine = llm.engine
         managers.append(engine.block_manager)
         engine.add_request("held", prompt_token_ids=BASE[:20], params=SamplingParams(max_new_tokens=20,

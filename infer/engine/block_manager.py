@@ -109,6 +109,7 @@ class BlockManager:
         self.states = None  # a hybrid model's state slots (engine.state_cache.StateSlots), taken with the blocks
         # its prefix cache of states (engine.state_cache.StateSnapshots): a hit is cut to a snapshot (None: no cut)
         self.snapshots = None
+        self.planned: set[bytes] = set()  # the keys of the prompt states the step being scheduled snapshots
 
     def _key(self, seq: Sequence, i: int) -> bytes:
         key = block_key(seq, i, self.block_size)
@@ -199,17 +200,22 @@ class BlockManager:
             return self.forced
         if not self._reads_cache(seq):
             return []
+        found = self._found(seq)
+        if self.window and len(found) < (len(seq) - 1) // self.block_size:
+            hit = self._window_hit(seq, len(found))
+            if hit is not None:
+                return hit
+        return found[:self._snapshot_point(seq, len(found))]
+
+    def _found(self, seq: Sequence) -> list[int]:
+        """The cached blocks of seq's longest prefix (not its last token's block)."""
         found = []
         for i in range((len(seq) - 1) // self.block_size):
             bid = self._cached_block(seq, i)
             if bid is None:
                 break
             found.append(bid)
-        if self.window and len(found) < (len(seq) - 1) // self.block_size:
-            hit = self._window_hit(seq, len(found))
-            if hit is not None:
-                return hit
-        return found[:self._snapshot_point(seq, len(found))]
+        return found
 
     # ------------------------------------------------------------------ a hybrid model's states
     def _snapshot_point(self, seq: Sequence, blocks: int) -> int:
@@ -228,14 +234,16 @@ class BlockManager:
             self.snapshots.restore(self._key(seq, seq.num_computed_tokens // self.block_size - 1), seq.state_slot)
 
     def _snapshot_end(self, seq: Sequence) -> int:
-        """The last block-aligned position of seq's prompt: its prefill's chunks end there (snapshot_chunk)."""
-        return len(seq.prompt_token_ids) // self.block_size * self.block_size
+        """The last block boundary of seq's prompt before its last token: its prefill's chunks end there
+        (snapshot_chunk), so that a request of the same prompt, which computes its last token at least, finds a
+        state (one at the prompt's end when that is block-aligned too, which its extensions find)."""
+        return (len(seq.prompt_token_ids) - 1) // self.block_size * self.block_size
 
     def snapshot_chunk(self, seq: Sequence, n: int) -> int:
         """With state snapshots, the tokens of seq's step of at most n (>= 1) within its prompt cut so that it ends at
-        a block boundary where one lies past its computed tokens (vLLM's mamba "align" mode): at the prompt's last
-        full block, and a chunk that leaves prompt tokens for later at the last boundary it reaches, so that the
-        state after it is a prefix's, kept by `snapshot_points`."""
+        a block boundary where one lies past its computed tokens (vLLM's mamba "align" mode): at the last one before
+        the prompt's last token, and a chunk that leaves prompt tokens for later at the last boundary it reaches, so
+        that the state after it is a prefix's, kept by `snapshot_points`."""
         if self.snapshots is None:
             return n
         start, bs, last = seq.num_computed_tokens, self.block_size, self._snapshot_end(seq)
@@ -246,17 +254,57 @@ class BlockManager:
             return end // bs * bs - start
         return n
 
-    def snapshot_points(self, batch) -> list[tuple[int, bytes]]:
-        """(state slot, prefix-cache key) of each sequence of the batch whose step ends at a block boundary of its
-        prompt: its states there are snapshotted once the step's forward is queued (StateSnapshots.save)."""
+    def snapshot_points(self, batch) -> tuple[list[tuple[int, bytes]], list[tuple[int, Sequence, int]]]:
+        """The states to snapshot once the step's forward is queued (`save_snapshots`), of each sequence of the batch
+        whose step ends at a block boundary: (state slot, prefix-cache key) within its prompt, (state slot, sequence,
+        block) past it (its tokens may still be on the device: keyed once known)."""
         if self.snapshots is None:
-            return []
-        out, bs = [], self.block_size
+            return [], []
+        prompt, past, bs = [], [], self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             end = seq.num_computed_tokens + n
-            if end % bs == 0 and 0 < end <= self._snapshot_end(seq) and seq.state_slot is not None:
-                out.append((seq.state_slot, self._key(seq, end // bs - 1)))
-        return out
+            if end % bs or not end or seq.state_slot is None:
+                continue
+            if end <= len(seq.prompt_token_ids):
+                prompt.append((seq.state_slot, self._key(seq, end // bs - 1)))
+            else:
+                past.append((seq.state_slot, seq, end // bs - 1))
+        return prompt, past
+
+    def save_snapshots(self, points) -> None:
+        """Snapshot the states at `snapshot_points` (the step's forward is queued), naming those whose tokens the
+        host knows."""
+        prompt, past = points
+        self.snapshots.save(prompt)
+        if past:
+            self.snapshots.hold(past)
+            self.name_snapshots()
+
+    def name_snapshots(self) -> None:
+        """Key the snapshots taken past a prompt whose tokens the host knows now (a step's tokens appended)."""
+        if self.snapshots is not None and self.snapshots.unnamed:
+            self.snapshots.name(self._known_key)
+
+    def _known_key(self, seq: Sequence, i: int) -> bytes | None:
+        """The key of seq's full block i, None while one of its tokens is pending (on the device)."""
+        return self._key(seq, i) if len(seq) - seq.num_pending >= (i + 1) * self.block_size else None
+
+    def awaits_snapshot(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence's prefix hit would reach further from a state the step being scheduled
+        snapshots (`planned`: the n samples of a prompt, identical prompts arriving together): it waits a step for
+        it rather than computing those tokens again."""
+        if not self.planned or not self._reads_cache(seq) or self.forced is not None:
+            return False
+        found = self._found(seq)
+        return any(self._key(seq, j) in self.planned for j in range(self._snapshot_point(seq, len(found)),
+                                                                       len(found)))
+
+    def plan_snapshot(self, seq: Sequence, n: int) -> None:
+        """The step being scheduled computes n tokens of seq: the prompt state it snapshots (snapshot_points), if
+        any, is `planned`."""
+        end = seq.num_computed_tokens + n
+        if self.snapshots is not None and end and not end % self.block_size and end <= len(seq.prompt_token_ids):
+            self.planned.add(self._key(seq, end // self.block_size - 1))
 
     def _cached_block(self, seq: Sequence, i: int) -> int | None:
         """The cached block holding the sequence's full block i, or None."""

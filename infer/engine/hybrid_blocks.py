@@ -82,8 +82,20 @@ class HybridBlockManager:
         return n
 
     @staticmethod
-    def snapshot_points(batch) -> list:
-        return []
+    def snapshot_points(batch) -> tuple[list, list]:
+        return [], []
+
+    @staticmethod
+    def plan_snapshot(seq: Sequence, n: int) -> None:
+        pass
+
+    @staticmethod
+    def awaits_snapshot(seq: Sequence) -> bool:
+        return False
+
+    @staticmethod
+    def name_snapshots() -> None:
+        pass
 
     @property
     def eagle_reads_next(self) -> bool:

@@ -859,7 +859,7 @@ class LLMEngine:
             return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
-        saves = self.block_manager.snapshot_points(batch)  # (a hybrid model's states at its prompts' block ends)
+        saves = self.block_manager.snapshot_points(batch)  # (a hybrid model's states at its sequences' block ends)
         try:
             if self.drafter is not None:  # the draft model's drafts, in the slots the scheduler gave their placeholders
                 self.drafter.propose(batch)
@@ -877,8 +877,8 @@ class LLMEngine:
             self.block_manager.fresh[:0] = batch.zero
             self.block_manager.forget_scheduled(self.scheduler.running)
             raise
-        if saves and (self.speculative is not None or self.pooler is not None or not self.overlap):
-            self.block_manager.snapshots.save(saves)  # (the forward ran: the states are the step's)
+        if any(saves) and (self.speculative is not None or self.pooler is not None or not self.overlap):
+            self.block_manager.save_snapshots(saves)  # (the forward ran: the states are the step's)
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
             # as vLLM's iteration tokens: a row's accepted drafts and its own token, never the drafts it rejected
@@ -911,8 +911,8 @@ class LLMEngine:
             self.block_manager.fresh[:0] = batch.zero
             self.block_manager.forget_scheduled(self.scheduler.running)
             raise
-        if saves:  # (queued after the launched forward, before any later step's)
-            self.block_manager.snapshots.save(saves)
+        if any(saves):  # (queued after the launched forward, before any later step's)
+            self.block_manager.save_snapshots(saves)
         with interrupts_held():
             self._launched(batch, handle.rows)
             self._inflight = (batch, handle)
@@ -987,6 +987,7 @@ class LLMEngine:
                     # it ends with the error; raised, the rest of the batch kept its tokens pending, and every
                     # later step raised "a pending token without the step that made it"
                     outputs.append(self._failed_token(seq, e))
+        self.block_manager.name_snapshots()  # (a hybrid model's states past prompts whose tokens are known now)
         return outputs
 
     def _complete_pooled(self, batch: ScheduledBatch, pooled: dict) -> list:

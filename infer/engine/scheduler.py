@@ -221,6 +221,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         self.bm.scheduled = []  # (the last step ran: its blocks' K/V are written, or being written on the device)
+        self.bm.planned = set()  # (and its state snapshots taken)
         try:
             return self._schedule()
         except BaseException:  # (an adapter slot's load failing in _admit, Ctrl-C) the step never runs: the blocks
@@ -233,7 +234,9 @@ class Scheduler:
         (BlockManager.register_scheduled), for the requests admitted after it in the step. A step of one token may
         run in the fused decode kernel, whose reads race its writes: its blocks wait until the step holds a query of
         several tokens (which keeps the whole batch off that kernel), and are registered then, before any admission
-        that follows; a decode's block completed in a step with a prefill chunk was shared only from the next step."""
+        that follows; a decode's block completed in a step with a prefill chunk was shared only from the next step.
+        A hybrid model's prompt state the step snapshots is planned, for those admitted after it (awaits_snapshot)."""
+        self.bm.plan_snapshot(seq, n)
         if n < 2 and not self._batched:
             self._singles.append(seq)
             return
@@ -316,17 +319,21 @@ class Scheduler:
         # requests that wait for an adapter slot (every slot pinned by running requests): the requests behind them
         # that use no adapter go first, as vLLM admits them, while those that use one wait in turn, so that the
         # slots' adapters drain and the first of them is the next to get one (no starvation)
+        # (and a hybrid model's request whose prefix hit reaches further from a state this step snapshots: the next
+        # step's, BlockManager.awaits_snapshot)
         skipped: list[Sequence] = []
+        lora_waits = False
         try:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                if self.lora and seq.lora is not None and skipped:
+                if (self.lora and seq.lora is not None and lora_waits) or self.bm.awaits_snapshot(seq):
                     skipped.append(self.waiting.popleft())
                     continue
                 if not self.bm.can_allocate(seq, budget=budget):
                     break
                 if self.lora and not self.lora.can_acquire(seq.lora):
                     skipped.append(self.waiting.popleft())
+                    lora_waits = True
                     continue
                 if self.lora and not self._acquire(seq):
                     continue

@@ -98,6 +98,9 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         self.draft_fed = 0
         # EAGLE-3 (engine.eagle): (first position, the target's projected hidden states from there) not fed yet
         self.draft_hidden = None
+        # a hybrid model's prefix cache: the key of the state snapshot this sequence keeps past its prompt, at the last
+        # block boundary it reached (engine.state_cache.StateSnapshots.name moves it on)
+        self.state_snap_key: bytes | None = None
         self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property

@@ -68,12 +68,14 @@ class StateSlots:
 class StateSnapshots:
     """A hybrid model's prefix cache of states (vLLM's mamba prefix caching, "align" mode; SGLang's mamba radix
     cache): `num_slots` snapshot slots beside the running sequences' (StateCacheMixin.allocate_snapshots), each
-    holding the conv and recurrent states of a prompt at a block-aligned position, under the prefix-cache key of the
+    holding the conv and recurrent states of a sequence at a block-aligned position, under the prefix-cache key of the
     full block that ends there (block_manager.block_key: its chain covers every token before, the adapter and the
-    salt). The scheduler ends a prompt's prefill chunks at block boundaries (BlockManager.snapshot_chunk), at least
-    at the prompt's last full block; after a step's forward is queued its sequences that reached such a boundary are
-    copied here (`save`), least recently used slots evicted first. A prefix hit is cut to the longest run of cached
-    blocks whose last block has a snapshot, which is copied into the admitted sequence's slot (`restore`): its
+    salt). The scheduler ends a prompt's prefill chunks at block boundaries (BlockManager.snapshot_chunk), the last
+    one before its last token among them; after a step's forward is queued its sequences that reached such a boundary
+    are copied here (`save`), least recently used slots evicted first. Past its prompt (its decode, a preempted
+    sequence's recompute) a sequence keeps one snapshot, at the last block boundary it reached (`hold`: a follow-up
+    turn's prompt holds the reply), moved on at each one it reaches. A prefix hit is cut to the longest run of
+    cached blocks whose last block has a snapshot, which is copied into the admitted sequence's slot (`restore`): its
     prefill starts after it. Copies are queued on the device in host order, so a save after step k's forward and a
     restore before step k+1's need no sync. `copy(pairs, save)`: the model's (StateCacheMixin.copy_states)."""
 
@@ -82,6 +84,9 @@ class StateSnapshots:
         self.copy = copy
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # key -> snapshot slot, least recently used first
         self.free = list(range(num_slots - 1, -1, -1))
+        # overlapped steps: snapshots of a step whose last token the host does not know yet, so neither their key
+        # (snapshot slot, sequence, its block whose end they are at), named once the token is known (`name`)
+        self.unnamed: list[tuple[int, object, int]] = []
         self.saved = self.restored = self.evicted = 0  # (stats)
 
     def __contains__(self, key: bytes) -> bool:
@@ -94,6 +99,17 @@ class StateSnapshots:
         self.copy([(snap, slot)], save=False)
         self.restored += 1
 
+    def _take(self) -> int | None:
+        """A snapshot slot to write: a free one, else the least recently used one's (evicted); None when every one
+        waits for its name (overlapped steps: that many sequences reached a block boundary at once)."""
+        if self.free:
+            return self.free.pop()
+        if not self.slots:
+            return None
+        _, snap = self.slots.popitem(last=False)
+        self.evicted += 1
+        return snap
+
     def save(self, points: list[tuple[int, bytes]]) -> None:
         """Snapshot each (running slot, key) of a step whose forward is queued (a key kept already: touched)."""
         pairs = []
@@ -101,18 +117,57 @@ class StateSnapshots:
             if key in self.slots:
                 self.slots.move_to_end(key)
                 continue
-            if self.free:
-                snap = self.free.pop()
-            else:
-                _, snap = self.slots.popitem(last=False)
-                self.evicted += 1
-            self.slots[key] = snap
-            pairs.append((slot, snap))
+            snap = self._take()
+            if snap is not None:
+                self.slots[key] = snap
+                pairs.append((slot, snap))
         if pairs:
             self.copy(pairs, save=True)
             self.saved += len(pairs)
 
+    def hold(self, points: list[tuple[int, object, int]]) -> None:
+        """Snapshot each (running slot, sequence, block) of a step whose forward is queued, reached past its prompt:
+        unnamed until `name` finds the block's tokens on the host. It takes the slot of the one its sequence kept
+        before, if still kept (only its last is of use: a follow-up turn's prompt holds the whole reply)."""
+        pairs = []
+        for slot, seq, i in points:
+            old, seq.state_snap_key = seq.state_snap_key, None
+            snap = self.slots.pop(old) if old in self.slots else self._take()
+            if snap is not None:
+                self.unnamed.append((snap, seq, i))
+                pairs.append((slot, snap))
+        if pairs:
+            self.copy(pairs, save=True)
+            self.saved += len(pairs)
+
+    def name(self, key_of) -> None:
+        """Key each unnamed snapshot whose block's tokens the host knows now (`key_of(seq, i)`, None while it does
+        not), dropping one its sequence kept before (two taken before the first was named), or one a kept snapshot
+        of the same key makes a copy of; one whose sequence finished without them (its last token dropped, its step
+        failed) is dropped."""
+        waiting = []
+        for snap, seq, i in self.unnamed:
+            key = key_of(seq, i)
+            if key is None:
+                if seq.finished:
+                    self.free.append(snap)
+                else:
+                    waiting.append((snap, seq, i))
+                continue
+            old = self.slots.get(seq.state_snap_key) if seq.state_snap_key is not None else None
+            if old is not None and seq.state_snap_key != key:
+                del self.slots[seq.state_snap_key]
+                self.free.append(old)
+            seq.state_snap_key = key
+            if key in self.slots:
+                self.slots.move_to_end(key)
+                self.free.append(snap)
+            else:
+                self.slots[key] = snap
+        self.unnamed = waiting
+
     def clear(self) -> None:
         """Forget every snapshot (the prefix cache reset, the engine put to sleep)."""
         self.slots.clear()
+        self.unnamed = []
         self.free = list(range(self.num_slots - 1, -1, -1))
