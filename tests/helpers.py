@@ -958,6 +958,21 @@ def check_state_slots_all_free(llm) -> None:
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def prompt_steps(llm) -> list[int]:
+    """The prompt tokens each step of llm's engine computes from now on (a list it appends to)."""
+    steps: list[int] = []
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def counted():
+        batch = schedule()
+        steps.append(sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
+                         if s.num_computed_tokens < len(s.prompt_token_ids)))
+        return batch
+    scheduler.schedule = counted
+    return steps
+
+
 def state_tensors(llm) -> list[torch.Tensor]:
     """A hybrid model's linear-attention layers' conv and recurrent state tensors (every slot)."""
     return [t for layer in llm.engine.runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]

@@ -15,7 +15,7 @@ from infer.memory.sizes import state_slot_bytes
 from infer.models.tiny import ensure_builtin
 
 from helpers import (check_state_slots_all_free, estimated_plan, greedy_each, greedy_tokens, hf_model,
-                     random_prompts)
+                     prompt_steps, random_prompts)
 
 NAMES = ("tiny-qwen3_5", "tiny-granite4")
 
@@ -25,21 +25,6 @@ def model(request):
     """(builtin path, transformers' float32 model) of each hybrid."""
     path = str(ensure_builtin(request.param))
     return path, hf_model(path)
-
-
-def _counting(llm) -> list[int]:
-    """The prompt tokens each step of llm's engine computes from now on."""
-    steps: list[int] = []
-    scheduler = llm.engine.scheduler
-    schedule = scheduler.schedule
-
-    def counted():
-        batch = schedule()
-        steps.append(sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
-                         if s.num_computed_tokens < len(s.prompt_token_ids)))
-        return batch
-    scheduler.schedule = counted
-    return steps
 
 
 def _one_by_one(llm, prompts, n: int) -> tuple[list[list[int]], list[int]]:
@@ -66,7 +51,7 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(model):
     with LLM(path, block_size=4, enable_prefix_caching=False) as llm:
         assert _one_by_one(llm, prompts, 6)[0] == want
     with LLM(path, block_size=4) as llm:
-        steps = _counting(llm)
+        steps = prompt_steps(llm)
         got, cached = _one_by_one(llm, prompts, 6)
         snapshots = llm.engine.block_manager.snapshots
         assert snapshots.restored == 1
@@ -87,7 +72,7 @@ def test_a_partial_block_prefix_is_cut_to_the_last_snapshot(model):
     prompts = [BASE, BASE[:9] + [8, 8], BASE[:22] + [3, 4, 5, 6, 7], BASE[:3] + [9, 9, 9]]
     want = greedy_each(hf, prompts, 5)
     with LLM(path, block_size=4, max_num_batched_tokens=10, max_num_seqs=8, state_snapshots=7) as llm:
-        steps = _counting(llm)
+        steps = prompt_steps(llm)
         got, cached = _one_by_one(llm, prompts, 5)
         assert llm.engine.block_manager.snapshots.num_slots == 7
     assert got == want
@@ -133,8 +118,8 @@ def test_preempted_requests_sharing_a_prefix_recompute_from_a_snapshot(model):
 
 def test_samples_and_beams_share_the_prompt_state(model):
     """n = 3 greedy samples of a prompt (the later ones wait a step for the first's snapshot:
-    BlockManager.awaits_snapshot) and again after it (each from the snapshot), and beam search over prompts sharing a prefix: the tokens of
-    caching off."""
+    BlockManager.awaits_snapshot) and again after it (each from the snapshot), and beam search over prompts sharing a
+    prefix: the tokens of caching off."""
     from infer.engine.beam import BeamSearchParams
     path, _ = model
     params = SamplingParams(n=3, max_new_tokens=5, ignore_eos=True, temperature=0)

@@ -14,7 +14,7 @@ from infer import LLM, SamplingParams
 from infer.engine.state_cache import StateSnapshots
 from infer.models.tiny import ensure_builtin
 
-from helpers import check_state_slots_all_free, greedy_each, hf_model, random_prompts
+from helpers import check_state_slots_all_free, greedy_each, hf_model, prompt_steps, random_prompts
 
 NAMES = ("tiny-qwen3_5", "tiny-granite4")
 BASE = random_prompts(512, (37,), seed=6)[0]
@@ -26,21 +26,6 @@ def model(request):
     """(builtin path, transformers' float32 model) of each hybrid."""
     path = str(ensure_builtin(request.param))
     return path, hf_model(path)
-
-
-def _counting(llm) -> list[int]:
-    """The prompt tokens each step of llm's engine computes from now on."""
-    steps: list[int] = []
-    scheduler = llm.engine.scheduler
-    schedule = scheduler.schedule
-
-    def counted():
-        batch = schedule()
-        steps.append(sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
-                         if s.num_computed_tokens < len(s.prompt_token_ids)))
-        return batch
-    scheduler.schedule = counted
-    return steps
 
 
 def _chat(hf, first: list[int], n: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -75,7 +60,7 @@ def test_a_next_turn_starts_after_the_reply(model, overlap):
     prompts, want = _chat(hf, BASE, 10)
     assert [len(p) for p in prompts] == [37, 50, 61]
     with LLM(path, block_size=4, overlap=overlap) as llm:
-        steps = _counting(llm)
+        steps = prompt_steps(llm)
         got, cached = _turns(llm, prompts, 10)
         snapshots = llm.engine.block_manager.snapshots
         assert not snapshots.unnamed
@@ -111,7 +96,7 @@ def test_an_exactly_block_aligned_repeat_hits_before_its_last_block(model):
     prompts = [BASE[:36], BASE[:36], BASE[:36] + [4, 4]]
     want = greedy_each(hf, prompts, 4)
     with LLM(path, block_size=4) as llm:
-        steps = _counting(llm)
+        steps = prompt_steps(llm)
         got, cached = _turns(llm, prompts, 4)
         check_state_slots_all_free(llm)
     assert got == want
@@ -128,7 +113,7 @@ def test_identical_prompts_together_share_the_first_ones_state(model):
     with LLM(path, block_size=4, enable_prefix_caching=False) as llm:
         want = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(path, block_size=4) as llm:
-        steps = _counting(llm)
+        steps = prompt_steps(llm)
         outs = llm.generate(prompts, params)
         check_state_slots_all_free(llm)
     assert [o.token_ids for o in outs] == want
