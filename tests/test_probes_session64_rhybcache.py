@@ -103,10 +103,11 @@ def test_a_request_aborted_after_its_first_chunk_leaves_its_snapshot(model):
 def test_a_failed_step_sends_a_hit_on_its_blocks_back_to_a_kept_snapshot(model, monkeypatch):
     """20 KV blocks of 4, 3 snapshot slots (one is the running request's past its prompt). A running request holds
     the first 5 blocks of a 37-token prompt (its snapshots at 16 and 20 evicted later); the prompt itself snapshots
-    at 36, and a 50-token one evicts its last 4 blocks. Two extensions of the prompt admitted in one step: the first computes it all (no snapshot at 20), registering
-    blocks 5 to 8 as the step is scheduled; the second takes those and the held ones up to the snapshot at 36. The
-    step fails (forget_scheduled): the second goes back to the last snapshot before the blocks the step registered,
-    none (no state at 20), from zero, not to a snapshot at 20 that is not kept. Transformers' tokens for all."""
+    at 36, and a 50-token one evicts its last 4 blocks. Two extensions of the prompt admitted in one step: the first
+    computes it all (no snapshot at 20), registering blocks 5 to 8 as the step is scheduled; the second takes those
+    and the held ones up to the snapshot at 36. The step fails (forget_scheduled): the second goes back to the last
+    snapshot before the blocks the step registered, none (no state at 20), from zero, not to a snapshot at 20 that
+    is not kept. Transformers' tokens for all."""
     from infer.engine.model_runner import ModelRunner
     path, hf = model
     first, second = BASE + [1, 2, 3, 4, 5, 6, 7], BASE + [9, 9, 9, 9, 9, 9, 9]
