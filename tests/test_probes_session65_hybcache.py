@@ -4,7 +4,7 @@ host, overlapped steps too), so a chat's next turn (the prompt, the reply, a new
 last full block, not after the prompt's; a block-aligned prompt's prefill is cut at its boundary before its last
 token, so a repeat of it hits there; requests whose hit reaches further from a state the step snapshots wait a step
 for it (identical prompts together). Tiny Qwen3.5 (Gated DeltaNet) and Granite 4.0 (Mamba-2), float32, against
-transformers and caching off; salts, preemption and a full pool (LRU eviction)."""
+transformers (peft) and caching off; cache_salt and adapters, preemption and a full pool (LRU eviction)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,33 @@ def test_a_reply_snapshot_is_keyed_by_cache_salt(model):
             got.append(out.token_ids)
             cached.append(out.num_cached_tokens)
     assert got == [want[0], want[1], want[1]]
+    assert cached == [0, 0, 44]
+
+
+def test_a_reply_snapshot_is_keyed_by_adapter(tmp_path):
+    """tiny-qwen3_5 with an adapter of its attention and MLP (it changes the linear layers' inputs, so their
+    states): a turn under it; the next turn under the base model finds no snapshot, under the adapter it starts
+    after the reply. peft's tokens."""
+    from lora_helpers import ALL, PeftOracle, hf_float, save_adapters
+    base = ensure_builtin("tiny-qwen3_5")
+    hf = hf_float(base)
+    paths = save_adapters(hf, tmp_path, {"all": dict(r=8, lora_alpha=16, target_modules=ALL)})
+    oracle = PeftOracle(hf, paths)
+    try:
+        reply = oracle.greedy("all", BASE, 10)
+        nxt = BASE + reply + list(MORE[0])
+        want = [reply, oracle.greedy(None, nxt, 6), oracle.greedy("all", nxt, 6)]
+    finally:
+        oracle.close()
+    assert want[1] != want[2]  # (the adapter changes the tokens: the check means something)
+    with LLM(str(base), loras={k: str(p) for k, p in paths.items()}, max_loras=1, max_lora_rank=8,
+             block_size=4) as llm:
+        got, cached = [], []
+        for p, a, n in ((BASE, "all", 10), (nxt, None, 6), (nxt, "all", 6)):
+            out = llm.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True), lora=a)[0]
+            got.append(out.token_ids)
+            cached.append(out.num_cached_tokens)
+    assert got == want
     assert cached == [0, 0, 44]
 
 
