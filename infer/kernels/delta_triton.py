@@ -227,6 +227,7 @@ CHUNK = 64  # tokens of a chunk of the chunked rule (delta_rule.chunk_layout's)
 # shared memory (Dk 128, value tile 32, float32: 88 KiB at 2 stages; Triton's default 3 take 160 KiB, more than an
 # sm_86 / sm_89 GPU's 99 KiB a block, so the launch would fail there)
 CHUNK_H_STAGES = 2
+SOLVE_BLOCK = 16  # rows of the diagonal blocks _unit_lower_inverse inverts by substitution (tl.dot's smallest tile)
 TERMS_WARPS = 4  # warps of a _chunk_terms_kernel program (a chunk's [C, Dk] q and k, [C, C] system in registers)
 
 
@@ -283,14 +284,47 @@ def _chunk_o_kernel(qd_ptr, inner_ptr, h_ptr, vn_ptr, o_ptr, start_ptr, end_ptr,
 
 
 @triton.jit
+def _unit_lower_inverse(a, C: tl.constexpr, SUB: tl.constexpr):
+    """T = (I + A)^-1 of a chunk's strictly lower A [C, C] (C = NB x SUB), blocked as flash-linear-attention's
+    solve_tril: the NB diagonal [SUB, SUB] blocks inverted together by forward substitution, row by row (SUB - 1
+    steps on [NB, SUB, SUB]: transformers' loop within a block); then, D = (I + A's block diagonal)^-1 and L A's
+    strictly block-lower part, (I + A) T = I gives T = D - (D L) T, whose block row r depends on the block rows above
+    it only: T = D, then NB - 1 rounds of T = D - (D L) T (round r makes block row r exact and leaves the rows above
+    it as they were: the same sums of the same values), one [C, C] x [C, C] tl.dot each."""
+    NB: tl.constexpr = C // SUB
+    offs = tl.arange(0, C)
+    offs_b = tl.arange(0, NB)
+    offs_s = tl.arange(0, SUB)
+    same = offs_b[:, None, None, None] == offs_b[None, None, :, None]  # [NB, 1, NB, 1]: a diagonal block
+    # -A's diagonal blocks [NB, SUB, SUB]; row i of each block's inverse's strict part: -A_i + sum_j (row i so far)_j
+    # (rows j < i of the block, done)
+    d = -tl.sum(tl.where(same, tl.reshape(a, [NB, SUB, NB, SUB]), 0.0), axis=2)
+    at_row = offs_s[None, :, None]
+    for i in range(1, SUB):
+        row = tl.sum(tl.where(at_row == i, d, 0.0), axis=1)  # [NB, SUB]
+        row += tl.sum(row[:, :, None] * d, axis=1)  # (row's entries from i on, d's above its diagonal: zero)
+        d = tl.where(at_row == i, row[:, None, :], d)
+    d += (at_row == offs_s[None, None, :]).to(tl.float32)
+    d = tl.reshape(tl.where(same, d[:, :, None, :], 0.0), [C, C])  # (block diagonal)
+    t = d
+    if NB > 1:
+        below = (offs[:, None] // SUB) > (offs[None, :] // SUB)
+        m = tl.dot(d, tl.where(below, a, 0.0), input_precision="ieee")
+        for _ in tl.static_range(NB - 1):
+            t = d - tl.dot(m, t, input_precision="ieee")
+    return t
+
+
+@triton.jit
 def _chunk_terms_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, end_ptr, u_ptr, w_ptr, inner_ptr, qd_ptr,
                         kd_ptr, last_ptr, dk, dv, nc, scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
-                        GROUP: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                        GROUP: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr):
     """The intra-chunk part of one chunk, one value head (delta_rule.chunk_terms; flash-linear-attention's chunk
     cumsum, scaled dot kkt, solve_tril and WY representation in one program): q and k (its key head's, L2-normed, q
     scaled) and v, g, beta of the chunk's token rows (zero past its end); g's cumulative sum gc; the decay
     exp(gc_i - gc_j) of row i from row j (zero above the diagonal); A = beta k k^T decayed, strictly lower; its unit
-    triangular system's inverse T = (I + A)^-1 by forward substitution, row by row (transformers' loop); then
+    triangular system's inverse T = (I + A)^-1 (_unit_lower_inverse: blocks of SUB rows); then
     w = T (beta k exp(gc)), u = T (beta v) (BV value columns at a time), inner = (q k^T decayed, lower with the
     diagonal), qd = q exp(gc), kd = k exp(gc_last - gc), last = exp(gc_last), stored [Hv, NC, C, ...] as
     _chunk_h_kernel and _chunk_o_kernel read them."""
@@ -323,13 +357,8 @@ def _chunk_terms_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, end_ptr
     square = base * C * C + offs_c[:, None] * C + offs_c[None, :]
     tl.store(inner_ptr + square, tl.dot(q, tl.trans(k), input_precision="ieee") * decay)
     kb = k * beta[:, None]
-    # -A, strictly lower; row i of the inverse's strict part: -A_i + sum_j (row i so far)_j (rows j < i, done)
-    a = -tl.where(offs_c[:, None] > offs_c[None, :], tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
-    for i in range(1, C):
-        row = tl.sum(tl.where(offs_c[:, None] == i, a, 0.0), axis=0)
-        row += tl.sum(row[:, None] * a, axis=0)  # (row's entries from i on, a's above its diagonal: zero)
-        a = tl.where(offs_c[:, None] == i, row[None, :], a)
-    a += (offs_c[:, None] == offs_c[None, :]).to(tl.float32)
+    a = _unit_lower_inverse(tl.where(offs_c[:, None] > offs_c[None, :],
+                                     tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0), C, SUB)
     tl.store(w_ptr + keys, tl.dot(a, kb * tl.exp(gc)[:, None], input_precision="ieee"), mask=mk[None, :])
     for v0 in range(0, dv, BV):
         offs_v = v0 + tl.arange(0, BV)
@@ -350,6 +379,7 @@ def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
     nc = lay["rows"].shape[0]
+    assert CHUNK % SOLVE_BLOCK == 0, f"chunk {CHUNK}: the intra-chunk kernel takes whole blocks of {SOLVE_BLOCK} rows"
     f32 = dict(dtype=torch.float32, device=v.device)
     t = dict(u=torch.empty(hv, nc, CHUNK, dv, **f32), w=torch.empty(hv, nc, CHUNK, dk, **f32),
              inner=torch.empty(hv, nc, CHUNK, CHUNK, **f32), qd=torch.empty(hv, nc, CHUNK, dk, **f32),
@@ -358,7 +388,7 @@ def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         _chunk_terms_kernel[(nc, hv)](
             q, k, v, g, beta, lay["start"], lay["end"], t["u"], t["w"], t["inner"], t["qd"], t["kd"], t["last"],
             dk, dv, nc, dk ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), beta.stride(0), GROUP=hv // hk, C=CHUNK, BK=max(16, next_power_of_2(dk)),
+            g.stride(0), beta.stride(0), GROUP=hv // hk, C=CHUNK, SUB=SOLVE_BLOCK, BK=max(16, next_power_of_2(dk)),
             BV=max(16, min(VALUE_BLOCK, next_power_of_2(dv))), num_warps=TERMS_WARPS)
     return t
 
