@@ -370,16 +370,18 @@ def _chunk_terms_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start_ptr, end_ptr
 
 
 def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                lay: dict) -> dict:
+                lay: dict, solve_block: int = SOLVE_BLOCK) -> dict:
     """delta_rule.chunk_terms in one launch (one program per chunk of `lay`, chunk_layout's at CHUNK tokens, and
     value head): q, k [T, Hk, Dk], v [T, Hv, Dv] (each unit stride along its last dim), g and beta [T, Hv]. Returns
-    the same dict of contiguous float32 tensors."""
+    the same dict of contiguous float32 tensors. (`solve_block` CHUNK: the system solved row by row over the whole
+    chunk, C - 1 serial steps and no merge, as session 64's kernel did; infer.bench.delta times both.)"""
     hv, dv = v.shape[1], v.shape[2]
     hk, dk = k.shape[1], k.shape[2]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
     nc = lay["rows"].shape[0]
-    assert CHUNK % SOLVE_BLOCK == 0, f"chunk {CHUNK}: the intra-chunk kernel takes whole blocks of {SOLVE_BLOCK} rows"
+    assert solve_block >= 16 and CHUNK % solve_block == 0 and solve_block & (solve_block - 1) == 0, \
+        f"chunk {CHUNK}, solve block {solve_block}: whole blocks of a power of 2 >= 16 rows"
     f32 = dict(dtype=torch.float32, device=v.device)
     t = dict(u=torch.empty(hv, nc, CHUNK, dv, **f32), w=torch.empty(hv, nc, CHUNK, dk, **f32),
              inner=torch.empty(hv, nc, CHUNK, CHUNK, **f32), qd=torch.empty(hv, nc, CHUNK, dk, **f32),
@@ -388,7 +390,7 @@ def chunk_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         _chunk_terms_kernel[(nc, hv)](
             q, k, v, g, beta, lay["start"], lay["end"], t["u"], t["w"], t["inner"], t["qd"], t["kd"], t["last"],
             dk, dv, nc, dk ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), beta.stride(0), GROUP=hv // hk, C=CHUNK, SUB=SOLVE_BLOCK, BK=max(16, next_power_of_2(dk)),
+            g.stride(0), beta.stride(0), GROUP=hv // hk, C=CHUNK, SUB=solve_block, BK=max(16, next_power_of_2(dk)),
             BV=max(16, min(VALUE_BLOCK, next_power_of_2(dv))), num_warps=TERMS_WARPS)
     return t
 

@@ -52,8 +52,12 @@ def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limi
     to_end = torch.exp(cum[..., -1:] - cum)  # [H, c, l]
     chunk_states = torch.einsum("clhn,clhp->chpn", B * to_end.permute(1, 2, 0)[..., None], xd)
     states = torch.cat([state[None].float(), chunk_states])  # [c + 1, H, P, N]
-    carry = torch.exp(_segsum(F.pad(cum[..., -1], (1, 0))))  # [H, c + 1, c + 1]
-    states = torch.einsum("hzc,chpn->zhpn", carry, states)  # (z: the state at chunk z's start; the last: the end)
+    # z: the state at chunk z's start (the last: the end), each the one before it decayed by its chunk's total decay
+    # plus that chunk's own, in place: linear in the chunks (transformers' carry is a [H, c + 1, c + 1] segsum, an
+    # O(c^2 H P N) einsum); the same as mamba2_triton's _state_passing_kernel
+    total = torch.exp(cum[..., -1]).t()[..., None, None]  # [c, H, 1, 1]
+    for z in range(chunk_states.shape[0]):
+        states[z + 1] += states[z] * total[z]
     carried = torch.einsum("clhn,chpn->clhp", C, states[:-1]) * torch.exp(cum).permute(1, 2, 0)[..., None]
     y = torch.empty_like(xd)
     # the [H, l, l] temporaries of a group of chunks at a time; no group of one chunk after others (einsum would

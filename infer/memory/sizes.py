@@ -414,9 +414,10 @@ def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int 
     """The float32 temporaries of a Mamba-2 layer's SSD scan (Granite 4.0 and Nemotron-H; 0 for other models): the
     larger of the CPU path's scan of one sequence's `tokens` (kernels.mamba2.chunk_scan), padded to whole chunks of
     L = mamba_chunk_size: each token's x, x * dt, the skip, the state carried in and the output [H, P] and the
-    repeated B and C [H, N], beside the larger of the chunk-to-chunk carry's three [H, c + 1, c + 1] and three [H,
-    tokens, L] score and decay tensors (the masked cumulative sums, their exp, C.B scores and their product) of at
-    most SCAN_GROUP_CHUNKS + 1 chunks at once, and the whole step's float32 output [T, H * P] it fills; and the GPU
+    repeated B and C [H, N], each chunk's own state and the states before each chunk [c + 1, H, P, N] (the carry
+    from chunk to chunk in place, linear in the chunks), beside three [H, tokens, L] score and decay tensors (the
+    masked cumulative sums, their exp, C.B scores and their product) of at most SCAN_GROUP_CHUNKS + 1 chunks at once,
+    and the whole step's float32 output [T, H * P] it fills; and the GPU
     path's scan of a whole step's `step_tokens` over `seqs` sequences at once (kernels.mamba2.varlen_scan_bytes).
     Plus, on either, what the mixer holds over the whole step (models.granite4.Mamba2Mixer._prefill): the conv's
     output [T, conv_dim] and the gated norm's two float32 [T, H * P] temporaries (4 bytes an element: at most)."""
@@ -433,7 +434,8 @@ def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int 
     per_token = 5 * int(c.mamba_d_head) + 4 * int(c.mamba_d_state)
     inter = heads * int(c.mamba_d_head)
     conv_dim = inter + 2 * int(c.mamba_n_groups) * int(c.mamba_d_state)
-    return max(heads * (chunks * chunk * per_token + 3 * max(group, (chunks + 1) ** 2)) * 4 + step_tokens * inter * 4,
+    states = 2 * (chunks + 1) * int(c.mamba_d_head) * int(c.mamba_d_state)
+    return max(heads * (chunks * chunk * per_token + states + 3 * group) * 4 + step_tokens * inter * 4,
                varlen_scan_bytes(step_tokens, seqs, heads, int(c.mamba_d_head), int(c.mamba_d_state), chunk)) \
         + step_tokens * (conv_dim + 2 * inter) * 4
 
