@@ -149,9 +149,9 @@ def test_interpreted_triton_qwen3_5_prefills_give_hf_tokens(monkeypatch):
 
 def test_bench_prefill_row_times_the_terms_and_the_mixed_path(delta, monkeypatch):
     """A prefill row of infer.bench.delta (2 prompts of at most 70 tokens, small heads) with a stand-in timer (the
-    n-th op timed takes n ms: triton, loop, varlen, mixed, then the Triton terms and torch's): each column is its
-    op's (the gains the ratios), the Triton terms equal torch's in float32 and the whole Triton rule's outputs the
-    torch loop's within bfloat16's rounding."""
+    n-th op timed takes n ms: triton, loop, varlen, mixed, then the Triton terms, torch's and the row-by-row solve's
+    (session 65)): each column is its op's (the gains the ratios), the Triton terms equal torch's and the row-by-row
+    solve's in float32 and the whole Triton rule's outputs the torch loop's within bfloat16's rounding."""
     from infer.bench import delta as bench
     for name, value in dict(HK=1, HV=2, DK=16, DV=16).items():
         monkeypatch.setattr(bench, name, value)
@@ -166,10 +166,11 @@ def test_bench_prefill_row_times_the_terms_and_the_mixed_path(delta, monkeypatch
         return len(timed)
 
     row = bench.measure_prefill(2, 70, timer, torch.Generator().manual_seed(0), "cpu")
-    assert list(row) == bench.PREFILL_COLUMNS and len(timed) == 6
-    assert [row[c] for c in ("triton_us", "loop_us", "varlen_us", "mixed_us", "terms_us", "terms_torch_us")] == \
-        [1e3, 2e3, 3e3, 4e3, 5e3, 6e3]
-    assert torch_terms == [0, 2, 1, 1, 0, 1]  # (the loop's per sequence; the mixed path's terms in torch)
-    assert row["mixed_gain"] == 4.0 and row["terms_gain"] == 6 / 5
-    assert sorted(timed[4]) == sorted(timed[5]) == ["inner", "kd", "last", "qd", "u", "w"]  # (the terms' dicts)
+    assert list(row) == bench.PREFILL_COLUMNS and len(timed) == 7
+    assert [row[c] for c in ("triton_us", "loop_us", "varlen_us", "mixed_us", "terms_us", "terms_torch_us",
+                             "terms_rows_us")] == [1e3, 2e3, 3e3, 4e3, 5e3, 6e3, 7e3]
+    assert torch_terms == [0, 2, 1, 1, 0, 1, 0]  # (the loop's per sequence; the mixed path's terms in torch)
+    assert row["mixed_gain"] == 4.0 and row["terms_gain"] == 6 / 5 and row["blocked_gain"] == 7 / 5
+    assert sorted(timed[4]) == sorted(timed[5]) == sorted(timed[6]) == ["inner", "kd", "last", "qd", "u", "w"]
+    assert all(torch.allclose(timed[4][n], timed[6][n], atol=TOL, rtol=TOL) for n in timed[4])
     assert row["terms_max_abs_err"] < TOL and row["max_abs_err"] < 0.05

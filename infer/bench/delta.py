@@ -24,8 +24,10 @@ it replaces (delta_rule.chunk_gated_delta_rule once per sequence from its slot's
 chunk_terms, the rest in Triton), under triton.testing.do_bench (the step syncs with the host: no graph). Columns
 (PREFILL_COLUMNS): `tokens`, `triton_us`, `loop_us`, `varlen_us`, `mixed_us`, `gain` loop / Triton, `varlen_gain`
 varlen / Triton, `mixed_gain` mixed / Triton; `terms_us` / `terms_torch_us` the intra-chunk terms alone (delta_triton.
-chunk_terms / delta_rule.chunk_terms), `terms_gain` torch / Triton; `max_abs_err` Triton's outputs against the
-loop's, `terms_max_abs_err` the Triton terms against torch's."""
+chunk_terms / delta_rule.chunk_terms), `terms_gain` torch / Triton; `terms_rows_us` the Triton terms with session
+64's row-by-row solve of the chunk's system (chunk_terms' solve_block = CHUNK: 63 serial steps), `blocked_gain` it /
+`terms_us` (the blocked solve's gain); `max_abs_err` Triton's outputs against the loop's, `terms_max_abs_err` the
+Triton terms against torch's."""
 
 from __future__ import annotations
 
@@ -99,7 +101,8 @@ def measure(batch: int, bandwidth: float, timer, gen: torch.Generator, device="c
 
 
 PREFILL_COLUMNS = ["batch", "tokens", "triton_us", "loop_us", "varlen_us", "mixed_us", "gain", "varlen_gain",
-                   "mixed_gain", "terms_us", "terms_torch_us", "terms_gain", "max_abs_err", "terms_max_abs_err"]
+                   "mixed_gain", "terms_us", "terms_torch_us", "terms_gain", "terms_rows_us", "blocked_gain",
+                   "max_abs_err", "terms_max_abs_err"]
 
 
 def build_prefill(batch: int, length: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dict:
@@ -142,7 +145,8 @@ def measure_prefill(batch: int, length: int, timer, gen: torch.Generator, device
           for n, (f, i) in ops.items()}
     lay = delta_rule.chunk_layout(s["starts"], delta_triton.CHUNK)
     terms = {"terms": lambda: delta_triton.chunk_terms(*args, lay),
-             "terms_torch": lambda: delta_rule.chunk_terms(*args, lay["rows"])}
+             "terms_torch": lambda: delta_rule.chunk_terms(*args, lay["rows"]),
+             "terms_rows": lambda: delta_triton.chunk_terms(*args, lay, solve_block=delta_triton.CHUNK)}
     us.update({n: 1e3 * timer(f) for n, f in terms.items()})
     got, want = terms["terms"](), terms["terms_torch"]()
     err = float((out["triton"].float() - out["loop"].float()).abs().max())
@@ -151,6 +155,7 @@ def measure_prefill(batch: int, length: int, timer, gen: torch.Generator, device
                 varlen_us=us["varlen"], mixed_us=us["mixed"], gain=us["loop"] / us["triton"],
                 varlen_gain=us["varlen"] / us["triton"], mixed_gain=us["mixed"] / us["triton"],
                 terms_us=us["terms"], terms_torch_us=us["terms_torch"], terms_gain=us["terms_torch"] / us["terms"],
+                terms_rows_us=us["terms_rows"], blocked_gain=us["terms_rows"] / us["terms"],
                 max_abs_err=float(f"{err:.2e}"), terms_max_abs_err=float(f"{terms_err:.2e}"))
 
 

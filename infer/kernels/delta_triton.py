@@ -287,10 +287,13 @@ def _chunk_o_kernel(qd_ptr, inner_ptr, h_ptr, vn_ptr, o_ptr, start_ptr, end_ptr,
 def _unit_lower_inverse(a, C: tl.constexpr, SUB: tl.constexpr):
     """T = (I + A)^-1 of a chunk's strictly lower A [C, C] (C = NB x SUB), blocked as flash-linear-attention's
     solve_tril: the NB diagonal [SUB, SUB] blocks inverted together by forward substitution, row by row (SUB - 1
-    steps on [NB, SUB, SUB]: transformers' loop within a block); then, D = (I + A's block diagonal)^-1 and L A's
-    strictly block-lower part, (I + A) T = I gives T = D - (D L) T, whose block row r depends on the block rows above
-    it only: T = D, then NB - 1 rounds of T = D - (D L) T (round r makes block row r exact and leaves the rows above
-    it as they were: the same sums of the same values), one [C, C] x [C, C] tl.dot each."""
+    steps on [NB, SUB, SUB]: transformers' loop within a block); then block row by block row: D_r (the inverse of
+    block r) and L_r (A's block row r left of its diagonal block), (I + A) T = I gives T_r = D_r - D_r (L_r T), which
+    reads the block rows above r only (done): two tl.dot a block row, [SUB, C] x [C, C] and [SUB, SUB] x [SUB, C].
+    At C = 64, SUB = 16 (Qwen3.5's and Qwen3-Next's): 15 + 2 x 3 = 21 dependent steps where the row-by-row solve
+    (SUB = C) took 63, each of those a pair of reductions over the whole [64, 64] tile; the merge's tl.dot
+    3 x (2 x 16 x 64 x 64 + 2 x 16 x 16 x 64) = 0.49 MFLOP beside the kernel's other four (q k^T, beta k k^T, w, u:
+    4 x 2 x 64 x 64 x 128 = 4.2 MFLOP at Dk = Dv = 128)."""
     NB: tl.constexpr = C // SUB
     offs = tl.arange(0, C)
     offs_b = tl.arange(0, NB)
@@ -305,13 +308,16 @@ def _unit_lower_inverse(a, C: tl.constexpr, SUB: tl.constexpr):
         row += tl.sum(row[:, :, None] * d, axis=1)  # (row's entries from i on, d's above its diagonal: zero)
         d = tl.where(at_row == i, row[:, None, :], d)
     d += (at_row == offs_s[None, None, :]).to(tl.float32)
-    d = tl.reshape(tl.where(same, d[:, :, None, :], 0.0), [C, C])  # (block diagonal)
-    t = d
+    t = tl.reshape(tl.where(same, d[:, :, None, :], 0.0), [C, C])  # (block diagonal: block row 0 done)
     if NB > 1:
-        below = (offs[:, None] // SUB) > (offs[None, :] // SUB)
-        m = tl.dot(d, tl.where(below, a, 0.0), input_precision="ieee")
-        for _ in tl.static_range(NB - 1):
-            t = d - tl.dot(m, t, input_precision="ieee")
+        at_block = offs_b[:, None, None]
+        # L's block rows [NB, SUB, C]: A left of its diagonal blocks
+        lower = tl.reshape(tl.where((offs[:, None] // SUB) > (offs[None, :] // SUB), a, 0.0), [NB, SUB, C])
+        for r in tl.static_range(1, NB):
+            l_r = tl.sum(tl.where(at_block == r, lower, 0.0), axis=0)  # [SUB, C]
+            d_r = tl.sum(tl.where(at_block == r, d, 0.0), axis=0)  # [SUB, SUB]
+            part = -tl.dot(d_r, tl.dot(l_r, t, input_precision="ieee"), input_precision="ieee")  # (left of D_r)
+            t = tl.reshape(tl.reshape(t, [NB, SUB, C]) + tl.where(at_block == r, part[None, :, :], 0.0), [C, C])
     return t
 
 
