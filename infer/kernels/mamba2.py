@@ -1,6 +1,8 @@
 """Mamba-2's selective scan (state space duality, SSD) in torch, for one sequence's prefill chunk (`chunk_scan`) and
 for one token of each of a batch of sequences (`state_update`), as transformers' reference (mamba2_chunk_scan,
-mamba2_selective_state_update of modeling_granitemoehybrid / modeling_mamba2) computes them, in float32.
+mamba2_selective_state_update of modeling_granitemoehybrid / modeling_mamba2) computes them, in float32 (but for the
+state carried from chunk to chunk: linear in the chunks, as mamba_ssm's state passing, where transformers' segsum
+over the chunks is quadratic).
 
 Shapes: H heads of P dims, G groups of N state dims (each group's B and C shared by H / G heads); the state
 [H, P, N] per sequence. dt is the raw time step (before dt_bias and softplus); A = -exp(A_log) [H]. In half precision

@@ -417,8 +417,8 @@ def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int 
     repeated B and C [H, N], each chunk's own state and the states before each chunk [c + 1, H, P, N] (the carry
     from chunk to chunk in place, linear in the chunks), beside three [H, tokens, L] score and decay tensors (the
     masked cumulative sums, their exp, C.B scores and their product) of at most SCAN_GROUP_CHUNKS + 1 chunks at once,
-    and the whole step's float32 output [T, H * P] it fills; and the GPU
-    path's scan of a whole step's `step_tokens` over `seqs` sequences at once (kernels.mamba2.varlen_scan_bytes).
+    and the whole step's float32 output [T, H * P] it fills; and the GPU path's scan of a whole step's `step_tokens`
+    over `seqs` sequences at once (kernels.mamba2.varlen_scan_bytes).
     Plus, on either, what the mixer holds over the whole step (models.granite4.Mamba2Mixer._prefill): the conv's
     output [T, conv_dim] and the gated norm's two float32 [T, H * P] temporaries (4 bytes an element: at most)."""
     if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h") \
