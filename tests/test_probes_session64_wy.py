@@ -130,21 +130,29 @@ def test_interpreted_triton_qwen3_5_prefills_give_hf_tokens(monkeypatch):
     steps of 48: the chunked rule's state carried from a step to the next, its second step's chunks a whole one and
     a partial one), 5 and 20 beside it: the prefill steps run the Triton intra-chunk kernel (counted) and the tokens
     are transformers'."""
+    calls = check_interpreted_prefills(monkeypatch, "tiny-qwen3_5", 2, [4, 6, 3])
+    assert len(calls) >= 2 * 3 and max(calls) >= 2  # (3 linear layers, at least 2 prefill steps, one of 2+ chunks)
+
+
+def check_interpreted_prefills(monkeypatch, name: str, seed: int, lens: list[int]) -> list[int]:
+    """Builtin `name` with every op through its Triton kernel (interpreted on CPU), prompts of 70 tokens (in steps of
+    48), 5 and 20 generating `lens` tokens: transformers' tokens. Returns the chunks of each call of the intra-chunk
+    kernel."""
     if torch.cuda.is_available():
-        pytest.skip("a GPU runs the real kernels (the engine tests of tiny-qwen3_5 on cuda)")
+        pytest.skip(f"a GPU runs the real kernels (the engine tests of {name} on cuda)")
     from infer import LLM, SamplingParams, kernels
     from infer.kernels import delta_triton
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     calls, real = [], delta_triton.chunk_terms
-    monkeypatch.setattr(delta_triton, "chunk_terms", lambda *a: (calls.append(a[-1]["rows"].shape[0]), real(*a))[1])
-    path = ensure_builtin("tiny-qwen3_5")
+    monkeypatch.setattr(delta_triton, "chunk_terms", lambda *a, **k: (calls.append(a[-1]["rows"].shape[0]),
+                                                                       real(*a, **k))[1])
+    path = ensure_builtin(name)
     llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=96, max_model_len=96, max_num_batched_tokens=48)
-    prompts = random_prompts(llm.engine.model_config.vocab_size, (70, 5, 20), seed=2)
-    lens = [4, 6, 3]
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (70, 5, 20), seed=seed)
     got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                                        for n in lens])]
-    assert len(calls) >= 2 * 3 and max(calls) >= 2  # (3 linear layers, at least 2 prefill steps, one of 2+ chunks)
     assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+    return calls
 
 
 def test_bench_prefill_row_times_the_terms_and_the_mixed_path(delta, monkeypatch):

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from infer.kernels import delta_rule, mamba2
+from infer.kernels.moe import SM90_SMEM
 from infer.models.tiny import ensure_builtin
 
-from helpers import COMPILE_ONLY_SHARED, hf_greedy, interpreted_module, nan_filled_empty, random_prompts, \
-    run_compile_only
+from helpers import COMPILE_ONLY_SHARED, interpreted_module, nan_filled_empty, run_compile_only
 from test_probes_session63_gaps import _LiveBytes
 from test_probes_session63_rdelta import SM89_SMEM
-from infer.kernels.moe import SM90_SMEM
+from test_probes_session64_wy import check_interpreted_prefills
 
 TOL = 1e-5  # (float32: the kernel's sums in another order than torch's)
 
@@ -211,22 +211,8 @@ def test_interpreted_triton_qwen3_next_prefills_give_hf_tokens(monkeypatch):
     """tiny-qwen3-next with every op through its Triton kernel (interpreted on CPU): a prompt of 70 tokens in steps
     of 48 (a chunk's blocks of 16 whole and partial), 5 and 20 beside it: the prefill steps run the blocked
     intra-chunk kernel and the tokens are transformers'."""
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the real kernels (the engine tests of tiny-qwen3-next on cuda)")
-    from infer import LLM, SamplingParams, kernels
-    from infer.kernels import delta_triton
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    blocks, real = [], delta_triton.chunk_terms
-    monkeypatch.setattr(delta_triton, "chunk_terms", lambda *a, **k: (blocks.append(a[-1]["rows"].shape[0]),
-                                                                       real(*a, **k))[1])
-    path = ensure_builtin("tiny-qwen3-next")
-    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=96, max_model_len=96, max_num_batched_tokens=48)
-    prompts = random_prompts(llm.engine.model_config.vocab_size, (70, 5, 20), seed=3)
-    lens = [4, 5, 3]
-    got = [o.token_ids for o in llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
-                                                       for n in lens])]
+    blocks = check_interpreted_prefills(monkeypatch, "tiny-qwen3-next", 3, [4, 5, 3])
     assert len(blocks) >= 2 and max(blocks) >= 2
-    assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
 
 
 # --- the Mamba-2 CPU scan ---
