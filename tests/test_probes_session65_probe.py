@@ -249,7 +249,8 @@ def test_an_adapter_config_with_a_bom_or_a_5000_digit_number_is_refused_clearly(
         read_config("bom", bom)
     assert "adapter_config.json starts with a UTF-8 byte-order mark (BOM)" in e.value.message, e.value
     assert "without a BOM" in e.value.hint
-    with pytest.raises(LoRAError, match=r"adapter_config.json is not valid JSON: Exceeds the limit .* 5000 digits \(re-"):
+    with pytest.raises(LoRAError,
+                       match=r"adapter_config.json is not valid JSON: Exceeds the limit .* 5000 digits \(re-"):
         read_config("big", big)
 
 
