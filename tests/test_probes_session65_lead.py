@@ -23,3 +23,29 @@ def test_a_rows_own_last_block_past_its_length_reaches_it_not_even_as_nan():
         keys = cache[tables[b].long()].flatten(0, 1)[:int(lens[b]), 0]  # [n, D]
         want = torch.softmax(0.25 * q[b] @ keys.T, dim=-1) @ keys
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hybrids_chunk_that_leaves_prompt_tokens_ends_at_a_block_boundary_and_snapshots_there():
+    """tiny-qwen3_5, blocks of 4, a step budget of 10 tokens (no multiple of 4): the first chunk of a 37-token prompt
+    is cut to 8 tokens, so that its states are a prefix's (snapshotted at 8); a request aborted after it leaves that
+    snapshot, and the same prompt then starts there with transformers' tokens."""
+    from helpers import check_state_slots_all_free, greedy_each, hf_model, random_prompts
+
+    from infer import LLM, SamplingParams
+    from infer.models.tiny import ensure_builtin
+    path = str(ensure_builtin("tiny-qwen3_5"))
+    prompt = random_prompts(512, (37,), seed=6)[0]
+    want = greedy_each(hf_model(path), [prompt], 5)
+    with LLM(path, block_size=4, max_num_batched_tokens=10, max_num_seqs=4) as llm:
+        engine = llm.engine
+        engine.add_request("gone", prompt_token_ids=prompt, params=SamplingParams(max_new_tokens=5))
+        engine.step()
+        assert engine.scheduler.running[0].num_computed_tokens == 8
+        engine.abort_request("gone")
+        while engine.has_unfinished_requests():
+            engine.step()
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+        assert engine.block_manager.snapshots.restored == 1
+        check_state_slots_all_free(llm)
+    assert out.token_ids == want[0]
+    assert out.num_cached_tokens == 8
