@@ -98,6 +98,8 @@ def dequantized_float_model(float_dir, gptq_dir):
                 # a mixture of experts' expert: its rows of transformers 5's stacked gate_up_proj (gate, then up)
                 # or its down_proj
                 stack, index, proj = expert[1], int(expert[2]), expert[3]
+                if f"{stack}.down_proj" not in state:  # (MiniMax-M2's block_sparse_moe: transformers 5's mlp)
+                    stack = stack.replace(".block_sparse_moe.", ".mlp.")
                 if proj in ("down_proj", "w2"):
                     state[f"{stack}.down_proj"][index].copy_(w)
                 else:

@@ -93,7 +93,9 @@ V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtra
                      "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj"),
                      "deepseek_v3": ("gate_proj", "up_proj", "down_proj"),
                      "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
-                     "glm4_moe_lite": ("gate_proj", "up_proj", "down_proj")}
+                     "glm4_moe_lite": ("gate_proj", "up_proj", "down_proj"),
+                     # (peft reads dots.llm1 as Qwen2-MoE, MiniMax-M2 as Mixtral: transformers' conversion patterns)
+                     "dots1": ("gate_proj", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
@@ -110,6 +112,7 @@ PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4"
 # nor Ministral 3's, nor a multimodal model's (peft reads the wrapper's model_type: gemma3, mistral3; peft_model_type)
 PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
 PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepSeek's, GLM-4.7-Flash's)
+PEFT_NO_DEFAULT += ("dots1", "minimax_m2")  # (nor dots.llm1's, MiniMax-M2's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -516,7 +519,7 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     if phi3:
         per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
-    if model_type in ("qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4"):
+    if model_type in ("qwen3", "gemma3_text", "olmo2", "olmo3", "exaone4", "dots1", "minimax_m2"):
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     if model_type in ("gemma2", "gemma3_text"):  # their four norms a layer
         per_layer += [".pre_feedforward_layernorm", ".post_feedforward_layernorm"]

@@ -10,7 +10,7 @@ from .rope import rope_max_positions
 # cache keeps only the last sliding_window keys (cache_utils.get_layer_types_and_kwargs: a config with the key and no
 # layer_types): a stray sliding_window in their config.json (a fine-tune's tooling) caps the context, never slides
 WINDOW_IGNORED = ("llama", "granite", "olmo2", "glm", "glm4", "gemma", "seed_oss", "ernie4_5", "ernie4_5_moe", "arcee",
-                  "nemotron", "apertus", "internlm3", "helium", "hunyuan_v1_dense")
+                  "nemotron", "apertus", "internlm3", "helium", "hunyuan_v1_dense", "minimax_m2")
 
 
 def sliding_window(model_config) -> int | None:

@@ -148,10 +148,11 @@ class Attention(nn.Module):
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
         # (Gemma 3's by 1 + w; Hunyuan's after the rotary: norm_after_rope)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense") \
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense", "minimax_m2") \
             or (kind == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False)))  # (GLM-4.5's: per head)
-        # OLMo 2 and 3 norm q and k each over its whole projection (every head at once), the others per head
-        self.qk_norm_whole = kind in OLMO
+        # OLMo 2 and 3 (and MiniMax-M2) norm q and k each over its whole projection (every head at once), the others
+        # per head
+        self.qk_norm_whole = kind in (*OLMO, "minimax_m2")
         # Hunyuan norms q and k after the rotary (transformers' HunYuanDenseV1Attention), the others before it: its
         # layers rotate them first (`_rotated_first`) and hand the fused kernels an identity table
         self.norm_after_rope = kind == "hunyuan_v1_dense"
@@ -457,7 +458,7 @@ class DecoderLayer(nn.Module):
         if cfg.model_type in UNGATED:
             self.mlp = UngatedMLP(cfg, f"{p}.mlp", method_for, dtype)
         elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
-            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", *GRANITE_MOE) else "mlp"
+            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", *GRANITE_MOE, "minimax_m2") else "mlp"
             self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)

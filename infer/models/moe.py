@@ -17,7 +17,13 @@ dense shared_mlp (input_linear: gate|up fused; output_linear) unscaled (`_load_s
 router whose moe_statics e_score_correction_bias ([1, E] stored) steers the top k of the softmax, the chosen weights
 over their sum clamped to moe_norm_min; shared experts (GLM-4.5's shared_experts); experts on the layers
 moe_layer_start_index..moe_layer_end_index every moe_layer_interval. Qwen3.5 MoE: Qwen3-Next's experts (always
-renormalised) and gated shared expert.
+renormalised) and gated shared expert. dots.llm1 (Dots1ForCausalLM): Qwen3's attention (BASE) with DeepSeek-V3's
+router and layout of the experts (GLM-4.5's: `GROUPED`, `GLM_LAYOUT`; n_shared_experts always built). MiniMax-M2
+(MiniMaxM2ForCausalLM: M2, M2.1): Mixtral's layer of experts on every layer (block_sparse_moe.experts.N.w1, w3, w2)
+with a sigmoid router in the model's dtype whose e_score_correction_bias (the block's, block_sparse_moe.
+e_score_correction_bias: `_MINIMAX_BIAS`) steers the choice only, the top k always renormalised, float32 weights
+(`SparseMoeBlock.route`); its attention's q and k normed over their whole projections (OLMoE's), a partial rotary
+(rotary_dim) of NeoX pairs (models.llama.Attention, rope.partial_rotary).
 
 gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
@@ -84,26 +90,31 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "nemotron_h": "nemotron_h",  # (Nemotron 3: Nemotron-H's "moe" layers, models.nemotron_h)
         # (DeepSeek-V3 and V2: multi-head latent attention, models.deepseek; GLM-4.5's layout of the experts)
         "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v2",
-        "glm4_moe_lite": "glm4_moe_lite"}  # (GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts)
+        "glm4_moe_lite": "glm4_moe_lite",  # (GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's experts)
+        "dots1": "qwen3",  # (dots.llm1: Qwen3's attention, q and k normed per head; DeepSeek-V3's experts)
+        # (MiniMax-M2: its own attention, q and k normed over their whole projections as OLMoE's, no biases, a partial
+        # rotary of NeoX pairs; Mixtral's layer of experts with a sigmoid router)
+        "minimax_m2": "minimax_m2"}
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
-_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid")
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid", "minimax_m2")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
 # `SparseMoeBlock._glm_route`): GLM-4.5's and Nemotron 3's (transformers' NemotronHTopkRouter, the same ops), and
-# DeepSeek-V3's and GLM-4.7-Flash's (transformers' DeepseekV3TopkRouter, Glm4MoeLiteTopkRouter)
-GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3", "glm4_moe_lite")
+# DeepSeek-V3's, GLM-4.7-Flash's and dots.llm1's (transformers' DeepseekV3TopkRouter, Glm4MoeLiteTopkRouter,
+# Dots1TopkRouter)
+GROUPED = ("glm4_moe", "nemotron_h", "deepseek_v3", "glm4_moe_lite", "dots1")
 # the families of GLM-4.5's layout of a sparse layer: the first first_k_dense_replace layers dense, n_shared_experts
 # shared experts (mlp.shared_experts, added unscaled), n_routed_experts experts, multi-token-prediction layers after
 # num_hidden_layers (skipped: `mtp_tensor`)
-GLM_LAYOUT = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+GLM_LAYOUT = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "dots1")
 # the families whose sparse layers add a gated shared expert (Qwen2-MoE's)
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 # (Nemotron 3's experts have no gate: up_proj alone, w13's I rows; "" names no tensor)
-_PROJ = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": ("", "up_proj", "down_proj")}
+_PROJ = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": ("", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
 # the linear methods of quantized experts: GPTQ's, and AWQ's (quant.awq: each tensor repacked into GPTQ's layout as
 # it is read, so the same stacking, dequantization and kernels)
@@ -130,8 +141,8 @@ def experts_field(cfg) -> str:
             "granitemoeshared": "num_local_experts", "granitemoehybrid": "num_local_experts",
             "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts",
             "nemotron_h": "n_routed_experts", "deepseek_v3": "n_routed_experts",
-            "deepseek_v2": "n_routed_experts", "glm4_moe_lite": "n_routed_experts"}.get(cfg.model_type,
-                                                                                         "num_experts")
+            "deepseek_v2": "n_routed_experts", "glm4_moe_lite": "n_routed_experts",
+            "dots1": "n_routed_experts", "minimax_m2": "num_local_experts"}.get(cfg.model_type, "num_experts")
 
 
 def top_k_field(cfg) -> str:
@@ -197,7 +208,7 @@ def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
     return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
             "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts", "deepseek_v3": "shared_experts",
-            "deepseek_v2": "shared_experts", "glm4_moe_lite": "shared_experts"}.get(
+            "deepseek_v2": "shared_experts", "glm4_moe_lite": "shared_experts", "dots1": "shared_experts"}.get(
         cfg.model_type)
 
 
@@ -222,6 +233,11 @@ def check_moe(cfg) -> None:
         check_groups(cfg, e, k)
     if cfg.model_type == "deepseek_v2":
         check_v2_router(cfg, e, k)
+    if cfg.model_type == "dots1" and getattr(cfg, "n_shared_experts", None) is None:
+        raise UnsupportedModelError("config.json has no n_shared_experts (null): transformers' Dots1MoE builds "
+                                    "n_shared_experts shared experts in every sparse layer and cannot build none",
+                                    "set n_shared_experts as the weights have them (dots.llm1's config.json: 2; 0 "
+                                    "for none)")
     if cfg.model_type == "nemotron_h" and getattr(cfg, "moe_latent_size", None) is not None:
         raise UnsupportedModelError(f"config.json has moe_latent_size {cfg.moe_latent_size}: infer does not run "
                                     "Nemotron-H's latent projections of the experts (fc1_latent_proj, fc2_latent_proj)",
@@ -239,7 +255,7 @@ def check_groups(cfg, e: int, k: int) -> None:
     compute refused (its view, topk(2) of a group, topk of the groups and of the experts left)."""
     groups, keep = int(getattr(cfg, "n_group", 1) or 0), int(getattr(cfg, "topk_group", 1) or 0)
     who = {"glm4_moe": "GLM-4.5's router", "deepseek_v3": "DeepSeek-V3's router (GLM-4.5's)",
-           "glm4_moe_lite": "GLM-4.7-Flash's router (GLM-4.5's)"}.get(
+           "glm4_moe_lite": "GLM-4.7-Flash's router (GLM-4.5's)", "dots1": "dots.llm1's router (GLM-4.5's)"}.get(
         cfg.model_type, "Nemotron 3's router (GLM-4.5's)")
     hint = (f"{who} splits n_routed_experts into n_group equal groups of at least 2 experts, keeps "
             "topk_group of them (1 to n_group) and routes each token to num_experts_per_tok experts of those")
@@ -451,7 +467,14 @@ class SparseMoeBlock(nn.Module):
             self.limited = getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
             self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
             self.float_weights = True
+        # MiniMax-M2 (transformers' MiniMaxM2TopKRouter): a router in the model's dtype, sigmoid scores in float32,
+        # the block's e_score_correction_bias (in the model's dtype, as transformers holds it) added for the choice
+        # only, the top k always renormalised, never scaled; float32 weights
+        self.minimax = cfg.model_type == "minimax_m2"
         self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie or self.v2 else dtype, bias=self.oai)
+        if self.minimax:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=dtype), requires_grad=False)
+            self.float_weights = True
         if self.glm or self.ernie:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
                                                              requires_grad=False)
@@ -597,6 +620,11 @@ class SparseMoeBlock(nn.Module):
             return self._glm_route(x)
         if self.v2:
             return self._v2_route(x)
+        if self.minimax:
+            scores = torch.sigmoid(self.gate(x).float())
+            ids = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            return weights / weights.sum(dim=-1, keepdim=True), ids
         if self.ernie:
             probs = torch.softmax(self.gate(x.float()), dim=-1, dtype=torch.float32)
             ids = torch.topk(probs + self.gate.e_score_correction_bias, self.top_k, dim=-1)[1]
@@ -740,6 +768,9 @@ _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _ROUTER32 = re.compile(r"\.(?:mlp\.(?:gate\.)?(?:moe_statics\.)?|mixer\.gate\.)(weight|e_score_correction_bias)$")
 # ERNIE 4.5 MoE's router bias as the hub stores it ([1, E]: mlp.moe_statics) and as transformers 5 names it
 _ERNIE_BIAS = re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
+# MiniMax-M2's router bias as its checkpoints store it, beside the router (block_sparse_moe.e_score_correction_bias;
+# transformers 5 names it mlp.e_score_correction_bias): the loader's name of it under the router
+_MINIMAX_BIAS = re.compile(r"\.(block_sparse_moe|mlp)\.e_score_correction_bias$")
 # ERNIE 4.5 MoE's multi-token-prediction layer as the hub stores it (ERNIE-4.5-21B-A3B-PT: model.mtp_block.0...)
 _ERNIE_MTP = re.compile(r"^(?:model\.)?mtp_(?:block|emb_norm|hidden_norm|linear_proj)\.\d+\.")
 
@@ -765,7 +796,7 @@ def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
     e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
     return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h", "deepseek_v3",
-                                                "deepseek_v2", "glm4_moe_lite") \
+                                                "deepseek_v2", "glm4_moe_lite", "dots1") \
         and _ROUTER32.search(name) is not None \
         and ".mlp.moe_statics.weight" not in name
 
@@ -806,6 +837,8 @@ class MoeForCausalLM:
             key = _ERNIE_BIAS.sub(".mlp.gate.e_score_correction_bias", key)
             t = t.reshape(-1)
             raw = raw.reshape(-1) if raw is not None else None
+        if self.config.model_type == "minimax_m2":
+            key = _MINIMAX_BIAS.sub(r".\1.gate.e_score_correction_bias", key)
         shared = _SHARED_MLP.match(key) if self.config.model_type == "granitemoeshared" else None
         if shared is not None:
             return self._load_shared_mlp(shared, t)

@@ -89,6 +89,13 @@ SUPPORTED = {
     # Zhipu's GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's attention (models.deepseek) with GLM-4.5's
     # router and experts on the layers mlp_layer_types names "sparse"
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    # rednote's dots.llm1 (dots.llm1.base / inst, 142B-A14B): Qwen3's attention (q and k normed per head, sliding
+    # windows on the layers layer_types names) with DeepSeek-V3's router and layout of the experts (models.moe)
+    "Dots1ForCausalLM": "dots1",
+    # MiniMax's MiniMax-M2 and M2.1 (230B-A10B): Mixtral's layer of experts on every layer with a sigmoid router whose
+    # e_score_correction_bias steers the choice, q and k normed over their whole projections, a partial rotary
+    # (rotary_dim) (models.moe)
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
 # 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
@@ -157,6 +164,7 @@ _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, mode
 _DEEPSEEK = ("infer runs DeepSeek-V3's layout (DeepseekV3ForCausalLM, model_type deepseek_v3: DeepSeek-V3, V3.1, R1, "
              "Moonlight-16B-A3B, Kimi-K2) and DeepSeek-V2's (DeepseekV2ForCausalLM, model_type deepseek_v2: "
              "DeepSeek-V2-Lite, V2, V2.5): use one of those")
+_MINIMAX = ("infer runs MiniMax-M2 and M2.1 (MiniMaxM2ForCausalLM, model_type minimax_m2): use one of those")
 # the models of the new families' names that infer does not run, by model_type: (what it is, what infer runs)
 NEAR_FAMILIES = {
     "deepseek_v32": ("DeepSeek-V3.2 (DeepseekV32ForCausalLM), whose DeepSeek Sparse Attention (a lightning indexer "
@@ -201,6 +209,8 @@ NEAR_FAMILIES = {
     "hunyuan": ("Hunyuan-Large, a mixture of experts with cross-layer attention (remote code)", _HUNYUAN),
     "hunyuan_vl": ("Hunyuan's vision-language model (HunYuanVLForConditionalGeneration)", _HUNYUAN),
     "aya_vision": ("Aya Vision, Cohere's multimodal model (AyaVisionForConditionalGeneration)", _COHERE),
+    "minimax": ("MiniMax-Text-01 (MiniMaxForCausalLM), a hybrid of lightning (linear) attention and full attention "
+                "layers", _MINIMAX),
 }
 
 
@@ -235,6 +245,8 @@ def check_supported(cfg) -> str:
         check_helium(cfg)
     if model_type == "hunyuan_v1_dense":
         check_hunyuan(cfg)
+    if model_type == "minimax_m2":
+        check_minimax_m2(cfg)
     if model_type == "granite_swa":
         check_granite_swa(cfg)
     if model_type == "glm4_moe_lite":
@@ -350,6 +362,34 @@ def check_hunyuan(cfg) -> None:
             raise UnsupportedModelError(f"hunyuan_v1_dense with {field} {json.dumps(got)} ({what}) is not supported",
                                         f"Hunyuan's dense models have {field} {json.dumps(value)}: use the "
                                         "config.json that came with the weights")
+
+
+# MiniMax-M2's remote-code fields that transformers' MiniMaxM2 never reads (its layers norm q and k over their whole
+# projections, route by sigmoid scores and their bias, and have no shared expert, whatever they say): (field, the value
+# its layers assume, what another value means)
+_MINIMAX_FIXED = (("use_qk_norm", True, "q and k not normed"),
+                  ("qk_norm_type", "per_layer", "q and k normed otherwise than over their whole projections"),
+                  ("scoring_func", "sigmoid", "the router's scores by another function than sigmoid"),
+                  ("use_routing_bias", True, "a router without e_score_correction_bias"),
+                  ("shared_intermediate_size", 0, "a shared expert beside the experts"))
+
+
+def check_minimax_m2(cfg) -> None:
+    """A MiniMax-M2 config whose remote-code fields ask another layer than transformers' (and infer's) runs
+    (`_MINIMAX_FIXED`), or whose attn_type_list names a layer of linear (lightning) attention (MiniMax-Text-01's:
+    0), refused naming the field (transformers would run the weights as its usual layers)."""
+    for field, value, what in _MINIMAX_FIXED:
+        got = getattr(cfg, field, None)
+        if got is not None and got != value:
+            raise UnsupportedModelError(f"minimax_m2 with {field} {json.dumps(got)} ({what}) is not supported",
+                                        f"MiniMax-M2's layers have {field} {json.dumps(value)}: use the config.json "
+                                        "that came with the weights")
+    linear = [i for i, kind in enumerate(getattr(cfg, "attn_type_list", None) or []) if kind != 1]
+    if linear:
+        raise UnsupportedModelError(f"minimax_m2 with attn_type_list naming layers {linear[:8]} of linear attention "
+                                    "(not 1) is not supported: MiniMax-M2's layers are all full attention (1)",
+                                    "use the config.json that came with the weights (MiniMax-Text-01's hybrid of "
+                                    "lightning and full attention is another architecture)")
 
 
 def check_linear_attention(cfg) -> None:

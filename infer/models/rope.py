@@ -112,9 +112,10 @@ def partial_rotary(cfg) -> bool:
     """Whether the family's attention rotates only the first rotary dims of each head (the rope table's width) and
     passes the rest: transformers' Phi-3 and GLM-4 (apply_rotary_pos_emb slices q and k at the width of cos), whose
     partial_rotary_factor (Phi-4-mini: 0.75, GLM-4: 0.5, Nemotron and GLM-4.5: 0.5 by default) sets that width.
-    Llama, Mistral, Qwen and Gemma rotate whole heads (Qwen3.5's, Qwen3.5 MoE's and Qwen3-Next's: a quarter)."""
+    Llama, Mistral, Qwen and Gemma rotate whole heads (Qwen3.5's, Qwen3.5 MoE's and Qwen3-Next's: a quarter;
+    MiniMax-M2's: its config.json's rotary_dim of head_dim, which transformers reads as partial_rotary_factor)."""
     return getattr(cfg, "model_type", None) in ("phi3", "glm", "glm4", "nemotron", "glm4_moe", "qwen3_5_text",
-                                                "qwen3_next", "qwen3_5_moe_text")
+                                                "qwen3_next", "qwen3_5_moe_text", "minimax_m2")
 
 
 def _rotary_dims(cfg, params: dict, head_dim: int) -> int:

@@ -255,6 +255,17 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", tie_word_embeddings=False)),
+    # dots.llm1 (142B-A14B's shape, shrunk): Qwen3's attention (q and k normed per head), the first layer dense, then
+    # 8 experts of 32 (one group: top 2, renormalised, scaled by 2.5) beside 2 shared experts
+    "tiny-dots1": TinySpec("dots1", 37, config=dict(
+        _TINY, num_hidden_layers=3, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+        topk_group=1, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        tie_word_embeddings=False)),
+    # MiniMax-M2 (230B-A10B's shape, shrunk): 8 experts of 32 on every layer (top 2 by sigmoid scores, renormalised),
+    # q and k normed over their whole projections, half of each head of 32 rotated (rotary_dim 16)
+    "tiny-minimax-m2": TinySpec("minimax_m2", 38, config=dict(
+        _TINY, head_dim=32, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
+        tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),

@@ -301,8 +301,9 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
     experts)): refused too, as are Granite 4.0 (granitemoehybrid: its definition's patch of the Mamba-2 mixer
     fails on transformers 5), Nemotron-H (nemotron_h: its definition's backbone.layers is model.layers in
-    transformers 5) and ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
-    transformers 5)."""
+    transformers 5), ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
+    transformers 5) and MiniMax-M2 (its minimax_m2 definition looks for the experts under block_sparse_moe, which
+    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names)."""
     if config.get("model_type") == "glm4_moe":
         raise UnsupportedModelError(
             f"{src} is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its MoE "
@@ -330,6 +331,14 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "(\"'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'\", seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
             "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
+    if config.get("model_type") == "minimax_m2":
+        raise UnsupportedModelError(
+            f"{src} is a MiniMax-M2 (minimax_m2), which GPTQModel 7.6 does not quantize on transformers 5: its "
+            "minimax_m2 definition looks for the experts under block_sparse_moe, which transformers 5's "
+            "MiniMaxM2ForCausalLM holds as mlp, so it quantizes the attention alone and saves the experts float "
+            "under names no reader takes (mlp.experts.N.gate_proj, seen on the CPU)",
+            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
+            "elsewhere: infer reads GPTQModel's layout (each expert's w1, w3 and w2 apart under block_sparse_moe)")
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return
     layers = config.get("num_hidden_layers")
