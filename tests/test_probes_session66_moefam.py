@@ -24,9 +24,9 @@ from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefi
 from quant_helpers import needs_gptqmodel
 
 # dots.llm1's shape, shrunk: 62 layers there (the first dense), 128 experts of 1408 (top 6, renormalised, scaled by
-# 2.5) beside 2 shared experts, 32 heads of 128; here 3 layers (the first dense), 8 experts of 32 in 4 groups of 2 (2
+# 2.5) beside 2 shared experts, 32 heads of 128; here 2 layers (the first dense), 8 experts of 32 in 4 groups of 2 (2
 # kept, top 2), one shared expert, 4 heads of 16 over 2 KV heads
-DOTS = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+DOTS = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
             topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
             max_position_embeddings=256, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
@@ -46,27 +46,22 @@ def build(folder, family: str = "dots1", seed: int = 0, **config):
     return correction_bias_drawn(hf, folder, seed, 0.3, buffers=True)
 
 
-CONFIGS = {  # name -> (family, config)
-    "dots1-groups-shared": ("dots1", dict()),
-    # every layer sparse, one group, neither renormalised nor scaled, two shared experts; layers 1 and 2 slide over
-    # a window of 8 (max_window_layers 1: transformers' layer_types), prompts past it
-    "dots1-plain-sliding": ("dots1", dict(first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False,
-                                          routed_scaling_factor=1.0, n_shared_experts=2, sliding_window=8,
-                                          max_window_layers=1)),
-    "minimax-m2": ("minimax_m2", dict()),
-    # the whole head rotated, top 3, as many KV heads as heads
-    "minimax-m2-whole-rotary-top3": ("minimax_m2", dict(rotary_dim=32, num_experts_per_tok=3, num_key_value_heads=4)),
-}
+CONFIGS = {"dots1": dict(), "minimax_m2": dict()}  # family -> config (test_greedy_tokens_and_logprobs_...)
+# the other variants (test_chunked_prefill_and_prefix_caching_...): dots.llm1's every layer sparse, one group, neither
+# renormalised nor scaled, two shared experts, layer 1 sliding over a window of 8 (max_window_layers 1:
+# transformers' layer_types), prompts past it; MiniMax-M2's whole head rotated, top 3, as many KV heads as heads
+VARIANTS = {"dots1": dict(first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=False,
+                          routed_scaling_factor=1.0, n_shared_experts=2, sliding_window=8, max_window_layers=1),
+            "minimax_m2": dict(rotary_dim=32, num_experts_per_tok=3, num_key_value_heads=4)}
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+@pytest.mark.parametrize("family", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, family):
     """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4; the
-    layers sparse where the family says, dots.llm1's routers float32 and its sliding layers those of layer_types,
-    MiniMax-M2's q and k normed over their whole projections and rotated over rotary_dim dims."""
+    layers sparse where the family says, dots.llm1's routers float32, MiniMax-M2's q and k normed over their whole
+    projections and rotated over rotary_dim dims."""
     from infer.models.moe import SparseMoeBlock
-    family, config = CONFIGS[name]
-    hf = build(tmp_path, family, **config)
+    hf = build(tmp_path, family, **CONFIGS[family])
 
     def check_model(model):
         k = getattr(hf.config, "first_k_dense_replace", 0)
@@ -76,14 +71,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
         if family == "dots1":
             assert sparse.glm and sparse.gate.weight.dtype == torch.float32
             assert sparse.shared_width == hf.config.n_shared_experts * 32
-            assert [layer.self_attn.window for layer in model.layers] == \
-                [8 if t == "sliding_attention" else 0 for t in hf.config.layer_types]
         else:
             attn = model.layers[0].self_attn
             assert sparse.prefix.endswith(".block_sparse_moe") and attn.qk_norm_whole
             assert attn.rot_dim == hf.config.rotary_dim
             assert torch.equal(sparse.gate.e_score_correction_bias, hf.model.layers[-1].mlp.e_score_correction_bias)
-    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, family, check_model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -119,7 +112,14 @@ def test_the_router_equals_transformers_where_the_bias_decides(tmp_path, family)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path, family):
-    check_chunked_prefill_and_prefix_caching(tmp_path, build(tmp_path, family, seed=1))
+    """The family's other variant (VARIANTS) in chunks of 12 tokens and with prefix caching: transformers' tokens;
+    dots.llm1's sliding layers those its layer_types names."""
+    hf = build(tmp_path, family, seed=1, **VARIANTS[family])
+    if family == "dots1":
+        from infer.models.limits import layer_window
+        assert [layer_window(hf.config, i) for i in range(2)] == [0, 8] and \
+            hf.config.layer_types == ["full_attention", "sliding_attention"]
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
 
 
 def test_a_stray_sliding_window_caps_minimax_m2s_context(tmp_path):

@@ -258,8 +258,8 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # dots.llm1 (142B-A14B's shape, shrunk): Qwen3's attention (q and k normed per head), the first layer dense, then
     # 8 experts of 32 (one group: top 2, renormalised, scaled by 2.5) beside 2 shared experts
     "tiny-dots1": TinySpec("dots1", 37, config=dict(
-        _TINY, num_hidden_layers=3, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
-        topk_group=1, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        _TINY, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         tie_word_embeddings=False)),
     # MiniMax-M2 (230B-A10B's shape, shrunk): 8 experts of 32 on every layer (top 2 by sigmoid scores, renormalised),
     # q and k normed over their whole projections, half of each head of 32 rotated (rotary_dim 16)
