@@ -306,3 +306,28 @@ def test_infer_quantize_of_minimax_m2_is_refused_naming_gptqmodels_definition(tm
     text = quantize_refusal(ensure_builtin("tiny-minimax-m2"), tmp_path / "q")
     assert "is a MiniMax-M2 (minimax_m2), which GPTQModel 7.6 does not quantize on transformers 5" in text, text
     assert "serve the float checkpoint" in text and "w1, w3 and w2 apart under block_sparse_moe" in text, text
+
+
+def test_an_adapter_config_naming_mixtrals_w1_w3_w2_is_accepted_on_minimax_m2(family_lora, tmp_path):
+    """An adapter_config.json naming MiniMax-M2's experts by Mixtral's target_modules w1, w3 and w2 (as written before
+    peft turned them into the stacked parameters; peft's conversion reads MiniMax-M2 as Mixtral) passes infer's
+    checks and gives the tokens of the same adapter saved with target_parameters."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from helpers import greedy_tokens, random_prompts
+    from infer.lora.adapter import adapter_problems
+    family, base, _, paths = family_lora
+    if family != "minimax_m2":
+        pytest.skip("MiniMax-M2's Mixtral names")
+    folder = tmp_path / "v4"
+    shutil.copytree(paths["qv4"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_modules"] = sorted(config["target_modules"]) + ["w1", "w3", "w2"]
+    config.pop("target_parameters")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_problems("v4", folder, AutoConfig.from_pretrained(base)) == []
+    prompts = random_prompts(512, (6, 9), seed=2)
+    with LLM(str(base), loras={"qv4": str(paths["qv4"]), "v4": str(folder)}) as llm:
+        assert greedy_tokens(llm, prompts, 5, lora=["v4", "v4"]) == greedy_tokens(llm, prompts, 5, lora=["qv4", "qv4"])
