@@ -58,6 +58,24 @@ def base_and_adapters(root, adapters: dict, build=None, scale: float = 0.15):
     return root / "base", hf, save_adapters(hf, root, adapters, scale)
 
 
+def adapter_with_module(src, folder, module: str, r: int, cols: int, rows: int) -> Path:
+    """A copy of the peft adapter `src` in `folder` with random LoRA weights on `module` too (model.`module`: A
+    [r, cols], B [rows, r]) and its last name added to target_modules: an adapter of a module infer may refuse.
+    Returns folder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, folder)
+    tensors = load_file(Path(folder) / "adapter_model.safetensors")
+    tensors[f"base_model.model.model.{module}.lora_A.weight"] = torch.randn(r, cols)
+    tensors[f"base_model.model.model.{module}.lora_B.weight"] = torch.randn(rows, r)
+    save_file(tensors, Path(folder) / "adapter_model.safetensors")
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    config["target_modules"] += [module.rpartition(".")[2]]
+    (Path(folder) / "adapter_config.json").write_text(json.dumps(config))
+    return Path(folder)
+
+
 # the stacked experts of Granite MoE and GraniteMoeShared (peft's target_parameters)
 GRANITE_EXPERTS = ["block_sparse_moe.experts.gate_up_proj", "block_sparse_moe.experts.down_proj"]
 

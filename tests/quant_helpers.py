@@ -300,10 +300,11 @@ def rtn_gptq_pair(root, build) -> tuple[Path, Path]:
     return root / "f", root / "q"
 
 
-def check_gptq_moe_equals_dequantized(src, out) -> None:
+def check_gptq_moe_equals_dequantized(src, out, int4_layer=lambda layer: layer.mlp.shared_experts.down_proj) -> None:
     """The GPTQ checkpoint `out` of the MoE model in `src` (rtn_gptq_pair) on infer's CPU path gives transformers'
     greedy tokens of the same weights dequantized in float32 (dequantized_float_model), varied; warmup --estimate
-    counts the weights as loaded; layer 1's shared experts loaded int4 and its MoE quantized."""
+    counts the weights as loaded; layer 1's `int4_layer` (by default its shared experts' down_proj) loaded int4 and
+    its MoE quantized."""
     from helpers import estimated_plan, greedy_each, random_prompts
     from infer import LLM, SamplingParams
     from infer.memory.sizes import weights_bytes
@@ -314,7 +315,7 @@ def check_gptq_moe_equals_dequantized(src, out) -> None:
     with LLM(str(out), block_size=4, dtype="float32") as llm:
         model = llm.engine.runner.model
         assert plan["weights_bytes"] == weights_bytes(model)
-        assert model.layers[1].mlp.shared_experts.down_proj.qweight is not None and model.layers[1].mlp.method_for
+        assert int4_layer(model.layers[1]).qweight is not None and model.layers[1].mlp.method_for
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
     assert got == greedy_each(hf, prompts, 8)
     assert len({t for tokens in got for t in tokens}) > 6  # (varied tokens: the comparison means something)

@@ -363,28 +363,17 @@ def test_an_adapter_of_kv_b_proj_is_refused_naming_it_and_merging(ds_lora, tmp_p
     """Weights on self_attn.kv_b_proj (absorbed into the query and the output): refused, naming the module and the
     merge that serves it (a problem `infer convert --merge-lora` folds in); the dense MLP's and the shared experts'
     up_proj (which peft on transformers 5 turns into the experts' parameters) refused as for GLM-4.5."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
     from infer.errors import LoRAError
     from infer.lora.adapter import adapter_problems
+    from lora_helpers import adapter_with_module
     base, _, paths = ds_lora
     for module, width, words in (
             ("layers.1.self_attn.kv_b_proj", (4, 32, 128), "which infer's multi-head latent attention absorbs"),
             ("layers.0.mlp.up_proj", (4, 64, 96), "is a dense layer's MLP projection, which peft (on transformers 5) "
                                                   "does not adapt in a deepseek_v3")):
-        folder = tmp_path / module
-        shutil.copytree(paths["qv4"], folder)
-        tensors = load_file(folder / "adapter_model.safetensors")
-        r, cols, rows = width
-        tensors[f"base_model.model.model.{module}.lora_A.weight"] = torch.randn(r, cols)
-        tensors[f"base_model.model.model.{module}.lora_B.weight"] = torch.randn(rows, r)
-        save_file(tensors, folder / "adapter_model.safetensors")
-        config = json.loads((folder / "adapter_config.json").read_text())
-        config["target_modules"] += [module.rpartition(".")[2]]
-        (folder / "adapter_config.json").write_text(json.dumps(config))
+        folder = adapter_with_module(paths["qv4"], tmp_path / module, module, *width)
         problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
         assert any(words in p.message and f"model.{module}" in p.message for p in problems), problems
         if "kv_b_proj" in module:

@@ -230,27 +230,17 @@ def test_adapters_of_modules_infer_does_not_adapt_are_refused_naming_them(family
     """Weights on a module peft on transformers 5 does not adapt (dots.llm1's shared experts' and dense layer's
     up_proj: peft turns those target_modules into the experts' parameters) or infer does not (MiniMax-M2's router,
     block_sparse_moe.gate): refused naming the module, by `infer lora validate`'s checks and at load."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
     from infer.errors import LoRAError
     from infer.lora.adapter import adapter_problems
+    from lora_helpers import adapter_with_module
     family, base, _, paths = family_lora
     cases = {"dots1": (("layers.1.mlp.shared_experts.up_proj", (4, 64, 32), "is a shared expert's projection"),
                        ("layers.0.mlp.up_proj", (4, 64, 96), "is a dense layer's MLP projection")),
              "minimax_m2": (("layers.1.block_sparse_moe.gate", (4, 64, 8), "not its router (gate)"),)}[family]
-    for module, (r, cols, rows), words in cases:
-        folder = tmp_path / module
-        shutil.copytree(paths["qv4"], folder)
-        tensors = load_file(folder / "adapter_model.safetensors")
-        tensors[f"base_model.model.model.{module}.lora_A.weight"] = torch.randn(r, cols)
-        tensors[f"base_model.model.model.{module}.lora_B.weight"] = torch.randn(rows, r)
-        save_file(tensors, folder / "adapter_model.safetensors")
-        config = json.loads((folder / "adapter_config.json").read_text())
-        config["target_modules"] += [module.rpartition(".")[2]]
-        (folder / "adapter_config.json").write_text(json.dumps(config))
+    for module, width, words in cases:
+        folder = adapter_with_module(paths["qv4"], tmp_path / module, module, *width)
         problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
         assert any(words in p.message and module in p.message for p in problems), problems
         with pytest.raises(LoRAError, match=module.rpartition(".")[2]):
@@ -280,21 +270,9 @@ def test_a_gptq_minimax_m2_checkpoint_equals_transformers_on_its_dequantized_wei
     """A GPTQ MiniMax-M2 checkpoint in GPTQModel's layout (each expert's w1, w3 and w2 apart under block_sparse_moe,
     the attention quantized, the router and its bias float): infer's CPU path gives transformers' greedy tokens of the
     same weights dequantized, varied; warmup --estimate counts its weights as loaded."""
-    from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
-    from infer.memory.sizes import weights_bytes
-    from quant_helpers import dequantized_float_model, rtn_gptq_pair
-    src, out = rtn_gptq_pair(tmp_path, lambda folder: build(folder, "minimax_m2"))
-    hf = dequantized_float_model(src, out)
-    hf.generation_config.eos_token_id = None
-    prompts = random_prompts(512, (4, 11, 23), seed=11)
-    plan = estimated_plan(str(out), "--dtype", "float32")
-    with LLM(str(out), block_size=4, dtype="float32") as llm:
-        model = llm.engine.runner.model
-        assert plan["weights_bytes"] == weights_bytes(model)
-        assert model.layers[1].self_attn.qkv_proj.qweight is not None and model.layers[1].mlp.method_for
-        got = greedy_tokens(llm, prompts, 8)
-    assert got == greedy_each(hf, prompts, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
+    from quant_helpers import check_gptq_moe_equals_dequantized, rtn_gptq_pair
+    check_gptq_moe_equals_dequantized(*rtn_gptq_pair(tmp_path, lambda folder: build(folder, "minimax_m2")),
+                                      lambda layer: layer.self_attn.qkv_proj)
 
 
 def test_infer_quantize_of_minimax_m2_is_refused_naming_gptqmodels_definition(tmp_path):
