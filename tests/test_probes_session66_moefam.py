@@ -286,6 +286,7 @@ def test_infer_quantize_of_minimax_m2_is_refused_naming_gptqmodels_definition(tm
     assert "serve the float checkpoint" in text and "w1, w3 and w2 apart under block_sparse_moe" in text, text
 
 
+@pytest.mark.parametrize("family_lora", ["minimax_m2"], indirect=True)
 def test_an_adapter_config_naming_mixtrals_w1_w3_w2_is_accepted_on_minimax_m2(family_lora, tmp_path):
     """An adapter_config.json naming MiniMax-M2's experts by Mixtral's target_modules w1, w3 and w2 (as written before
     peft turned them into the stacked parameters; peft's conversion reads MiniMax-M2 as Mixtral) passes infer's
@@ -296,9 +297,7 @@ def test_an_adapter_config_naming_mixtrals_w1_w3_w2_is_accepted_on_minimax_m2(fa
 
     from helpers import greedy_tokens, random_prompts
     from infer.lora.adapter import adapter_problems
-    family, base, _, paths = family_lora
-    if family != "minimax_m2":
-        pytest.skip("MiniMax-M2's Mixtral names")
+    _, base, _, paths = family_lora
     folder = tmp_path / "v4"
     shutil.copytree(paths["qv4"], folder)
     config = json.loads((folder / "adapter_config.json").read_text())
