@@ -139,10 +139,12 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it(name, arch):
 def test_the_bfloat16_plan_counts_the_routers_as_the_engine_holds_them(name):
     """`infer warmup --estimate --dtype bfloat16` counts the weights the bfloat16 engine holds: dots.llm1's routers
     (weight and e_score_correction_bias) float32 as transformers keeps them, MiniMax-M2's in bfloat16 (its router and
-    the block's bias in the model's dtype)."""
+    the block's bias in the model's dtype); a token's KV bytes: 2 layers of K and V of 2 KV heads of head_dim (16;
+    MiniMax-M2's 32, set apart from hidden_size / heads) in 2 bytes."""
     from helpers import estimated_plan
     from infer.memory.sizes import weights_bytes
     plan = estimated_plan(name, "--dtype", "bfloat16", "--max-length", "64")
+    assert plan["kv_bytes_per_token"] == 2 * 2 * 2 * (16 if name == "tiny-dots1" else 32) * 2
     with LLM(name, dtype="bfloat16", max_model_len=64) as llm:
         model = llm.engine.runner.model
         gate = model.layers[-1].mlp.gate
