@@ -293,6 +293,20 @@ ReplicaPlacementTimeout = Annotated[float, typer.Option("--replica-placement-tim
                                                         metavar="SECONDS", callback=check_placement_timeout)]
 
 
+def check_replica_options(data_parallel: int, ray_address: str | None) -> None:
+    """--max-replica-restarts and --replica-placement-timeout tune --data-parallel replicas (Ray actors): given to
+    one engine in the command's own process (no --data-parallel above 1, no --ray-address) they were silently
+    ignored (the user believing a crashed engine would be restarted): refused, naming them."""
+    if data_parallel > 1 or ray_address:
+        return
+    given = [flag for name, flag in (("max_replica_restarts", "--max-replica-restarts"),
+                                     ("replica_placement_timeout", "--replica-placement-timeout")) if _given(name)]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} only apply to --data-parallel replicas; without --data-parallel N "
+                          "(N above 1) or --ray-address one engine runs in this process, with no replica to restart "
+                          "or place", f"add --data-parallel N to run N replicas, or leave {' and '.join(given)} out")
+
+
 # Single engine options for commands that do not run the engine (lora-validate).
 Device = Annotated[str, typer.Option(help=_field("device").metadata["help"], callback=_check_device)]
 MaxLoraRank = _cli_annotation(_field("max_lora_rank"))

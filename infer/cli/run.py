@@ -96,6 +96,7 @@ def run(
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
     resume = resume or force_resume
+    o.check_replica_options(data_parallel, ray_address)
     if retry_failed and not resume:
         raise ConfigError("--retry-failed runs again the lines whose records in -o OUTPUT are errors: it needs "
                           "--resume", "add --resume (without it the run starts OUTPUT over and runs every line)")
@@ -488,9 +489,12 @@ def open_output(lines, output, input, options: dict, resume: bool, resumable: bo
                    "(--retry-failed)", err=True)
         earlier = 0
     todo = [item for item in lines if item.id not in skip]
-    writer = RecordWriter(output, append=resume)
-    if resumable:
+    def fingerprinted() -> None:
         write_fingerprint(output, input, options)
+
+    writer = RecordWriter(output, append=resume, recreated=fingerprinted if resumable else None)
+    if resumable:
+        fingerprinted()
     return todo, writer, earlier
 
 

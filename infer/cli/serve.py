@@ -164,6 +164,7 @@ def serve(
     if clash:  # a request's `model` picks the base model first: that adapter could never be used
         raise ConfigError(f"--lora name {clash[0]!r} is the served model's id, so no request could pick the adapter",
                           "give the adapter another NAME, or serve the base under --served-model-name")
+    o.check_replica_options(data_parallel, ray_address)
     if getattr(engine, "enable_sleep_mode", False) and (data_parallel > 1 or ray_address):  # (its routes: 400)
         raise ConfigError("--enable-sleep-mode serves one engine, not --data-parallel replicas (nor --ray-address)",
                           "leave one of them out: POST /sleep puts the one engine of the server to sleep")
