@@ -14,7 +14,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 from ..engine.inputs import ModelNames, ParsedRequest, is_request_id, parse_request
 from ..engine.pooling import PoolingRequestOutput
@@ -334,17 +334,19 @@ def _finite(value):
 
 class RecordWriter:
     """Appends one JSON object per line and flushes it (and fsyncs a regular file), so an interrupted run loses
-    nothing it finished. Works on pipes, /dev/stdout and /dev/null too."""
+    nothing it finished. Works on pipes, /dev/stdout and /dev/null too. A regular file deleted (or replaced) while it
+    is written is noticed at the next record (cli/output_gone.py): made again with the records so far, then
+    `recreated()` is called (the run's resume fingerprint, removed with the file's folder, is written again)."""
 
-    def __init__(self, path: Path | None, append: bool):
-        self.path = path
+    def __init__(self, path: Path | None, append: bool, recreated: Callable[[], None] | None = None):
+        self.path, self.recreated = path, recreated
         if path is None:
             sys.stdout.flush()
             self.f: IO[bytes] = getattr(sys.stdout, "buffer", None) or _TextAsBytes(sys.stdout)
         else:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self.f = open(path, "ab" if append else "wb")
+                self.f = _open_output(path, append)
             except OSError as e:
                 raise OutputError(f"cannot open {path} for writing: {e.strerror or e}",
                                   "choose another output path or fix its permissions") from None
@@ -354,6 +356,8 @@ class RecordWriter:
 
     def write(self, record: dict) -> None:
         with _interrupts_held():
+            if self.sync:
+                self._follow()
             try:
                 self.f.write(encode_record(record))
                 self.f.flush()
@@ -378,6 +382,23 @@ class RecordWriter:
         return f"infer: first error (id {shown}): {self.first_error[1]} [every failed line has an " \
                f"error record in {where}]"
 
+    def _follow(self) -> None:
+        """Before a record: the output's path still names this run's file, or gets it back (output_gone)."""
+        from .output_gone import made_again, replaced, still_there
+        there = still_there(self.path, self.f)
+        if there:
+            return
+        if there is False:
+            raise replaced(self.path, self.f, self.count)
+        new = made_again(self.path, self.f, self.count)
+        with contextlib.suppress(OSError):
+            self.f.close()
+        self.f = new
+        print(f"note: {self.path} was deleted during the run; it is made again with the {self.count} records "
+              "written so far, and the run goes on", file=sys.stderr)
+        if self.recreated is not None:
+            self.recreated()
+
     def close(self) -> None:
         if self.path is not None:
             try:
@@ -393,6 +414,26 @@ class RecordWriter:
         more = ", then run the same command with --resume to complete the rest" if self.sync else ""
         return OutputError(f"cannot write to {where} after {self.count} records: {e.strerror or e}",
                            f"make room or choose another output{more}")
+
+
+def _open_output(path: Path, append: bool) -> IO[bytes]:
+    """The output file, open for reading too when it is a regular file (or a new one): records written to a file
+    deleted meanwhile are read back to make it again (output_gone). A file whose permissions refuse reading is written
+    to alone."""
+    if is_regular_or_new(path):
+        with contextlib.suppress(PermissionError):
+            return open(path, "a+b" if append else "w+b")
+    return open(path, "ab" if append else "wb")
+
+
+def is_regular_or_new(path: Path) -> bool:
+    """Whether `path` is a regular file, or nothing yet (not a pipe, a device or /dev/stdout)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ except ImportError:  # Windows: no advisory locks, runs are not kept apart
 import typer
 
 from ..errors import ConfigError, OutputError
-from .batch_io import record_of
+from .batch_io import is_regular_or_new, record_of
 
 FINGERPRINT_SUFFIX = ".resume.json"
 # options a fingerprint holds only when they are not their default (outputs written before they existed resume as
@@ -194,14 +194,7 @@ def fingerprint_path(output: Path) -> Path:
 
 def is_regular_target(output: Path | None) -> bool:
     """A file the run can resume into (not stdout, a pipe or /dev/null)."""
-    if output is None:
-        return False
-    try:
-        return stat.S_ISREG(output.stat().st_mode)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
+    return output is not None and is_regular_or_new(output)
 
 
 def input_digest(path: Path, length: int | None = None) -> str:
