@@ -958,7 +958,8 @@ def sectioned_head(spec: Sectioned, match: re.Match) -> tuple[str, str | None]:
 
 def sectioned_block(spec: Sectioned, body: str) -> tuple[str, str, str | None]:
     """(name, arguments, id) of one ended call (its text between the begin and end tokens): its arguments a JSON
-    object (written again as json.dumps writes it); ValueError when it is not that."""
+    object (written again as json.dumps writes it), none at all read as {}; ValueError when they are anything else
+    (the reply then stays text, as a call that is no JSON does)."""
     match = spec.head.match(body)
     if match is None:
         raise ValueError("a call without its head")
@@ -968,6 +969,8 @@ def sectioned_block(spec: Sectioned, body: str) -> tuple[str, str, str | None]:
         if not args.endswith("```"):
             raise ValueError("arguments without the end of their code block")
         args = args[:-3]
+    if not args.strip():  # a function without parameters called with no arguments at all: OpenAI's "{}", as a
+        return name, "{}", call_id  # client's json.loads takes it (vLLM passed "", and the client's read failed)
     value = json.loads(args, parse_constant=_not_json, parse_float=_finite)
     if not isinstance(value, dict):
         raise ValueError("arguments that are no JSON object")
