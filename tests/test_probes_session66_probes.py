@@ -56,6 +56,18 @@ def test_an_output_deleted_mid_run_is_made_again_with_every_record(tmp_path, gon
     assert f"{path} was deleted during the run; it is made again with the 2 records" in capsys.readouterr().err
 
 
+def test_an_output_deleted_after_its_last_record_is_made_again_before_the_run_ends(tmp_path):
+    """Deleted between the last record and the run's end (when it marks the output complete): `finish` gets it back
+    too."""
+    path = tmp_path / "o.jsonl"
+    writer = RecordWriter(path, append=False)
+    writer.write({"id": "a", "text": "x"})
+    path.unlink()
+    writer.finish()
+    writer.close()
+    assert _records(path) == ["a"]
+
+
 def test_an_output_replaced_mid_run_is_kept_and_the_records_saved_beside(tmp_path):
     """Another file put in the output's place: it is left as it is, and this run's records are saved beside it, the
     error naming where (not written into the file nobody can see any more)."""

@@ -382,6 +382,13 @@ class RecordWriter:
         return f"infer: first error (id {shown}): {self.first_error[1]} [every failed line has an " \
                f"error record in {where}]"
 
+    def finish(self) -> None:
+        """After the last record: an output deleted since it was written gets its records back (as `write` does
+        before each record), before the run says it is complete."""
+        if self.sync:
+            with _interrupts_held():
+                self._follow()
+
     def _follow(self) -> None:
         """Before a record: the output's path still names this run's file, or gets it back (output_gone)."""
         from .output_gone import made_again, replaced, still_there

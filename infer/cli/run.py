@@ -548,6 +548,7 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
                     progress.advance(task)
             rate = tokens / max(time.monotonic() - start, 1e-9)
             progress.update(task, tokens=f"{rate:,.0f} tok/s")
+    writer.finish()
     if not quiet:
         elapsed = time.monotonic() - start
         words = throughput_words(getattr(getattr(engine, "pooler", None), "task", None))

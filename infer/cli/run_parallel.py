@@ -138,6 +138,7 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
     start = time.monotonic()
     with progress:
         pool.run(work, on_output, on_rejected, progress.refresh)
+    writer.finish()
     if not quiet:
         elapsed = time.monotonic() - start
         tokens = sum(r.tokens for r in pool.replicas)
