@@ -150,3 +150,20 @@ def test_a_sectioned_call_without_arguments_is_a_call_with_empty_arguments(parse
         ("get_time", "{}")], (content, calls)
     pieces, whole = s65._streamed(req, reply, range(len(reply) + 1))
     assert [c["function"] for c in s65._joined(pieces)] == [c["function"] for c in whole]
+
+
+# ---------------------------------------------------------------------------------- DeepSeek's odd rotary width
+def test_an_odd_rotary_width_is_refused_naming_the_field(tmp_path):
+    """A DeepSeek config.json whose qk_rope_head_dim is odd (transformers' config takes it) was refused as "a yarn
+    rope over 16 of 15 head dimensions (partial_rotary_factor None)", hinting to remove a partial_rotary_factor it
+    does not have: now the field and why. (A Llama's odd head_dim transformers refuses itself, naming it.)"""
+    import shutil
+    from infer.models.tiny import ensure_builtin
+    folder = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-deepseek-v3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "qk_rope_head_dim": 15}))
+    res = CliRunner().invoke(app, ["warmup", str(folder), "--estimate"], env={"COLUMNS": "250"})
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "config.json's qk_rope_head_dim 15 is odd: a rotary turns pairs of dimensions" in text, text
+    assert "partial_rotary_factor" not in text, text

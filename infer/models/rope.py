@@ -228,6 +228,11 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
                                     "rope_theta must be above 0 and a scaling factor must not be 0: use the "
                                     "config.json that came with the weights")
     width = 2 * inv_freq.numel()
+    if head_dim % 2 and not partial_rotary(cfg):  # (the refusal below named partial_rotary_factor, which it lacks)
+        field = "qk_rope_head_dim" if is_mla(cfg) else "head_dim"
+        raise UnsupportedModelError(f"config.json's {field} {head_dim} is odd: a rotary turns pairs of dimensions",
+                                    "use the config.json that came with the weights (an even "
+                                    f"{field}{', 64 in DeepSeek-V2/V3' if is_mla(cfg) else ''})")
     if width != head_dim and not (partial_rotary(cfg) and width < head_dim):
         # transformers' Llama-family attention rotates whole heads (it fails here); Phi-3's rotates the first
         # `width` dims and passes the rest (every rotary kernel does: the table's width), never more than the head
