@@ -16,15 +16,17 @@ from infer.errors import OutputError
 # ------------------------------------------------------------------------------------ replica options, one engine
 @pytest.mark.parametrize("command", ["run", "serve"])
 @pytest.mark.parametrize("option", [["--max-replica-restarts", "5"], ["--replica-placement-timeout", "30"]])
-def test_replica_options_without_data_parallel_are_refused(command, option, tmp_path):
+def test_replica_options_without_data_parallel_are_refused(command, option, tmp_path, monkeypatch):
     """--max-replica-restarts and --replica-placement-timeout tune --data-parallel replicas; with one engine they were
     silently ignored (a crash was not restarted as the user believed): refused before the model loads, naming the
     option and --data-parallel. (Their default, given to replicas, is tested in test_cli_options.)"""
+    from helpers import stub_calls  # (the command, not refused, stops where it would load the model and serve)
+    stub_calls(monkeypatch, "infer.cli.run._run_in_process", "infer.cli.serve._serve")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     where = [str(prompts), "-o", str(tmp_path / "o.jsonl")] if command == "run" else ["--port", "0"]
     res = CliRunner().invoke(app, [command, "tiny-llama", *where, *option], env={"COLUMNS": "250"})
-    assert res.exit_code == 2, res.output
+    assert res.exit_code == 2, (res.output, res.exception)
     text = " ".join(res.output.split())
     assert f"{option[0]} only apply to --data-parallel replicas" in text and "add --data-parallel N" in text, text
     assert not (tmp_path / "o.jsonl").exists()
@@ -105,20 +107,20 @@ def test_an_output_whose_folder_cannot_be_made_again_saves_the_records_elsewhere
     assert str(saved) in e.value.message and "--resume" in e.value.hint, e.value
 
 
-def test_infer_run_whose_output_folder_is_removed_mid_run_completes_and_resumes(tmp_path, monkeypatch):
-    """End to end: the output's folder removed after the first record; the run writes every record to the file made
-    again, its fingerprint says complete, and --resume finds nothing left to run."""
+def test_infer_run_whose_output_folder_is_removed_at_its_end_completes_and_resumes(tmp_path, monkeypatch):
+    """End to end: the output's folder removed as the last record is written; the run's end makes the file again
+    with every record, its fingerprint says complete, and --resume finds nothing left to run."""
     import infer.cli.batch_io as batch_io
     import shutil
     out = tmp_path / "out" / "o.jsonl"
     encode, seen = batch_io.encode_record, []
 
-    def remove_after_first(record):
-        if len(seen) == 1:
+    def remove_at_last(record):  # (its record goes to the deleted file: the run's end gets it back)
+        if len(seen) == 2:
             shutil.rmtree(out.parent)
         seen.append(record)
         return encode(record)
-    monkeypatch.setattr(batch_io, "encode_record", remove_after_first)
+    monkeypatch.setattr(batch_io, "encode_record", remove_at_last)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{k}", "prompt": "hi " * k, "max_new_tokens": 2}) + "\n"
                            for k in range(1, 4)))
