@@ -489,10 +489,8 @@ def open_output(lines, output, input, options: dict, resume: bool, resumable: bo
                    "(--retry-failed)", err=True)
         earlier = 0
     todo = [item for item in lines if item.id not in skip]
-    def fingerprinted() -> None:
-        write_fingerprint(output, input, options)
-
-    writer = RecordWriter(output, append=resume, recreated=fingerprinted if resumable else None)
+    fingerprinted = (lambda: write_fingerprint(output, input, options)) if resumable else None
+    writer = RecordWriter(output, append=resume, recreated=fingerprinted)
     if resumable:
         fingerprinted()
     return todo, writer, earlier
