@@ -5,7 +5,9 @@ dims (no V cache). `mla_paged_attention` (signature below) is, by definition, re
 cache, ...)[..., :L]: on CPU it is computed so; on CUDA tensors (kernels.use_triton; tests force it on CPU tensors
 under TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE for the scores and the values and
 never pad L + R (576) to a power of two (1024): the score is the L part's dot plus the R part's, each its own
-power-of-two width (512 and 64), and the value product reuses the L part already in registers.
+power-of-two width (512 and 64), and the value product reuses the L part already in registers. A float8 cache
+(--kv-cache-dtype fp8 / fp8_e5m2: rows written saturated and rounded, scale 1.0, as every infer fp8 cache) is read as
+stored, one byte an element, each tile upcast to q's dtype in registers (exact): a decode reads half the bytes.
 
 * decode (every sequence's query length 1), flash-decoding: a program per (block of `heads` query heads in rows of
   BLOCK_H = max(16, heads), sequence, split of the context). The head block is the grid's fastest axis, so the H /
@@ -71,10 +73,11 @@ def _attend_tiles(acc, m_i, l_i, q_l, q_r, pos, c_ptr, table_ptr, lo, hi, s_cb, 
         mask_n = keys < hi
         block = tl.load(table_ptr + keys // PAGE, mask=mask_n, other=0).to(tl.int64)
         row = c_ptr + block * s_cb + (keys % PAGE) * s_cs
+        # (a float8 cache's rows upcast to q's dtype in registers: exact, every e4m3 and e5m2 value is one)
         kv = tl.load(row[:, None] + offs_l[None, :] * s_cd, mask=mask_n[:, None] & (offs_l < LATENT)[None, :],
-                     other=0.0)
+                     other=0.0).to(q_l.dtype)
         kr = tl.load(row[:, None] + (LATENT + offs_r)[None, :] * s_cd,
-                     mask=mask_n[:, None] & (offs_r < ROPE)[None, :], other=0.0)
+                     mask=mask_n[:, None] & (offs_r < ROPE)[None, :], other=0.0).to(q_r.dtype)
         if IEEE:  # float32 operands (a bf16 q under the interpreter, whose bf16 tl.dot is wrong: attention._meta)
             s = tl.dot(q_l.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
             s += tl.dot(q_r.to(tl.float32), tl.trans(kr.to(tl.float32)), input_precision="ieee")
@@ -219,8 +222,9 @@ def _check(q: torch.Tensor, cache: torch.Tensor, latent_dim: int, out: torch.Ten
     if not 0 < latent_dim < q.shape[2]:
         raise ValueError(f"latent_dim {latent_dim}: give kv_lora_rank, between 1 and q's width {q.shape[2]} less "
                          f"the rotary dims (qk_rope_head_dim >= 1)")
-    if cache.dtype != q.dtype:
-        raise ValueError(f"the cache's dtype {cache.dtype} differs from q's {q.dtype}: store the cache in q's dtype")
+    if cache.dtype != q.dtype and not reference.is_fp8(cache.dtype):
+        raise ValueError(f"the cache's dtype {cache.dtype} differs from q's {q.dtype}: store the cache in q's dtype, "
+                         f"or in float8 (torch.float8_e4m3fn, torch.float8_e5m2: --kv-cache-dtype fp8, fp8_e5m2)")
     want = (q.shape[0], q.shape[1], latent_dim)
     if out is not None and (tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor of shape {want} on {q.device}, not {out.dtype} "
@@ -293,10 +297,11 @@ def _prefill(q, cache, block_tables, seq_lens, query_start_loc, qk_scale, out, m
 def mla_paged_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float, latent_dim: int,
                         max_query_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """MLA's absorbed paged attention: q [T, H, L+R] (L = latent_dim), cache [num_blocks, block_size, 1, L+R];
-    block_tables, seq_lens and query_start_loc as reference.paged_attention's. Returns out [T, H, L] (written in
-    place when given): reference.paged_attention(q, cache, cache, ...)[..., :L], causal within each sequence's new
-    tokens, the softmax in float32. Where kernels.use_triton(q) (CUDA tensors) the Triton kernels: the decode
+    """MLA's absorbed paged attention: q [T, H, L+R] (L = latent_dim), cache [num_blocks, block_size, 1, L+R] in q's
+    dtype or float8 (its values upcast exactly to q's dtype: the kernels read one byte an element); block_tables,
+    seq_lens and query_start_loc as reference.paged_attention's. Returns out [T, H, L] (written in place when
+    given): reference.paged_attention(q, cache, cache, ...)[..., :L], causal within each sequence's new tokens, the
+    softmax in float32. Where kernels.use_triton(q) (CUDA tensors) the Triton kernels: the decode
     ones when max_query_len is 1, else the prefill kernel; pass max_query_len under a CUDA graph (None: read from
     query_start_loc, a host sync)."""
     _check(q, cache, latent_dim, out)

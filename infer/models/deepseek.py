@@ -5,7 +5,9 @@ qk_rope_head_dim, one "KV head" that is both the key and the value (`kv_copies` 
 copy, v_cache is k_cache). kv_b_proj is absorbed: its per-head W_UK turns each head's q_nope into a latent query
 (q_nope @ W_UK, kv_lora_rank wide), concatenated with the roped q_pe; the attention over the cache is then
 multi-query attention (Hk 1, head dim kv_lora_rank + rope dim) whose values are the cache rows (`mla_attention`);
-each head's output's first kv_lora_rank dims times W_UV give its v_head_dim values, then o_proj.
+each head's output's first kv_lora_rank dims times W_UV give its v_head_dim values, then o_proj. With
+--kv-cache-dtype fp8 (fp8_e5m2) the row is stored in float8 (saturated, rounded to nearest even, scale 1.0, as the
+other families' K and V: kernels.store_kv), half a bfloat16 row's bytes, and the MLA kernels read it as stored.
 
 The softmax scale is qk_head_dim^-0.5 times yarn's mscale² where rope_parameters say so (transformers'
 yarn_apply_mscale). The rotary is over qk_rope_head_dim (models.rope): DeepSeek-V3's rope_interleave (default) and
@@ -44,9 +46,10 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
     head), to the cache rows [num_blocks, block_size, 1, rank + rope], which are the keys and the values; returns
     each head's output's latent part [T, H, rank] (the rope dims of the values are not the model's). On a GPU the
     MLA kernels (kernels.mla: each cache row read once for a block of heads, the key's latent and rope parts two
-    dots, the values the latent part already loaded); elsewhere, and for a cache of another dtype than q's (float8),
-    the paged attention's (kernels.paged_attention: torch on the CPU), K and V the same tensor."""
-    if kernels.use_triton(q) and cache.dtype == q.dtype:
+    dots, the values the latent part already loaded; a float8 cache, --kv-cache-dtype fp8, read one byte an element
+    and upcast in registers); elsewhere the paged attention's (kernels.paged_attention: torch on the CPU, a float8
+    cache upcast as gathered), K and V the same tensor."""
+    if kernels.use_triton(q):
         return kernels._triton("mla").mla_paged_attention(q, cache, block_tables, seq_lens, query_start_loc, scale,
                                                           rank, max_query_len)
     o = kernels.paged_attention(q, cache, cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
