@@ -73,7 +73,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                              bits: int | None = None, act_order: bool = False, bits_of=None, awq: bool = False) -> int:
     """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
     CPU matmul copies the engine prepacks (float linear layers and the output head); on a CPU a GPTQ layer also
-    holds its dequantized float weight (and its prepacked copy). A merged GPTQ layer (q/k/v, gate/up) holds one
+    holds its dequantized float weight (and its prepacked copy), and MLA's GPTQ kv_b_proj its float weight on every
+    device (models.deepseek.MLAttention.absorb: never prepacked). A merged GPTQ layer (q/k/v, gate/up) holds one
     int32 g_idx, whether the checkpoint has one per shard or none (quant.gptq_linear), and on CUDA with act-order
     (`act_order`: the GPTQ config's desc_act) the int64 permutation of its inputs. `bits`: the GPTQ config's (as the
     loader reads it, quantize_config.json too); else config.json's, else 4. A layer's input width comes from its
@@ -152,8 +153,11 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 groups = scales.get(name.removesuffix("qweight") + "scales", {"shape": [1]})["shape"][0]
                 if expert and act_order and groups > 1:  # (one group: plain, never sorted)
                     expert_sorted.add(_merged_key(name))
-                if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
-                    total += k * n * elem * (2 if prepacks and not expert else 1)
+                # MLA's absorbed kv_b_proj (models.deepseek) holds its float weight on every device, never prepacked:
+                # the CPU's dequantized at load, the GPU's copy beside the int4 tensors (MLAttention.absorb)
+                absorbed = name.endswith(".kv_b_proj.qweight")
+                if device.type == "cpu" or absorbed:  # the CPU path dequantizes each GPTQ layer once at load (and
+                    total += k * n * elem * (2 if prepacks and not expert and not absorbed else 1)  # prepacks it)
             if expert and device.type == "cpu":
                 continue
             total += size
@@ -216,8 +220,9 @@ def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
     for name, info in headers.items():
         if not name.endswith(".qweight") or name.removeprefix("model.") == "lm_head.qweight":
             continue  # a GPTQ head takes its rows in fused slices, never the scratch (LlamaForCausalLM.compute_logits)
-        if ".experts." in name:
-            continue  # nor do a mixture of experts' int4 experts (kernels.fused_moe_int4 dequantizes in registers)
+        if ".experts." in name or name.endswith(".kv_b_proj.qweight"):
+            continue  # nor do a mixture of experts' int4 experts (kernels.fused_moe_int4 dequantizes in registers),
+            # nor MLA's absorbed kv_b_proj (never multiplied: its float copy read, models.deepseek)
         rows, cols = info["shape"]
         g_idx = headers.get(name.removesuffix("qweight") + "g_idx")  # K itself: a layer may have its own bits
         key = _merged_key(name)

@@ -550,7 +550,8 @@ def int4_layer_bytes(model, dtype: torch.dtype) -> int:
     or without GPTQ layers."""
     sizes = [m.qweight.numel() * (32 // m.method.config.bits) for m in model.modules()
              if hasattr(m, "qweight") and getattr(m, "weight", None) is None and m.qweight.is_cuda
-             and not getattr(m, "output_head", False)]  # a GPTQ head takes its rows in fused slices (compute_logits)
+             and not getattr(m, "output_head", False)  # a GPTQ head takes its rows in fused slices (compute_logits)
+             and not getattr(m, "absorbed", False)]  # MLA's kv_b_proj is never multiplied (models.deepseek)
     return max(sizes, default=0) * element_bytes(dtype)
 
 
@@ -562,7 +563,7 @@ def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
 
 
 def weights_bytes(model) -> int:
-    """Parameters and buffers (including CPU-prepacked matmul weights)."""
+    """Parameters and buffers (including CPU-prepacked matmul weights and MLA's dequantized kv_b_proj copies)."""
     tensors = list(model.parameters()) + [t for t in model.buffers() if t is not None]
     return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import kernels
 from .context import ForwardContext
-from .layers import MergedLinear, UnquantizedLinearMethod
+from .layers import MergedLinear
 
 # the eps of q_a_layernorm and kv_a_layernorm: transformers builds them with DeepseekV3RMSNorm's default, whatever
 # rms_norm_eps says
@@ -103,7 +103,7 @@ class MLAttention(nn.Module):
         self.rope_interleaved = cfg.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, 1, rank + rope]
         self.rot_dim = self.rope_dim  # the rope table's width (set by the model)
-        self._kv_b = None  # a quantized kv_b_proj's float weight, dequantized once (`kv_b_weight`)
+        self.register_buffer("kv_b_float", None, persistent=False)  # a quantized kv_b_proj's float copy (`absorb`)
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
         """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
@@ -116,17 +116,24 @@ class MLAttention(nn.Module):
             return None if groups[0] is None else groups[0][g - 1], groups[1][g - 1]
         return ctx.block_tables, ctx.slot_mapping
 
-    def kv_b_weight(self) -> torch.Tensor:
-        """kv_b_proj's weight as [H, nope + v, rank] (W_UK's rows of each head, then W_UV's): the float layer's own
-        (a view), a quantized one's dequantized once."""
+    def absorb(self) -> None:
+        """Once the weights are in (the model's finish_loading): a quantized kv_b_proj that keeps no float weight (the
+        int4 kernels' layout, a GPU's) dequantized once into the buffer `kv_b_float`, which W_UK and W_UV are views
+        of: a buffer, so that the memory plan counts it with the weights (memory.sizes.weights_bytes; the checkpoint
+        estimate too, memory.checkpoint), a sleep keeps it and reload_weights takes the fresh load's. A float
+        kv_b_proj's own weight, or a quantized one's dequantized at load (the CPU's), is read as it is."""
         layer = self.kv_b_proj
-        if isinstance(layer.method, UnquantizedLinearMethod):
-            w = layer.weight
-        else:  # (again when its tensors change: reload_weights)
-            key = tuple((t.data_ptr(), t._version) for t in (layer.qweight, layer.qzeros, layer.scales))
-            if self._kv_b is None or self._kv_b[0] != key:
-                self._kv_b = key, layer.dequantized_weight().to(layer.dtype)
-            w = self._kv_b[1]
+        if getattr(layer, "weight", None) is None:
+            self.kv_b_float = layer.dequantized_weight().to(layer.dtype)
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight as [H, nope + v, rank] (W_UK's rows of each head, then W_UV's): a view of the layer's
+        float weight, or of its dequantized copy (`absorb`)."""
+        w = getattr(self.kv_b_proj, "weight", None)
+        if w is None:
+            if self.kv_b_float is None:  # (a layer loaded without its model's finish_loading)
+                self.absorb()
+            w = self.kv_b_float
         return w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.rank)
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
@@ -169,7 +176,14 @@ def deepseek_class() -> type:
     keeps its projections apart (q_proj is MLAttention's own, not a shard of a merged qkv_proj)."""
     if not _CLASS:
         from .moe import moe_model_class
-        _CLASS.append(type("DeepseekForCausalLM", (moe_model_class(),), {
+        base = moe_model_class()
+
+        def finish_loading(self) -> None:
+            """The base's, then each latent attention's kv_b_proj absorbed (MLAttention.absorb)."""
+            base.finish_loading(self)
+            for layer in self.layers:
+                layer.self_attn.absorb()
+        _CLASS.append(type("DeepseekForCausalLM", (base,), {
             "__doc__": "DeepSeek-V3 / V2 (models.deepseek): MLA layers, a sparse layer's MLP a SparseMoeBlock.",
-            "packed_modules_mapping": {"gate_up_proj": ["gate_proj", "up_proj"]}}))
+            "packed_modules_mapping": {"gate_up_proj": ["gate_proj", "up_proj"]}, "finish_loading": finish_loading}))
     return _CLASS[0]

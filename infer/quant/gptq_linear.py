@@ -154,7 +154,8 @@ class GPTQLinearMethod:
             self._prepare_kernel_layout(layer)
         else:
             layer.weight = self.dequantized_weight(layer)
-            layer.packed_weight = cpu_gemm.prepack(layer.weight)
+            if not getattr(layer, "absorbed", False):  # (MLA's kv_b_proj: its weight read, never multiplied)
+                layer.packed_weight = cpu_gemm.prepack(layer.weight)
         layer.gptq_ready = True
 
     def check_complete(self, layer) -> None:
