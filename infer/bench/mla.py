@@ -13,6 +13,8 @@ sequence: kernels.mla.decode_plan); `mla_us` / `generic_us`; `gain` generic / ML
 and write (the cache rows once, q, the output, the block tables) at the copy bandwidth measured in the same run;
 `GBps` those bytes per second of the MLA kernel and `of_copy` that over the copy bandwidth (a small step's cache
 fits in the 50 MB L2: more than 1 there); `max_abs_err` the MLA output against the generic one's first L dims.
+`--kv-cache-dtype fp8` (or fp8_e5m2) stores the cache rows as float8 (reference.to_cache: one byte an element, the
+serving option's), which both kernels read and upcast: the bytes a step moves count them at one byte.
 GPU only; `--interpret` runs a tiny interpreted check on CPU instead (no times: outputs against the definition).
 """
 
@@ -33,13 +35,15 @@ COLUMNS = ["model", "batch", "context", "heads", "splits", "mla_us", "generic_us
            "of_copy", "max_abs_err"]
 
 
-def build(model: str, batch: int, context: int, device, gen: torch.Generator, dtype=torch.bfloat16) -> dict:
+def build(model: str, batch: int, context: int, device, gen: torch.Generator, dtype=torch.bfloat16,
+          kv: torch.dtype | None = None) -> dict:
     """One decode step's q [batch, H, L+R], cache [blocks + 1, PAGE, 1, L+R] (random rows, blocks in a random
-    order), block tables, seq_lens (context each) and query_start_loc."""
+    order; `kv`: stored as a float8 cache holds them), block tables, seq_lens (context each) and query_start_loc."""
+    from ..kernels import reference
     heads, latent, rope = MODELS[model]
     per = -(-context // PAGE)
     kw = dict(device=device, generator=gen)
-    cache = torch.randn(batch * per + 1, PAGE, 1, latent + rope, **kw).to(dtype)
+    cache = reference.to_cache(torch.randn(batch * per + 1, PAGE, 1, latent + rope, **kw).to(dtype), kv or dtype)
     tables = torch.randperm(batch * per, **kw).to(torch.int32).view(batch, per)
     return dict(q=torch.randn(batch, heads, latent + rope, **kw).to(dtype), cache=cache, tables=tables,
                 lens=torch.full((batch,), context, dtype=torch.int32, device=device),
@@ -47,19 +51,20 @@ def build(model: str, batch: int, context: int, device, gen: torch.Generator, dt
                 scale=(latent + rope) ** -0.5)
 
 
-def bytes_moved(model: str, batch: int, context: int, e: int = 2) -> int:
-    """The bytes a decode step must move: every sequence's cache rows once, q read, the output written, the block
-    tables read."""
+def bytes_moved(model: str, batch: int, context: int, e: int = 2, cache_e: int | None = None) -> int:
+    """The bytes a decode step must move: every sequence's cache rows once (`cache_e` bytes an element: a float8
+    cache's 1; default e), q read, the output written, the block tables read."""
     heads, latent, rope = MODELS[model]
-    return batch * (context * (latent + rope) * e + heads * (2 * latent + rope) * e + -(-context // PAGE) * 4)
+    return batch * (context * (latent + rope) * (cache_e or e) + heads * (2 * latent + rope) * e
+                    + -(-context // PAGE) * 4)
 
 
 def measure(model: str, batch: int, context: int, bandwidth: float, timer, gen: torch.Generator,
-            device="cuda", generic_too: bool = True) -> dict:
+            device="cuda", generic_too: bool = True, kv: torch.dtype | None = None) -> dict:
     """One row: `timer(fn)` gives milliseconds per call of fn (None: no times, the outputs only); generic_too: the
-    generic kernel run (and timed) beside."""
+    generic kernel run (and timed) beside; `kv`: a float8 cache's dtype (None: the cache in bfloat16)."""
     from ..kernels import attention, mla
-    s = build(model, batch, context, device, gen)
+    s = build(model, batch, context, device, gen, kv=kv)
     args = (s["tables"], s["lens"], s["starts"], s["scale"])
     out = torch.empty(batch, s["q"].shape[1], s["latent"], dtype=s["q"].dtype, device=device)
 
@@ -75,7 +80,7 @@ def measure(model: str, batch: int, context: int, bandwidth: float, timer, gen: 
     row["max_abs_err"] = float(f"{err:.2e}")
     if timer is None:
         return row
-    us, moved = 1e3 * timer(ours), bytes_moved(model, batch, context)
+    us, moved = 1e3 * timer(ours), bytes_moved(model, batch, context, cache_e=s["cache"].element_size())
     row.update(mla_us=us, floor_us=moved / bandwidth * 1e6, GBps=round(moved / us / 1e3, 1),
                of_copy=round(moved / us / 1e-6 / bandwidth, 2))
     if "generic_us" in row:
@@ -136,6 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+", default=list(CONTEXTS), help="keys a sequence")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--no-generic", action="store_true", help="time the MLA kernels only (not the generic one)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"],
+                   help="the cache rows' type: auto (bfloat16, as q), fp8 (e4m3) or fp8_e5m2, as the serving option")
     p.add_argument("--interpret", action="store_true",
                    help="without a GPU: a tiny check of the kernels interpreted on CPU (no times)")
     return p.parse_args(argv)
@@ -171,18 +178,21 @@ def main(argv=None) -> int:
 
     from .delta import _write
     from .kernels import copy_bandwidth
+    from ..engine.config import KV_CACHE_DTYPES
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth()
+    kv = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    cache = str(kv or torch.bfloat16).removeprefix("torch.")
     rows = []
     for m in args.models:
         for c in args.context:
             for b in args.batch:  # (each row printed as it comes: a timed-out run keeps them in its log)
                 rows.append(measure(m, b, c, bandwidth, triton.testing.do_bench_cudagraph, gen,
-                                    generic_too=not args.no_generic))
+                                    generic_too=not args.no_generic, kv=kv))
                 print(rows[-1], flush=True)
     return _write(args.out, rows, COLUMNS, f"MLA decode step on {torch.cuda.get_device_name()}, microseconds under "
-                  f"CUDA graphs, bfloat16, block {PAGE}, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
-                  {"copy_GBps": bandwidth / 1e9})
+                  f"CUDA graphs, bfloat16, a {cache} cache, block {PAGE}, copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+                  {"copy_GBps": bandwidth / 1e9, "kv_cache": cache})
 
 
 if __name__ == "__main__":
