@@ -73,7 +73,8 @@ def measure(model: str, batch: int, context: int, bandwidth: float, timer, gen: 
 
     def generic():
         return attention.paged_attention(s["q"], s["cache"], s["cache"], *args, 1)
-    heads, splits = mla.decode_plan(batch, s["q"].shape[1], s["tables"].shape[1] * PAGE, s["q"].device)
+    heads, splits = mla.decode_plan(batch, s["q"].shape[1], s["tables"].shape[1] * PAGE, s["q"].device,
+                                    mla.decode_tile(s["cache"].dtype))
     row = dict(model=model, batch=batch, context=context, heads=heads, splits=splits)
     got = ours().float()
     err = _beside(row, generic, got, s["latent"], timer) if generic_too else float("nan")

@@ -7,7 +7,8 @@ under TRITON_INTERPRET=1) by the Triton kernels here, which read a key tile ONCE
 never pad L + R (576) to a power of two (1024): the score is the L part's dot plus the R part's, each its own
 power-of-two width (512 and 64), and the value product reuses the L part already in registers. A float8 cache
 (--kv-cache-dtype fp8 / fp8_e5m2: rows written saturated and rounded, scale 1.0, as every infer fp8 cache) is read as
-stored, one byte an element, each tile upcast to q's dtype in registers (exact): a decode reads half the bytes.
+stored, one byte an element, each tile upcast to q's dtype in registers (exact): a decode reads half the bytes, in
+tiles of FP8_BLOCK_N keys (`decode_tile`).
 
 * decode (every sequence's query length 1), flash-decoding: a program per (block of `heads` query heads in rows of
   BLOCK_H = max(16, heads), sequence, split of the context). The head block is the grid's fastest axis, so the H /
@@ -46,6 +47,10 @@ from .attention import LOG2E, _decode_programs, _interpreted_bf16, _merge, _tile
 from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 
 BLOCK_N = 32  # keys a decode tile: (L + R) x 32 x 2 bytes = 36 KiB at V3's widths in bf16
+# keys a decode tile over a float8 cache, (L + R) x 16 bytes = 9 KiB at V3's widths as stored: tiles of 32 keys
+# spilled registers in the decode's main loop on sm_90 at 32 heads a program (the e4m3 tile upcast beside the bf16
+# one; compiled in tests/test_probes_session66_mlafp8.py)
+FP8_BLOCK_N = 16
 PREFILL_BLOCK_N = 16  # keys a prefill tile (beside its 32 rows of q: within sm_89's 99 KiB a program, two stages)
 PROGRAMS_PER_SM_MLA = 2  # decode programs an SM holds at once (16 heads: ~200 registers a thread at 4 warps)
 MERGE_CHUNK = 16  # the partials the merge reads a step
@@ -239,25 +244,32 @@ def _widths(q: torch.Tensor, cache: torch.Tensor, latent_dim: int) -> dict:
                 PDL=pdl.on(q.device), **pdl.launch(q.device))
 
 
-def decode_plan(num_seqs: int, num_heads: int, context: int, device: torch.device) -> tuple[int, int]:
+def decode_tile(cache_dtype: torch.dtype) -> int:
+    """Keys a decode tile over a cache of `cache_dtype`: BLOCK_N, FP8_BLOCK_N for a float8 one."""
+    return FP8_BLOCK_N if reference.is_fp8(cache_dtype) else BLOCK_N
+
+
+def decode_plan(num_seqs: int, num_heads: int, context: int, device: torch.device,
+                block_n: int | None = None) -> tuple[int, int]:
     """(heads a program, splits a sequence) of a decode launch, from sizes only (the block tables' width: `context`
-    keys). Heads: `head_block`'s, halved (down to 4) while the batch's head blocks x key tiles could not give every
-    SM a program; splits: enough for batch x head blocks x splits to fill PROGRAMS_PER_SM_MLA programs an SM
-    (`decode_parts`), at most one a key tile."""
+    keys; tiles of `block_n` keys, BLOCK_N by default: `decode_tile`). Heads: `head_block`'s, halved (down to 4)
+    while the batch's head blocks x key tiles could not give every SM a program; splits: enough for batch x head
+    blocks x splits to fill PROGRAMS_PER_SM_MLA programs an SM (`decode_parts`), at most one a key tile."""
+    block_n = block_n or BLOCK_N
     sms = _decode_programs(device) // PROGRAMS_PER_SM
-    heads, tiles = head_block(num_heads), cdiv(context, BLOCK_N)
+    heads, tiles = head_block(num_heads), cdiv(context, block_n)
     while heads > 4 and num_seqs * cdiv(num_heads, heads) * tiles < sms:
         heads //= 2
     blocks = cdiv(num_heads, heads)
-    return heads, decode_parts(num_seqs, blocks, context, BLOCK_N, sms * PROGRAMS_PER_SM_MLA)
+    return heads, decode_parts(num_seqs, blocks, context, block_n, sms * PROGRAMS_PER_SM_MLA)
 
 
 def _decode(q, cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, parts: int | None = None,
             heads: int | None = None, compile_only: bool = False) -> None:
-    """The decode launch(es): `heads` a program and `parts` splits a sequence (`decode_plan`'s by default);
-    compile_only: compile both kernels, launch nothing."""
-    num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
-    plan = decode_plan(num_seqs, num_heads, block_tables.shape[1] * cache.shape[1], q.device)
+    """The decode launch(es): `heads` a program and `parts` splits a sequence (`decode_plan`'s by default), tiles
+    of `decode_tile` keys; compile_only: compile both kernels, launch nothing."""
+    num_seqs, num_heads, block_n = seq_lens.shape[0], q.shape[1], decode_tile(cache.dtype)
+    plan = decode_plan(num_seqs, num_heads, block_tables.shape[1] * cache.shape[1], q.device, block_n)
     heads, parts = heads or plan[0], parts or plan[1]
     block_h = max(16, heads)
     if parts > 1:
@@ -269,13 +281,13 @@ def _decode(q, cache, block_tables, seq_lens, query_start_loc, qk_scale, out, me
     run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
     run(q, cache, out, pacc, pml, block_tables, seq_lens, query_start_loc, qk_scale, num_heads, parts,
         *q.stride(), *out.stride(), block_tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(3),
-        HEADS=heads, BLOCK_H=block_h, BLOCK_N=BLOCK_N, SPLIT=parts > 1, num_warps=4 if block_h <= 16 else 8,
+        HEADS=heads, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=parts > 1, num_warps=4 if block_h <= 16 else 8,
         num_stages=2,        **meta, **({"grid": grid} if compile_only else {}))
     if parts > 1:
         grid = (num_heads, num_seqs)
         run = _merge_kernel.warmup if compile_only else _merge_kernel[grid]
         launch = {k: meta[k] for k in ("LATENT", "BLOCK_L", "PDL", "launch_pdl") if k in meta}
-        run(out, pacc, pml, seq_lens, query_start_loc, num_heads, parts, *out.stride(), BLOCK_N=BLOCK_N,
+        run(out, pacc, pml, seq_lens, query_start_loc, num_heads, parts, *out.stride(), BLOCK_N=block_n,
             CHUNK=MERGE_CHUNK, num_warps=4, **launch, **({"grid": grid} if compile_only else {}))
 
 
