@@ -13,8 +13,8 @@ from infer.kernels import packing
 
 def rtn_gptq(src, out, group_size: int = 32, act_order: bool = False, bits: int = 4) -> None:
     """`src`'s float checkpoint written as a GPTQ one (round to nearest, sym, v1 zeros; every attention projection
-    and expert projection quantized, the router float): qweight, qzeros, scales and g_idx (act_order: g_idx a
-    permutation of the plain one), quantization_config in config.json."""
+    (DeepSeek's kv_a_proj_with_mqa too) and expert projection quantized, the router float): qweight, qzeros, scales
+    and g_idx (act_order: g_idx a permutation of the plain one), quantization_config in config.json."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -22,7 +22,7 @@ def rtn_gptq(src, out, group_size: int = 32, act_order: bool = False, bits: int 
     tensors = {}
     for name, t in load_file(out / "model.safetensors").items():
         module = name.removesuffix(".weight")
-        if not (name.endswith("proj.weight") or ".experts." in name):
+        if not (name.endswith(("proj.weight", "proj_with_mqa.weight")) or ".experts." in name):  # (DeepSeek's MLA)
             tensors[name] = t
             continue
         n, k = t.shape
