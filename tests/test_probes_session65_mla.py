@@ -238,18 +238,23 @@ def test_decode_plan_fills_an_h100_at_batch_1_to_64(heads):
     assert mla.decode_plan(64, heads, 8192, torch.device("cpu")) == (mla.head_block(heads), 4 if heads == 16 else 1)
 
 
-COMPILED = COMPILE_ONLY_SHARED + textwrap.dedent('''
+# a compile-only script's start: `seen` maps "KERNEL LABEL sm_ARCH" to the kernel's shared memory and its main loop's
+# local traffic, each launch (label[0] set by the script) compiled for arch[0]
+MLA_COMPILE_HOOK = COMPILE_ONLY_SHARED + textwrap.dedent('''
     from infer.kernels import mla
-    seen, bf16 = {}, torch.bfloat16
-    def kept(self, *args, **kwargs):  # each launch's kernel: its shared memory and its main loop's local traffic
+    seen, bf16, label = {}, torch.bfloat16, [""]
+    def kept(self, *args, **kwargs):
         kern = record(self, *args, **kwargs)
         res, local = kernel_sass.main_loop_spills(kern)
-        seen[f"{self.fn.__name__} h{q.shape[1]} sm_{arch[0]}"] = [kern.metadata.shared, local]
+        seen[f"{self.fn.__name__} {label[0]} sm_{arch[0]}"] = [kern.metadata.shared, local]
         return kern
     jit.JITFunction.run = kept
+''')
+COMPILED = MLA_COMPILE_HOOK + textwrap.dedent('''
     for arch[0] in (90, 89):
         triton.runtime.driver.set_active(Driver(arch[0]))
         for h in (16, 128):
+            label[0] = f"h{h}"
             q, cache = torch.zeros(4, h, 576, dtype=bf16), torch.zeros(8, 16, 1, 576, dtype=bf16)
             tables, lens = torch.zeros(4, 2, dtype=torch.int32), torch.full((4,), 20, dtype=torch.int32)
             out, meta = torch.zeros(4, h, 512, dtype=bf16), mla._widths(q, cache, 512)

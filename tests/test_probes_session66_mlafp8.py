@@ -19,10 +19,11 @@ from infer import LLM, SamplingParams, kernels
 from infer.kernels import reference
 from infer.kernels.moe import SM90_SMEM
 
-from helpers import (COMPILE_ONLY_SHARED, estimated_plan, hf_greedy, hf_model, interpreted_module, nan_filled_empty,
-                     random_prompts, run_compile_only)
+from helpers import (estimated_plan, hf_greedy, hf_model, interpreted_module, nan_filled_empty, random_prompts,
+                     run_compile_only)
 from test_fp8_kv_cache import hf_fp8_greedy
-from test_probes_session65_mla import DEV, LENS, MIXED, TOL, _batch, _definition, _float64, _half_bound
+from test_probes_session65_mla import (DEV, LENS, MIXED, MLA_COMPILE_HOOK, TOL, _batch, _definition, _float64,
+                                      _half_bound)
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
@@ -114,18 +115,10 @@ def test_the_model_attends_a_float8_cache_through_the_mla_kernels(mla, monkeypat
         mla.mla_paged_attention(q, cache.double(), tables, lens_t, starts, 0.2, 32)
 
 
-COMPILED = COMPILE_ONLY_SHARED + textwrap.dedent('''
-    from infer.kernels import mla
-    seen, bf16, kv = {}, torch.bfloat16, [None]
-    def kept(self, *args, **kwargs):  # each launch's kernel: its shared memory and its main loop's local traffic
-        kern = record(self, *args, **kwargs)
-        res, local = kernel_sass.main_loop_spills(kern)
-        seen[f"{self.fn.__name__} {kv[0]} sm_{arch[0]}"] = [kern.metadata.shared, local]
-        return kern
-    jit.JITFunction.run = kept
-    arch[0], kv[0] = 90, torch.float8_e4m3fn
+COMPILED = MLA_COMPILE_HOOK + textwrap.dedent('''
+    arch[0], label[0] = 90, "e4m3"
     triton.runtime.driver.set_active(Driver(arch[0]))
-    q, cache = torch.zeros(4, 128, 576, dtype=bf16), torch.zeros(8, 16, 1, 576, dtype=kv[0])
+    q, cache = torch.zeros(4, 128, 576, dtype=bf16), torch.zeros(8, 16, 1, 576, dtype=torch.float8_e4m3fn)
     tables, lens = torch.zeros(4, 2, dtype=torch.int32), torch.full((4,), 20, dtype=torch.int32)
     out, meta = torch.zeros(4, 128, 512, dtype=bf16), mla._widths(q, cache, 512)
     mla._decode(q, cache, tables, lens, torch.arange(5, dtype=torch.int32), 1.0, out, meta, parts=1)
@@ -140,7 +133,7 @@ def test_kernels_compile_for_sm90_over_an_e4m3_cache_without_spills():
     their main loops (decode tiles of 32 keys spilled: 16 over float8, `decode_tile`). (e5m2's cheaper upcast, and
     sm_89, were checked alike once: no spills, at most 63,488 bytes of shared memory.)"""
     seen = run_compile_only(COMPILED, 600)
-    assert sorted(seen) == [f"{n} torch.float8_e4m3fn sm_90" for n in ("_decode_kernel", "_prefill_kernel")], seen
+    assert sorted(seen) == [f"{n} e4m3 sm_90" for n in ("_decode_kernel", "_prefill_kernel")], seen
     for key, (used, local) in seen.items():
         assert used <= SM90_SMEM and local == 0, (key, used, local)
 
@@ -161,8 +154,8 @@ def test_gpu_real_widths_over_a_float8_cache_within_bf16_rounding(mla, kv, heads
 
 def test_bench_row_over_a_float8_cache(mla, monkeypatch):
     """`python -m infer.bench.mla --kv-cache-dtype fp8`'s row (a tiny shape, interpreted, a stand-in timer of 1 us a
-    call, a copy bandwidth of 1 GB/s): the MLA output within bf16 rounding of the generic kernel's over the same float8 rows, the bytes moved
-    counting the cache rows at one byte an element."""
+    call, a copy bandwidth of 1 GB/s): the MLA output within bf16 rounding of the generic kernel's over the same
+    float8 rows, the bytes moved counting the cache rows at one byte an element."""
     from infer.bench import mla as bench
     monkeypatch.setitem(bench.MODELS, "tiny", (4, 32, 16))
     row = bench.measure("tiny", 3, 40, 1e9, lambda fn: (fn(), 1e-3)[1], torch.Generator(device=DEV).manual_seed(0),
