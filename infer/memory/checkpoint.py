@@ -153,11 +153,12 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 groups = scales.get(name.removesuffix("qweight") + "scales", {"shape": [1]})["shape"][0]
                 if expert and act_order and groups > 1:  # (one group: plain, never sorted)
                     expert_sorted.add(_merged_key(name))
-                # MLA's absorbed kv_b_proj (models.deepseek) holds its float weight on every device, never prepacked:
-                # the CPU's dequantized at load, the GPU's copy beside the int4 tensors (MLAttention.absorb)
+                # the CPU path dequantizes each GPTQ layer once at load (and prepacks it); MLA's absorbed kv_b_proj
+                # (models.deepseek) holds its float weight on every device, never prepacked (on a GPU beside its int4
+                # tensors: MLAttention.absorb)
                 absorbed = name.endswith(".kv_b_proj.qweight")
-                if device.type == "cpu" or absorbed:  # the CPU path dequantizes each GPTQ layer once at load (and
-                    total += k * n * elem * (2 if prepacks and not expert and not absorbed else 1)  # prepacks it)
+                if device.type == "cpu" or absorbed:
+                    total += k * n * elem * (2 if prepacks and not expert and not absorbed else 1)
             if expert and device.type == "cpu":
                 continue
             total += size
