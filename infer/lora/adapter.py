@@ -21,7 +21,7 @@ import torch
 from ..errors import LoRAError, bom_error, json_problem
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_name, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
-from ..models.registry import COHERE, GLM, UNGATED, is_hybrid
+from ..models.registry import COHERE, GLM, HUNYUAN, UNGATED, is_hybrid
 from ..models.shapes import ModelShapes, is_mla
 from .targets import LINEAR_ATTENTION
 
@@ -95,7 +95,8 @@ V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtra
                      "deepseek_v2": ("gate_proj", "up_proj", "down_proj"),
                      "glm4_moe_lite": ("gate_proj", "up_proj", "down_proj"),
                      # (peft reads dots.llm1 as Qwen2-MoE, MiniMax-M2 as Mixtral: transformers' conversion patterns)
-                     "dots1": ("gate_proj", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2")}
+                     "dots1": ("gate_proj", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2"),
+                     "hunyuan_v1_moe": ("gate_proj", "up_proj", "down_proj")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
@@ -113,6 +114,7 @@ PEFT_NO_DEFAULT = ("phi3", "granite", "olmo2", "olmo3", *GLM, *COHERE, "exaone4"
 PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
 PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepSeek's, GLM-4.7-Flash's)
 PEFT_NO_DEFAULT += ("dots1", "minimax_m2")  # (nor dots.llm1's, MiniMax-M2's)
+PEFT_NO_DEFAULT += ("hunyuan_v1_moe",)  # (nor Hunyuan MoE's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -401,6 +403,16 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "(shared_mlp.input_linear, output_linear)", "train the adapter with target_modules on the "
                         "attention and target_parameters on the stacked experts (block_sparse_moe.experts."
                         "gate_up_proj, down_proj), or merge it into the weights (peft's merge_and_unload)")]
+    hunyuan_shared = [m for m in adapter.mlp_modules if ".mlp.shared_mlp." in m]
+    if base_config.model_type == "hunyuan_v1_moe" and hunyuan_shared:  # (models.moe.shared_adapted: no slots)
+        more = f" (and {len(hunyuan_shared) - 1} more modules)" if len(hunyuan_shared) > 1 else ""
+        return [Problem(f"adapts {hunyuan_shared[0]}{more}: infer does not adapt Hunyuan MoE's shared MLP "
+                        "(mlp.shared_mlp; peft on transformers 5 turns target_modules gate_proj, up_proj and "
+                        "down_proj into the experts' parameters, so no such adapter loads in peft either)",
+                        "train the adapter with "
+                        "target_modules on the attention (q_proj, k_proj, v_proj, o_proj) and the experts "
+                        "(gate_proj, up_proj, down_proj, or target_parameters mlp.experts.gate_up_proj, down_proj), "
+                        "or merge it into the weights (peft's merge_and_unload) and serve that")]
     # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
     # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
     unmapped = _moe_unmapped(adapter, base_config)
@@ -527,7 +539,7 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         per_layer += [".post_feedforward_layernorm"]
     if model_type == "glm4":
         per_layer += [".post_self_attn_layernorm", ".post_mlp_layernorm"]
-    if model_type == "hunyuan_v1_dense":
+    if model_type in HUNYUAN:
         per_layer += [".self_attn.query_layernorm", ".self_attn.key_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     if model_type == "granite_swa":  # (its rotary embeddings, one a non-zero base of layer_rope_theta)

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import LoRAError, LoRANameError, OutOfMemoryError
 from ..models.layers import MergedLinear
-from ..models.moe import SparseMoeBlock, experts_adapted
+from ..models.moe import SparseMoeBlock, experts_adapted, shared_adapted
 from ..models.registry import UNGATED
 from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
@@ -50,7 +50,7 @@ class LoRAManager:
         linears = [m for m in model.modules() if isinstance(m, MergedLinear)
                    and not getattr(m, "output_head", False)  # a GPTQ lm_head: adapters never target it
                    and not getattr(m, "absorbed", False)  # (MLA's kv_b_proj: models.deepseek, never run as a layer)
-                   and (adapted or ".shared_experts." not in m.names[0])]
+                   and shared_adapted(model.config, m.names[0])]
         self.base_config = model.config
         self.target_modules = target_modules
         self._chosen = check_target_modules(target_modules, model.config)

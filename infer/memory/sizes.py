@@ -398,11 +398,11 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them. With adapter slots
     (`lora_rank`), each pair's experts' LoRA (kernels.moe._LoRAPairs, kernels.reference.moe_lora_delta): its shrink
     [T * k, r] and the gate_up delta [T * k, 2I], with the int64 alignment of the pairs by slot and expert."""
-    from ..models.moe import expert_size, is_moe, num_experts, shared_width
+    from ..models.moe import expert_size, is_moe, num_experts, shared_width, top_k
     if not is_moe(model_config):
         return 0
     b, h = element_bytes(dtype), model_config.hidden_size
-    e, k, inter = num_experts(model_config), int(model_config.num_experts_per_tok), expert_size(model_config)
+    e, k, inter = num_experts(model_config), top_k(model_config), expert_size(model_config)
     experts = k * ((3 * inter + h) * b + 4 * 8)
     if lora_rank:
         experts += k * ((2 * inter + lora_rank) * b + 5 * 8)

@@ -4,13 +4,14 @@ which layers attend over a sliding window (`layer_window`)."""
 
 from __future__ import annotations
 
+from .registry import HUNYUAN
 from .rope import rope_max_positions
 
 # the families whose transformers attention ignores a sliding_window (no layer of theirs slides) while generate()'s
 # cache keeps only the last sliding_window keys (cache_utils.get_layer_types_and_kwargs: a config with the key and no
 # layer_types): a stray sliding_window in their config.json (a fine-tune's tooling) caps the context, never slides
 WINDOW_IGNORED = ("llama", "granite", "olmo2", "glm", "glm4", "gemma", "seed_oss", "ernie4_5", "ernie4_5_moe", "arcee",
-                  "nemotron", "apertus", "internlm3", "helium", "hunyuan_v1_dense", "minimax_m2")
+                  "nemotron", "apertus", "internlm3", "helium", *HUNYUAN, "minimax_m2")
 
 
 def sliding_window(model_config) -> int | None:

@@ -1,10 +1,11 @@
 """Mixture-of-experts members of the Llama family: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B,
 8x22B), Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), OpenAI's gpt-oss (gpt-oss-20b, 120b), GLM-4.5 / 4.6
 (GLM-4.5-Air), OLMoE (OLMoE-1B-7B), Granite MoE (granite-3.x-1b-a400m, 3b-a800m), GraniteMoeShared, ERNIE 4.5 MoE
-(ERNIE-4.5-21B-A3B), through models.qwen3_5's hybrid layers, Qwen3-Next and Qwen3.5 MoE (Qwen3.5-35B-A3B), and
-through models.nemotron_h's, Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B: GLM-4.5's router, `GROUPED`; relu² experts
-without gate, `Experts.gated` False: w13 [E, I, H] their up rows alone, which the fused MoE runs as relu(up)²; a
-relu² shared expert, llama.UngatedMLP; its experts and shared experts take no adapters, `experts_adapted`).
+(ERNIE-4.5-21B-A3B), Hunyuan MoE (Hunyuan-A13B-Instruct), through models.qwen3_5's hybrid layers, Qwen3-Next and
+Qwen3.5 MoE (Qwen3.5-35B-A3B), and through models.nemotron_h's, Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B:
+GLM-4.5's router, `GROUPED`; relu² experts without gate, `Experts.gated` False: w13 [E, I, H] their up rows alone,
+which the fused MoE runs as relu(up)²; a relu² shared expert, llama.UngatedMLP; its experts and shared experts take no
+adapters, `experts_adapted`).
 
 GLM-4.5: a float32 router of sigmoid scores whose e_score_correction_bias steers the choice only, group-limited
 top k (n_group groups scored by their two best, topk_group kept), renormalised where norm_topk_prob says, scaled by
@@ -23,7 +24,13 @@ router and layout of the experts (GLM-4.5's: `GROUPED`, `GLM_LAYOUT`; n_shared_e
 with a sigmoid router in the model's dtype whose e_score_correction_bias (the block's, block_sparse_moe.
 e_score_correction_bias: `_MINIMAX_BIAS`) steers the choice only, the top k always renormalised, float32 weights
 (`SparseMoeBlock.route`); its attention's q and k normed over their whole projections (OLMoE's), a partial rotary
-(rotary_dim) of NeoX pairs (models.llama.Attention, rope.partial_rotary).
+(rotary_dim) of NeoX pairs (models.llama.Attention, rope.partial_rotary). Hunyuan MoE: the dense Hunyuan's
+attention (q and k normed after the rotary, the rope's NTK alpha: llama.HunYuanDenseV1ForCausalLM) and on every layer a float32 router (mlp.gate.wg, of
+the hidden state in float32) whose softmax's top k (moe_topk: one k, or the same k a layer) are renormalised, float32
+weights, experts of intermediate_size and the block's shared_mlp (a SwiGLU MLP of intermediate_size, added unscaled,
+no adapter slots: `shared_adapted`); the remote code's fields transformers ignores refused where they ask another
+layer (registry.check_hunyuan), its capacity fields (capacity_factor, moe_drop_tokens) ignored as transformers and
+vLLM ignore them (every token routed to its k experts).
 
 gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
@@ -94,11 +101,12 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "dots1": "qwen3",  # (dots.llm1: Qwen3's attention, q and k normed per head; DeepSeek-V3's experts)
         # (MiniMax-M2: its own attention, q and k normed over their whole projections as OLMoE's, no biases, a partial
         # rotary of NeoX pairs; Mixtral's layer of experts with a sigmoid router)
-        "minimax_m2": "minimax_m2"}
+        "minimax_m2": "minimax_m2",
+        "hunyuan_v1_moe": "hunyuan_v1_dense"}  # (Hunyuan MoE: the dense Hunyuan's q/k norms after the rotary)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
-_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid", "minimax_m2")
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid", "minimax_m2", "hunyuan_v1_moe")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
@@ -146,9 +154,18 @@ def experts_field(cfg) -> str:
 
 
 def top_k_field(cfg) -> str:
-    """config.json's name of k (the experts a token is routed to): ERNIE 4.5 MoE's moe_k (transformers maps
-    num_experts_per_tok to it), the others' num_experts_per_tok."""
-    return "moe_k" if cfg.model_type == "ernie4_5_moe" else "num_experts_per_tok"
+    """config.json's name of k (the experts a token is routed to): ERNIE 4.5 MoE's moe_k and Hunyuan MoE's moe_topk
+    (transformers maps num_experts_per_tok to them), the others' num_experts_per_tok."""
+    return {"ernie4_5_moe": "moe_k", "hunyuan_v1_moe": "moe_topk"}.get(cfg.model_type, "num_experts_per_tok")
+
+
+def top_k(cfg) -> int:
+    """k (`top_k_field`); Hunyuan MoE's moe_topk may be a list, one a layer, which registry.check_hunyuan refuses
+    unless every entry is the same: that one k."""
+    k = getattr(cfg, "num_experts_per_tok", 0)
+    if isinstance(k, (list, tuple)):
+        k = k[0] if k else 0
+    return int(k or 0)
 
 
 def num_experts(cfg) -> int:
@@ -201,6 +218,8 @@ def shared_width(cfg) -> int:
         return int(getattr(cfg, "shared_intermediate_size", 0) or 0)
     if cfg.model_type == "nemotron_h":  # (Nemotron 3's shared experts: one relu² MLP without gate, not adapted)
         return int(getattr(cfg, "moe_shared_expert_intermediate_size", 0) or 0)
+    if cfg.model_type == "hunyuan_v1_moe":  # (its shared_mlp, of intermediate_size as the experts: not adapted)
+        return int(cfg.intermediate_size)
     return 0
 
 
@@ -218,11 +237,21 @@ def experts_adapted(cfg) -> bool:
     return getattr(cfg, "model_type", None) != "nemotron_h"
 
 
+def shared_adapted(cfg, module: str) -> bool:
+    """Whether the merged layer whose first checkpoint module is `module` gets adapter slots, as far as the shared
+    experts go: not Nemotron 3's shared experts (`experts_adapted`), nor Hunyuan MoE's shared_mlp (peft on
+    transformers 5 turns target_modules gate_proj, up_proj and down_proj into its experts' parameters: no adapter of
+    it loads in peft, and lora.adapter refuses one)."""
+    if getattr(cfg, "model_type", None) == "hunyuan_v1_moe":
+        return ".mlp.shared_mlp." not in module
+    return experts_adapted(cfg) or ".shared_experts." not in module
+
+
 def check_moe(cfg) -> None:
     """What an MoE config may ask that infer cannot run, refused up front."""
     if not is_moe(cfg):
         return
-    e, k = num_experts(cfg), int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+    e, k = num_experts(cfg), top_k(cfg)
     field = experts_field(cfg)
     if not any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)):
         return
@@ -434,13 +463,17 @@ class SparseMoeBlock(nn.Module):
         from .llama import MLP
         self.prefix = prefix  # the checkpoint's module (model.layers.N.mlp; Mixtral's model.layers.N.block_sparse_moe)
         e, h, inter = num_experts(cfg), cfg.hidden_size, expert_size(cfg)
-        self.top_k = int(cfg.num_experts_per_tok)
-        # (Qwen3.5 MoE's router renormalises always: transformers' Qwen3_5MoeTopKRouter, no norm_topk_prob)
-        self.renormalize = cfg.model_type in ("mixtral", "qwen3_5_moe_text") or bool(getattr(cfg, "norm_topk_prob",
-                                                                                              False))
+        self.top_k = top_k(cfg)
+        # (Qwen3.5 MoE's and Hunyuan MoE's routers renormalise always: transformers' Qwen3_5MoeTopKRouter and
+        # HunYuanMoEV1Gate, no norm_topk_prob)
+        self.renormalize = cfg.model_type in ("mixtral", "qwen3_5_moe_text", "hunyuan_v1_moe") \
+            or bool(getattr(cfg, "norm_topk_prob", False))
+        # Hunyuan MoE (transformers' HunYuanMoEV1Gate): a float32 router (wg, float32 in any dtype) of the hidden state
+        # in float32, the softmax's top k renormalised; float32 weights
+        self.hunyuan = cfg.model_type == "hunyuan_v1_moe"
         # transformers' Mixtral keeps the routing weights in float32 (its products with the experts' outputs too);
         # Qwen's round them to the model's dtype first
-        self.float_weights = cfg.model_type == "mixtral"
+        self.float_weights = cfg.model_type == "mixtral" or self.hunyuan
         # gpt-oss: a router with a bias, the softmax over the top k logits (in the model's dtype), experts with
         # biases and a clamped SwiGLU (reference.OaiExperts)
         self.oai = cfg.model_type == "gpt_oss"
@@ -471,7 +504,8 @@ class SparseMoeBlock(nn.Module):
         # the block's e_score_correction_bias (in the model's dtype, as transformers holds it) added for the choice
         # only, the top k always renormalised, never scaled; float32 weights
         self.minimax = cfg.model_type == "minimax_m2"
-        self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie or self.v2 else dtype, bias=self.oai)
+        self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie or self.v2 or self.hunyuan else dtype,
+                          bias=self.oai)
         if self.minimax:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=dtype), requires_grad=False)
             self.float_weights = True
@@ -550,6 +584,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_experts = MLP(cfg, f"{prefix.rpartition('.')[0]}.shared_mlp", method_for, dtype,
                                       inter=self.shared_width)
             self.shared_experts.down_proj.lora_consumer = None
+        # Hunyuan MoE's shared_mlp (the block's: mlp.shared_mlp.gate_proj, up_proj, down_proj), a SwiGLU MLP of
+        # intermediate_size every token runs, added unscaled: registered as shared_mlp (the checkpoint's name, by which
+        # the loader routes its tensors), shared_experts its alias
+        if self.hunyuan:
+            self.shared_width = shared_width(cfg)
+            self.shared_mlp = MLP(cfg, f"{prefix}.shared_mlp", method_for, dtype, inter=self.shared_width)
+            self.shared_mlp.down_proj.lora_consumer = None
+            object.__setattr__(self, "shared_experts", self.shared_mlp)
 
     def gptq_layer(self, index: int, part: int, proj: str):
         """Expert `index`'s GPTQ projection `part` (0 gate, 1 up, 2 down), a one-shard MergedLinear of its own
@@ -630,7 +672,8 @@ class SparseMoeBlock(nn.Module):
             ids = torch.topk(probs + self.gate.e_score_correction_bias, self.top_k, dim=-1)[1]
             weights = probs.gather(1, ids)
             return (weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)).to(x.dtype), ids
-        logits = self.gate(x)  # in the model's dtype, as transformers' F.linear
+        # in the model's dtype, as transformers' F.linear (Hunyuan's float32 router: of x in float32)
+        logits = self.gate(x.float() if self.hunyuan else x)
         if self.granite:
             top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
             return torch.softmax(top, dim=-1).to(x.dtype), ids
@@ -794,7 +837,9 @@ def mtp_tensor(cfg, name: str) -> bool:
 
 def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
-    e_score_correction_bias, as transformers keeps them: SparseMoeBlock)."""
+    e_score_correction_bias, as transformers keeps them: SparseMoeBlock), Hunyuan MoE's (mlp.gate.wg.weight)."""
+    if getattr(cfg, "model_type", None) == "hunyuan_v1_moe":
+        return name.endswith(".mlp.gate.wg.weight")
     return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h", "deepseek_v3",
                                                 "deepseek_v2", "glm4_moe_lite", "dots1") \
         and _ROUTER32.search(name) is not None \
@@ -833,6 +878,8 @@ class MoeForCausalLM:
             head, sep, tail = key.partition(".block_sparse_moe.")
             if sep and tail in _GRANITE_NAMES:
                 key = f"{head}{sep}{_GRANITE_NAMES[tail]}"
+        if self.config.model_type == "hunyuan_v1_moe" and key.endswith(".mlp.gate.wg.weight"):  # (its router's name)
+            key = key.removesuffix(".wg.weight") + ".weight"
         if self.config.model_type == "ernie4_5_moe" and _ERNIE_BIAS.search(key):  # (as GLM-4.5's, [E])
             key = _ERNIE_BIAS.sub(".mlp.gate.e_score_correction_bias", key)
             t = t.reshape(-1)
@@ -864,7 +911,7 @@ class MoeForCausalLM:
             dest = getattr(block.gate, part, None)
             if dest is None:
                 return None  # (the loader names it as a tensor config.json has no place for)
-            t = raw if (block.glm or block.ernie or block.v2) and raw is not None else t
+            t = raw if (block.glm or block.ernie or block.v2 or block.hunyuan) and raw is not None else t
             check(dest.shape, dest)
             dest.data.copy_(t)
             return f"layers.{layer}.gate.{part}"
@@ -1047,18 +1094,21 @@ def _check_mxfp4_finite(name: str, stack: Mxfp4Stack, dtype: torch.dtype) -> Non
                                  f"(inf) at {at}", "use a wider --dtype (bfloat16 or float32)")
 
 
-_CLASS: list[type] = []
+_CLASS: dict[str, type] = {}
 
 
-def moe_model_class(granite: bool = False) -> type:
+def moe_model_class(base: str = "llama") -> type:
     """LlamaForCausalLM with the loader's routing of the experts' tensors (DecoderLayer builds a sparse layer's
-    SparseMoeBlock); `granite`: GraniteForCausalLM's (Granite MoE: its four scalars)."""
+    SparseMoeBlock); `base` "granite": GraniteForCausalLM's (Granite MoE: its four scalars); "hunyuan":
+    HunYuanDenseV1ForCausalLM's (Hunyuan MoE: q and k rotated, then normed, its identity table to the kernels)."""
     if not _CLASS:
-        from .llama import GraniteForCausalLM, LlamaForCausalLM
-        _CLASS.append(type("MoeForCausalLM", (MoeForCausalLM, LlamaForCausalLM), {
+        from .llama import GraniteForCausalLM, HunYuanDenseV1ForCausalLM, LlamaForCausalLM
+        _CLASS["llama"] = type("MoeForCausalLM", (MoeForCausalLM, LlamaForCausalLM), {
             "__doc__": "A mixture-of-experts model (models.moe): Llama's loop over its layers, a sparse layer's MLP a "
-                       "SparseMoeBlock."}))
-        _CLASS.append(type("GraniteMoeForCausalLM", (MoeForCausalLM, GraniteForCausalLM), {
-            "__doc__": "Granite MoE (models.moe): Granite's scalars, a sparse layer's MLP a SparseMoeBlock."}))
-    return _CLASS[1 if granite else 0]
-
+                       "SparseMoeBlock."})
+        _CLASS["granite"] = type("GraniteMoeForCausalLM", (MoeForCausalLM, GraniteForCausalLM), {
+            "__doc__": "Granite MoE (models.moe): Granite's scalars, a sparse layer's MLP a SparseMoeBlock."})
+        _CLASS["hunyuan"] = type("HunYuanMoEV1ForCausalLM", (MoeForCausalLM, HunYuanDenseV1ForCausalLM), {
+            "__doc__": "Hunyuan MoE (models.moe): the dense Hunyuan's attention, every layer's MLP a SparseMoeBlock "
+                       "with its shared MLP."})
+    return _CLASS[base]

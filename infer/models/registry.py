@@ -66,6 +66,10 @@ SUPPORTED = {
     # Tencent's Hunyuan dense (Hunyuan-0.5B/1.8B/4B/7B-Instruct): Llama's layers with q and k normed per head after
     # the rotary, a rope of NTK alpha (rope_scaling's "dynamic" with an alpha: a static base, rope.py)
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+    # Tencent's Hunyuan MoE (Hunyuan-A13B-Instruct: 80B, 13B active): the dense Hunyuan's attention, on every layer a
+    # float32 softmax router whose top k are renormalised, experts of intermediate_size and a shared MLP of that width
+    # beside them, added unscaled (models.moe)
+    "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     # IBM's Granite SWA (granite-swash): Granite's layers with sliding windows on the layers layer_types names, a
     # learned attention sink per head (gpt-oss's) and no rotary on the layers layer_rope_theta gives 0 (NoPE)
     "GraniteSWAForCausalLM": "granite_swa",
@@ -129,6 +133,9 @@ COHERE = ("cohere", "cohere2")
 # the families whose MLP has no gate (models.llama.UngatedMLP: down(act(up(x)))): StarCoder2's (c_fc, gelu, c_proj),
 # Arcee's and Nemotron's (up_proj, relu², down_proj), Apertus's (up_proj, xIELU of learned parameters, down_proj)
 UNGATED = ("starcoder2", "arcee", "nemotron", "apertus", "nemotron_h")  # (Nemotron-H's MLP layers: models.nemotron_h)
+# Tencent's Hunyuan: the dense models and the mixture of experts, one attention (q and k normed after the rotary, the
+# rope's NTK alpha: models.llama.HunYuanDenseV1ForCausalLM)
+HUNYUAN = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # the activation each ungated family's hidden_act must name (transformers' ACT2FN name) and infer's name for it
 UNGATED_ACT = {"starcoder2": ("gelu_pytorch_tanh", "gelu_tanh"), "arcee": ("relu2", "relu2"),
                "nemotron": ("relu2", "relu2"), "apertus": ("xielu", "xielu")}
@@ -160,7 +167,8 @@ _INTERNLM = ("infer runs InternLM3 (InternLM3ForCausalLM, model_type internlm3: 
              "InternLM3 checkpoint")
 _HELIUM = "infer runs Kyutai's Helium (HeliumForCausalLM, model_type helium: helium-1-2b): use a Helium checkpoint"
 _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, model_type hunyuan_v1_dense: "
-            "Hunyuan-0.5B/1.8B/4B/7B-Instruct): use one of those")
+            "Hunyuan-0.5B/1.8B/4B/7B-Instruct) and Hunyuan MoE (HunYuanMoEV1ForCausalLM, model_type hunyuan_v1_moe: "
+            "Hunyuan-A13B-Instruct): use one of those")
 _DEEPSEEK = ("infer runs DeepSeek-V3's layout (DeepseekV3ForCausalLM, model_type deepseek_v3: DeepSeek-V3, V3.1, R1, "
              "Moonlight-16B-A3B, Kimi-K2) and DeepSeek-V2's (DeepseekV2ForCausalLM, model_type deepseek_v2: "
              "DeepSeek-V2-Lite, V2, V2.5): use one of those")
@@ -205,7 +213,6 @@ NEAR_FAMILIES = {
     "internlm_xcomposer2": ("InternLM-XComposer2, a vision-language model (remote code)", _INTERNLM),
     "moshi": ("Kyutai's Moshi, a speech-text model (MoshiForConditionalGeneration) on a Helium backbone", _HELIUM),
     "kyutai_speech_to_text": ("Kyutai's speech-to-text model (KyutaiSpeechToTextForConditionalGeneration)", _HELIUM),
-    "hunyuan_v1_moe": ("Hunyuan's mixture of experts (HunYuanMoEV1ForCausalLM: Hunyuan-A13B)", _HUNYUAN),
     "hunyuan": ("Hunyuan-Large, a mixture of experts with cross-layer attention (remote code)", _HUNYUAN),
     "hunyuan_vl": ("Hunyuan's vision-language model (HunYuanVLForConditionalGeneration)", _HUNYUAN),
     "aya_vision": ("Aya Vision, Cohere's multimodal model (AyaVisionForConditionalGeneration)", _COHERE),
@@ -243,7 +250,7 @@ def check_supported(cfg) -> str:
         check_cohere(cfg)
     if model_type == "helium":
         check_helium(cfg)
-    if model_type == "hunyuan_v1_dense":
+    if model_type in HUNYUAN:
         check_hunyuan(cfg)
     if model_type == "minimax_m2":
         check_minimax_m2(cfg)
@@ -347,21 +354,62 @@ def check_helium(cfg) -> None:
                                     "weights)")
 
 
-# Hunyuan's remote-code fields that transformers' HunYuanDenseV1 never reads (it norms q and k, rotates every layer
-# and shares no KV across layers, whatever they say): (field, the value its layers assume, what another value means)
+# Hunyuan's remote-code fields that transformers' HunYuanDenseV1 and HunYuanMoEV1 never read (they norm q and k, rotate
+# every layer, share no KV across layers, project q, k and v as usual and add the MoE's shared MLP, whatever these say):
+# (field, the value their layers assume, what another value means)
 _HUNYUAN_FIXED = (("use_qk_norm", True, "q and k not normed"), ("use_rotary_pos_emb", True, "no rotary"),
-                  ("use_cla", False, "cross-layer attention (layers sharing keys and values)"))
+                  ("use_cla", False, "cross-layer attention (layers sharing keys and values)"),
+                  ("use_mla", False, "multi-head latent attention"))
+_HUNYUAN_MOE_FIXED = (("use_mixed_mlp_moe", True, "no shared MLP beside the experts"),)
 
 
 def check_hunyuan(cfg) -> None:
     """A Hunyuan config whose remote-code fields ask another layer than transformers' (and infer's) runs: refused
-    naming the field (transformers would run the weights as the usual layers)."""
-    for field, value, what in _HUNYUAN_FIXED:
+    naming the field (transformers would run the weights as the usual layers); Hunyuan MoE's per-layer fields too
+    (`_check_hunyuan_moe`)."""
+    t = cfg.model_type
+    for field, value, what in _HUNYUAN_FIXED + (_HUNYUAN_MOE_FIXED if t == "hunyuan_v1_moe" else ()):
         got = getattr(cfg, field, None)
         if got is not None and bool(got) != value:
-            raise UnsupportedModelError(f"hunyuan_v1_dense with {field} {json.dumps(got)} ({what}) is not supported",
-                                        f"Hunyuan's dense models have {field} {json.dumps(value)}: use the "
-                                        "config.json that came with the weights")
+            kind = "dense models" if t == "hunyuan_v1_dense" else "mixtures of experts (Hunyuan-A13B)"
+            raise UnsupportedModelError(f"{t} with {field} {json.dumps(got)} ({what}) is not supported",
+                                        f"Hunyuan's {kind} have {field} {json.dumps(value)}: use the config.json that "
+                                        "came with the weights")
+    if t == "hunyuan_v1_moe":
+        _check_hunyuan_moe(cfg)
+
+
+def _per_layer(cfg, field: str) -> list:
+    """config.json's `field` as a list of its values (the remote code's int or list, one a layer; [] where unset)."""
+    got = getattr(cfg, field, None)
+    return [] if got is None else list(got) if isinstance(got, (list, tuple)) else [got]
+
+
+def _check_hunyuan_moe(cfg) -> None:
+    """The remote code's per-layer MoE fields where they ask what transformers' HunYuanMoEV1 (one k, experts and a
+    shared MLP of intermediate_size on every layer) does not run: moe_topk differing by layer (or fewer entries than
+    layers: transformers fails indexing them), moe_intermediate_size other than intermediate_size, num_shared_expert
+    other than 1, moe_layer_num_skipped dense layers first. (capacity_factor, moe_drop_tokens and
+    moe_random_routing_dropped_token are training's: transformers and vLLM route every token to its k experts.)"""
+    hint = "use the config.json that came with the weights (Hunyuan-A13B's: moe_topk 8 on every layer, " \
+           "moe_intermediate_size and intermediate_size 3072, num_shared_expert 1, moe_layer_num_skipped 0)"
+    ks, layers = _per_layer(cfg, "moe_topk"), cfg.num_hidden_layers
+    if len(set(map(str, ks))) > 1 or (isinstance(cfg.moe_topk, (list, tuple)) and len(ks) < layers):
+        raise UnsupportedModelError(f"hunyuan_v1_moe with moe_topk {json.dumps(ks)} for {layers} layers is not "
+                                    "supported: infer routes every layer's tokens to one number of experts", hint)
+    checks = (("moe_intermediate_size", cfg.intermediate_size, "experts of another width than intermediate_size, "
+               "which transformers gives the experts"),
+              ("num_shared_expert", 1, "a shared MLP of another width than intermediate_size, transformers'"))
+    for field, want, what in checks:
+        other = sorted({json.dumps(v) for v in _per_layer(cfg, field) if v != want})
+        if other:
+            raise UnsupportedModelError(f"hunyuan_v1_moe with {field} {', '.join(other)} ({what}) is not "
+                                        "supported", hint)
+    skipped = getattr(cfg, "moe_layer_num_skipped", 0) or 0
+    if skipped:
+        raise UnsupportedModelError(f"hunyuan_v1_moe with moe_layer_num_skipped {json.dumps(skipped)} (its first "
+                                    "layers dense) is not supported: transformers and infer give every layer the "
+                                    "experts", hint)
 
 
 # MiniMax-M2's remote-code fields that transformers' MiniMaxM2 never reads (its layers norm q and k over their whole
@@ -533,7 +581,8 @@ def model_class(cfg):
         return deepseek_class()
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
-        return moe_model_class(cfg.model_type in ("granitemoe", "granitemoeshared"))
+        return moe_model_class({"granitemoe": "granite", "granitemoeshared": "granite",
+                                "hunyuan_v1_moe": "hunyuan"}.get(cfg.model_type, "llama"))
     from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
                         Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, GraniteSWAForCausalLM,
                         HunYuanDenseV1ForCausalLM, LlamaForCausalLM, NemotronForCausalLM, Olmo2ForCausalLM,

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..errors import OutOfMemoryError, UnsupportedModelError
+from .registry import HUNYUAN
 from .shapes import ModelShapes, is_mla
 
 
@@ -104,7 +105,7 @@ def rope_table_bytes(cfg, max_positions: int, dtype: torch.dtype | None = None, 
     bf16 = (dtype == torch.bfloat16 and device is not None and torch.device(device).type == "cpu"
             and kind not in ROPE_IN_FLOAT32 + ROPE_CAST_ROTATED_IN_FLOAT32)
     # (the NoPE layers' identity_cos_sin, float32; Hunyuan's layers hand it the fused kernels: models.llama)
-    nope = 2 if any(nope_layers(cfg)) or kind == "hunyuan_v1_dense" else 0
+    nope = 2 if any(nope_layers(cfg)) or kind in HUNYUAN else 0
     return max_positions * (width * (2 if bf16 else 4) + nope * 4)
 
 
@@ -129,8 +130,9 @@ def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
 
 def ntk_alpha(cfg, params: dict) -> bool:
     """Whether the rope is Hunyuan's NTK alpha: its checkpoints' rope_scaling "dynamic" with an alpha, which
-    transformers' HunYuanDenseV1 runs as a static base (rope_type "ntk_alpha"), never rescaled by the length."""
-    return getattr(cfg, "model_type", None) == "hunyuan_v1_dense" and params.get("rope_type") == "dynamic" \
+    transformers' HunYuanDenseV1 and HunYuanMoEV1 run as a static base (rope_type "ntk_alpha"), never rescaled by
+    the length."""
+    return getattr(cfg, "model_type", None) in HUNYUAN and params.get("rope_type") == "dynamic" \
         and bool(params.get("alpha"))
 
 

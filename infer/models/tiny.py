@@ -157,6 +157,11 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-hunyuan": TinySpec("hunyuan_v1_dense", 25, config=dict(
         _TINY, head_dim=32, tie_word_embeddings=True,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})),
+    # Hunyuan MoE (A13B's shape, shrunk): tiny-hunyuan's attention and rope, on every layer 8 experts of 32 (top 2,
+    # renormalised, a float32 router) beside a shared MLP of 32, a tied head
+    "tiny-hunyuan-moe": TinySpec("hunyuan_v1_moe", 37, config=dict(
+        _TINY, head_dim=32, intermediate_size=32, num_experts=8, moe_topk=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})),
     # Granite SWA: Granite's scalars, 3 sliding layers of 4 (a window of 64: prompts pass it), attention sinks, no
     # rotary on the full layer (layer_rope_theta 0). Untied head (its config's default ties it: as Gemma's above)
     "tiny-granite-swa": TinySpec("granite_swa", 26, config=dict(
