@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import textwrap
 import time
 from pathlib import Path
@@ -227,6 +228,70 @@ def estimate_refusal(folder, model_type: str, arch: str, **config) -> str:
     res = CliRunner().invoke(app, ["warmup", str(folder), "--estimate"], env={"COLUMNS": "250"})
     assert res.exit_code != 0, res.output
     return " ".join(res.output.split())
+
+
+def hub_shaped_folder(folder, family: str, arch: str, config: dict, gptq_group: int = 0) -> int:
+    """A model folder of transformers' `family` model (architecture `arch`) of `config` whose safetensors shards have
+    the hub's tensors' names, shapes and dtypes (bfloat16, the routers float32) and no values (sparse files: a header,
+    then a hole of the data's size), the tiny-llama tokenizer; with `gptq_group`, a 4-bit GPTQ checkpoint's in
+    GPTQModel's layout (every projection's qweight, qzeros, scales and g_idx in groups of that size, each expert's
+    apart). Returns the parameters' count."""
+    import shutil
+    import struct
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from infer.models.tiny import ensure_builtin
+    cfg = AutoConfig.for_model(family, **config)
+    cfg.architectures = [arch]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if gptq_group:
+        cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": gptq_group, "desc_act": False,
+                                   "sym": True}
+    cfg.save_pretrained(folder)
+    shards, count = [{}], 0  # (shards of up to 1 GiB: a reader maps one file at a time)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:  # (a tied head: the embeddings' alone stored)
+            continue
+        count += t.numel()
+        for key, dtype, shape in _stored_tensors(name, t, gptq_group):
+            size = math.prod(shape) * (2 if dtype in ("BF16", "F16") else 4)
+            if shards[-1] and shards[-1]["end"] + size > 1 << 30:
+                shards.append({})
+            start = shards[-1].setdefault("end", 0)
+            shards[-1][key] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + size]}
+            shards[-1]["end"] = start + size
+    index = {}
+    for i, header in enumerate(shards):
+        end = header.pop("end")
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        raw = json.dumps(header).encode()
+        with open(folder / file, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + end)
+        index.update(dict.fromkeys(header, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / name, folder / name)
+    return count
+
+
+def _stored_tensors(name: str, t: torch.Tensor, group: int) -> list[tuple[str, str, list[int]]]:
+    """(name, safetensors dtype, shape) of what a checkpoint stores for parameter `name` of `t`: itself (bfloat16,
+    float32 where the model keeps it so); with `group`, a projection's 4-bit GPTQ tensors in groups of that size and
+    transformers 5's stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as each expert's projections."""
+    if group and t.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        stack, _, proj = name.rpartition(".")
+        e, rows, cols = t.shape
+        parts = [("gate_proj", rows // 2), ("up_proj", rows // 2)] if proj == "gate_up_proj" else [("down_proj", rows)]
+        return [x for i in range(e) for p, n in parts
+                for x in _stored_tensors(f"{stack}.{i}.{p}.weight", torch.empty(n, cols, device="meta"), group)]
+    if group and t.dim() == 2 and name.endswith("proj.weight"):
+        module, (out, k) = name.removesuffix(".weight"), t.shape
+        return [(f"{module}.qweight", "I32", [k // 8, out]), (f"{module}.qzeros", "I32", [k // group, out // 8]),
+                (f"{module}.scales", "F16", [k // group, out]), (f"{module}.g_idx", "I32", [k])]
+    return [(name, "F32" if t.dtype == torch.float32 else "BF16", list(t.shape))]
 
 
 def family_small_config(num_hidden_layers: int) -> dict:

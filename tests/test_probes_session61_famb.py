@@ -10,7 +10,7 @@ k rotated, normed, then through the fused kernels by an identity table), chunked
 checkpoints from `infer quantize` equal to GPTQModel's own load (and convert); peft adapters equal to peft (alone and
 mixed, on the CPU and through the kernels); lora-validate, serve, warmup --estimate, run, bench, the built-in tiny
 models; what their configs ask that infer cannot do refused up front; their near neighbours (InternLM2, Moshi,
-Hunyuan's mixtures of experts) refused naming what they are."""
+Hunyuan-Large) refused naming what they are (Hunyuan MoE, once refused here: test_probes_session66_hunyuanmoe)."""
 
 from __future__ import annotations
 
@@ -293,7 +293,6 @@ test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_th
     ("internlm2", "InternLM2ForCausalLM", "InternLM2 and InternLM2.5", "InternLM3ForCausalLM"),
     ("internlm", "InternLMForCausalLM", "the first InternLM", "InternLM3ForCausalLM"),
     ("moshi", "MoshiForConditionalGeneration", "Kyutai's Moshi, a speech-text model", "HeliumForCausalLM"),
-    ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "Hunyuan's mixture of experts", "HunYuanDenseV1ForCausalLM"),
     ("hunyuan", "HunYuanForCausalLM", "Hunyuan-Large", "HunYuanDenseV1ForCausalLM")])
 def test_near_neighbours_are_refused_naming_what_they_are(tmp_path, model_type, arch, what, runs):
     """A config of a near neighbour (remote code) is refused naming what it is and the family infer runs, by the

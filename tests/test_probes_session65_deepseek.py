@@ -20,7 +20,7 @@ from infer.cli.main import app
 
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
                      check_equal_transformers, correction_bias_drawn, estimate_refusal, greedy_each, greedy_tokens,
-                     norms_shifted_biases_drawn, random_prompts, save_random_model)
+                     hub_shaped_folder, norms_shifted_biases_drawn, random_prompts, save_random_model)
 from quant_helpers import check_gpu_path_equals_transformers, needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
@@ -206,45 +206,6 @@ V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe
 HUB = {"moonlight": ("deepseek_v3", MOONLIGHT), "v2-lite": ("deepseek_v2", V2_LITE)}
 
 
-def hub_shaped_folder(folder, family: str, config: dict) -> int:
-    """A model folder of transformers' `family` model of `config` whose safetensors shards have the hub's tensors'
-    names, shapes and dtypes (bfloat16, the routers float32) and no values (sparse files: a header, then a hole of
-    the data's size), the tiny-llama tokenizer; returns the parameters' count."""
-    import shutil
-    import struct
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from infer.models.tiny import ensure_builtin
-    cfg = AutoConfig.for_model(family, **config)
-    cfg.architectures = [ARCH[family]]
-    cfg.save_pretrained(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    shards, count = [{}], 0  # (shards of up to 1 GiB: a reader maps one file at a time)
-    for name, t in model.state_dict().items():
-        size = t.numel() * t.element_size()
-        if shards[-1] and shards[-1]["end"] + size > 1 << 30:
-            shards.append({})
-        start = shards[-1].setdefault("end", 0)
-        shards[-1][name] = {"dtype": "F32" if t.dtype == torch.float32 else "BF16", "shape": list(t.shape),
-                            "data_offsets": [start, start + size]}
-        shards[-1]["end"], count = start + size, count + t.numel()
-    index = {}
-    for i, header in enumerate(shards):
-        end = header.pop("end")
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        raw = json.dumps(header).encode()
-        with open(folder / file, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + end)
-        index.update(dict.fromkeys(header, file))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ensure_builtin("tiny-llama") / name, folder / name)
-    return count
-
-
 @pytest.mark.parametrize("name", HUB)
 def test_warmup_plans_the_hubs_shapes(tmp_path, monkeypatch, name):
     """`infer warmup --estimate` of a checkpoint of Moonlight-16B-A3B's and DeepSeek-V2-Lite's shapes (no values):
@@ -252,7 +213,7 @@ def test_warmup_plans_the_hubs_shapes(tmp_path, monkeypatch, name):
     billion parameters (the CPU's prepacked copies of the dense layers on top, under 15% more), a context of
     4,096 tokens planned for on a host of 128 GiB given 96 GB."""
     family, config = HUB[name]
-    params = hub_shaped_folder(tmp_path, family, config)
+    params = hub_shaped_folder(tmp_path, family, ARCH[family], config)
     assert 15.5e9 < params < 16.1e9, params
     monkeypatch.setattr("infer.memory.plan.device_total", lambda device: 128 << 30)  # (a host of 128 GiB)
     res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16",

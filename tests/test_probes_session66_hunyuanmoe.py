@@ -1,0 +1,253 @@
+"""Session 66: Tencent's Hunyuan MoE (HunYuanMoEV1ForCausalLM, model_type hunyuan_v1_moe: Hunyuan-A13B-Instruct),
+end to end on tiny random models (float32) against transformers: the dense Hunyuan's attention (q and k normed after
+the rotary, the rope's NTK alpha), on every layer a float32 softmax router (mlp.gate.wg) whose top k are renormalised,
+experts of intermediate_size and the shared MLP beside them; moe_topk as one k or a list of one k a layer; chunked
+prefill and prefix caching; the GPU code path (Triton interpreted); peft adapters of the attention and the experts
+mixed in one batch (the shared MLP takes none); GPTQ experts and shared MLP; the memory plan of A13B's shapes; the
+remote code's fields transformers ignores refused where they ask another layer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+
+from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
+                     check_equal_transformers, estimate_refusal, hub_shaped_folder, norms_shifted_biases_drawn,
+                     random_prompts, save_random_model)
+
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
+ARCH = "HunYuanMoEV1ForCausalLM"
+ALPHA = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}
+# Hunyuan-A13B's shape, shrunk: 32 layers there, 32 heads of 128 (8 KV heads), 64 experts of 3072 (top 8) beside a
+# shared MLP of 3072, the NTK alpha rope; here 2 layers, 4 heads of 16 (2 KV heads), 8 experts of 32 (top 2) beside a
+# shared MLP of 32
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2, max_position_embeddings=256,
+             eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, rope_parameters=ALPHA)
+
+
+def build(folder, seed: int = 0, **config):
+    """A random Hunyuan MoE folder (float32) with the tiny-llama tokenizer, norms shifted and biases drawn; returns
+    transformers' model (eager)."""
+    return save_random_model(folder, "hunyuan_v1_moe", ARCH, {**SMALL, **config}, seed, norms_shifted_biases_drawn)
+
+
+CONFIGS = {
+    "alpha-untied": dict(),
+    # moe_topk given a layer (the hub's form), 3 of 8, q/k/v/o biases, a tied head, the default rope
+    "topk-list-biases-tied": dict(moe_topk=[3, 3], attention_bias=True, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4; every
+    layer sparse, its router float32, its shared MLP loaded from mlp.shared_mlp."""
+    from infer.models.moe import SparseMoeBlock
+    hf = build(tmp_path, **CONFIGS[name])
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        model = llm.engine.runner.model
+        for layer in model.layers:
+            block = layer.mlp
+            assert isinstance(block, SparseMoeBlock) and block.gate.weight.dtype == torch.float32
+            assert block.top_k == hf.model.layers[0].mlp.gate.top_k and block.shared_experts is block.shared_mlp
+        assert model.layers[1].mlp.shared_mlp.down_proj.names == ["model.layers.1.mlp.shared_mlp.down_proj"]
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=3))
+    check_equal_transformers(hf, prompts, outs, 10, name)
+
+
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    check_chunked_prefill_and_prefix_caching(tmp_path, build(tmp_path, seed=1))
+
+
+def test_the_router_in_bfloat16_equals_transformers(tmp_path):
+    """SparseMoeBlock.route of 64 bfloat16 tokens against transformers' HunYuanMoEV1Gate (its wg float32, the hidden
+    state cast to float32): the same experts and float32 weights, renormalised (each token's sum 1), where a router in
+    bfloat16 weighs them otherwise."""
+    from infer.models.moe import SparseMoeBlock
+    hf = build(tmp_path)
+    router = hf.model.layers[0].mlp.gate
+    block = SparseMoeBlock(hf.config, "model.layers.0.mlp", lambda names: None, torch.bfloat16)
+    block.gate.weight.data.copy_(router.wg.weight)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        _, want_w, want_ids = router(x)
+    weights, ids = block.route(x)
+    assert weights.dtype == torch.float32 and torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(64))
+    rounded = torch.softmax(x @ router.wg.weight.bfloat16().T, dim=-1, dtype=torch.float32).topk(2, dim=-1).values
+    assert not torch.equal(rounded / rounded.sum(-1, keepdim=True), want_w)
+
+
+@interpreted
+def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    """Every op through its Triton kernel (interpreted on CPU): q and k rotated, normed, then the fused kernels by the
+    identity table, the fused MoE with float32 routing weights, the shared MLP; decodes through emulated CUDA graphs,
+    the other steps through emulated piecewise graphs: transformers' tokens."""
+    from quant_helpers import check_gpu_path_equals_transformers
+    check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, seed=2))
+
+
+def test_builtin_tiny_model_runs_and_warmup_sizes_it():
+    check_builtin_runs_and_warmup_sizes_it("tiny-hunyuan-moe", ARCH, True)
+
+
+# ------------------------------------------------------------------------------------------------------- memory
+A13B = dict(vocab_size=128167, hidden_size=4096, intermediate_size=3072, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, num_experts=64, moe_topk=[8] * 32, max_position_embeddings=32768,
+            tie_word_embeddings=True, rope_parameters={**ALPHA, "rope_theta": 10000.0})
+
+
+def test_warmup_plans_a13bs_shapes(tmp_path, monkeypatch):
+    """`infer warmup --estimate` of a checkpoint of Hunyuan-A13B's shapes (no values, the hub's config fields: moe_topk
+    a layer, moe_intermediate_size, num_shared_expert): its 80 billion parameters' bfloat16 bytes (the routers float32,
+    the CPU's prepacked copies of the dense layers on top, under 15% more), a KV cache of 32 x 2 x 8 x 128 x 2 bytes a
+    token, 4,096 tokens planned for on a host of 256 GiB given 200 GB."""
+    params = hub_shaped_folder(tmp_path, "hunyuan_v1_moe", ARCH, A13B)
+    assert 79.5e9 < params < 80.6e9, params
+    config = json.loads((tmp_path / "config.json").read_text())
+    hub = dict(moe_intermediate_size=[3072] * 32, num_shared_expert=[1] * 32, moe_layer_num_skipped=0,
+               use_mixed_mlp_moe=True, use_qk_norm=True, use_cla=False, capacity_factor=1.0)
+    (tmp_path / "config.json").write_text(json.dumps({**config, **hub}))
+    monkeypatch.setattr("infer.memory.plan.device_total", lambda device: 256 << 30)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16",
+                                   "--max-length", "4096", "--device", "cpu", "--memory-limit", "200GB"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    assert plan["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+    assert 2 * params <= plan["weights_bytes"] < 2 * params * 1.15, (plan["weights_bytes"], params)
+    assert plan["max_concurrency_at_max_length"] >= 1, plan
+
+
+def test_a13b_in_int4_fits_one_80_gb_gpu_with_its_whole_context(tmp_path):
+    """A 4-bit GPTQ checkpoint of Hunyuan-A13B's shapes (groups of 128, GPTQModel's layout: each expert's projections
+    apart; no values): the weights a GPU holds (memory.checkpoint: the experts int4, about 0.53 bytes a parameter,
+    42 GB) with the KV cache of its whole context (32,768 tokens of 32 x 2 x 8 x 128 bfloat16 values) fit one 80 GB
+    GPU with a tenth to spare."""
+    from infer.memory.checkpoint import checkpoint_load_bytes
+    from infer.memory.sizes import kv_bytes_per_token
+    from infer.models.loader import load_config
+    params = hub_shaped_folder(tmp_path, "hunyuan_v1_moe", ARCH, A13B, gptq_group=128)
+    cfg = load_config(tmp_path)
+    weights = checkpoint_load_bytes(tmp_path, cfg, torch.bfloat16, torch.device("cuda"))
+    assert 0.5 * params < weights < 0.56 * params, (weights, params)
+    assert weights + 32768 * kv_bytes_per_token(cfg, torch.bfloat16) < 0.9 * 80e9
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+REFUSED = {  # config -> words of the refusal
+    "cla": (dict(use_cla=True), "hunyuan_v1_moe with use_cla true (cross-layer attention"),
+    "mla": (dict(use_mla=True), "hunyuan_v1_moe with use_mla true (multi-head latent attention)"),
+    "no-qk-norm": (dict(use_qk_norm=False), "hunyuan_v1_moe with use_qk_norm false"),
+    "no-shared-mlp": (dict(use_mixed_mlp_moe=False), "hunyuan_v1_moe with use_mixed_mlp_moe false (no shared MLP"),
+    "topk-by-layer": (dict(moe_topk=[2, 3]), "hunyuan_v1_moe with moe_topk [2, 3] for 2 layers is not supported"),
+    "topk-short": (dict(moe_topk=[2]), "hunyuan_v1_moe with moe_topk [2] for 2 layers is not supported"),
+    "expert-width": (dict(moe_intermediate_size=[32, 64]), "hunyuan_v1_moe with moe_intermediate_size 64 (experts"),
+    "shared-experts": (dict(num_shared_expert=2), "hunyuan_v1_moe with num_shared_expert 2 (a shared MLP"),
+    "dense-first": (dict(moe_layer_num_skipped=1), "hunyuan_v1_moe with moe_layer_num_skipped 1 (its first layers"),
+    "topk-over-experts": (dict(moe_topk=9), "config.json has moe_topk 9 with num_experts 8"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_infer_cannot_run_is_refused_up_front_naming_the_field(tmp_path, name):
+    config, words = REFUSED[name]
+    text = estimate_refusal(tmp_path, "hunyuan_v1_moe", ARCH, **{**SMALL, **config})
+    assert words in text, text
+
+
+def test_the_hubs_fields_transformers_ignores_load_as_transformers(tmp_path):
+    """The hub's config.json fields of A13B that transformers ignores (their values the layers it builds): the model
+    loads and gives transformers' tokens; capacity_factor and moe_drop_tokens (training's) are ignored as transformers
+    ignores them."""
+    hf = build(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        **config, "moe_topk": [2, 2], "moe_intermediate_size": [32, 32], "num_shared_expert": [1, 1],
+        "moe_layer_num_skipped": 0, "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_rotary_pos_emb": True,
+        "use_cla": False, "use_mla": False, "capacity_factor": 1.0, "moe_drop_tokens": True}))
+    from helpers import greedy_each, greedy_tokens
+    prompts = random_prompts(512, (7, 12), seed=5)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+# the attention's projections and the experts: through target_modules gate_proj, up_proj, down_proj, which peft (on
+# transformers 5) turns into the experts' parameters (Hunyuan MoE: qwen2_moe's conversion; gate and up one
+# gate_up_proj of rank 2r; the shared MLP's projections of those names not adapted), or peft's target_parameters of
+# the names that conversion gives (peft mixes adapters of one set of parameters only)
+ADAPTERS = {"all8": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"]),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                        target_parameters=["gate_up_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module")
+def hy_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on a Hunyuan MoE."""
+    from lora_helpers import base_and_adapters
+    return base_and_adapters(tmp_path_factory.mktemp("hunyuan_moe_lora"), ADAPTERS, build)
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(hy_lora):
+    """Adapters of the attention and the stacked experts, each alone and mixed with the base in one batch: peft's
+    tokens."""
+    from lora_helpers import check_all8_qv4_equal_peft
+    check_all8_qv4_equal_peft(*hy_lora)
+
+
+def test_the_shared_mlp_has_no_slots_and_an_adapter_of_it_is_refused(hy_lora, tmp_path):
+    """The shared MLP's layers get no adapter slots (none loads in peft: it turns those names into the experts'),
+    which the memory plan does not count either; an adapter with weights on mlp.shared_mlp.up_proj is refused by
+    the engine and lora-validate, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    from infer.memory.sizes import lora_slot_bytes
+    base, _, paths = hy_lora
+    with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4) as llm:
+        model, manager = llm.engine.runner.model, llm.engine.lora_manager
+        assert all(layer.mlp.shared_mlp.gate_up_proj.lora is None and layer.mlp.lora is not None
+                   for layer in model.layers)
+        assert llm.engine.memory_plan.lora_bytes == manager.device_bytes() == \
+            lora_slot_bytes(model.config, 2, 8, torch.float32)
+    folder = tmp_path / "shared"
+    shutil.copytree(paths["qv4"], folder)
+    tensors = load_file(folder / "adapter_model.safetensors")
+    module = "model.layers.1.mlp.shared_mlp.up_proj"
+    tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, 64)
+    tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(32, 4)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+    assert any(module in p.message for p in problems), problems
+    with pytest.raises(LoRAError, match="shared_mlp"):
+        LLM(str(base), loras={"x": str(folder)})
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+def test_gptq_experts_and_shared_mlp_equal_transformers_dequantized(tmp_path):
+    """A GPTQ checkpoint in GPTQModel's layout (round to nearest: the attention, each expert's projections and the
+    shared MLP int4, the routers float) gives on infer's CPU path transformers' greedy tokens of the same weights
+    dequantized, and warmup --estimate counts its weights as loaded."""
+    from quant_helpers import check_gptq_moe_equals_dequantized, rtn_gptq_pair
+    check_gptq_moe_equals_dequantized(*rtn_gptq_pair(tmp_path, lambda folder: build(folder, seed=3)))
+
+
+@interpreted
+def test_gptq_checkpoint_through_the_int4_kernels_equals_the_cpu_path(tmp_path, monkeypatch):
+    """The same checkpoint through the int4 fused MoE and int4 kernels (interpreted): the CPU path's tokens."""
+    from quant_helpers import check_kernel_path_equals_cpu, rtn_gptq_pair
+    check_kernel_path_equals_cpu(rtn_gptq_pair(tmp_path, lambda folder: build(folder, seed=3))[1], monkeypatch)
