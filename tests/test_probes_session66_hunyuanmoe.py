@@ -2,9 +2,10 @@
 end to end on tiny random models (float32) against transformers: the dense Hunyuan's attention (q and k normed after
 the rotary, the rope's NTK alpha), on every layer a float32 softmax router (mlp.gate.wg) whose top k are renormalised,
 experts of intermediate_size and the shared MLP beside them; moe_topk as one k or a list of one k a layer; chunked
-prefill and prefix caching; the GPU code path (Triton interpreted); peft adapters of the attention and the experts
-mixed in one batch (the shared MLP takes none); GPTQ experts and shared MLP; the memory plan of A13B's shapes; the
-remote code's fields transformers ignores refused where they ask another layer."""
+prefill and prefix caching; peft adapters of the attention and the experts mixed in one batch (the shared MLP takes
+none); `infer quantize`'s GPTQ checkpoint (GPTQModel's hunyuan_v1_moe definition) against transformers on its
+dequantized weights, and through the int4 kernels (Triton interpreted); the memory plan of A13B's shapes; the remote
+code's fields transformers ignores refused where they ask another layer."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from infer import LLM, SamplingParams
 from infer.cli.main import app
 
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
-                     check_equal_transformers, estimate_refusal, hub_shaped_folder, norms_shifted_biases_drawn,
-                     random_prompts, save_random_model)
+                     check_equal_transformers, estimate_refusal, greedy_each, greedy_tokens, hub_shaped_folder,
+                     norms_shifted_biases_drawn, random_prompts, save_random_model)
+from quant_helpers import needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "HunYuanMoEV1ForCausalLM"
@@ -85,15 +87,6 @@ def test_the_router_in_bfloat16_equals_transformers(tmp_path):
     torch.testing.assert_close(weights.sum(-1), torch.ones(64))
     rounded = torch.softmax(x @ router.wg.weight.bfloat16().T, dim=-1, dtype=torch.float32).topk(2, dim=-1).values
     assert not torch.equal(rounded / rounded.sum(-1, keepdim=True), want_w)
-
-
-@interpreted
-def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
-    """Every op through its Triton kernel (interpreted on CPU): q and k rotated, normed, then the fused kernels by the
-    identity table, the fused MoE with float32 routing weights, the shared MLP; decodes through emulated CUDA graphs,
-    the other steps through emulated piecewise graphs: transformers' tokens."""
-    from quant_helpers import check_gpu_path_equals_transformers
-    check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, seed=2))
 
 
 def test_builtin_tiny_model_runs_and_warmup_sizes_it():
@@ -174,7 +167,6 @@ def test_the_hubs_fields_transformers_ignores_load_as_transformers(tmp_path):
         **config, "moe_topk": [2, 2], "moe_intermediate_size": [32, 32], "num_shared_expert": [1, 1],
         "moe_layer_num_skipped": 0, "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_rotary_pos_emb": True,
         "use_cla": False, "use_mla": False, "capacity_factor": 1.0, "moe_drop_tokens": True}))
-    from helpers import greedy_each, greedy_tokens
     prompts = random_prompts(512, (7, 12), seed=5)
     with LLM(str(tmp_path), block_size=4) as llm:
         assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
@@ -201,8 +193,8 @@ def hy_lora(tmp_path_factory):
 def test_peft_adapters_equal_peft_alone_and_mixed(hy_lora):
     """Adapters of the attention and the stacked experts, each alone and mixed with the base in one batch: peft's
     tokens."""
-    from lora_helpers import check_all8_qv4_equal_peft
-    check_all8_qv4_equal_peft(*hy_lora)
+    from lora_helpers import check_mixed_adapters_equal_peft
+    check_mixed_adapters_equal_peft(*hy_lora, random_prompts(512, (5, 9, 7), seed=6), ["all8", None, "qv4"], n=4)
 
 
 def test_the_shared_mlp_has_no_slots_and_an_adapter_of_it_is_refused(hy_lora, tmp_path):
@@ -238,16 +230,36 @@ def test_the_shared_mlp_has_no_slots_and_an_adapter_of_it_is_refused(hy_lora, tm
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ
-def test_gptq_experts_and_shared_mlp_equal_transformers_dequantized(tmp_path):
-    """A GPTQ checkpoint in GPTQModel's layout (round to nearest: the attention, each expert's projections and the
-    shared MLP int4, the routers float) gives on infer's CPU path transformers' greedy tokens of the same weights
-    dequantized, and warmup --estimate counts its weights as loaded."""
-    from quant_helpers import check_gptq_moe_equals_dequantized, rtn_gptq_pair
-    check_gptq_moe_equals_dequantized(*rtn_gptq_pair(tmp_path, lambda folder: build(folder, seed=3)))
+@pytest.fixture(scope="module")
+def gptq_hy(tmp_path_factory):
+    """(tiny-hunyuan-moe's folder, `infer quantize`'s GPTQ checkpoint of it: GPTQModel's hunyuan_v1_moe definition)."""
+    from infer.models.tiny import ensure_builtin
+    from quant_helpers import infer_quantize
+    return ensure_builtin("tiny-hunyuan-moe"), infer_quantize("tiny-hunyuan-moe", tmp_path_factory.mktemp("gq") / "q")
 
 
+@needs_gptqmodel
+def test_infer_quantize_writes_a_gptq_checkpoint_equal_to_its_dequantized_weights(gptq_hy):
+    """`infer quantize` of tiny-hunyuan-moe through GPTQModel quantizes the attention, the shared MLP and each expert's
+    projections, the router (mlp.gate.wg) left float; infer runs it with transformers' greedy tokens of the same
+    weights dequantized, and warmup --estimate counts its weights."""
+    from safetensors.torch import load_file
+
+    from quant_helpers import check_gptq_moe_equals_dequantized
+    src, out = gptq_hy
+    tensors = load_file(out / "model.safetensors")
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.shared_mlp.gate_proj", "mlp.shared_mlp.down_proj",
+                 "mlp.experts.3.up_proj"):
+        assert f"model.layers.1.{name}.qweight" in tensors, name
+    assert tensors["model.layers.1.mlp.gate.wg.weight"].is_floating_point()
+    check_gptq_moe_equals_dequantized(src, out)
+
+
+@needs_gptqmodel
 @interpreted
-def test_gptq_checkpoint_through_the_int4_kernels_equals_the_cpu_path(tmp_path, monkeypatch):
-    """The same checkpoint through the int4 fused MoE and int4 kernels (interpreted): the CPU path's tokens."""
-    from quant_helpers import check_kernel_path_equals_cpu, rtn_gptq_pair
-    check_kernel_path_equals_cpu(rtn_gptq_pair(tmp_path, lambda folder: build(folder, seed=3))[1], monkeypatch)
+def test_gptq_checkpoint_through_the_int4_kernels_equals_the_cpu_path(gptq_hy, monkeypatch):
+    """The GPU code path (the int4 fused MoE with float32 routing weights, the attention's and the shared MLP's int4
+    kernels, q and k rotated and normed before the fused kernels' identity table; interpreted) gives the CPU path's
+    greedy tokens."""
+    from quant_helpers import check_kernel_path_equals_cpu
+    check_kernel_path_equals_cpu(gptq_hy[1], monkeypatch)

@@ -779,8 +779,9 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 
 # Mixtures of experts (infer's models.moe): GPTQModel quantizes each expert's gate, up and down projections as modules
 # of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
-# (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+# (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
+# dense MLP, its router (mlp.gate.wg) stays float
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -835,7 +836,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     model_type = config.get("model_type")
     if model_type not in MOE_TYPES:
         return []
-    arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE"}[model_type]
+    arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
+            "hunyuan_v1_moe": "Hunyuan MoE"}[model_type]
     notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if model_type == "mixtral" else ", GPTQModel.load")]
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
