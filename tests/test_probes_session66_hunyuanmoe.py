@@ -197,6 +197,22 @@ def test_peft_adapters_equal_peft_alone_and_mixed(hy_lora):
     check_mixed_adapters_equal_peft(*hy_lora, random_prompts(512, (5, 9, 7), seed=6), ["all8", None, "qv4"], n=4)
 
 
+def test_per_expert_adapters_of_transformers_4_equal_peft(tmp_path):
+    """An adapter as peft saved it on transformers 4 (q_proj's and each expert's gate_proj, up_proj, down_proj, modules
+    of their own), which peft converts on transformers 5's stacked experts (gate and up one gate_up_proj of rank 2r),
+    beside a request without one: peft's tokens."""
+    from lora_helpers import hf_float
+    from test_probes_session57_moelora import _engine_tokens, _v4_adapter, peft_tokens
+    build(tmp_path / "base", seed=4)
+    hf = hf_float(tmp_path / "base")
+    paths = {"v4": _v4_adapter(hf, tmp_path / "v4", ("gate_proj", "up_proj", "down_proj"), seed=3)}
+    prompts, order = random_prompts(512, (6, 9), seed=8), ["v4", None]
+    mixed, alone = _engine_tokens(tmp_path / "base", paths, prompts, order)
+    want = peft_tokens(hf, paths, prompts, order)
+    assert mixed == want and alone == want
+    assert want[0] != greedy_each(hf, prompts[:1], 6)[0]
+
+
 def test_the_shared_mlp_has_no_slots_and_an_adapter_of_it_is_refused(hy_lora, tmp_path):
     """The shared MLP's layers get no adapter slots (none loads in peft: it turns those names into the experts'),
     which the memory plan does not count either; an adapter with weights on mlp.shared_mlp.up_proj is refused by
