@@ -24,13 +24,13 @@ router and layout of the experts (GLM-4.5's: `GROUPED`, `GLM_LAYOUT`; n_shared_e
 with a sigmoid router in the model's dtype whose e_score_correction_bias (the block's, block_sparse_moe.
 e_score_correction_bias: `_MINIMAX_BIAS`) steers the choice only, the top k always renormalised, float32 weights
 (`SparseMoeBlock.route`); its attention's q and k normed over their whole projections (OLMoE's), a partial rotary
-(rotary_dim) of NeoX pairs (models.llama.Attention, rope.partial_rotary). Hunyuan MoE: the dense Hunyuan's
-attention (q and k normed after the rotary, the rope's NTK alpha: llama.HunYuanDenseV1ForCausalLM) and on every layer a float32 router (mlp.gate.wg, of
-the hidden state in float32) whose softmax's top k (moe_topk: one k, or the same k a layer) are renormalised, float32
-weights, experts of intermediate_size and the block's shared_mlp (a SwiGLU MLP of intermediate_size, added unscaled,
-no adapter slots: `shared_adapted`); the remote code's fields transformers ignores refused where they ask another
-layer (registry.check_hunyuan), its capacity fields (capacity_factor, moe_drop_tokens) ignored as transformers and
-vLLM ignore them (every token routed to its k experts).
+(rotary_dim) of NeoX pairs (models.llama.Attention, rope.partial_rotary). Hunyuan MoE: the dense Hunyuan's attention
+(q and k normed after the rotary, the rope's NTK alpha: llama.HunYuanDenseV1ForCausalLM) and on every layer a
+float32 router (mlp.gate.wg, of the hidden state in float32) whose softmax's top k (moe_topk: one k, or the same k a
+layer) are renormalised, float32 weights, experts of intermediate_size and the block's shared_mlp (a SwiGLU MLP of
+intermediate_size, added unscaled, no adapter slots: `shared_adapted`); the remote code's fields transformers
+ignores refused where they ask another layer (registry.check_hunyuan), its capacity fields (capacity_factor,
+moe_drop_tokens) ignored as transformers and vLLM ignore them (every token routed to its k experts).
 
 gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
