@@ -141,23 +141,25 @@ def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cac
                                       **_win(window), **_sinks(sinks))
 
 
-def causal_conv1d_update(x, weight, states, slots, kept, bias=None):
-    """A Gated DeltaNet or Mamba-2 (`bias`) decode step's conv (delta_rule.causal_conv1d_update): one Triton launch
-    on CUDA."""
+def causal_conv1d_update(x, weight, states, slots, kept, bias=None, silu=True):
+    """A Gated DeltaNet or Mamba-2 (`bias`) decode step's conv (delta_rule.causal_conv1d_update), or LFM2's short
+    conv (no silu): one Triton launch on CUDA."""
     b = [] if bias is None else [bias]  # (passed only where set: the Gated DeltaNet calls as they were)
+    act = {} if silu else {"silu": False}
     if use_triton(x):
-        return _triton("delta_triton").causal_conv1d_update(x, weight, states, slots, kept, *b)
-    return delta_rule.causal_conv1d_update(x, weight, states, slots, kept, *b)
+        return _triton("delta_triton").causal_conv1d_update(x, weight, states, slots, kept, *b, **act)
+    return delta_rule.causal_conv1d_update(x, weight, states, slots, kept, *b, **act)
 
 
-def causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len, bias=None):
+def causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len, bias=None, silu=True):
     """A Gated DeltaNet or Mamba-2 (`bias`) prefill step's conv over each sequence's tokens from its state
-    (delta_rule.causal_conv1d_varlen): one Triton launch on CUDA."""
+    (delta_rule.causal_conv1d_varlen), or LFM2's short conv (no silu): one Triton launch on CUDA."""
     b = [] if bias is None else [bias]
+    act = {} if silu else {"silu": False}
     if use_triton(x):
         return _triton("delta_triton").causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len,
-                                                            *b)
-    return delta_rule.causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len, *b)
+                                                            *b, **act)
+    return delta_rule.causal_conv1d_varlen(x, weight, states, query_start_loc, slots, kept, max_len, *b, **act)
 
 
 def gated_delta_decode(q, k, v, g, beta, states, slots, kept):

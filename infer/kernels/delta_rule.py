@@ -122,23 +122,25 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor):
     return (s * q.unsqueeze(-1)).sum(dim=-2).to(dtype), s
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None):
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None,
+                  silu: bool = True):
     """x [B, C, T] after the conv state [B, C, K - 1] (the inputs before it): (silu of the depthwise causal conv1d
-    [B, C, T] in x's dtype, the new conv state [B, C, K - 1]); weight [C, 1, K], bias [C] or None (Mamba-2's
-    conv has one) (transformers' causal_conv1d_update: F.conv1d over the state and x)."""
+    [B, C, T] in x's dtype (the conv itself where not `silu`: LFM2's short conv), the new conv state [B, C, K - 1]);
+    weight [C, 1, K], bias [C] or None (Mamba-2's conv has one) (transformers' causal_conv1d_update: F.conv1d over
+    the state and x)."""
     full = torch.cat([state.to(weight.dtype), x.to(weight.dtype)], dim=-1)
     out = F.conv1d(full, weight, bias, padding=0, groups=x.shape[1])[..., -x.shape[-1]:]
-    return F.silu(out).to(x.dtype), full[..., -state.shape[-1]:]
+    return (F.silu(out) if silu else out).to(x.dtype), full[..., -state.shape[-1]:]
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                         kept: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                         kept: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """One token of each of B sequences: x [B, C], the conv states [slots, C, K - 1] read at `slots` [B] (zero where
     `kept` [B] is False) and written back there, shifted by the token; `bias` [C] or None (Mamba-2's conv has
-    one). Returns silu(conv) [B, C] in x's dtype."""
+    one). Returns silu(conv) [B, C] (the conv itself where not `silu`) in x's dtype."""
     # (where, not a product: a slot a request that went non-finite left holds NaN, and NaN * 0 is NaN)
     conv = torch.where(kept[:, None, None], states.index_select(0, slots), 0)
-    out, conv = causal_conv1d(x.unsqueeze(-1), weight, conv, bias)
+    out, conv = causal_conv1d(x.unsqueeze(-1), weight, conv, bias, silu)
     states.index_copy_(0, slots, conv.to(states.dtype))
     return out.squeeze(-1)
 
@@ -155,15 +157,16 @@ def recurrent_gated_delta_rule_slots(q, k, v, g, beta, states: torch.Tensor, slo
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
                          slots: torch.Tensor, kept: torch.Tensor, max_len: int | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """A step's conv over each sequence's tokens x[query_start_loc[i]:query_start_loc[i + 1]] ([T, C] in all) after
     its conv state at slots[i] (zero where kept[i] is False), the state after them written back there; `bias` [C] or
-    None. Returns silu(conv) [T, C] in x's dtype. (`max_len`, the longest sequence, sizes the Triton launch.)"""
+    None. Returns silu(conv) [T, C] (the conv itself where not `silu`) in x's dtype. (`max_len`, the longest
+    sequence, sizes the Triton launch.)"""
     outs = []
     bounds = query_start_loc.tolist()
     for s, e, slot, k in zip(bounds[:-1], bounds[1:], slots.tolist(), kept.tolist()):
         conv = states[slot:slot + 1] if k else states.new_zeros(1, *states.shape[1:])
-        out, conv = causal_conv1d(x[s:e].t().unsqueeze(0), weight, conv, bias)
+        out, conv = causal_conv1d(x[s:e].t().unsqueeze(0), weight, conv, bias, silu)
         states[slot] = conv[0]
         outs.append(out[0].t())
     return torch.cat(outs) if outs else x.new_empty(0, x.shape[1])

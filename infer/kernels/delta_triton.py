@@ -29,9 +29,10 @@ VALUE_BLOCK = 32  # value columns of a recurrent program's state tile [Dk, VALUE
 
 @triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, bias_ptr, channels, s_x, s_o, s_w, s_s,
-                        s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One sequence's token, BLOCK channels: out = silu(w[:, :K-1] . state + w[:, K-1] x); the state shifted by one
-    token (its oldest column dropped, x the newest)."""
+                        s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SILU: tl.constexpr):
+    """One sequence's token, BLOCK channels: out = silu(w[:, :K-1] . state + w[:, K-1] x) (without silu where not
+    SILU: LFM2's); the state shifted by one token (its oldest column dropped, x the newest)."""
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, TAPS_P2)
@@ -54,17 +55,18 @@ def _conv_update_kernel(x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, kept_ptr, b
     if HAS_BIAS:  # (Mamba-2's conv1d bias, added before the rounding as F.conv1d adds it)
         acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
-    out = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + b * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * s_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     tl.debug_barrier()  # (every thread's reads of the state before any write: another thread may hold a column)
     tl.store(rows + cols[None, :], new, mask=mask[:, None] & (cols[None, :] < TAPS - 1))
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                         kept: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                         kept: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """delta_rule.causal_conv1d_update in one launch: x [B, C] (unit stride along C), weight [C, 1, K], states
     [slots, C, K - 1] written in place at `slots` [B]; `kept` [B] bool; `bias` [C] or None (Mamba-2's conv has
-    one). Returns silu(conv) [B, C] in x's dtype."""
+    one). Returns silu(conv) [B, C] (the conv itself where not `silu`: LFM2's) in x's dtype."""
     b, c = x.shape
     taps = weight.shape[-1]
     slots, kept = _vectors(slots, kept)
@@ -76,7 +78,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
         _conv_update_kernel[(b, cdiv(c, CONV_BLOCK))](
             x, weight, out, states, slots, kept, weight if bias is None else bias, c, x.stride(0), out.stride(0),
             weight.stride(0), states.stride(0), states.stride(1), TAPS=taps, TAPS_P2=next_power_of_2(taps - 1),
-            BLOCK=CONV_BLOCK, HAS_BIAS=bias is not None)
+            BLOCK=CONV_BLOCK, HAS_BIAS=bias is not None, SILU=silu)
     return out
 
 
@@ -87,9 +89,9 @@ VARLEN_CHANNELS = 128  # its state)
 @triton.jit
 def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr, kept_ptr, bias_ptr, channels, s_x, s_o,
                         s_w, s_s, s_sc, TAPS: tl.constexpr, TAPS_P2: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        HAS_BIAS: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """BT tokens of one sequence, BC channels: each token's conv over the K - 1 inputs before it (from x inside the
-    sequence, from the slot's state before its start: zero where not kept) and itself, silu; the sequence's first
+    sequence, from the slot's state before its start: zero where not kept) and itself, silu (where SILU); the first
     tile also writes the state after its last token (its K - 1 last inputs), after every read of the old one."""
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -118,8 +120,9 @@ def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr,
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
-        out = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + offs_t[:, None] * s_o + offs_c[None, :], out.to(out_ptr.dtype.element_ty),
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + offs_t[:, None] * s_o + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mt[:, None] & mc[None, :])
     if tile == 0:
         cols = tl.arange(0, TAPS_P2)
@@ -136,11 +139,11 @@ def _conv_varlen_kernel(x_ptr, w_ptr, out_ptr, state_ptr, starts_ptr, slots_ptr,
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
                          slots: torch.Tensor, kept: torch.Tensor, max_len: int,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, silu: bool = True) -> torch.Tensor:
     """delta_rule.causal_conv1d_varlen in one launch: x [T, C] (unit stride along C), each sequence's tokens
     query_start_loc[i]:query_start_loc[i + 1] (at most `max_len`) after its conv state at slots[i] (zero where not
-    kept[i]), the states after them written in place; `bias` [C] or None. Returns silu(conv) [T, C] in x's
-    dtype."""
+    kept[i]), the states after them written in place; `bias` [C] or None. Returns silu(conv) [T, C] (the conv
+    itself where not `silu`: LFM2's) in x's dtype."""
     c, taps = x.shape[1], weight.shape[-1]
     query_start_loc, slots, kept = _vectors(query_start_loc, slots, kept)
     if x.stride(-1) != 1:
@@ -152,7 +155,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Te
         _conv_varlen_kernel[(n, cdiv(max_len, VARLEN_TOKENS), cdiv(c, VARLEN_CHANNELS))](
             x, weight, out, states, query_start_loc, slots, kept, weight if bias is None else bias, c, x.stride(0),
             out.stride(0), weight.stride(0), states.stride(0), states.stride(1), TAPS=taps,
-            TAPS_P2=next_power_of_2(taps - 1), BT=VARLEN_TOKENS, BC=VARLEN_CHANNELS, HAS_BIAS=bias is not None)
+            TAPS_P2=next_power_of_2(taps - 1), BT=VARLEN_TOKENS, BC=VARLEN_CHANNELS, HAS_BIAS=bias is not None,
+            SILU=silu)
     return out
 
 
