@@ -1263,7 +1263,8 @@ class LLMEngine:
         kv = [runner.kv_cache]
         if runner.hybrid:  # the linear layers' states: of no use once every request is aborted or preempted (mode
             # "keep": recomputed from position 0): freed as the KV cache is, never copied, zeros on waking
-            kv += [t for layer in runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)]
+            kv += [t for layer in runner.model.linear_layers() for t in (layer.conv_state, layer.rec_state)
+                   if t is not None]  # (LFM2's short convs: a conv state alone)
             kv += [t for layer in runner.model.linear_layers() for t in (getattr(layer, "conv_snap", None),
                                                                           getattr(layer, "rec_snap", None)) if
                    t is not None]  # (the prefix cache's snapshots: forgotten, reset_prefix_cache above)

@@ -218,7 +218,8 @@ class HybridLayer(nn.Module):
 class StateCacheMixin:
     """A hybrid model's state cache (engine.state_cache): `linear_layers()` (each with conv_state, rec_state,
     state_shapes() and conv1d.weight) get their slots from `allocate_states`; `kept_states(ctx)`: whether each
-    sequence's slot holds its state. (Qwen3.5's Gated DeltaNet layers, Granite 4's Mamba-2 layers: models.granite4.)
+    sequence's slot holds its state. (Qwen3.5's Gated DeltaNet layers, Granite 4's Mamba-2 layers: models.granite4;
+    LFM2's short convs, a conv state alone: their state_shapes' recurrent shape None, rec_state None: models.lfm2.)
     Put before the model class it extends."""
 
     def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
@@ -232,20 +233,26 @@ class StateCacheMixin:
         for layer in self.linear_layers():
             conv, rec = layer.state_shapes()
             layer.conv_state = torch.zeros(num_seqs + 1, *conv, dtype=layer.conv1d.weight.dtype, device=device)
-            layer.rec_state = torch.zeros(num_seqs + 1, *rec, dtype=torch.float32, device=device)
-            total += layer.conv_state.nbytes + layer.rec_state.nbytes
+            layer.rec_state = None if rec is None else torch.zeros(num_seqs + 1, *rec, dtype=torch.float32,
+                                                                   device=device)
+            total += sum(t.nbytes for t in self._states(layer))
         self.state_pad_slot = num_seqs
         return total
+
+    @staticmethod
+    def _states(layer) -> list[torch.Tensor]:
+        """A linear layer's running states: its conv state and its recurrent one (none for LFM2's short convs)."""
+        return [t for t in (layer.conv_state, layer.rec_state) if t is not None]
 
     def allocate_snapshots(self, num_slots: int, device) -> int:
         """Give each linear-attention layer `num_slots` snapshot slots (conv_snap, rec_snap: engine.state_cache
         .StateSnapshots, a hybrid model's prefix cache of states) beside its running ones; their bytes."""
         total = 0
         for layer in self.linear_layers():
-            layer.conv_snap = torch.zeros(num_slots, *layer.conv_state.shape[1:], dtype=layer.conv_state.dtype,
-                                          device=device)
-            layer.rec_snap = torch.zeros(num_slots, *layer.rec_state.shape[1:], dtype=torch.float32, device=device)
-            total += layer.conv_snap.nbytes + layer.rec_snap.nbytes
+            layer.conv_snap, layer.rec_snap = (None if t is None else torch.zeros(num_slots, *t.shape[1:],
+                                                                                   dtype=t.dtype, device=device)
+                                               for t in (layer.conv_state, layer.rec_state))
+            total += sum(t.nbytes for t in (layer.conv_snap, layer.rec_snap) if t is not None)
         return total
 
     def copy_states(self, pairs: list[tuple[int, int]], save: bool) -> None:
@@ -259,6 +266,8 @@ class StateCacheMixin:
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long).to(dev, non_blocking=True)
         for layer in layers:
             for state, snap in ((layer.conv_state, layer.conv_snap), (layer.rec_state, layer.rec_snap)):
+                if state is None:  # (LFM2's short convs: no recurrent state)
+                    continue
                 a, b = (state, snap) if save else (snap, state)
                 b.index_copy_(0, dst, a.index_select(0, src))
 
