@@ -29,11 +29,13 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
 
 
 def _linear_layers(model_config) -> list[int]:
-    """A hybrid model's linear-attention layers (layer_types "linear_attention": Qwen3.5's), else none."""
+    """A hybrid model's linear-attention layers (layer_types "linear_attention": Qwen3.5's; LFM2's "conv"), else
+    none."""
     from ..models.registry import is_hybrid
     if not is_hybrid(model_config):
         return []
-    return [i for i, t in enumerate(model_config.layer_types) if t == "linear_attention"]
+    kind = "conv" if model_config.model_type == "lfm2" else "linear_attention"
+    return [i for i, t in enumerate(model_config.layer_types) if t == kind]
 
 
 def state_bytes(model_config, dtype: torch.dtype, num_seqs: int) -> int:
@@ -60,6 +62,8 @@ def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
     if not layers:
         return 0
     c = model_config
+    if c.model_type == "lfm2":  # (its short convs: a conv state [hidden_size, conv_L_cache - 1] alone, models.lfm2)
+        return layers * c.hidden_size * (c.conv_L_cache - 1) * element_bytes(dtype)
     if c.model_type == "nemotron_h":  # (models.nemotron_h.mamba_fields: Granite 4.0's fields)
         from ..models.nemotron_h import mamba_fields
         c = mamba_fields(c)
@@ -154,17 +158,19 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     from ..lora.experts import expert_slot_elements
     from ..lora.targets import check_target_modules, selects, selects_as
     from ..models.moe import expert_size, experts_adapted, is_sparse, num_experts, shared_name, shared_width
-    h, inter = model_config.hidden_size, model_config.intermediate_size
+    h, inter = model_config.hidden_size, mlp_width(model_config)
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
     chosen = check_target_modules(target_modules, model_config)
+    lfm2 = model_config.model_type == "lfm2"  # (its short convs' in_proj and out_proj; its attention's out_proj)
+    o_name = "out_proj" if lfm2 else "o_proj"
 
     from ..models.registry import UNGATED
     gates = 1 if model_config.model_type in UNGATED else 2  # (an MLP without gate: up_proj's one shard)
 
     def mlp(width: int, prefix: str = "") -> int:  # gate_up's and down_proj's A widths + B heights
         return gates * (h + width) * selects_as(chosen, prefix + "gate_up_proj") + \
-            (width + h) * selects_as(chosen, prefix + "down_proj")
+            (width + h) * selects_as(chosen, prefix + ("w2" if lfm2 else "down_proj"))
     wide = 2 if model_config.model_type in GATED_Q else 1  # (gated attention: q_proj's query and gate)
     # the linear-attention layers: the gated-attention families' Gated DeltaNet, Granite 4.0's and Nemotron-H's
     # Mamba-2 (in_proj, out_proj), in place of the attention's qkv and o
@@ -173,13 +179,16 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     # (Nemotron-H's blocks: a Mamba-2 mixer, an attention or an MLP (or experts) alone)
     blocks = model_config.layers_block_type if model_config.model_type == "nemotron_h" else None
     per_rank = 0
+    convs = set(_linear_layers(model_config)) if lfm2 else set()
     for layer in range(model_config.num_hidden_layers):
-        if layer in linear:  # their projections: slots only on every layer's (targets never name them)
+        if layer in convs:  # LFM2's short conv: in_proj (B | C | x) and out_proj
+            per_rank += (h + 3 * h) * selects(chosen, "in_proj") + 2 * h * selects(chosen, "out_proj")
+        elif layer in linear:  # their projections: slots only on every layer's (targets never name them)
             if chosen is None:
                 per_rank += _mamba_slot_elements(model_config) if mamba else _delta_net_slot_elements(model_config)
         elif blocks is None or blocks[layer] == "full_attention":
             per_rank += (3 * h + wide * q + 2 * kv) * selects(chosen, "qkv_proj") + \
-                (q + h) * selects(chosen, "o_proj")
+                (q + h) * selects(chosen, o_name)
         if blocks is not None and blocks[layer] in ("linear_attention", "full_attention"):
             continue
         if model_config.model_type == "granitemoehybrid":  # its shared_mlp's input_linear (gate | up) and
@@ -483,6 +492,14 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
     return scores * (copies * shapes.num_heads * 4 + 1) + kv_copies
 
 
+def mlp_width(model_config) -> int:
+    """A dense MLP's width: intermediate_size, or LFM2's as transformers adjusts it (models.lfm2.ffn_width)."""
+    if getattr(model_config, "model_type", None) == "lfm2":
+        from ..models.lfm2 import ffn_width
+        return ffn_width(model_config)
+    return model_config.intermediate_size
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False, lora_targets: list[str] | None = None,
@@ -498,11 +515,14 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     delta_rule_bytes)."""
     from ..lora.targets import check_target_modules, selects
     b = element_bytes(dtype)
-    h, inter = model_config.hidden_size, model_config.intermediate_size
+    h, inter = model_config.hidden_size, mlp_width(model_config)
     shapes = ModelShapes.from_config(model_config)
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
-    # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
-    per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
+    # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together (LFM2's
+    # short conv: in_proj's B | C | x, B * x, the conv's input with its state, its output and the sequences' outputs
+    # joined, C times them: models.lfm2.ShortConv, kernels.delta_rule.causal_conv1d_varlen)
+    conv = 10 * h if model_config.model_type == "lfm2" else 0
+    per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter, conv) + 2 * lora_rank) * b
     chosen = check_target_modules(lora_targets, model_config) if lora_rank else None
     from ..models.moe import experts_adapted
     # (no expert slots: no expert LoRA)

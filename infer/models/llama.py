@@ -43,6 +43,8 @@ def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> l
         return [f"{prefix}.{fused}"] * len(projections)
     if cfg.model_type == "granitemoeshared" and fused == "gate_up_proj":  # (its shared_mlp's gate|up: input_linear)
         return [f"{prefix}.input_linear"] * len(projections)
+    if cfg.model_type == "lfm2" and fused == "gate_up_proj":  # (LFM2's feed_forward: w1 the gate, w3 the up)
+        return [f"{prefix}.w1", f"{prefix}.w3"]
     return [f"{prefix}.{p}" for p in projections]
 
 
@@ -97,7 +99,7 @@ def norm_eps(cfg) -> float:
     """The norms' epsilon: rms_norm_eps, Cohere's layer_norm_eps, StarCoder2's norm_epsilon or Nemotron's norm_eps."""
     if cfg.model_type == "starcoder2":
         return float(cfg.norm_epsilon)
-    if cfg.model_type == "nemotron":
+    if cfg.model_type in ("nemotron", "lfm2"):
         return float(cfg.norm_eps)
     if cfg.model_type == "nemotron_h":  # (models.nemotron_h)
         return float(cfg.layer_norm_epsilon)
@@ -145,10 +147,11 @@ class Attention(nn.Module):
                                      method_for(names), dtype)
         o_bias = bool(getattr(cfg, "attention_out_bias", False)) if kind == "seed_oss" else \
             declared and kind != "helium"  # (Helium: q, k and v's attention_bias, never o's)
-        self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
-                                   method_for([f"{prefix}.o_proj"]), dtype)
-        # (Gemma 3's by 1 + w; Hunyuan's after the rotary: norm_after_rope)
-        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense", "minimax_m2") \
+        o_name = f"{prefix}.out_proj" if kind == "lfm2" else f"{prefix}.o_proj"  # (LFM2's: models.lfm2)
+        self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [o_name], o_bias, method_for([o_name]), dtype)
+        # (Gemma 3's by 1 + w; Hunyuan's after the rotary: norm_after_rope; LFM2's q_layernorm and k_layernorm)
+        self.qk_norm = kind in ("qwen3", "gemma3_text", *OLMO, "exaone4", "apertus", "hunyuan_v1_dense", "minimax_m2",
+                                "lfm2") \
             or (kind == "glm4_moe" and bool(getattr(cfg, "use_qk_norm", False)))  # (GLM-4.5's: per head)
         # OLMo 2 and 3 (and MiniMax-M2) norm q and k each over its whole projection (every head at once), the others
         # per head
@@ -306,9 +309,11 @@ class MLP(nn.Module):
             or (cfg.model_type in ("ernie4_5", "ernie4_5_moe") and bool(getattr(cfg, "use_bias", False)))
         names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
                                                                           ("gate_proj", "up_proj"))
-        # (GraniteMoeShared's shared_mlp stores its down_proj as output_linear; its gate|up: fused_names)
+        # (GraniteMoeShared's shared_mlp stores its down_proj as output_linear, LFM2's feed_forward as w2; its
+        # gate|up: fused_names)
         down = f"{prefix}.{stored[1]}" if stored else f"{prefix}.output_linear" \
-            if cfg.model_type == "granitemoeshared" else f"{prefix}.down_proj"
+            if cfg.model_type == "granitemoeshared" else f"{prefix}.w2" if cfg.model_type == "lfm2" \
+            else f"{prefix}.down_proj"
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [down], bias, method_for([down]), dtype)

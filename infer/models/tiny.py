@@ -271,6 +271,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-minimax-m2": TinySpec("minimax_m2", 38, config=dict(
         _TINY, head_dim=32, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=16,
         tie_word_embeddings=False)),
+    # LFM2 (LFM2-1.2B's shape, shortened): short-conv layers of 3 taps and an attention layer (q and k normed per
+    # head), a tied head; the MLP's width adjusted as transformers does (block_auto_adjust_ff_dim: 2/3 of 200, 133,
+    # rounded up to a multiple of 32: 160)
+    "tiny-lfm2": TinySpec("lfm2", 39, config=dict(
+        _TINY, num_hidden_layers=4, intermediate_size=200, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+        layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),

@@ -386,6 +386,14 @@ def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
         dims.pop("intermediate_size", None)
         dims.update({k: config[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")
                      if isinstance(config.get(k), int) and config[k] > 0})
+    if config.get("model_type") == "lfm2" and "intermediate_size" in dims:  # (its MLP's width: models.lfm2)
+        from types import SimpleNamespace
+
+        from ..models.lfm2 import ffn_width
+        width = ffn_width(SimpleNamespace(**config))
+        dims.pop("intermediate_size")
+        dims[f"MLP width (intermediate_size {config['intermediate_size']} adjusted as transformers does: "
+             f"{width})"] = width
     inputs, outputs = dict(dims), dict(dims)
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):

@@ -1,0 +1,153 @@
+"""Liquid AI's LFM2 (transformers' Lfm2ForCausalLM, model_type lfm2: LFM2-350M/700M/1.2B/2.6B): Llama's layer of two
+norms (operator_norm, ffn_norm) and a SwiGLU MLP (feed_forward: w1 the gate, w3 the up, w2 the down projection, its
+width `ffn_width`), each layer's operator either attention (layer_types "full_attention": q, k, v and out_proj
+without biases, q and k RMSNormed per head by q_layernorm / k_layernorm, rope) or a short convolution ("conv"); no
+norm after the embeddings, the final norm embedding_norm; the output head tied to the embeddings by default.
+
+The short conv (transformers' Lfm2ShortConv): in_proj's output [3 H] split into B, C and x; B * x through a causal
+depthwise conv1d of conv_L_cache taps (conv.weight [H, 1, L], a bias where conv_bias says; no activation); C times
+its output; out_proj. Its state per running sequence is the conv's last L - 1 inputs [H, L - 1] (model dtype), kept
+in the engine's state cache as a Mamba-2 layer's conv state (qwen3_5.StateCacheMixin, engine.state_cache: state
+slots, prefix-cache snapshots, zero state at position 0) with no recurrent state; the conv is the Gated DeltaNet's
+and Mamba-2's (kernels.causal_conv1d_varlen / causal_conv1d_update, without their silu: one Triton launch each on
+CUDA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+from .context import ForwardContext
+from .granite4 import _Conv
+from .layers import MergedLinear
+from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from .qwen3_5 import StateCacheMixin
+
+
+def ffn_width(cfg) -> int:
+    """The MLP's width as transformers' Lfm2MLP computes it: intermediate_size, or where block_auto_adjust_ff_dim
+    two thirds of it (int), times block_ffn_dim_multiplier and rounded up to a multiple of block_multiple_of where
+    that multiplier is set (not rounded where it is null). `cfg`: a config, or config.json's fields (a namespace:
+    Lfm2Config's defaults where one is missing)."""
+    width = int(cfg.intermediate_size)
+    if getattr(cfg, "block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = getattr(cfg, "block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            width = int(multiplier * width)
+            step = int(getattr(cfg, "block_multiple_of", 256))
+            width = step * ((width + step - 1) // step)
+    return width
+
+
+class ShortConv(nn.Module):
+    """transformers' Lfm2ShortConv on a flat batch: in_proj to B | C | x, B * x through the causal depthwise conv
+    (from each sequence's conv state in its slot), C times the conv's output, out_proj. Its conv_state [slots, H,
+    L - 1] is set by allocate_states (rec_state None: it keeps no other state)."""
+
+    def __init__(self, cfg, prefix: str, method_for, dtype):
+        super().__init__()
+        self.hidden, self.kernel = int(cfg.hidden_size), int(cfg.conv_L_cache)
+        bias = bool(getattr(cfg, "conv_bias", False))
+        names = [f"{prefix}.in_proj"]
+        self.in_proj = MergedLinear(self.hidden, [3 * self.hidden], names, bias, method_for(names), dtype)
+        names = [f"{prefix}.out_proj"]
+        self.out_proj = MergedLinear(self.hidden, [self.hidden], names, bias, method_for(names), dtype)
+        self.conv = _Conv(self.hidden, self.kernel, bias, dtype)
+        object.__setattr__(self, "conv1d", self.conv)  # (StateCacheMixin reads the state's dtype from conv1d)
+        self.conv_state = self.rec_state = None  # (allocate_states)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], None]:
+        """A slot's (conv state shape, no recurrent state)."""
+        return (self.hidden, self.kernel - 1), None
+
+    def forward(self, x, ctx: ForwardContext, kept):
+        """(the layer's output, None: no LoRA delta left to a norm). kept [B] bool: whether each sequence's slot holds
+        its state (False: its step starts at position 0, from zero state)."""
+        b, c, h = self.in_proj(x, ctx).chunk(3, dim=-1)
+        bx = b * h
+        if ctx.max_query_len == 1:
+            y = kernels.causal_conv1d_update(bx, self.conv.weight, self.conv_state, ctx.state_slots, kept,
+                                             self.conv.bias, silu=False)
+        else:
+            y = kernels.causal_conv1d_varlen(bx, self.conv.weight, self.conv_state, ctx.query_start_loc,
+                                             ctx.state_slots, kept, ctx.max_query_len, self.conv.bias, silu=False)
+        return self.out_proj(c * y, ctx), None
+
+
+class Lfm2Layer(nn.Module):
+    """A decoder layer of LFM2: its operator (self_attn, or conv: a ShortConv), the MLP (feed_forward), its two norms
+    (operator_norm, ffn_norm; Llama's loop reads them as input_layernorm and post_attention_layernorm)."""
+
+    def __init__(self, cfg, i: int, method_for, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.linear = cfg.layer_types[i] == "conv"
+        if self.linear:
+            self.conv = ShortConv(cfg, f"{p}.conv", method_for, dtype)
+        else:
+            self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
+            _rename(self.self_attn, o_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm")
+        self.feed_forward = MLP(cfg, f"{p}.feed_forward", method_for, dtype, ffn_width(cfg))
+        _rename(self.feed_forward, down_proj="w2")
+        eps = float(cfg.norm_eps)
+        self.operator_norm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, eps, dtype)
+        object.__setattr__(self, "input_layernorm", self.operator_norm)  # (LlamaForCausalLM.embed_and_norm's)
+        object.__setattr__(self, "post_attention_layernorm", self.ffn_norm)
+
+
+def _rename(module: nn.Module, **names: str) -> None:
+    """Register each submodule of `module` under the checkpoint's name (the loader routes tensors by module path),
+    its infer name kept as an alias that the shared code reads (not registered twice)."""
+    for ours, theirs in names.items():
+        layer = module._modules.pop(ours)
+        setattr(module, theirs, layer)
+        object.__setattr__(module, ours, layer)
+
+
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    """LFM2: Llama's loop over Lfm2Layers, the first layer's operator_norm applied to the embeddings as Llama's input
+    norm, the final norm under the checkpoint's embedding_norm. Its short convs' states: Lfm2HybridForCausalLM
+    (lfm2_class)."""
+
+    layer_class = Lfm2Layer
+    piecewise = False  # (no piecewise CUDA graphs: `piece` is Llama's)
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["w1", "w3"]}
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        _rename(self, norm="embedding_norm")
+
+    def linear_layers(self) -> list[ShortConv]:
+        return [layer.conv for layer in self.layers if layer.linear]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_and_norm(input_ids)
+        kept = self.kept_states(ctx) if getattr(self, "state_pad_slot", None) is not None else None
+        delta = None  # the LoRA delta the last o/down projection left to the norm after it
+        for i, layer in enumerate(self.layers):
+            if i:
+                x, residual = layer.operator_norm(x, residual, delta)
+            if layer.linear:
+                x, delta = layer.conv(x, ctx, kept)
+            else:
+                x, delta = layer.self_attn(positions, x, ctx, self._rope(i))
+            x, residual = layer.ffn_norm(x, residual, delta)
+            x, delta = layer.feed_forward(x, ctx)
+        x, _ = self.norm(x, residual, delta)
+        return x
+
+
+_CLASSES: list[type] = []
+
+
+def lfm2_class(hybrid: bool) -> type:
+    """Lfm2ForCausalLM, or with short-conv layers (`hybrid`: registry.is_hybrid) its subclass with the state cache
+    (qwen3_5.StateCacheMixin)."""
+    if not _CLASSES:
+        _CLASSES.append(Lfm2ForCausalLM)
+        _CLASSES.append(type("Lfm2HybridForCausalLM", (StateCacheMixin, Lfm2ForCausalLM), {
+            "__doc__": "LFM2 with short-conv layers: their conv states in the state cache."}))
+    return _CLASSES[1 if hybrid else 0]
