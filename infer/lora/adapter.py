@@ -37,6 +37,11 @@ STARCODER2_PROJECTIONS = {"c_fc": MLP, "c_proj": MLP}
 MLA_PROJECTIONS = {"q_a_proj": ATTN, "q_b_proj": ATTN, "kv_a_proj_with_mqa": ATTN, "kv_b_proj": ATTN}
 PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS,
                **MLA_PROJECTIONS}  # every name some base adapts
+# LFM2's (models.lfm2): its attention's out_proj, its short convs' in_proj and out_proj, its feed_forward's w1 (gate),
+# w3 (up) and w2 (down), by (parent, projection): out_proj is both an attention's and a short conv's
+LFM2_MODULES = {("self_attn", "out_proj"), ("conv", "in_proj"), ("conv", "out_proj"), ("feed_forward", "w1"),
+                ("feed_forward", "w3"), ("feed_forward", "w2")}
+LFM2_NAMES = ("out_proj", "in_proj", "w1", "w3", "w2")
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -45,10 +50,13 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
     gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down; an MLP without gate's up_proj in place of
-    gate/up), each once."""
+    gate/up; LFM2's out_proj, w1, w3, w2 in place of o, gate, up, down), each once."""
     if model_type == "starcoder2":
         mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
         return list(dict.fromkeys(mlp.get(t, t) for t in targets))
+    if model_type == "lfm2":  # (LFM2's attention's out_proj, its feed_forward's w1, w3, w2: models.lfm2)
+        names = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+        return list(dict.fromkeys(names.get(t, t) for t in targets))
     if model_type in UNGATED:  # (Arcee, Nemotron, Apertus: up_proj, down_proj)
         return list(dict.fromkeys("up_proj" if t == "gate_proj" else t for t in targets))
     if model_type in GLM:
@@ -115,6 +123,7 @@ PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
 PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepSeek's, GLM-4.7-Flash's)
 PEFT_NO_DEFAULT += ("dots1", "minimax_m2")  # (nor dots.llm1's, MiniMax-M2's)
 PEFT_NO_DEFAULT += ("hunyuan_v1_moe",)  # (nor Hunyuan MoE's)
+PEFT_NO_DEFAULT += ("lfm2",)  # (nor LFM2's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -283,6 +292,10 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
         return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's and "
                                    "the MLP's projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
                                    "q_proj, k_proj, v_proj, o_proj, up_proj, down_proj")
+    if base_config.model_type == "lfm2":
+        return _unadapted_problems(adapter, LFM2_UNADAPTED, "lfm2 (LFM2) adapt the attention's, the short convs' "
+                                   "and the MLP's projections, not the short convs' depthwise conv (conv.conv)",
+                                   "q_proj, k_proj, v_proj, out_proj, in_proj, w1, w3, w2")
     if not is_hybrid(base_config):
         return []
     if base_config.model_type == "qwen3_next":
@@ -325,7 +338,10 @@ def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: s
     return [Problem(f"targets {listed}: infer's adapters of {what}", f"retrain with target_modules among {adapted}")]
 
 
-UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED}
+# LFM2's modules infer does not adapt (models.lfm2): the short convs' depthwise conv (peft adapts a Conv1d) and the
+# whole blocks
+LFM2_UNADAPTED = ("conv", "feed_forward", "self_attn", "layers")
+UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED, "lfm2": LFM2_UNADAPTED}
 
 
 def _target_names(adapter: "LoRAAdapter") -> set[str]:
@@ -357,7 +373,7 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
         return [Problem(f"adapts {foreign[0]}{more}, which the base model does not have ({have})", hint)]
     targets = adapter.config.get("target_modules")
     v4 = V4_EXPERT_TARGETS.get(getattr(base_config, "model_type", None), ())  # peft makes them the experts' params
-    known = (*PROJECTIONS, *V4_EXPERT_TARGETS["mixtral"])
+    known = (*PROJECTIONS, *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES)
     # (gate_proj, up_proj, down_proj name a shared expert's layers too: peft adapts them where every layer is sparse)
     shared = [p.removeprefix("shared_expert.") for p in shapes if p.startswith("shared_expert.")]
     listed = [t for t in targets if str(t).split(".")[-1] in known
@@ -541,6 +557,10 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         per_layer += [".post_self_attn_layernorm", ".post_mlp_layernorm"]
     if model_type in HUNYUAN:
         per_layer += [".self_attn.query_layernorm", ".self_attn.key_layernorm"]
+    if model_type == "lfm2":  # (models.lfm2: its operator blocks, feed_forward, norms; the final embedding_norm)
+        names[2] = "model.embedding_norm"
+        per_layer = ["", ".self_attn", ".conv", ".feed_forward", ".operator_norm", ".ffn_norm",
+                     ".self_attn.q_layernorm", ".self_attn.k_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     if model_type == "granite_swa":  # (its rotary embeddings, one a non-zero base of layer_rope_theta)
         bases = {t for t in (getattr(base_config, "layer_rope_theta", None) or []) if t}
@@ -594,6 +614,11 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
             width = expert_size(base_config)
             out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
         return out
+    if getattr(base_config, "model_type", None) == "lfm2":  # (models.lfm2: the short convs' in_proj, out_proj)
+        from ..models.lfm2 import ffn_width
+        inter = ffn_width(base_config)
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "out_proj": (q, hidden),
+                "in_proj": (hidden, 3 * hidden), "w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -848,7 +873,7 @@ def config_problems(config: dict) -> list[Problem]:
     if isinstance(targets, (list, tuple)):
         # (Mixtral's experts' w1, w3, w2 of transformers 4: validate_against checks them against the base)
         unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS,
-                                                                      *V4_EXPERT_TARGETS["mixtral"])]
+                                                                      *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES)]
         if unknown:
             problems.append(Problem(f"targets {unknown}, which the base model does not have", _HINT_TARGETS))
     return problems
@@ -1040,7 +1065,8 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     if parent in ("mlp.shared_expert", "mlp.shared_experts") and proj in LLAMA_PROJECTIONS \
             and LLAMA_PROJECTIONS[proj] == MLP:
         proj = f"shared_expert.{proj}"
-    elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS):
+    elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS) \
+            and (parent, proj) not in LFM2_MODULES:
         return None  # (Nemotron-H's attention and MLP projections: under its blocks' mixer, models.nemotron_h)
     return f"model.layers.{int(m['layer'])}.{parent}.{m['proj']}", int(m["layer"]), proj
 

@@ -26,7 +26,12 @@ UNGATED_MLP = ("up_proj", "down_proj")  # Arcee's, Nemotron's and Apertus's MLP 
 # and down layers: within those widths)
 _SLOTS_AS = {"gate_up_proj": ("gate_up_proj", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
 MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # DeepSeek's (models.deepseek), with q_proj, o_proj
-ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)  # every name some model takes
+# LFM2's (models.lfm2): its attention's out_proj, its short convs' in_proj and out_proj (one name for both kinds of
+# out_proj, as peft's suffix match adapts both), its feed_forward's w1 and w3 (one fused layer: gate_up_proj) and w2
+LFM2_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "out_proj", "in_proj", "w1", "w3", "gate_up_proj", "w2")
+LFM2_FUSED = {"qkv_proj": FUSED["qkv_proj"], "gate_up_proj": ("w1", "w3")}
+ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED, "out_proj", "in_proj", "w1", "w3",
+             "w2")  # every name some model takes
 # a hybrid model's linear-attention (Gated DeltaNet: models.qwen3_5) projections, which adapters do not adapt (yet)
 LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
@@ -59,6 +64,8 @@ def model_target_names(model_config) -> list[str]:
     if is_mla(model_config):  # (DeepSeek's multi-head latent attention: its own projections, kv_b_proj absorbed)
         rank = getattr(model_config, "q_lora_rank", None)
         names = [*(MLA_ATTENTION[:2] if rank else ("q_proj",)), MLA_ATTENTION[2], "o_proj"]
+    if model_config.model_type == "lfm2":
+        return list(LFM2_NAMES)
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
     if model_config.model_type in UNGATED:
@@ -92,7 +99,7 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
     chosen = set(targets)
     from ..models.registry import UNGATED
     from ..models.shapes import is_mla
-    for fused, parts in FUSED.items():
+    for fused, parts in (LFM2_FUSED if model_config.model_type == "lfm2" else FUSED).items():
         if fused == "qkv_proj" and is_mla(model_config):  # (MLA's q_proj a layer of its own)
             continue
         if fused == "gate_up_proj" and model_config.model_type in UNGATED:  # (no fused MLP: up_proj a layer of its
