@@ -197,7 +197,8 @@ def own_bits(gptq, module: str) -> int | None:
 
 # the engine's merged layers (models.layers.MergedLinear): q, k, v and gate, up are one GPTQ layer each
 _MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up",
-           "in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz"}  # (Qwen3.5's linear attention: models.qwen3_5)
+           "in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz",  # (Qwen3.5's linear attention: models.qwen3_5)
+           "w1": "gate_up", "w3": "gate_up"}  # (LFM2's feed_forward: models.lfm2)
 # Mixtral's experts' gate and up (block_sparse_moe.experts.N.w1, w3): one int4 stack, one g_idx (models.moe)
 _MERGED_EXPERT = {"w1": "gate_up", "w3": "gate_up"}
 
