@@ -17,7 +17,8 @@ from infer.models.tiny import ensure_builtin
 
 from helpers import (check_greedy_and_logprobs_equal_transformers, check_preemption_restarts_from_zero_state,
                      check_state_slots_all_free, check_warmup_counts_the_states, estimated_plan, greedy_each,
-                     greedy_tokens, hf_model, interpreted_module, norms_and_biases_shifted, prompt_steps, random_prompts, save_random_model)
+                     greedy_tokens, hf_model, interpreted_module, norms_and_biases_shifted, prompt_steps,
+                     random_prompts, save_random_model)
 from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-lfm2"
