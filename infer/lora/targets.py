@@ -30,8 +30,8 @@ MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # DeepSeek's (mo
 # out_proj, as peft's suffix match adapts both), its feed_forward's w1 and w3 (one fused layer: gate_up_proj) and w2
 LFM2_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "out_proj", "in_proj", "w1", "w3", "gate_up_proj", "w2")
 LFM2_FUSED = {"qkv_proj": FUSED["qkv_proj"], "gate_up_proj": ("w1", "w3")}
-ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED, "out_proj", "in_proj", "w1", "w3",
-             "w2")  # every name some model takes
+# every name some model takes (LFM2's own aside: a llama's --lora-target-modules w1 is an unknown name)
+ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)
 # a hybrid model's linear-attention (Gated DeltaNet: models.qwen3_5) projections, which adapters do not adapt (yet)
 LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
