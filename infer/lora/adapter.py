@@ -292,6 +292,9 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
         return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's and "
                                    "the MLP's projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
                                    "q_proj, k_proj, v_proj, o_proj, up_proj, down_proj")
+    if base_config.model_type == "lfm2_moe":
+        return [Problem("adapters on LFM2-MoE (lfm2_moe) are not supported yet",
+                        "serve it without adapters (LFM2's are: its attention's, short convs' and MLP's projections)")]
     if base_config.model_type == "lfm2":
         return _unadapted_problems(adapter, LFM2_UNADAPTED, "lfm2 (LFM2) adapt the attention's, the short convs' "
                                    "and the MLP's projections, not the short convs' depthwise conv (conv.conv)",

@@ -10,6 +10,7 @@ from ..kernels.mamba2 import SCAN_GROUP_CHUNKS, varlen_scan_bytes
 from ..kernels.reference import (MASK_ELEMENTS, MXFP4_ROW_BYTES, MXFP4_ROWS, decode_gather_tokens,
                                  longest_batched_decode)
 from ..models.limits import context_limit, layer_groups, uniform_window
+from ..models.registry import LFM2
 from ..models.shapes import ModelShapes
 from ..quant.config import mxfp4_model
 
@@ -34,7 +35,7 @@ def _linear_layers(model_config) -> list[int]:
     from ..models.registry import is_hybrid
     if not is_hybrid(model_config):
         return []
-    kind = "conv" if model_config.model_type == "lfm2" else "linear_attention"
+    kind = "conv" if model_config.model_type in LFM2 else "linear_attention"
     return [i for i, t in enumerate(model_config.layer_types) if t == kind]
 
 
@@ -62,7 +63,7 @@ def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
     if not layers:
         return 0
     c = model_config
-    if c.model_type == "lfm2":  # (its short convs: a conv state [hidden_size, conv_L_cache - 1] alone, models.lfm2)
+    if c.model_type in LFM2:  # (its short convs: a conv state [hidden_size, conv_L_cache - 1] alone, models.lfm2)
         return layers * c.hidden_size * (c.conv_L_cache - 1) * element_bytes(dtype)
     if c.model_type == "nemotron_h":  # (models.nemotron_h.mamba_fields: Granite 4.0's fields)
         from ..models.nemotron_h import mamba_fields
@@ -162,7 +163,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
     chosen = check_target_modules(target_modules, model_config)
-    lfm2 = model_config.model_type == "lfm2"  # (its short convs' in_proj and out_proj; its attention's out_proj)
+    lfm2 = model_config.model_type in LFM2  # (its short convs' in_proj and out_proj; its attention's out_proj)
     o_name = "out_proj" if lfm2 else "o_proj"
 
     from ..models.registry import UNGATED
@@ -494,7 +495,7 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
 
 def mlp_width(model_config) -> int:
     """A dense MLP's width: intermediate_size, or LFM2's as transformers adjusts it (models.lfm2.ffn_width)."""
-    if getattr(model_config, "model_type", None) == "lfm2":
+    if getattr(model_config, "model_type", None) in LFM2:
         from ..models.lfm2 import ffn_width
         return ffn_width(model_config)
     return model_config.intermediate_size
@@ -521,7 +522,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together (LFM2's
     # short conv: in_proj's B | C | x, B * x, the conv's input with its state, its output and the sequences' outputs
     # joined, C times them: models.lfm2.ShortConv, kernels.delta_rule.causal_conv1d_varlen)
-    conv = 10 * h if model_config.model_type == "lfm2" else 0
+    conv = 10 * h if model_config.model_type in LFM2 else 0
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter, conv) + 2 * lora_rank) * b
     chosen = check_target_modules(lora_targets, model_config) if lora_rank else None
     from ..models.moe import experts_adapted

@@ -10,7 +10,12 @@ its output; out_proj. Its state per running sequence is the conv's last L - 1 in
 in the engine's state cache as a Mamba-2 layer's conv state (qwen3_5.StateCacheMixin, engine.state_cache: state
 slots, prefix-cache snapshots, zero state at position 0) with no recurrent state; the conv is the Gated DeltaNet's
 and Mamba-2's (kernels.causal_conv1d_varlen / causal_conv1d_update, without their silu: one Triton launch each on
-CUDA)."""
+CUDA).
+
+LFM2-MoE (transformers' Lfm2MoeForCausalLM, model_type lfm2_moe: LFM2-8B-A1B) has the same layers, its first
+num_dense_layers MLPs dense (intermediate_size wide, not adjusted), the others a mixture of experts (models.moe:
+num_experts SwiGLU experts of moe_intermediate_size, num_experts_per_tok a token, a sigmoid router whose expert_bias
+steers the choice)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from .context import ForwardContext
 from .granite4 import _Conv
 from .layers import MergedLinear
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from .moe import MoeForCausalLM, SparseMoeBlock, is_sparse
 from .qwen3_5 import StateCacheMixin
 
 
@@ -29,9 +35,9 @@ def ffn_width(cfg) -> int:
     """The MLP's width as transformers' Lfm2MLP computes it: intermediate_size, or where block_auto_adjust_ff_dim
     two thirds of it (int), times block_ffn_dim_multiplier and rounded up to a multiple of block_multiple_of where
     that multiplier is set (not rounded where it is null). `cfg`: a config, or config.json's fields (a namespace:
-    Lfm2Config's defaults where one is missing)."""
+    Lfm2Config's defaults where one is missing). LFM2-MoE's dense MLPs: intermediate_size itself."""
     width = int(cfg.intermediate_size)
-    if getattr(cfg, "block_auto_adjust_ff_dim", True):
+    if getattr(cfg, "model_type", "lfm2") == "lfm2" and getattr(cfg, "block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
         multiplier = getattr(cfg, "block_ffn_dim_multiplier", 1.0)
         if multiplier is not None:
@@ -89,8 +95,12 @@ class Lfm2Layer(nn.Module):
         else:
             self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
             _rename(self.self_attn, o_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm")
-        self.feed_forward = MLP(cfg, f"{p}.feed_forward", method_for, dtype, ffn_width(cfg))
-        _rename(self.feed_forward, down_proj="w2")
+        if is_sparse(cfg, i):  # (LFM2-MoE's experts: models.moe; the loader finds them as the layer's mlp)
+            self.feed_forward = SparseMoeBlock(cfg, f"{p}.feed_forward", method_for, dtype)
+            object.__setattr__(self, "mlp", self.feed_forward)
+        else:
+            self.feed_forward = MLP(cfg, f"{p}.feed_forward", method_for, dtype, ffn_width(cfg))
+            _rename(self.feed_forward, down_proj="w2")
         eps = float(cfg.norm_eps)
         self.operator_norm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps, dtype)
@@ -143,11 +153,18 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 _CLASSES: list[type] = []
 
 
-def lfm2_class(hybrid: bool) -> type:
-    """Lfm2ForCausalLM, or with short-conv layers (`hybrid`: registry.is_hybrid) its subclass with the state cache
-    (qwen3_5.StateCacheMixin)."""
+def lfm2_class(hybrid: bool, moe: bool = False) -> type:
+    """Lfm2ForCausalLM, with short-conv layers (`hybrid`: registry.is_hybrid) its subclass with the state cache
+    (qwen3_5.StateCacheMixin), with experts (`moe`: LFM2-MoE) the loader's routing of their tensors
+    (moe.MoeForCausalLM)."""
     if not _CLASSES:
-        _CLASSES.append(Lfm2ForCausalLM)
-        _CLASSES.append(type("Lfm2HybridForCausalLM", (StateCacheMixin, Lfm2ForCausalLM), {
-            "__doc__": "LFM2 with short-conv layers: their conv states in the state cache."}))
-    return _CLASSES[1 if hybrid else 0]
+        for state in (False, True):
+            for experts in (False, True):
+                if not state and not experts:
+                    _CLASSES.append(Lfm2ForCausalLM)
+                    continue
+                bases = (StateCacheMixin,) * state + (MoeForCausalLM,) * experts + (Lfm2ForCausalLM,)
+                name = "Lfm2" + "Moe" * experts + "Hybrid" * state + "ForCausalLM"
+                _CLASSES.append(type(name, bases, {"__doc__": "LFM2" + "-MoE" * experts + (
+                    " with short-conv layers: their conv states in the state cache." if state else ".")}))
+    return _CLASSES[2 * hybrid + moe]

@@ -25,8 +25,8 @@ from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
 from .moe import GRANITE_MOE, SparseMoeBlock, base_type, is_sparse
-from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, GRANITE, OLMO, POST_NORMS, POST_ONLY,
-                       UNGATED, activation)
+from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, GRANITE, LFM2, OLMO, POST_NORMS,
+                       POST_ONLY, UNGATED, activation)
 from .rope import build_cos_sin_cache, identity_cos_sin, nope_layers, query_scaling, rope_layer_types
 from .shapes import ModelShapes, is_mla
 
@@ -43,7 +43,7 @@ def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> l
         return [f"{prefix}.{fused}"] * len(projections)
     if cfg.model_type == "granitemoeshared" and fused == "gate_up_proj":  # (its shared_mlp's gate|up: input_linear)
         return [f"{prefix}.input_linear"] * len(projections)
-    if cfg.model_type == "lfm2" and fused == "gate_up_proj":  # (LFM2's feed_forward: w1 the gate, w3 the up)
+    if cfg.model_type in LFM2 and fused == "gate_up_proj":  # (LFM2's feed_forward: w1 the gate, w3 the up)
         return [f"{prefix}.w1", f"{prefix}.w3"]
     return [f"{prefix}.{p}" for p in projections]
 
@@ -99,7 +99,7 @@ def norm_eps(cfg) -> float:
     """The norms' epsilon: rms_norm_eps, Cohere's layer_norm_eps, StarCoder2's norm_epsilon or Nemotron's norm_eps."""
     if cfg.model_type == "starcoder2":
         return float(cfg.norm_epsilon)
-    if cfg.model_type in ("nemotron", "lfm2"):
+    if cfg.model_type in ("nemotron", *LFM2):
         return float(cfg.norm_eps)
     if cfg.model_type == "nemotron_h":  # (models.nemotron_h)
         return float(cfg.layer_norm_epsilon)
@@ -312,7 +312,7 @@ class MLP(nn.Module):
         # (GraniteMoeShared's shared_mlp stores its down_proj as output_linear, LFM2's feed_forward as w2; its
         # gate|up: fused_names)
         down = f"{prefix}.{stored[1]}" if stored else f"{prefix}.output_linear" \
-            if cfg.model_type == "granitemoeshared" else f"{prefix}.w2" if cfg.model_type == "lfm2" \
+            if cfg.model_type == "granitemoeshared" else f"{prefix}.w2" if cfg.model_type in LFM2 \
             else f"{prefix}.down_proj"
         inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)

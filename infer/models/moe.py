@@ -102,7 +102,8 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         # (MiniMax-M2: its own attention, q and k normed over their whole projections as OLMoE's, no biases, a partial
         # rotary of NeoX pairs; Mixtral's layer of experts with a sigmoid router)
         "minimax_m2": "minimax_m2",
-        "hunyuan_v1_moe": "hunyuan_v1_dense"}  # (Hunyuan MoE: the dense Hunyuan's q/k norms after the rotary)
+        "hunyuan_v1_moe": "hunyuan_v1_dense",  # (Hunyuan MoE: the dense Hunyuan's q/k norms after the rotary)
+        "lfm2_moe": "lfm2"}  # (LFM2-MoE: LFM2's layers, models.lfm2; experts after num_dense_layers)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
@@ -122,7 +123,8 @@ GLM_LAYOUT = ("glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "dots1"
 SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 # (Nemotron 3's experts have no gate: up_proj alone, w13's I rows; "" names no tensor)
-_PROJ = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": ("", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2")}
+_PROJ = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": ("", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2"),
+         "lfm2_moe": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
 # the linear methods of quantized experts: GPTQ's, and AWQ's (quant.awq: each tensor repacked into GPTQ's layout as
 # it is read, so the same stacking, dequantization and kernels)
@@ -189,6 +191,8 @@ def is_sparse(cfg, layer: int) -> bool:
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
     if cfg.model_type == "nemotron_h":  # (its layers_block_type's "moe" layers: hybrid_override_pattern's "E")
         return cfg.layers_block_type[layer] == "moe"
+    if cfg.model_type == "lfm2_moe":  # (transformers' Lfm2MoeDecoderLayer: the first num_dense_layers dense)
+        return layer >= int(getattr(cfg, "num_dense_layers", 0) or 0) and num_experts(cfg) > 0
     if cfg.model_type == "ernie4_5_moe":  # (transformers' Ernie4_5_MoeDecoderLayer; its config resolves an end of -1)
         interval = int(getattr(cfg, "moe_layer_interval", 1) or 1)
         start, end = int(getattr(cfg, "moe_layer_start_index", 1)), int(getattr(cfg, "moe_layer_end_index", -1))
@@ -509,6 +513,15 @@ class SparseMoeBlock(nn.Module):
         if self.minimax:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=dtype), requires_grad=False)
             self.float_weights = True
+        # LFM2-MoE (transformers' Lfm2MoeTopKRouter): sigmoid scores in the model's dtype, expert_bias (float32, where
+        # use_expert_bias) added for the choice only, renormalised over their sum + 1e-6 where norm_topk_prob says,
+        # scaled by routed_scaling_factor
+        self.lfm2 = cfg.model_type == "lfm2_moe"
+        if self.lfm2:
+            self.scaling = float(getattr(cfg, "routed_scaling_factor", 1.0))
+            if getattr(cfg, "use_expert_bias", True):
+                self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
+                                                                 requires_grad=False)
         if self.glm or self.ernie:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32),
                                                              requires_grad=False)
@@ -553,8 +566,9 @@ class SparseMoeBlock(nn.Module):
                                         "both must be multiples of 32 (gpt-oss-20b's and 120b's are 2880)")
         self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai, mxfp4=self.mxfp4,
                                gated=cfg.model_type != "nemotron_h")
-        # the layer's module the block is (the loader's names of its parameters): Nemotron-H's mixer, else mlp
-        self.module = "mixer" if cfg.model_type == "nemotron_h" else "mlp"
+        # the layer's module the block is (the loader's names of its parameters): Nemotron-H's mixer, LFM2-MoE's
+        # feed_forward, else mlp
+        self.module = {"nemotron_h": "mixer", "lfm2_moe": "feed_forward"}.get(cfg.model_type, "mlp")
         self.shared_expert = None
         if cfg.model_type in SHARED_EXPERT:
             shared = int(cfg.shared_expert_intermediate_size)
@@ -667,6 +681,8 @@ class SparseMoeBlock(nn.Module):
             ids = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
             return weights / weights.sum(dim=-1, keepdim=True), ids
+        if self.lfm2:
+            return self._lfm2_route(x)
         if self.ernie:
             probs = torch.softmax(self.gate(x.float()), dim=-1, dtype=torch.float32)
             ids = torch.topk(probs + self.gate.e_score_correction_bias, self.top_k, dim=-1)[1]
@@ -700,6 +716,20 @@ class SparseMoeBlock(nn.Module):
         weights = scores.gather(1, ids)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+    def _lfm2_route(self, x: torch.Tensor):
+        """LFM2-MoE's routing, transformers' Lfm2MoeTopKRouter's ops: (weights [T, k] in the model's dtype, experts
+        [T, k])."""
+        scores = torch.sigmoid(self.gate(x))
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        if bias is None:
+            weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            ids = torch.topk(scores + bias, self.top_k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
         return weights * self.scaling, ids
 
     def _v2_route(self, x: torch.Tensor):
@@ -792,7 +822,9 @@ class SparseMoeBlock(nn.Module):
 # projection, or the stacked experts of transformers' own parameter names
 # (GLM-4.5's router has an e_score_correction_bias too)
 # (Nemotron 3's: under the layer's mixer, its experts' up_proj without gate, stacked [E, I, H] or apart)
-_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe|mixer)\.(?:gate\.(?:weight|e_score_correction_bias)|"
+# (LFM2-MoE's: under its feed_forward, its router's bias beside the router as expert_bias)
+_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe|mixer|feed_forward)\.(?:gate\.(?:weight|"
+                     r"e_score_correction_bias)|expert_bias|"
                      r"experts\.(\d+)\.(\w+)\.(weight|qweight|qzeros|scales|g_idx|bias)|"
                      r"experts\.(gate_up_proj|up_proj|down_proj))$")
 
@@ -908,6 +940,8 @@ class MoeForCausalLM:
 
         if m.group(3) is None and m.group(6) is None:  # the router (GLM-4.5's: float32, from the stored values)
             part = key.rpartition(".")[2]
+            if part == "expert_bias":  # (LFM2-MoE's, beside its router: float32, as transformers keeps it)
+                part, t = "e_score_correction_bias", raw if raw is not None else t
             dest = getattr(block.gate, part, None)
             if dest is None:
                 return None  # (the loader names it as a tensor config.json has no place for)

@@ -103,7 +103,11 @@ SUPPORTED = {
     # Liquid AI's LFM2 (LFM2-350M/700M/1.2B/2.6B): short-conv and attention layers (models.lfm2), a conv state per
     # sequence beside the paged KV
     "Lfm2ForCausalLM": "lfm2",
+    # LFM2-MoE (LFM2-8B-A1B): LFM2's layers, experts in the MLPs after the first num_dense_layers (models.moe: a
+    # sigmoid router whose expert_bias steers the choice)
+    "Lfm2MoeForCausalLM": "lfm2_moe",
 }
+LFM2 = ("lfm2", "lfm2_moe")  # (models.lfm2)
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
 # 4.0's where its layer_types has a "linear_attention" (Mamba-2) layer (is_hybrid)
 HYBRID = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", "granitemoehybrid")
@@ -172,8 +176,8 @@ _HELIUM = "infer runs Kyutai's Helium (HeliumForCausalLM, model_type helium: hel
 _HUNYUAN = ("infer runs Tencent's dense Hunyuan (HunYuanDenseV1ForCausalLM, model_type hunyuan_v1_dense: "
             "Hunyuan-0.5B/1.8B/4B/7B-Instruct) and Hunyuan MoE (HunYuanMoEV1ForCausalLM, model_type hunyuan_v1_moe: "
             "Hunyuan-A13B-Instruct): use one of those")
-_LFM2 = ("infer runs Liquid AI's dense LFM2 text models (Lfm2ForCausalLM, model_type lfm2: LFM2-350M, 700M, 1.2B, "
-         "2.6B): use one of those")
+_LFM2 = ("infer runs Liquid AI's LFM2 text models (Lfm2ForCausalLM, model_type lfm2: LFM2-350M, 700M, 1.2B, 2.6B) "
+         "and LFM2-MoE (Lfm2MoeForCausalLM, model_type lfm2_moe: LFM2-8B-A1B): use one of those")
 _DEEPSEEK = ("infer runs DeepSeek-V3's layout (DeepseekV3ForCausalLM, model_type deepseek_v3: DeepSeek-V3, V3.1, R1, "
              "Moonlight-16B-A3B, Kimi-K2) and DeepSeek-V2's (DeepseekV2ForCausalLM, model_type deepseek_v2: "
              "DeepSeek-V2-Lite, V2, V2.5): use one of those")
@@ -223,8 +227,6 @@ NEAR_FAMILIES = {
     "aya_vision": ("Aya Vision, Cohere's multimodal model (AyaVisionForConditionalGeneration)", _COHERE),
     "minimax": ("MiniMax-Text-01 (MiniMaxForCausalLM), a hybrid of lightning (linear) attention and full attention "
                 "layers", _MINIMAX),
-    "lfm2_moe": ("LFM2's mixture of experts (Lfm2MoeForCausalLM: LFM2-8B-A1B), whose sparse layers' experts and "
-                 "router infer does not compute", _LFM2),
     "lfm2_vl": ("LFM2-VL, LFM2's vision-language model (Lfm2VlForConditionalGeneration: a SigLIP2 tower and a "
                 "projector before its LFM2 text model)", _LFM2 + " (LFM2-VL's text model is not served on its own)"),
     "lfm3": ("LFM3 (model_type lfm3), whose sliding-window layers, sandwich norms and gated attention infer does not "
@@ -273,7 +275,7 @@ def check_supported(cfg) -> str:
         check_granite4(cfg)
     elif model_type == "nemotron_h":
         check_nemotron_h(cfg)
-    elif model_type == "lfm2":
+    elif model_type in LFM2:
         check_lfm2(cfg)
     elif model_type in HYBRID:  # (the Gated DeltaNet layers of Qwen3.5, Qwen3.5 MoE and Qwen3-Next)
         check_linear_attention(cfg)
@@ -578,28 +580,29 @@ def check_nemotron_h(cfg) -> None:
 
 
 def check_lfm2(cfg) -> None:
-    """LFM2's layer_types other than "conv" and "full_attention" (or not one a layer), none of them attention, and a
-    conv of under 2 taps (conv_L_cache: its state keeps the last conv_L_cache - 1 inputs): refused naming them
-    (models.lfm2)."""
+    """LFM2's (and LFM2-MoE's) layer_types other than "conv" and "full_attention" (or not one a layer), none of them
+    attention, and a conv of under 2 taps (conv_L_cache: its state keeps the last conv_L_cache - 1 inputs): refused
+    naming them (models.lfm2)."""
     types = _layer_kinds(cfg, "layer_types", ("conv", "full_attention"),
                          "LFM2's layer_types give each of num_hidden_layers layers \"conv\" or \"full_attention\": "
                          "use the config.json that came with the weights")
     if "full_attention" not in types:
-        raise UnsupportedModelError("lfm2 with no attention layer (every layer_types entry \"conv\") is not "
-                                    "supported: infer's KV blocks, which count each sequence's tokens, are an "
+        raise UnsupportedModelError(f"{cfg.model_type} with no attention layer (every layer_types entry \"conv\") "
+                                    "is not supported: infer's KV blocks, which count each sequence's tokens, are an "
                                     "attention layer's", "serve an LFM2 checkpoint with attention layers (every "
                                     "released LFM2 has them)")
     taps = getattr(cfg, "conv_L_cache", None)
     if type(taps) is not int or taps < 2:
-        raise UnsupportedModelError(f"lfm2 with conv_L_cache {json.dumps(taps)} is not supported (a conv of 2 or more "
-                                    "taps)", "use the config.json that came with the weights (LFM2's: 3)")
+        raise UnsupportedModelError(f"{cfg.model_type} with conv_L_cache {json.dumps(taps)} is not supported (a conv "
+                                    "of 2 or more taps)", "use the config.json that came with the weights (LFM2's: 3)")
 
 
 def model_class(cfg):
     check_supported(cfg)
-    if cfg.model_type == "lfm2":
+    if cfg.model_type in LFM2:
         from .lfm2 import lfm2_class
-        return lfm2_class(is_hybrid(cfg))
+        from .moe import is_moe
+        return lfm2_class(is_hybrid(cfg), is_moe(cfg))
     if cfg.model_type == "nemotron_h":
         from .nemotron_h import nemotron_h_class
         return nemotron_h_class(is_hybrid(cfg))
@@ -638,6 +641,6 @@ def is_hybrid(cfg) -> bool:
     model_type = getattr(cfg, "model_type", None)
     if model_type in ("granitemoehybrid", "nemotron_h"):
         return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
-    if model_type == "lfm2":  # (LFM2's short convs: models.lfm2)
+    if model_type in LFM2:  # (LFM2's short convs: models.lfm2)
         return "conv" in (getattr(cfg, "layer_types", None) or [])
     return model_type in HYBRID

@@ -278,6 +278,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, num_hidden_layers=4, intermediate_size=200, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=True, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
         layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True)),
+    # LFM2-MoE (LFM2-8B-A1B's shape, shortened): tiny-lfm2's layers, the first MLP dense (96 wide), then 8 experts
+    # of 32, 2 a token, routed by sigmoid scores with expert_bias, renormalised and scaled by 1.5
+    "tiny-lfm2-moe": TinySpec("lfm2_moe", 40, config=dict(
+        _TINY, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True,
+        routed_scaling_factor=1.5, conv_L_cache=3, norm_eps=1e-5, tie_word_embeddings=True,
+        layer_types=["conv", "full_attention", "conv", "conv"])),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),

@@ -324,6 +324,12 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "nemotron_h definition looks for the layers under backbone.layers, which transformers 5's "
             "NemotronHForCausalLM holds as model.layers (\"'NoneType' object is not subscriptable\", seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it)")
+    if config.get("model_type") == "lfm2_moe":
+        raise UnsupportedModelError(
+            f"{src} is an LFM2-MoE (lfm2_moe), which infer quantize does not take yet: GPTQModel 7.6's lfm2_moe "
+            "definition is not checked against transformers 5 here (it names the final norm model.norm, which "
+            "transformers 5's Lfm2MoeModel calls embedding_norm)", "serve the float checkpoint (infer runs it; "
+            "--dtype bfloat16 halves it)")
     if config.get("model_type") == "ernie4_5_moe":
         raise UnsupportedModelError(
             f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
