@@ -323,3 +323,14 @@ def test_lfm2_moe_adapters_and_quantize_are_refused(tmp_path):
     res = CliRunner().invoke(app, ["quantize", "tiny-lfm2-moe", "-o", str(tmp_path / "q"), "--group-size", "32"])
     assert res.exit_code != 0 and not (tmp_path / "q").exists()
     assert "is an LFM2-MoE (lfm2_moe), which infer quantize does not take yet" in " ".join(res.output.split())
+
+
+def test_lfm2_moe_warmup_counts_the_conv_states_and_the_built_in_model_runs():
+    """`infer warmup --estimate` of tiny-lfm2-moe counts its 3 short convs' state slots and its one attention layer's
+    KV as the engine allocates them; the built-in model gives transformers' tokens."""
+    plan = check_warmup_counts_the_states("tiny-lfm2-moe", 2 * 2 * 16 * 4)
+    assert plan["state_bytes"] == 3 * 9 * 64 * 2 * 4
+    prompts = random_prompts(512, (6, 19), seed=1)
+    with LLM("tiny-lfm2-moe", block_size=4) as llm:
+        got = greedy_tokens(llm, prompts, 6)
+    assert got == greedy_each(hf_model(str(ensure_builtin("tiny-lfm2-moe"))), prompts, 6)
