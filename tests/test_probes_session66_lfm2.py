@@ -81,18 +81,28 @@ def test_preemption_restarts_the_conv_state_from_zero(hf):
 def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
     """A 37-token prompt, then it with 7 more tokens (blocks of 4): the second finds the first's 9 full blocks and
     the conv states snapshotted at their end, computes its last 8 tokens alone, and both give transformers' tokens
-    and those of caching off."""
+    and those of caching off; after sleep and wake_up it is computed in full, the same tokens."""
     base = random_prompts(512, (37,), seed=6)[0]
     prompts = [base, base + [5, 6, 7, 8, 9, 10, 11]]
     want = greedy_each(hf, prompts, 6)
     with LLM(NAME, block_size=4, enable_prefix_caching=False) as llm:
         assert [greedy_tokens(llm, [p], 6)[0] for p in prompts] == want
-    with LLM(NAME, block_size=4) as llm:
+    with LLM(NAME, block_size=4, enable_sleep_mode=True) as llm:
         steps = prompt_steps(llm)
         outs = [llm.generate([p], SamplingParams(max_new_tokens=6, ignore_eos=True))[0] for p in prompts]
         assert llm.engine.block_manager.snapshots.restored == 1
         assert outs[1].num_cached_tokens == 36 and steps[-6:].count(0) >= 5
         check_state_slots_all_free(llm)
+        # sleep frees the conv states and their snapshots with the KV cache (no recurrent state to free) and forgets
+        # the snapshots: the extension after waking is computed in full, the same tokens
+        runner = llm.engine.runner
+        kv_bytes = runner.kv_cache.untyped_storage().nbytes()
+        llm.engine.sleep(level=1)
+        assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == \
+            kv_bytes + runner.state_bytes + runner.snapshot_bytes
+        llm.engine.wake_up()
+        again = llm.generate(prompts[1:], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+        assert again.num_cached_tokens == 0 and again.token_ids == want[1]
     assert [o.token_ids for o in outs] == want
 
 
