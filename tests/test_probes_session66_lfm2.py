@@ -127,6 +127,16 @@ def test_warmup_counts_the_conv_states_and_the_attention_kv_alone():
     assert plan["state_bytes"] == 3 * 9 * 64 * 2 * 4
 
 
+def test_the_activation_estimate_covers_the_measured_peak():
+    """`infer warmup` (measured, a fresh process) of a step of 1,020 tokens: the short convs' temporaries (in_proj's
+    B | C | x, B * x, the conv's input with its state and its output, C times it) are within the formula, which is
+    not loose by more than 30%."""
+    from helpers import measured_warmup
+    measured = measured_warmup([NAME, "--max-length", "256", "--concurrency", "4", "--max-num-batched-tokens", "1024"])
+    peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
+    assert peak <= formula <= 1.3 * peak, (formula, peak)
+
+
 def test_mlp_width_is_transformers():
     """models.lfm2.ffn_width is the width transformers' Lfm2MLP builds, for LFM2's released settings and others."""
     from transformers import Lfm2Config

@@ -520,9 +520,10 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     shapes = ModelShapes.from_config(model_config)
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together (LFM2's
-    # short conv: in_proj's B | C | x, B * x, the conv's input with its state, its output and the sequences' outputs
-    # joined, C times them: models.lfm2.ShortConv, kernels.delta_rule.causal_conv1d_varlen)
-    conv = 10 * h if model_config.model_type in LFM2 else 0
+    # short conv: in_proj's B | C | x, B * x, the conv's input with its state, its output and the CPU conv1d's own
+    # copy of it (measured: twice the input's bytes), the sequences' outputs joined, C times them, out_proj's output:
+    # models.lfm2.ShortConv, kernels.delta_rule.causal_conv1d_varlen)
+    conv = 12 * h if model_config.model_type in LFM2 else 0
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter, conv) + 2 * lora_rank) * b
     chosen = check_target_modules(lora_targets, model_config) if lora_rank else None
     from ..models.moe import experts_adapted
