@@ -85,11 +85,16 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
     base = random_prompts(512, (37,), seed=6)[0]
     prompts = [base, base + [5, 6, 7, 8, 9, 10, 11]]
     want = greedy_each(hf, prompts, 6)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
     with LLM(NAME, block_size=4, enable_prefix_caching=False) as llm:
-        assert [greedy_tokens(llm, [p], 6)[0] for p in prompts] == want
+        full = [llm.generate([p], params)[0] for p in prompts]
+        assert [o.token_ids for o in full] == want
     with LLM(NAME, block_size=4, enable_sleep_mode=True) as llm:
         steps = prompt_steps(llm)
-        outs = [llm.generate([p], SamplingParams(max_new_tokens=6, ignore_eos=True))[0] for p in prompts]
+        outs = [llm.generate([p], params)[0] for p in prompts]
+        # (the restored conv state reaches the logprobs: a zero one could leave the greedy tokens as they are)
+        for a, b in zip(outs[1].logprobs, full[1].logprobs):
+            assert abs(a["logprob"] - b["logprob"]) < 1e-5
         assert llm.engine.block_manager.snapshots.restored == 1
         assert outs[1].num_cached_tokens == 36 and steps[-6:].count(0) >= 5
         check_state_slots_all_free(llm)
