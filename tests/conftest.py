@@ -8,7 +8,19 @@ if not Path("/dev/nvidiactl").exists():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+def _threads() -> int:
+    """Torch's CPU threads in this test process: the cores shared among the pytest-xdist workers (scripts/test runs one
+    a core), at most 2. Two workers of two threads each on two cores oversubscribe them: each worker's OpenMP threads
+    spin while the other's run, which made CPU-bound test files about twice as slow (60 s against 30 s for
+    test_engine_hf.py with session 59's families, on the 2-core CI machine)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+torch.set_num_threads(_threads())
+if os.environ.get("PYTEST_XDIST_WORKER"):  # (and the infer processes a test starts: the same share of the cores)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads()))
 
 
 def _interpret_device_calls_without_repatching() -> None:
