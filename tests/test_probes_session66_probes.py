@@ -167,5 +167,6 @@ def test_an_odd_rotary_width_is_refused_naming_the_field(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "qk_rope_head_dim": 15}))
     res = CliRunner().invoke(app, ["warmup", str(folder), "--estimate"], env={"COLUMNS": "250"})
     text = " ".join(res.output.split())
-    assert res.exit_code == 2 and "config.json's qk_rope_head_dim 15 is odd: a rotary turns pairs of dimensions" in text, text
+    assert res.exit_code == 2, text
+    assert "config.json's qk_rope_head_dim 15 is odd: a rotary turns pairs of dimensions" in text, text
     assert "partial_rotary_factor" not in text, text
