@@ -221,7 +221,9 @@ class LoRAAdapter:
             problems = hybrid + _without_absent(problems, self, UNADAPTED.get(base_config.model_type, LINEAR_ATTENTION))
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
-        problems += _foreign_projections(self, base_config, shapes)
+        foreign = _foreign_projections(self, base_config, shapes)  # (a hybrid's unadapted names: said above)
+        problems += _without_absent(foreign, self, UNADAPTED.get(base_config.model_type, LINEAR_ATTENTION)) \
+            if hybrid else foreign
         problems += _absorbed_problems(self, base_config)
         for m in self.modules.values():
             if m.layer >= num_layers:
@@ -618,7 +620,7 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
             out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
         return out
     if getattr(base_config, "model_type", None) == "lfm2":  # (models.lfm2: the short convs' in_proj, out_proj)
-        from ..models.lfm2 import ffn_width
+        from ..quant.config import ffn_width
         inter = ffn_width(base_config)
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "out_proj": (q, hidden),
                 "in_proj": (hidden, 3 * hidden), "w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}

@@ -496,7 +496,7 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
 def mlp_width(model_config) -> int:
     """A dense MLP's width: intermediate_size, or LFM2's as transformers adjusts it (models.lfm2.ffn_width)."""
     if getattr(model_config, "model_type", None) in LFM2:
-        from ..models.lfm2 import ffn_width
+        from ..quant.config import ffn_width
         return ffn_width(model_config)
     return model_config.intermediate_size
 

@@ -23,28 +23,13 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..quant.config import ffn_width
 from .context import ForwardContext
 from .granite4 import _Conv
 from .layers import MergedLinear
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from .moe import MoeForCausalLM, SparseMoeBlock, is_sparse
 from .qwen3_5 import StateCacheMixin
-
-
-def ffn_width(cfg) -> int:
-    """The MLP's width as transformers' Lfm2MLP computes it: intermediate_size, or where block_auto_adjust_ff_dim
-    two thirds of it (int), times block_ffn_dim_multiplier and rounded up to a multiple of block_multiple_of where
-    that multiplier is set (not rounded where it is null). `cfg`: a config, or config.json's fields (a namespace:
-    Lfm2Config's defaults where one is missing). LFM2-MoE's dense MLPs: intermediate_size itself."""
-    width = int(cfg.intermediate_size)
-    if getattr(cfg, "model_type", "lfm2") == "lfm2" and getattr(cfg, "block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        multiplier = getattr(cfg, "block_ffn_dim_multiplier", 1.0)
-        if multiplier is not None:
-            width = int(multiplier * width)
-            step = int(getattr(cfg, "block_multiple_of", 256))
-            width = step * ((width + step - 1) // step)
-    return width
 
 
 class ShortConv(nn.Module):

@@ -14,6 +14,24 @@ _BITS_HINT = ("only 4-bit and 8-bit GPTQ are supported: use the model's 4-bit (o
               "weights (`infer quantize FLOAT_MODEL -o OUT --bits 4` makes a 4-bit checkpoint of them)")
 
 
+def ffn_width(cfg) -> int:
+    """LFM2's MLP width as transformers' Lfm2MLP computes it (models.lfm2's MLP; here, below models, because
+    quantize checks the widths of a checkpoint's projections by it too): intermediate_size, or where
+    block_auto_adjust_ff_dim two thirds of it (int), times block_ffn_dim_multiplier and rounded up to a multiple of
+    block_multiple_of where that multiplier is set (not rounded where it is null). `cfg`: a config, or config.json's
+    fields (a namespace: Lfm2Config's defaults where one is missing). LFM2-MoE's dense MLPs: intermediate_size
+    itself."""
+    width = int(cfg.intermediate_size)
+    if getattr(cfg, "model_type", "lfm2") == "lfm2" and getattr(cfg, "block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = getattr(cfg, "block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            width = int(multiplier * width)
+            step = int(getattr(cfg, "block_multiple_of", 256))
+            width = step * ((width + step - 1) // step)
+    return width
+
+
 def mxfp4_gpt_oss(config: dict) -> bool:
     """Whether config.json (a dict) is a gpt-oss with MXFP4 experts (the hub's gpt-oss-20b / 120b): infer keeps
     them packed as stored (models.moe's Mxfp4Experts: the fused MoE dequantizes them in registers, the CPU's

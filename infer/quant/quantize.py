@@ -395,7 +395,7 @@ def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
     if config.get("model_type") == "lfm2" and "intermediate_size" in dims:  # (its MLP's width: models.lfm2)
         from types import SimpleNamespace
 
-        from ..models.lfm2 import ffn_width
+        from ..quant.config import ffn_width
         width = ffn_width(SimpleNamespace(**config))
         dims.pop("intermediate_size")
         dims[f"MLP width (intermediate_size {config['intermediate_size']} adjusted as transformers does: "
