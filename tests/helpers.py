@@ -1023,6 +1023,28 @@ def check_state_slots_all_free(llm) -> None:
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def check_batched_chunks_equal_transformers(path, hf) -> None:
+    """A hybrid model in `path`: three prompts (30, 17 and 1 tokens) batched in steps of 8 tokens (prefills cut into
+    chunks, their states carried from a step to the next) give transformers' greedy tokens for each alone; every state
+    slot free after."""
+    from infer import LLM
+    prompts = random_prompts(512, (30, 17, 1), seed=5)
+    with LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=3) as llm:
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+        check_state_slots_all_free(llm)
+
+
+def check_sleep_frees_the_states_with_the_kv_cache(llm) -> None:
+    """A hybrid's engine slept (level 1) frees its state slots and snapshots with the KV cache, their bytes together;
+    woken after."""
+    runner = llm.engine.runner
+    kv_bytes = runner.kv_cache.untyped_storage().nbytes()
+    llm.engine.sleep(level=1)
+    assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == \
+        kv_bytes + runner.state_bytes + runner.snapshot_bytes
+    llm.engine.wake_up()
+
+
 def prompt_steps(llm) -> list[int]:
     """The prompt tokens each step of llm's engine computes from now on (a list it appends to)."""
     steps: list[int] = []

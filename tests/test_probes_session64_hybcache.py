@@ -14,8 +14,8 @@ from infer import LLM, SamplingParams
 from infer.memory.sizes import state_slot_bytes
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_state_slots_all_free, estimated_plan, greedy_each, greedy_tokens, hf_model,
-                     prompt_steps, random_prompts)
+from helpers import (check_sleep_frees_the_states_with_the_kv_cache, check_state_slots_all_free, estimated_plan,
+                     greedy_each, greedy_tokens, hf_model, prompt_steps, random_prompts)
 
 NAMES = ("tiny-qwen3_5", "tiny-granite4")
 
@@ -148,12 +148,7 @@ def test_sleep_forgets_the_snapshots(model):
     with LLM(path, block_size=4, enable_sleep_mode=True) as llm:
         assert greedy_tokens(llm, prompts[:1], 4) == want[:1]
         assert llm.engine.block_manager.snapshots.slots
-        runner = llm.engine.runner
-        kv_bytes = runner.kv_cache.untyped_storage().nbytes()
-        llm.engine.sleep(level=1)
-        assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == \
-            kv_bytes + runner.state_bytes + runner.snapshot_bytes
-        llm.engine.wake_up()
+        check_sleep_frees_the_states_with_the_kv_cache(llm)
         assert not llm.engine.block_manager.snapshots.slots
         got, cached = _one_by_one(llm, prompts[1:], 4)
     assert got == want[1:]

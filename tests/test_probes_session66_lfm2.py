@@ -15,7 +15,8 @@ import torch
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_greedy_and_logprobs_equal_transformers, check_preemption_restarts_from_zero_state,
+from helpers import (check_batched_chunks_equal_transformers, check_greedy_and_logprobs_equal_transformers,
+                     check_preemption_restarts_from_zero_state, check_sleep_frees_the_states_with_the_kv_cache,
                      check_state_slots_all_free, check_warmup_counts_the_states, estimated_plan, greedy_each,
                      greedy_tokens, hf_model, interpreted_module, norms_and_biases_shifted, prompt_steps,
                      random_prompts, save_random_model)
@@ -100,12 +101,7 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
         check_state_slots_all_free(llm)
         # sleep frees the conv states and their snapshots with the KV cache (no recurrent state to free) and forgets
         # the snapshots: the extension after waking is computed in full, the same tokens
-        runner = llm.engine.runner
-        kv_bytes = runner.kv_cache.untyped_storage().nbytes()
-        llm.engine.sleep(level=1)
-        assert sum(e.nbytes for e in llm.engine._sleep.slept["kv_cache"]) == \
-            kv_bytes + runner.state_bytes + runner.snapshot_bytes
-        llm.engine.wake_up()
+        check_sleep_frees_the_states_with_the_kv_cache(llm)
         again = llm.generate(prompts[1:], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
         assert again.num_cached_tokens == 0 and again.token_ids == want[1]
     assert [o.token_ids for o in outs] == want
@@ -326,10 +322,7 @@ def test_lfm2_moe_equals_transformers(tmp_path, change):
         want = getattr(hf.model.layers[1].feed_forward, "expert_bias", None)
         assert (bias is None) == (want is None) and (bias is None or torch.equal(bias, want))
     check_greedy_and_logprobs_equal_transformers(tmp_path, hf, "lfm2-moe", check)
-    prompts = random_prompts(512, (30, 17, 1), seed=5)
-    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, max_num_seqs=3) as llm:
-        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
-        check_state_slots_all_free(llm)
+    check_batched_chunks_equal_transformers(tmp_path, hf)
 
 
 def test_lfm2_moe_adapters_and_quantize_are_refused(tmp_path):
