@@ -2,8 +2,12 @@ import os
 from pathlib import Path
 
 # Without a GPU, Triton kernels can only run in the interpreter; it must be chosen before anything imports triton.
+# And torch.compile runs eagerly: infer compiles nothing, but GPTQModel's torch kernel (the oracle of the GPTQ tests,
+# quant_helpers.gptqmodel_greedy) compiles its dequantization at every load, a C++ build per shape (minutes on a cold
+# inductor cache) for the values an eager run gives.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
