@@ -401,6 +401,7 @@ class RecordWriter:
         with contextlib.suppress(OSError):
             self.f.close()
         self.f = new
+        lock_output(new.fileno(), self.path)  # (the deleted file's lock went with it)
         print(f"note: {self.path} was deleted during the run; it is made again with the {self.count} records "
               "written so far, and the run goes on", file=sys.stderr)
         if self.recreated is not None:
@@ -426,11 +427,50 @@ class RecordWriter:
 def _open_output(path: Path, append: bool) -> IO[bytes]:
     """The output file, open for reading too when it is a regular file (or a new one): records written to a file
     deleted meanwhile are read back to make it again (output_gone). A file whose permissions refuse reading is written
-    to alone."""
-    if is_regular_or_new(path):
-        with contextlib.suppress(PermissionError):
-            return open(path, "a+b" if append else "w+b")
-    return open(path, "ab" if append else "wb")
+    to alone. A regular file is locked (lock_output) before a plain run empties it: another run's file is refused
+    whole."""
+    if not is_regular_or_new(path):
+        return open(path, "ab" if append else "wb")
+    try:
+        f = open(path, "a+b")
+    except PermissionError:
+        f = open(path, "ab")
+    try:
+        lock_output(f.fileno(), path)
+    except BaseException:
+        f.close()
+        raise
+    if not append:
+        f.truncate(0)
+    return f
+
+
+def lock_output(fd: int, path: Path) -> None:
+    """An flock on the output file itself, held while this run writes it (released when `fd` closes). OUTPUT.lock
+    (resume.output_lock) keeps a second run out only while that file is there: once it was deleted (`rm out.jsonl*`,
+    a cleanup of stale locks) a second run made a new one and wrote the same ids beside the first (with --resume), or
+    emptied the file under it (without). The output's own lock goes with the records: ConfigError when another run
+    holds it. Where flock is missing or refused (Windows, some network file systems) nothing is locked, as before."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise written_by_another_run(path) from None
+    except OSError:
+        pass
+
+
+def written_by_another_run(output: Path, holder: str = "", lock: Path | None = None) -> ConfigError:
+    """The refusal of a second run of one -o (`holder`: the other run's process id, when known; `lock`: its lock file,
+    which the user may delete when no run is left)."""
+    by = f" (process {holder})" if holder.isdigit() else ""
+    stale = f"; if no run is left, delete {lock}" if lock is not None else ""
+    return ConfigError(f"-o {output} is being written by another infer run{by}; two runs would each write the records "
+                       "still missing", "wait for that run to end (then --resume completes what it did not), or choose "
+                       f"another -o{stale}")
 
 
 def is_regular_or_new(path: Path) -> bool:

@@ -25,7 +25,7 @@ except ImportError:  # Windows: no advisory locks, runs are not kept apart
 import typer
 
 from ..errors import ConfigError, OutputError
-from .batch_io import is_regular_or_new, record_of
+from .batch_io import is_regular_or_new, lock_output, record_of, written_by_another_run
 
 FINGERPRINT_SUFFIX = ".resume.json"
 # options a fingerprint holds only when they are not their default (outputs written before they existed resume as
@@ -125,7 +125,8 @@ def output_lock(output: Path):
     refused at once. Without it both wrote: two --resume runs each ran the ids still missing (every such id ended
     with two records), a plain run truncated the file under the other. The lock is an flock on OUTPUT.lock (OUTPUT
     itself is replaced when a resume cuts a torn line), removed at the end; where it cannot be made (a folder that
-    takes no new file, a file system without flock) the run goes on unlocked, as before."""
+    takes no new file, a file system without flock) the run goes on unlocked, as before. OUTPUT.lock deleted while
+    a run writes does not let a second one in: the run's writer also locks OUTPUT (batch_io.lock_output)."""
     path, fd = lock_path(output), None
     while fd is None and fcntl is not None:
         try:
@@ -138,10 +139,7 @@ def output_lock(output: Path):
         except BlockingIOError:
             holder = os.read(fd, 32).decode("ascii", "replace").strip()
             os.close(fd)
-            by = f" (process {holder})" if holder.isdigit() else ""
-            raise ConfigError(f"-o {output} is being written by another infer run{by}; two runs would each write "
-                              "the records still missing", f"wait for that run to end (then --resume completes "
-                              f"what it did not), or choose another -o; if no run is left, delete {path}") from None
+            raise written_by_another_run(output, holder, path) from None
         except OSError:
             os.close(fd)
             fd = None
@@ -154,16 +152,37 @@ def output_lock(output: Path):
             os.close(fd)
             fd = None
     if fd is None:
+        _not_being_written(output)
         yield
         return
     try:
+        _not_being_written(output)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:  # (not another run's, made after this one's was deleted)
+                os.unlink(path)
         os.close(fd)
+
+
+def _not_being_written(output: Path) -> None:
+    """ConfigError when another run holds the output file's own lock (batch_io.lock_output): its OUTPUT.lock was
+    deleted, so only the records' file says that a run writes it. Looked at before this run reads, cuts or empties
+    the file (its writer locks it for good once the model is loaded)."""
+    fd = None
+    for mode in (os.O_RDONLY, os.O_WRONLY):  # (a file whose permissions refuse reading is written to alone)
+        with contextlib.suppress(OSError):  # no file yet: a writer that makes it second is refused at its lock
+            fd = os.open(output, mode | os.O_NONBLOCK)
+            break
+    if fd is None:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            lock_output(fd, output)
+    finally:
+        os.close(fd)  # (the lock taken here, if any, goes with it)
 
 
 _ERROR_LINE = re.compile(r"line ([0-9]+): ")  # how an input line's error record starts

@@ -1,0 +1,67 @@
+"""Probes of the sixty-seventh session: bad inputs that crashed, hung or lost work (the CLI's runs, the server, the
+tool parsers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import infer.cli.run as run_module
+from infer.cli.batch_io import RecordWriter
+from infer.cli.main import app
+from infer.errors import ConfigError
+
+
+# --------------------------------------------------------------------------- OUTPUT.lock deleted while a run writes
+def _prompts(tmp_path, n=4):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"count {i}", "max_new_tokens": 3}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("again", [["--resume"], []], ids=["resume", "plain"])
+def test_a_second_run_is_refused_when_the_first_runs_lock_file_was_deleted(tmp_path, monkeypatch, again):
+    """`rm out.jsonl.lock` (a cleanup of stale locks) while a run wrote out.jsonl: a second run of the same -o made a
+    new lock and wrote beside the first (--resume: the ids still missing, each ending with two records; plain: the
+    file emptied under the first). The first run's writer locks the output itself: the second is refused, naming the
+    other run, and the first completes with one record per id."""
+    inp, out = _prompts(tmp_path), tmp_path / "out.jsonl"
+    second = []
+    generate = run_module._generate
+
+    def first_generating(engine, todo, writer, *args, **kwargs):  # a record is written, the lock deleted
+        if not second:
+            writer.write({"id": "r0", "text": "early"})
+            (tmp_path / "out.jsonl.lock").unlink()
+            second.append(CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", *again]))
+        return generate(engine, [item for item in todo if item.id != "r0"], writer, *args, **kwargs)
+    monkeypatch.setattr(run_module, "_generate", first_generating)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 0, (res.output, res.exception, second[0].output)
+    text = " ".join(second[0].output.split())
+    assert second[0].exit_code == 2 and "is being written by another infer run" in text, text
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["r0", "r1", "r2", "r3"]
+    assert not (tmp_path / "out.jsonl.lock").exists()  # (neither run left one behind)
+
+
+def test_a_second_writer_of_one_output_is_refused_before_emptying_it(tmp_path):
+    """Two writers of one file (the second run's model loaded while the first's lock file was gone): the second is
+    refused at its open, and the records the first wrote stay; once the first closes, the file can be written
+    again."""
+    path = tmp_path / "o.jsonl"
+    first = RecordWriter(path, append=False)
+    first.write({"id": "a", "text": "x"})
+    with pytest.raises(ConfigError, match="being written by another infer run"):
+        RecordWriter(path, append=False)
+    with pytest.raises(ConfigError, match="being written by another infer run"):
+        RecordWriter(path, append=True)
+    first.write({"id": "b", "text": "y"})
+    first.close()
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]
+    again = RecordWriter(path, append=False)
+    again.write({"id": "c", "text": "z"})
+    again.close()
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["c"]
