@@ -65,3 +65,48 @@ def test_a_second_writer_of_one_output_is_refused_before_emptying_it(tmp_path):
     again.write({"id": "c", "text": "z"})
     again.close()
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["c"]
+
+
+# ------------------------------------------------------------------------------- a beam search's length_penalty
+def _beams():
+    from infer.engine.beam import BeamSearchSequence
+    return {name: BeamSearchSequence(list(range(length)), [], cum, num_prompt_tokens=1)
+            for name, length, cum in (("a", 3, -1.0), ("b", 2, -0.5), ("c", 4, -10.0), ("d", 5, 0.0))}
+
+
+@pytest.mark.parametrize("penalty, order", [(1.0, "dbac"), (1e6, "dcab"), (-1e6, "dbac"), (1e308, "dcab"),
+                                            (-1e308, "dbac")])
+def test_a_huge_length_penalty_orders_beams_as_the_score_does(penalty, order):
+    """length ** length_penalty is no float for a length_penalty of 1e6 (OverflowError) or -1e6 (0.0: a division by
+    zero): a beam search with it was a 500 ("beam search failed: OverflowError"). The beams are ranked by the score's
+    logarithm then, in the order the exact score gives (positive: the longer beam's |score| the smaller; negative:
+    the shorter's; a cumulative logprob of 0 first)."""
+    from infer.engine.beam import ranked
+    beams = _beams()
+    assert "".join(next(k for k, v in beams.items() if v is b) for b in ranked(list(beams.values()), set(), penalty)) \
+        == order
+
+
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_model_len=64))
+    with TestClient(create_app(Server(AsyncEngine(engine), "tiny-llama")), raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("penalty", [1e308, -1e308])
+def test_a_beam_search_with_a_huge_length_penalty_is_served(server, penalty):
+    """The server's beam search with length_penalty 1e308 (any float is vLLM's) was a 500; it is served, and so is
+    the next request."""
+    r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 3, "use_beam_search": True,
+                                             "length_penalty": penalty})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200

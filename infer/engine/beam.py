@@ -100,8 +100,35 @@ class BeamSearchOutput:
 
 def score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
     """vLLM's get_beam_search_score: the cumulative logprob over the length (prompt included, a last EOS not)."""
-    length = len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
-    return beam.cum_logprob / (length ** length_penalty)
+    return beam.cum_logprob / (_length(beam, eos) ** length_penalty)
+
+
+def _length(beam: BeamSearchSequence, eos: set[int]) -> int:
+    return len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
+
+
+def _log_score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> tuple[int, float]:
+    """A key that orders beams as `score` does, in logarithms: (the score's sign, log |score| signed so that a larger
+    key is a larger score). For a length_penalty whose power is no float (length ** 1e6 overflows, length ** -1e6 is
+    0.0, the quotient a division by zero)."""
+    c = beam.cum_logprob
+    if c == 0:
+        return 0, 0.0
+    log = math.log(abs(c)) - length_penalty * math.log(_length(beam, eos))
+    return (1, log) if c > 0 else (-1, -log)
+
+
+def ranked(beams: list[BeamSearchSequence], eos: set[int], length_penalty: float) -> list[BeamSearchSequence]:
+    """`beams` best first by `score` (a stable sort: ties keep their order). A length_penalty (any finite number, as
+    vLLM's) whose power is no float orders them by `_log_score`: the same order, where the quotient was an
+    OverflowError (a 500, a traceback), a division by zero, or an infinity that tied every beam."""
+    try:
+        keys: list = [score(b, eos, length_penalty) for b in beams]
+    except (OverflowError, ZeroDivisionError):
+        keys = []
+    if len(keys) < len(beams) or not all(map(math.isfinite, keys)):
+        keys = [_log_score(b, eos, length_penalty) for b in beams]
+    return [beams[k] for k in sorted(range(len(beams)), key=keys.__getitem__, reverse=True)]
 
 
 class BeamSearch:
@@ -162,8 +189,7 @@ class BeamSearch:
                 else:
                     candidates[i].append(new)
         for i, group in enumerate(candidates):
-            group.sort(key=lambda b: score(b, eos, params.length_penalty), reverse=True)
-            live[i] = group[:width]
+            live[i] = ranked(group, eos, params.length_penalty)[:width]
         self.steps += 1
 
     def finish(self, tokenizer) -> list[BeamSearchOutput]:
@@ -172,8 +198,7 @@ class BeamSearch:
         for i in range(len(live)):
             for beam in live[i]:
                 beam.finish_reason = "length"
-            best = sorted(done[i] + live[i], key=lambda b: score(b, eos, params.length_penalty),
-                          reverse=True)[:params.beam_width]
+            best = ranked(done[i] + live[i], eos, params.length_penalty)[:params.beam_width]
             for beam in best:  # as vLLM's: a final EOS stays in the tokens (and the text) only with
                 # include_stop_str_in_output; the text is the prompt's and the beam's, special tokens kept
                 if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
