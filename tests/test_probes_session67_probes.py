@@ -110,3 +110,13 @@ def test_a_beam_search_with_a_huge_length_penalty_is_served(server, penalty):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3
     assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+# ----------------------------------------------------------------------------------- a line's lora naming a folder
+def test_a_lines_lora_naming_the_root_folder_gets_a_remedy_with_a_name():
+    """A line's "lora": "/" (a folder, as a path given for a name) was told to use `--lora =/` and `"lora": ""`: the
+    root folder has no name, and that remedy is itself refused. It names a placeholder adapter instead."""
+    from infer.cli.run import adapter_remedy
+    from infer.errors import UnknownAdapterError
+    text = adapter_remedy(UnknownAdapterError("unknown LoRA adapter '/'", name="/"))
+    assert "--lora adapter=/ and write \"lora\": \"adapter\"" in text and "--lora =" not in text, text

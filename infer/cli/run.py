@@ -442,7 +442,7 @@ def adapter_remedy(e: UnknownAdapterError) -> str:
                 "them)")
     folder = _folder_named(e.name)
     if folder is not None:  # a line that gives the adapter's folder, not its --lora name
-        name = folder.name
+        name = folder.name or "adapter"  # (the root folder "/" has no name: the remedy was --lora =/ and "lora": "")
         return (f"{e.message}: {e.name} is a folder, and a line's lora names an adapter given to infer run ({known}; "
                 f"give it with --lora {name}={e.name} and write \"lora\": \"{name}\")")
     return f"{e.message} ({known}; give it to infer run with --lora {e.name}=PATH, PATH its PEFT folder)"
