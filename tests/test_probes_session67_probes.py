@@ -26,11 +26,12 @@ def _prompts(tmp_path, n=4):
 def test_a_second_run_is_refused_when_the_first_runs_lock_file_was_deleted(tmp_path, monkeypatch, again):
     """`rm out.jsonl.lock` (a cleanup of stale locks) while a run wrote out.jsonl: a second run of the same -o made a
     new lock and wrote beside the first (--resume: the ids still missing, each ending with two records; plain: the
-    file emptied under the first). The first run's writer locks the output itself: the second is refused, naming the
-    other run, and the first completes with one record per id."""
+    file emptied under the first). The first run's writer locks the output itself: the second is refused at once (no
+    model loaded for it), naming the other run, and the first completes with one record per id."""
     inp, out = _prompts(tmp_path), tmp_path / "out.jsonl"
-    second = []
-    generate = run_module._generate
+    second, loads = [], []
+    generate, start = run_module._generate, run_module._start_engine
+    monkeypatch.setattr(run_module, "_start_engine", lambda *a: loads.append(1) or start(*a))
 
     def first_generating(engine, todo, writer, *args, **kwargs):  # a record is written, the lock deleted
         if not second:
@@ -43,6 +44,7 @@ def test_a_second_run_is_refused_when_the_first_runs_lock_file_was_deleted(tmp_p
     assert res.exit_code == 0, (res.output, res.exception, second[0].output)
     text = " ".join(second[0].output.split())
     assert second[0].exit_code == 2 and "is being written by another infer run" in text, text
+    assert loads == [1]  # (the first run's)
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["r0", "r1", "r2", "r3"]
     assert not (tmp_path / "out.jsonl.lock").exists()  # (neither run left one behind)
 
@@ -74,6 +76,11 @@ def _beams():
             for name, length, cum in (("a", 3, -1.0), ("b", 2, -0.5), ("c", 4, -10.0), ("d", 5, 0.0))}
 
 
+def _order(beams: dict, penalty: float) -> str:
+    from infer.engine.beam import ranked
+    return "".join(next(k for k, v in beams.items() if v is b) for b in ranked(list(beams.values()), set(), penalty))
+
+
 @pytest.mark.parametrize("penalty, order", [(1.0, "dbac"), (1e6, "dcab"), (-1e6, "dbac"), (1e308, "dcab"),
                                             (-1e308, "dbac")])
 def test_a_huge_length_penalty_orders_beams_as_the_score_does(penalty, order):
@@ -81,10 +88,16 @@ def test_a_huge_length_penalty_orders_beams_as_the_score_does(penalty, order):
     zero): a beam search with it was a 500 ("beam search failed: OverflowError"). The beams are ranked by the score's
     logarithm then, in the order the exact score gives (positive: the longer beam's |score| the smaller; negative:
     the shorter's; a cumulative logprob of 0 first)."""
-    from infer.engine.beam import ranked
-    beams = _beams()
-    assert "".join(next(k for k, v in beams.items() if v is b) for b in ranked(list(beams.values()), set(), penalty)) \
-        == order
+    assert _order(_beams(), penalty) == order
+
+
+def test_beams_whose_scores_all_overflow_to_infinity_keep_their_order():
+    """2 ** -1070 is a float (a subnormal one), and a logprob over it is -inf: every beam tied, the search kept them
+    in the order they came. They are ranked by the score's logarithm (the smallest |logprob| first)."""
+    from infer.engine.beam import BeamSearchSequence
+    beams = {name: BeamSearchSequence([0, 1], [], cum, num_prompt_tokens=1)
+             for name, cum in (("a", -1.0), ("b", -0.5), ("c", -2.0))}
+    assert _order(beams, -1070.0) == "bac"
 
 
 @pytest.fixture(scope="module")
