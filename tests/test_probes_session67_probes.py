@@ -133,3 +133,38 @@ def test_a_lines_lora_naming_the_root_folder_gets_a_remedy_with_a_name():
     from infer.errors import UnknownAdapterError
     text = adapter_remedy(UnknownAdapterError("unknown LoRA adapter '/'", name="/"))
     assert "--lora adapter=/ and write \"lora\": \"adapter\"" in text and "--lora =" not in text, text
+
+
+def test_infer_run_completes_a_beam_line_with_a_huge_length_penalty(tmp_path):
+    """A batch line's use_beam_search with length_penalty 1e308 ended the whole `infer run` with a traceback
+    (OverflowError), no record written for any line: each line has its record now."""
+    lines = [{"custom_id": "plain", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}},
+             {"custom_id": "beams", "url": "/v1/completions",
+              "body": {"prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True, "length_penalty": 1e308}}]
+    inp, out = tmp_path / "b.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--output-format", "openai"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == ["beams", "plain"] and records["beams"]["response"]["status_code"] == 200
+
+
+def test_a_beam_lines_search_that_fails_is_that_lines_error_record(tmp_path, monkeypatch):
+    """Any failure of one line's beam search (the OverflowError above) ended the run with a traceback, every other
+    line's record lost with it: that line gets an engine error record (500), the others theirs."""
+    from infer.cli import beam_lines
+
+    def broken(self):
+        raise OverflowError("numerical result out of range")
+    monkeypatch.setattr(beam_lines.LineBeams, "advance", broken)
+    lines = [{"custom_id": "plain", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}},
+             {"custom_id": "beams", "url": "/v1/completions",
+              "body": {"prompt": "hi", "max_tokens": 2, "n": 2, "use_beam_search": True}}]
+    inp, out = tmp_path / "b.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--output-format", "openai"])
+    assert res.exit_code == 1, (res.output, res.exception)
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["plain"]["response"]["status_code"] == 200
+    assert records["beams"]["response"]["status_code"] == 500
+    assert "OverflowError: numerical result out of range" in json.dumps(records["beams"])

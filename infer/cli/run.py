@@ -531,7 +531,14 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
                 if search is not None:  # a beam search's step request: its next step, or the line's record
                     if not search.take(out):
                         continue
-                    bad = search.advance()
+                    try:
+                        bad = search.advance()
+                    except Exception as e:  # this line's record, as a failed step's (_step): the run goes on
+                        writer.write(records.error(search.item.id, f"internal engine error: {type(e).__name__}: {e}",
+                                                   engine=True))
+                        failed += 1
+                        progress.advance(task)
+                        continue
                     rids = search.send(engine) if bad is None else []
                     beams.update(dict.fromkeys(rids, search))
                     if not rids:
