@@ -1683,8 +1683,9 @@ class LLMEngine:
                 if hasattr(mod, "compile_decode") and getattr(mod, "k_cache", None) is not None:
                     if not kernels.use_triton(mod.k_cache):
                         return
-                    if getattr(mod, "window", 0) not in windows:
-                        windows.add(getattr(mod, "window", 0))
+                    kind = (getattr(mod, "window", 0), getattr(mod, "chunked", False))  # (Llama 4's chunks: a
+                    if kind not in windows:  # variant of their own)
+                        windows.add(kind)
                         mod.compile_decode()
 
     def _warm_moe_blocks(self, decode: bool = False) -> None:

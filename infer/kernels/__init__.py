@@ -63,10 +63,10 @@ def _sinks(sinks) -> dict:
     return {"sinks": sinks} if sinks is not None else {}
 
 
-def _win(window: int) -> dict:
-    """A sliding-window layer's window, passed only where set (full layers' and other families' calls as they
-    were)."""
-    return {"window": int(window)} if window else {}
+def _win(window: int, chunked: bool = False) -> dict:
+    """A sliding-window layer's window (`chunked`: Llama 4's chunk), passed only where set (full layers' and other
+    families' calls as they were)."""
+    return ({"window": int(window), "chunked": True} if chunked else {"window": int(window)}) if window else {}
 
 
 def embed_rms_norm(ids, table, weight, eps):
@@ -121,24 +121,24 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None,
-                    softcap=0.0, window=0, sinks=None):
+                    softcap=0.0, window=0, sinks=None, chunked=False):
     if use_triton(q):  # the module is `attention`: a submodule named paged_attention would shadow this function
         return _triton("attention").paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                    scale, max_query_len, **_cap(softcap), **_win(window),
+                                                    scale, max_query_len, **_cap(softcap), **_win(window, chunked),
                                                     **_sinks(sinks))
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                     max_query_len, **_cap(softcap), **_win(window), **_sinks(sinks))
+                                     max_query_len, **_cap(softcap), **_win(window, chunked), **_sinks(sinks))
 
 
 def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping, block_tables,
-                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0, window=0, sinks=None):
+                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0, window=0, sinks=None, chunked=False):
     if use_triton(q):
         return _triton("attention").decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
                                                      slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                                                     lora, **_cap(softcap), **_win(window), **_sinks(sinks))
+                                                     lora, **_cap(softcap), **_win(window, chunked), **_sinks(sinks))
     return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
                                       block_tables, seq_lens, query_start_loc, scale, lora, **_cap(softcap),
-                                      **_win(window), **_sinks(sinks))
+                                      **_win(window, chunked), **_sinks(sinks))
 
 
 def causal_conv1d_update(x, weight, states, slots, kept, bias=None, silu=True):

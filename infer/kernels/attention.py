@@ -53,10 +53,11 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
                  s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
-                 FUTURE: tl.constexpr = False):
+                 FUTURE: tl.constexpr = False, CHUNKED: tl.constexpr = False):
     """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal); the
     scores soft-capped where SOFTCAP > 0 (`_capped`); WINDOW > 0 (a sliding-window layer): row i over the keys
-    pos[i] - WINDOW + 1..pos[i] only.
+    pos[i] - WINDOW + 1..pos[i] only; CHUNKED too (Llama 4's chunked attention, WINDOW its chunk): over the keys of
+    its chunk, pos[i] - pos[i] % WINDOW..pos[i] (`_chunk_start`).
     FUTURE: keys past some row's position (or, WINDOW > 0, before some row's window) may be in lo..hi-1 (a
     prefill's tile of queries): a value there that is not finite (a token the model overflowed on) is kept from the
     rows that do not attend to it, whose masked weights (0) would make it NaN in the product with the values; a row
@@ -79,7 +80,9 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         else:
             s = tl.dot(q, k)
         seen = mask_n[None, :] & (keys[None, :] <= pos[:, None])
-        if WINDOW > 0:
+        if CHUNKED:
+            seen = seen & (keys[None, :] >= _chunk_start(pos, WINDOW)[:, None])
+        elif WINDOW > 0:
             seen = seen & (keys[None, :] > pos[:, None] - WINDOW)
         s = tl.where(seen, _capped(s, qk_scale, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,7 +93,9 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         if FUTURE:
             past = start + BLOCK_N - 1 > first  # (a tile of keys past the first row's position)
-            if WINDOW > 0:  # or before the last row's window: masked for that row, 0 x NaN would reach it too
+            if CHUNKED:  # or before the last row's chunk: masked for that row, 0 x NaN would reach it too
+                past = past | (start < _chunk_start(last, WINDOW))
+            elif WINDOW > 0:  # or before the last row's window: masked for that row, 0 x NaN would reach it too
                 past = past | (start < last - WINDOW + 1)
             if past:
                 bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
@@ -104,6 +109,12 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i, hit
+
+
+@triton.jit
+def _chunk_start(pos, CHUNK: tl.constexpr):
+    """The first position of the chunk of CHUNK positions that `pos` lies in (Llama 4's chunked attention)."""
+    return pos - pos % CHUNK
 
 
 @triton.jit
@@ -152,7 +163,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
                     PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
-                    SINKS: tl.constexpr = False):
+                    SINKS: tl.constexpr = False, CHUNKED: tl.constexpr = False):
     pdl.start(PDL)
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b, q_start, n, local = _tile_of(qsl_ptr, num_seqs, tile, BLOCK_Q)
@@ -173,11 +184,14 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
         acc = tl.zeros((BLOCK_Q * GROUP_PAD, BLOCK_D), tl.float32)
         hi = seq_len - n + tl.minimum(n, (local + 1) * BLOCK_Q)
         lo = 0
-        if WINDOW > 0:  # the keys before the tile's first query's window are skipped (the rest masked per row)
+        if CHUNKED:  # the keys before the tile's first query's chunk are skipped (the rest masked per row)
+            lo = _chunk_start(seq_len - n + local * BLOCK_Q, WINDOW)
+        elif WINDOW > 0:  # the keys before the tile's first query's window are skipped (the rest masked per row)
             lo = tl.maximum(seq_len - n + local * BLOCK_Q - WINDOW + 1, 0)
         acc, m_i, l_i, hit = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                           kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                          PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW, FUTURE=True)
+                                          PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW, FUTURE=True,
+                                          CHUNKED=CHUNKED)
         acc = tl.where(hit[:, None] > 0, float("nan"), _normed(acc, m_i, l_i, sink_ptr, head, mask_m, SINKS))
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -285,7 +299,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
                    LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
                    S_P2: tl.constexpr = 2, PDL: tl.constexpr = False, FP8: tl.constexpr = 0,
-                   SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False):
+                   SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
+                   CHUNKED: tl.constexpr = False):
     """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
     kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
     cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
@@ -300,14 +315,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
     caches' float8 format (fp8.code; 0: none): the new key and value are rounded to it (fp8.to_cache) before
     they are written and attended, as every key the cache holds. SOFTCAP: the scores soft-capped (`_capped`).
     WINDOW > 0 (a sliding-window layer): the query attends to the last WINDOW keys only, seq_len - WINDOW on (the
-    partitions share out those keys; the blocks before them are never read). SINKS: each head's denominator adds
+    partitions share out those keys; the blocks before them are never read); CHUNKED too: the keys of its chunk
+    (`_chunk_start` of its position seq_len - 1) only. SINKS: each head's denominator adds
     its sink (`_normed`; the merge too)."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     seq_len = tl.load(lens_ptr + b)
     base = 0
-    if WINDOW > 0:
+    if CHUNKED:
+        base = _chunk_start(seq_len - 1, WINDOW)
+    elif WINDOW > 0:
         base = tl.maximum(seq_len - WINDOW, 0)
     if SPLIT:
         span = tl.maximum(tl.cdiv(tl.cdiv(seq_len - base, BLOCK_N), num_parts), 1) * BLOCK_N
@@ -382,7 +400,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                 acc = acc + v_new.to(tl.float32)[None, :]
         acc, m_i, l_i, _ = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                         kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                        PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW)
+                                        PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW,
+                                        CHUNKED=CHUNKED)
         if SPLIT:
             used = tl.cdiv(seq_len - base, span)  # the sequence's partitions that hold keys (>= 1)
         else:
@@ -484,14 +503,14 @@ def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sc
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     max_query_len: int | None = None, softcap: float = 0.0, window: int = 0,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, chunked: bool = False) -> torch.Tensor:
     """Triton version of reference.paged_attention: q [T, Hq, D], caches [num_blocks, block_size, Hk, D]."""
     out = torch.empty_like(q)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    meta = _meta(q, k_cache, softcap, window, sinks)
+    meta = _meta(q, k_cache, softcap, window, sinks, chunked)
     qk_scale = float(scale) * LOG2E
     sinks = _sink_logits(sinks)
     if max_query_len == 1:
@@ -514,7 +533,8 @@ def _sink_logits(sinks: torch.Tensor | None) -> torch.Tensor | None:
     return None if sinks is None else sinks.float() * LOG2E
 
 
-def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: int = 0, sinks=None) -> dict:
+def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: int = 0, sinks=None,
+          chunked: bool = False) -> dict:
     hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = hq // hk
     meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
@@ -525,6 +545,8 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: 
         meta["SOFTCAP"] = float(softcap) * LOG2E
     if window:  # a sliding-window layer's window: a variant of its own (full layers compile the kernels as before)
         meta["WINDOW"] = int(window)
+        if chunked:  # (Llama 4's chunked attention: the window its chunk, a variant of its own)
+            meta["CHUNKED"] = True
     if sinks is not None:  # gpt-oss's attention sinks: a variant of its own
         meta["SINKS"] = True
     return meta
@@ -535,7 +557,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None,
                      compile_only: bool = False, parts: int | None = None, softcap: float = 0.0,
-                     window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int = 0, sinks: torch.Tensor | None = None, chunked: bool = False) -> torch.Tensor:
     """Triton version of reference.decode_attention, in one launch: the
     rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
     without the rotated q's and k's round trip through memory; with `lora` (the qkv layer's LoRADelta, by token),
@@ -560,6 +582,6 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache, softcap, window, sinks), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
+            _meta(q3, k_cache, softcap, window, sinks, chunked), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
             compile_only=compile_only, parts=parts, sinks=_sink_logits(sinks))
     return out

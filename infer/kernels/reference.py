@@ -177,12 +177,13 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None, softcap: float = 0.0,
-                     window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int = 0, sinks: torch.Tensor | None = None, chunked: bool = False) -> torch.Tensor:
     """Semantics: a decode step's attention from its unrotated q [T, Hq*D], k, v [T, Hk*D], every sequence
     querying one token, its last (position seq_lens[b] - 1, written at slot_mapping[t]):
     paged_attention(rotary_store_kv(...) as [T, Hq, D], ..., max_query_len=1), returned as [T, Hq, D]. With `lora`
     (the qkv layer's lora_reference.LoRADelta of this batch, by token), q|k|v are first a copy with the delta added
-    (`add_delta`): the layer's output as its `apply` would have left it. `window`, `sinks`: paged_attention's."""
+    (`add_delta`): the layer's output as its `apply` would have left it. `window`, `sinks`, `chunked`:
+    paged_attention's."""
     t = q.shape[0]
     if lora is not None:
         from .lora_reference import add_delta
@@ -191,7 +192,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
     q = rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
     return paged_attention(q.reshape(t, -1, head_dim), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, max_query_len=1, softcap=softcap, window=window, sinks=sinks)
+                           scale, max_query_len=1, softcap=softcap, window=window, sinks=sinks, chunked=chunked)
 
 
 # ----------------------------------------------------------------------------------------------- paged KV
@@ -237,7 +238,7 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtyp
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, max_query_len: int | None = None, softcap: float = 0.0,
-                    window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int = 0, sinks: torch.Tensor | None = None, chunked: bool = False) -> torch.Tensor:
     """Semantics: for each sequence b, its queries q[query_start_loc[b]:query_start_loc[b+1]] ([n_b, Hq, D]) are the
     last n_b tokens of a sequence of seq_lens[b] tokens whose keys/values sit in the paged cache at the blocks
     block_tables[b] ([num_blocks, block_size, Hk, D]). Query i (position p = seq_lens[b] - n_b + i) attends to the
@@ -249,7 +250,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     only, the last `window` keys including its own (masking_utils' kv_idx > q_idx - sliding_window). `sinks`
     (float32 [Hq]: gpt-oss's attention sinks): head h's softmax denominator adds exp(sinks[h]), a logit no value
     goes with (transformers' eager_attention_forward: the sink column concatenated to the scores, dropped after the
-    softmax)."""
+    softmax). `chunked` (Llama 4's chunked attention: attention_chunk_size, `window` its chunk): query at p attends
+    to the keys of its own chunk only, positions p - p % window..p (masking_utils' chunked_overlay: kv_idx //
+    chunk_size == q_idx // chunk_size); every key it reads is among the last `window` (a sliding window's blocks
+    freed behind it are never read)."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
@@ -271,7 +275,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             queries += range(qsl[b], qsl[b + 1])
             row_lens += range(lens[b] - n + 1, lens[b] + 1)
         _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out,
-                        batched=bool(short), softcap=softcap, window=window, sinks=sinks)
+                        batched=bool(short), softcap=softcap, window=window, sinks=sinks, chunked=chunked)
     done = set(short)
     if not softcap and sinks is None:  # whole prompts of one length (no context before them): attended at once
         whole = {}
@@ -289,7 +293,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         k = _gather_kv(k_cache, block_tables[b], lens[b], q.dtype)
         v = _gather_kv(v_cache, block_tables[b], lens[b], q.dtype)
-        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap, window, sinks)
+        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap, window, sinks,
+                                         chunked)
     return out
 
 
@@ -375,11 +380,21 @@ def _softmax(s: torch.Tensor, sinks: torch.Tensor | None, hk: int, group: int) -
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
-            softcap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+            softcap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None,
+            chunked: bool = False) -> torch.Tensor:
     """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys; `window` > 0: query
-    at p over the keys p - window + 1..p only (paged_attention's).
+    at p over the keys p - window + 1..p only (paged_attention's); `chunked` too: over the keys of its chunk of
+    `window`, p - p % window..p, each chunk's queries attended causally over their chunk's keys alone (no key of
+    another chunk reaches them, not even as 0 x NaN).
     (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
     n = q.shape[0]
+    if chunked and window:
+        parts = []
+        for first in range(offset - offset % window, offset + n, window):  # each chunk the queries reach
+            lo, hi = max(first, offset), min(first + window, offset + n)  # (its queries' positions)
+            parts.append(_attend(q[lo - offset:hi - offset], k[first:hi], v[first:hi], scale, lo - first, softcap,
+                                 0, sinks))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     if n > 1:  # a key or value that is not finite (a prompt token the model overflowed on) past a query's position
         # reaches that query through SDPA's masked weights (0 x NaN): the keys before it, and the prefix cache's
         # blocks of them, went NaN with it (a later request of the same prefix ended "not finite"). The queries
@@ -483,10 +498,11 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
 
 
 def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out, batched=False,
-                    softcap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None) -> None:
+                    softcap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None,
+                    chunked: bool = False) -> None:
     """`_decode_attention` of rows: query q[queries[r]] over the first row_lens[r] keys of sequence seqs[r]'s
     blocks (`batched`: as one batch, whatever `_per_sequence` says); `window` > 0: over the last `window` of them
-    only."""
+    only (`chunked`: over those of its chunk, `_first_key`)."""
     max_len = max(row_lens)
     equal = min(row_lens) == max_len
     if not batched and _per_sequence(len(seqs), max_len, k_cache.shape[2], equal):
@@ -494,13 +510,13 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
         for b, i, n in zip(seqs, queries, row_lens):
             k = _gather_kv(k_cache, tables[b], n, q.dtype)
             v = _gather_kv(v_cache, tables[b], n, q.dtype)
-            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap, window, sinks)
+            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap, window, sinks, chunked)
         return
     idx = torch.tensor(seqs, device=q.device)
     bs = k_cache.shape[1]
     nblocks = (max_len + bs - 1) // bs
     # a window: the blocks before the shortest row's window hold no key any row sees (not gathered)
-    first = max(0, min(row_lens) - window) // bs if window else 0
+    first = min(_first_key(n, window, chunked) for n in row_lens) // bs if window else 0
     tables = block_tables.index_select(0, idx)[:, first:nblocks].long()
     r, flat, keys = tables.shape[0], tables.flatten(), max_len - first * bs
     k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :keys].transpose(1, 2).to(q.dtype)
@@ -508,12 +524,13 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     qstart = torch.tensor(queries, device=q.device)
     qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
     mask = None
-    if not equal or (window and keys > window):  # (a window: the keys before each row's last `window` masked)
+    if not equal or (window and (keys > window or chunked)):  # (a window: the keys before each row's last `window`
+        # masked; a chunk: those before each row's chunk)
         lens_t = torch.tensor(row_lens, device=q.device)
         kpos = torch.arange(first * bs, max_len, device=q.device)[None]
         mask = kpos < lens_t[:, None]
         if window:
-            mask = mask & (kpos >= lens_t[:, None] - window)
+            mask = mask & (kpos >= _first_key(lens_t[:, None], window, chunked))
         mask = mask[:, None, None, :]
         # the masked keys' and values' slots may hold what is not finite, and 0 x NaN would reach the row: a shorter
         # row's padding (its table padded with block 0) and its own last block's slots past its length (what their last
@@ -526,6 +543,14 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap,
               sinks=sinks)
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
+
+
+def _first_key(length, window: int, chunked: bool):
+    """The first key a query at position length - 1 reads (an int, or a tensor of lengths): that of the last
+    `window` keys, or of its chunk (`chunked`: Llama 4's attention_chunk_size); 0 at least."""
+    if chunked:
+        return (length - 1) - (length - 1) % window
+    return (length - window).clamp(min=0) if isinstance(length, torch.Tensor) else max(0, length - window)
 
 
 class MoELoRA(NamedTuple):

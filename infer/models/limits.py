@@ -42,6 +42,8 @@ def layer_window(model_config, layer: int) -> int:
     blocks of a running sequence behind it are freed (engine.block_manager); where layers mix full attention and one
     window, the sliding layers' groups free theirs (`layer_groups`, engine.hybrid_blocks). The kernels skip the
     blocks wholly before a query's window and mask the rest."""
+    if layer_chunked(model_config, layer):  # (Llama 4's chunked layers: the chunk, Attention.chunked)
+        return int(model_config.attention_chunk_size)
     window = getattr(model_config, "sliding_window", None)
     model_type = getattr(model_config, "model_type", None)
     if not window or model_type in WINDOW_IGNORED:
@@ -56,6 +58,18 @@ def layer_window(model_config, layer: int) -> int:
     if model_type == "gemma2":
         return int(window) if layer % 2 == 0 else 0
     return int(window) if layer >= int(getattr(model_config, "max_window_layers", 0) or 0) else 0
+
+
+def layer_chunked(model_config, layer: int) -> bool:
+    """Whether decoder layer `layer` attends over chunks (Llama 4's rope layers where attention_chunk_size is set:
+    transformers' layer_types "chunked_attention"), its `layer_window` the chunk: a query at p reads the keys of its
+    own chunk, p - p % chunk..p, which are among the last `chunk` keys (what the block manager keeps of a sliding
+    window that size: the blocks behind it freed as a sliding window's are)."""
+    if getattr(model_config, "model_type", None) != "llama4_text":
+        return False
+    types = getattr(model_config, "layer_types", None) or []
+    return layer < len(types) and types[layer] == "chunked_attention" \
+        and bool(getattr(model_config, "attention_chunk_size", None))
 
 
 def uniform_window(model_config) -> int:

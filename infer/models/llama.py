@@ -23,7 +23,7 @@ from .. import kernels
 from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
-from .limits import layer_window
+from .limits import layer_chunked, layer_window
 from .moe import GRANITE_MOE, SparseMoeBlock, base_type, is_sparse
 from .registry import (COHERE, FLOAT_NORMS, GEMMA, GEMMA_FOUR_NORMS, GLM, GRANITE, LFM2, OLMO, POST_NORMS,
                        POST_ONLY, UNGATED, activation)
@@ -122,6 +122,10 @@ class Attention(nn.Module):
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
+        # Llama 4's chunked attention (attention_chunk_size, its rope layers): `window` is the chunk, each query
+        # attends to the keys of its own chunk alone (every kernel's `chunked`); the KV blocks behind it are freed as
+        # a sliding window's of that size would be (a chunk's keys are among a window's: engine.block_manager)
+        self.chunked = layer_chunked(cfg, layer)
         # gpt-oss's attention sinks: a learned logit per query head in each softmax's denominator (None: none)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False) \
             if cfg.model_type in ("gpt_oss", "granite_swa") else None  # (Granite SWA's too)
@@ -135,7 +139,8 @@ class Attention(nn.Module):
                                                                              "granite_swa",
                                                                              *COHERE, *OLMO, "smollm3", "seed_oss",
                                                                              "internlm3", "helium", "hunyuan_v1_dense",
-                                                                             "arcee", "nemotron", "apertus") \
+                                                                             "arcee", "nemotron", "apertus",
+                                                                             "llama4_text") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -159,6 +164,19 @@ class Attention(nn.Module):
         # Hunyuan norms q and k after the rotary (transformers' HunYuanDenseV1Attention), the others before it: its
         # layers rotate them first (`_rotated_first`) and hand the fused kernels an identity table
         self.norm_after_rope = kind == "hunyuan_v1_dense"
+        # Llama 4 (transformers' Llama4TextAttention): on its rope layers (no_rope_layers 1) q and k L2-normed per head
+        # after the rotary where use_qk_norm says (Llama4TextL2Norm: an RMSNorm without weight, `l2_normed`), Hunyuan's
+        # order; on its NoPE layers the query scaled by position where attn_temperature_tuning says (`temperature`)
+        self.l2_eps = None  # (Llama 4's L2 norm's eps; None: no such norm)
+        self.temperature = None  # (Llama 4's (attn_scale, floor_scale) of a NoPE layer; None: none)
+        self.pairs = None  # the dims whose interleaved pairs `_deinterleaved` reorders (None: rot_dim's)
+        if kind == "llama4_text":
+            rope = bool(cfg.no_rope_layers[layer])
+            if rope and cfg.use_qk_norm:
+                self.norm_after_rope, self.l2_eps = True, float(cfg.rms_norm_eps)
+            if not rope and cfg.attn_temperature_tuning:
+                self.temperature = (float(cfg.attn_scale), float(cfg.floor_scale))
+            self.pairs = self.head_dim  # (its rotary is the whole head's; a normed layer's rot_dim the identity's)
         if kind == "cohere" and getattr(cfg, "use_qk_norm", False):  # Command R+: a LayerNorm per head, each its own
             self.qk_norm = self.qk_norm_whole = True  # weights (over the whole projection, a row of weights a head)
             self.q_norm = LayerNorm((self.num_heads, self.head_dim), norm_eps(cfg), dtype)
@@ -175,7 +193,7 @@ class Attention(nn.Module):
         # cohere and helium apply_rotary_pos_emb): each head's rotary dims are reordered evens first, odds after
         # (`_deinterleaved`), and every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their
         # products, the attention, unchanged); ERNIE 4.5's and Cohere's over the whole head
-        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "ernie4_5_moe", "helium", *COHERE)
+        self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "ernie4_5_moe", "helium", *COHERE, "llama4_text")
         # Ministral 3's query scaled by position (rope.query_scaling: (beta, original) or None), in torch before the
         # rotary kernels (a scale commutes with the rotation): every path, the Triton kernels' too
         self.q_scaling = query_scaling(cfg)
@@ -195,7 +213,7 @@ class Attention(nn.Module):
             tables, slots = self._kv(ctx)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          slots, tables, ctx.seq_lens, ctx.query_start_loc,
-                                         self.scale, delta, self.softcap, self.window, self.sinks)
+                                         self.scale, delta, self.softcap, self.window, self.sinks, self.chunked)
             return self.o_proj.forward_deferred(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj.forward_deferred(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
@@ -235,11 +253,18 @@ class Attention(nn.Module):
             return q, k, cos_sin
         table, identity = cos_sin
         q, k = kernels.rotary_embedding(positions, q, k, table, self.head_dim)
+        if self.l2_eps is not None:  # (Llama 4's: no weights)
+            norm = functools.partial(l2_normed, eps=self.l2_eps)
+            return (*self._normed(q, k, norm, norm), identity)
         return (*self._normed(q, k, self.query_layernorm, self.key_layernorm), identity)
 
     def _scaled_query(self, positions, q):
         """q [t, q_size] times Ministral 3's scale of each token's position (Llama 4's: q_scaling), as transformers
         computes it (float32, cast to q's dtype); q itself for every other family."""
+        if self.temperature is not None:  # Llama 4's NoPE layers: 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
+            attn_scale, floor_scale = self.temperature  # in float32, the product rounded to q's dtype (transformers')
+            scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            return (q * scale[:, None]).to(q.dtype)
         if self.q_scaling is None:
             return q
         beta, original = self.q_scaling
@@ -249,7 +274,7 @@ class Attention(nn.Module):
     def _deinterleaved(self, x, heads: int):
         """x [t, heads * head_dim] with each head's rotary dims (the first rot_dim) reordered from interleaved pairs
         (0, 1), (2, 3), ... to halves (0, 2, 4, ... | 1, 3, 5, ...): the pairs every rotary kernel rotates."""
-        t, rot = x.shape[0], self.rot_dim
+        t, rot = x.shape[0], self.pairs or self.rot_dim
         x = x.reshape(t, heads, self.head_dim)
         halves = x[..., :rot].reshape(t, heads, rot // 2, 2).transpose(2, 3).reshape(t, heads, rot)
         return torch.cat([halves, x[..., rot:]], dim=-1).reshape(t, heads * self.head_dim)
@@ -269,7 +294,7 @@ class Attention(nn.Module):
             attention.decode_attention(ints[0], q, k, v, torch.empty(1, self.rot_dim, device=dev), self.head_dim,
                                        self.k_cache, self.v_cache, ints[1], tables, lens, starts, self.scale, delta,
                                        compile_only=True, parts=parts, softcap=self.softcap,
-                                       **({"window": self.window} if self.window else {}),
+                                       **({"window": self.window, "chunked": self.chunked} if self.window else {}),
                                        **({"sinks": self.sinks} if self.sinks is not None else {}))
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
@@ -288,8 +313,15 @@ class Attention(nn.Module):
         t = q.shape[0]
         o = kernels.paged_attention(q.reshape(t, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                     self._kv(ctx)[0], ctx.seq_lens, ctx.query_start_loc, self.scale,
-                                    ctx.max_query_len, self.softcap, self.window, self.sinks)
+                                    ctx.max_query_len, self.softcap, self.window, self.sinks, self.chunked)
         return o.reshape(t, self.q_size)
+
+
+def l2_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's L2 norm of q and k per head (transformers' Llama4TextL2Norm): x * rsqrt(mean(x²) + eps) in
+    float32, rounded to x's dtype; no weights."""
+    f = x.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class MLP(nn.Module):

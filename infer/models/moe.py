@@ -103,7 +103,8 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         # rotary of NeoX pairs; Mixtral's layer of experts with a sigmoid router)
         "minimax_m2": "minimax_m2",
         "hunyuan_v1_moe": "hunyuan_v1_dense",  # (Hunyuan MoE: the dense Hunyuan's q/k norms after the rotary)
-        "lfm2_moe": "lfm2"}  # (LFM2-MoE: LFM2's layers, models.lfm2; experts after num_dense_layers)
+        "lfm2_moe": "lfm2",  # (LFM2-MoE: LFM2's layers, models.lfm2; experts after num_dense_layers)
+        "llama4_text": "llama4_text"}  # (Llama 4: its own attention and layers, models.llama4; experts on moe_layers)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
@@ -152,7 +153,8 @@ def experts_field(cfg) -> str:
             "glm4_moe": "n_routed_experts", "ernie4_5_moe": "moe_num_experts",
             "nemotron_h": "n_routed_experts", "deepseek_v3": "n_routed_experts",
             "deepseek_v2": "n_routed_experts", "glm4_moe_lite": "n_routed_experts",
-            "dots1": "n_routed_experts", "minimax_m2": "num_local_experts"}.get(cfg.model_type, "num_experts")
+            "dots1": "n_routed_experts", "minimax_m2": "num_local_experts",
+            "llama4_text": "num_local_experts"}.get(cfg.model_type, "num_experts")
 
 
 def top_k_field(cfg) -> str:
@@ -191,6 +193,8 @@ def is_sparse(cfg, layer: int) -> bool:
         return layer >= int(getattr(cfg, "first_k_dense_replace", 1) or 0)
     if cfg.model_type == "nemotron_h":  # (its layers_block_type's "moe" layers: hybrid_override_pattern's "E")
         return cfg.layers_block_type[layer] == "moe"
+    if cfg.model_type == "llama4_text":  # (transformers' Llama4TextDecoderLayer: the layers moe_layers lists)
+        return layer in (cfg.moe_layers or ()) and num_experts(cfg) > 0
     if cfg.model_type == "lfm2_moe":  # (transformers' Lfm2MoeDecoderLayer: the first num_dense_layers dense)
         return layer >= int(getattr(cfg, "num_dense_layers", 0) or 0) and num_experts(cfg) > 0
     if cfg.model_type == "ernie4_5_moe":  # (transformers' Ernie4_5_MoeDecoderLayer; its config resolves an end of -1)
@@ -206,7 +210,7 @@ def is_sparse(cfg, layer: int) -> bool:
 def expert_size(cfg) -> int:
     """I: an expert's intermediate width (Qwen's and GLM-4.5's moe_intermediate_size; Mixtral's, gpt-oss's and
     OLMoE's intermediate_size)."""
-    return int(cfg.intermediate_size if cfg.model_type in _ALL_SPARSE else cfg.moe_intermediate_size)
+    return int(cfg.intermediate_size if cfg.model_type in (*_ALL_SPARSE, "llama4_text") else cfg.moe_intermediate_size)
 
 
 def shared_width(cfg) -> int:
@@ -222,8 +226,8 @@ def shared_width(cfg) -> int:
         return int(getattr(cfg, "shared_intermediate_size", 0) or 0)
     if cfg.model_type == "nemotron_h":  # (Nemotron 3's shared experts: one relu² MLP without gate, not adapted)
         return int(getattr(cfg, "moe_shared_expert_intermediate_size", 0) or 0)
-    if cfg.model_type == "hunyuan_v1_moe":  # (its shared_mlp, of intermediate_size as the experts: not adapted)
-        return int(cfg.intermediate_size)
+    if cfg.model_type in ("hunyuan_v1_moe", "llama4_text"):  # (Hunyuan's shared_mlp, Llama 4's shared_expert, of
+        return int(cfg.intermediate_size)  # intermediate_size as the experts)
     return 0
 
 
@@ -508,6 +512,10 @@ class SparseMoeBlock(nn.Module):
         # the block's e_score_correction_bias (in the model's dtype, as transformers holds it) added for the choice
         # only, the top k always renormalised, never scaled; float32 weights
         self.minimax = cfg.model_type == "minimax_m2"
+        # Llama 4 (transformers' Llama4TextMoe): a router in the model's dtype (feed_forward.router), the top k logits'
+        # sigmoid (in float32, rounded to the model's dtype) scaling each token's INPUT to its experts, whose outputs
+        # are summed unweighted (`forward`), and a shared expert (feed_forward.shared_expert) added unscaled
+        self.llama4 = cfg.model_type == "llama4_text"
         self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie or self.v2 or self.hunyuan else dtype,
                           bias=self.oai)
         if self.minimax:
@@ -568,7 +576,8 @@ class SparseMoeBlock(nn.Module):
                                gated=cfg.model_type != "nemotron_h")
         # the layer's module the block is (the loader's names of its parameters): Nemotron-H's mixer, LFM2-MoE's
         # feed_forward, else mlp
-        self.module = {"nemotron_h": "mixer", "lfm2_moe": "feed_forward"}.get(cfg.model_type, "mlp")
+        self.module = {"nemotron_h": "mixer", "lfm2_moe": "feed_forward", "llama4_text": "feed_forward"}.get(
+            cfg.model_type, "mlp")
         self.shared_expert = None
         if cfg.model_type in SHARED_EXPERT:
             shared = int(cfg.shared_expert_intermediate_size)
@@ -606,6 +615,11 @@ class SparseMoeBlock(nn.Module):
             self.shared_mlp = MLP(cfg, f"{prefix}.shared_mlp", method_for, dtype, inter=self.shared_width)
             self.shared_mlp.down_proj.lora_consumer = None
             object.__setattr__(self, "shared_experts", self.shared_mlp)
+        if self.llama4:  # (registered as shared_expert, the checkpoint's name; not Qwen2-MoE's gated one)
+            self.shared_width = shared_width(cfg)
+            self.shared_expert = MLP(cfg, f"{prefix}.shared_expert", method_for, dtype, inter=self.shared_width)
+            self.shared_expert.down_proj.lora_consumer = None
+            object.__setattr__(self, "shared_experts", self.shared_expert)
 
     def gptq_layer(self, index: int, part: int, proj: str):
         """Expert `index`'s GPTQ projection `part` (0 gate, 1 up, 2 down), a one-shard MergedLinear of its own
@@ -683,6 +697,9 @@ class SparseMoeBlock(nn.Module):
             return weights / weights.sum(dim=-1, keepdim=True), ids
         if self.lfm2:
             return self._lfm2_route(x)
+        if self.llama4:  # (transformers' Llama4Router: the top k logits, their sigmoid in float32)
+            top, ids = torch.topk(self.gate(x), self.top_k, dim=1)
+            return torch.sigmoid(top.float()).to(x.dtype), ids
         if self.ernie:
             probs = torch.softmax(self.gate(x.float()), dim=-1, dtype=torch.float32)
             ids = torch.topk(probs + self.gate.e_score_correction_bias, self.top_k, dim=-1)[1]
@@ -797,6 +814,19 @@ class SparseMoeBlock(nn.Module):
                                            self.oai_experts())
         return kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora, self.oai_experts())
 
+    def _scaled_inputs_experts(self, x, weights, ids, lora):
+        """Llama 4's experts (transformers' Llama4TextMoe): expert e_j of token t runs on x[t] * weights[t, j] (the
+        input scaled, in the model's dtype) and the k outputs are summed, weighed 1: the fused MoE over the k scaled
+        copies of each token, one expert each."""
+        t, k = ids.shape
+        if k == 1:  # (Scout's and Maverick's top 1: the token's one copy)
+            return self.run_experts(x * weights, torch.ones_like(weights), ids, lora)
+        copies = (x[:, None, :] * weights[:, :, None]).reshape(t * k, -1)
+        ones = torch.ones(t * k, 1, dtype=weights.dtype, device=x.device)
+        if lora is not None:  # (each copy in its token's adapter slot)
+            lora = lora._replace(token_slots=lora.token_slots.repeat_interleave(k))
+        return self.run_experts(copies, ones, ids.reshape(t * k, 1), lora).view(t, k, -1).sum(1)
+
     def oai_experts(self) -> OaiExperts | None:
         """gpt-oss's expert biases and activation as the fused MoE takes them (None for the other families)."""
         ex = self.experts
@@ -809,8 +839,11 @@ class SparseMoeBlock(nn.Module):
         # None where no token's adapter adapts them)
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         lora = self.lora.moe_lora(batch) if batch is not None else None
-        out = self.run_experts(x, weights, ids, lora)
-        if self.shared_expert is not None and self.shared_width:
+        if self.llama4:
+            out = self._scaled_inputs_experts(x, weights, ids, lora)
+        else:
+            out = self.run_experts(x, weights, ids, lora)
+        if self.shared_expert is not None and self.shared_width and not self.llama4:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         if self.shared_experts is not None and self.shared_width:
@@ -848,6 +881,17 @@ _ERNIE_BIAS = re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bia
 _MINIMAX_BIAS = re.compile(r"\.(block_sparse_moe|mlp)\.e_score_correction_bias$")
 # ERNIE 4.5 MoE's multi-token-prediction layer as the hub stores it (ERNIE-4.5-21B-A3B-PT: model.mtp_block.0...)
 _ERNIE_MTP = re.compile(r"^(?:model\.)?mtp_(?:block|emb_norm|hidden_norm|linear_proj)\.\d+\.")
+
+
+def _llama4_tensor(key: str, t: torch.Tensor, raw: torch.Tensor | None):
+    """A Llama 4 sparse layer's tensor as the loader reads it: its router (feed_forward.router) as gate.weight, its
+    stacked experts (transformers' Llama4TextExperts: gate_up_proj [E, H, 2I], the gate's I columns then the up's;
+    down_proj [E, I, H], both x @ W) transposed into infer's [E, 2I, H] and [E, H, I]."""
+    if key.endswith(".feed_forward.router.weight"):
+        return key.removesuffix(".router.weight") + ".gate.weight", t, raw
+    if key.endswith((".feed_forward.experts.gate_up_proj", ".feed_forward.experts.down_proj")) and t.dim() == 3:
+        return key, t.transpose(1, 2), None if raw is None else raw.transpose(1, 2)
+    return key, t, raw
 
 
 def mtp_tensor(cfg, name: str) -> bool:
@@ -918,6 +962,8 @@ class MoeForCausalLM:
             raw = raw.reshape(-1) if raw is not None else None
         if self.config.model_type == "minimax_m2":
             key = _MINIMAX_BIAS.sub(r".\1.gate.e_score_correction_bias", key)
+        if self.config.model_type == "llama4_text":  # (its router's name; its experts stored [E, H, 2I], [E, I, H])
+            key, t, raw = _llama4_tensor(key, t, raw)
         shared = _SHARED_MLP.match(key) if self.config.model_type == "granitemoeshared" else None
         if shared is not None:
             return self._load_shared_mlp(shared, t)

@@ -16,14 +16,16 @@ from ..quant.convert import CONFIG_HINT
 # the multimodal architecture -> its config's model_type
 WRAPPERS = {"Gemma3ForConditionalGeneration": "gemma3", "Mistral3ForConditionalGeneration": "mistral3",
             "Qwen3_5ForConditionalGeneration": "qwen3_5",  # (Qwen3.5's: a hybrid text model, models.qwen3_5)
-            "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}  # (Qwen3.5 MoE's: its experts, models.moe)
+            "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",  # (Qwen3.5 MoE's: its experts, models.moe)
+            "Llama4ForConditionalGeneration": "llama4"}  # (Llama 4 Scout's and Maverick's: models.llama4)
 # the text model's architecture, by text_config's model_type
 TEXT_ARCHS = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
               "ministral3": "Ministral3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 # the tensors (and peft modules) of the vision tower and the projector: skipped, never loaded
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                   "model.visual.", "mtp.")  # (Qwen3.5's vision tower, and its multi-token prediction layers)
+                   "model.visual.", "mtp.",  # (Qwen3.5's vision tower, and its multi-token prediction layers)
+                   "vision_model.", "model.vision_model.")  # (Llama 4's vision tower)
 # the language model's prefixes, as checkpoints store them -> what a text model's checkpoint stores there
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))

@@ -106,6 +106,10 @@ SUPPORTED = {
     # LFM2-MoE (LFM2-8B-A1B): LFM2's layers, experts in the MLPs after the first num_dense_layers (models.moe: a
     # sigmoid router whose expert_bias steers the choice)
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    # Meta's Llama 4 text model (Llama-4-Scout-17B-16E, Maverick-17B-128E: the language model of
+    # Llama4ForConditionalGeneration, models.multimodal): NoPE layers, a chunked attention and L2-normed q and k on the
+    # rope layers, experts whose router scales their input and a shared expert (models.llama4)
+    "Llama4ForCausalLM": "llama4_text",
 }
 LFM2 = ("lfm2", "lfm2_moe")  # (models.lfm2)
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
@@ -265,6 +269,8 @@ def check_supported(cfg) -> str:
         check_helium(cfg)
     if model_type in HUNYUAN:
         check_hunyuan(cfg)
+    if model_type == "llama4_text":
+        check_llama4(cfg)
     if model_type == "minimax_m2":
         check_minimax_m2(cfg)
     if model_type == "granite_swa":
@@ -455,6 +461,42 @@ def check_minimax_m2(cfg) -> None:
                                     "lightning and full attention is another architecture)")
 
 
+def check_llama4(cfg) -> None:
+    """A Llama 4 text config transformers builds layers of that infer's do not run, refused naming the field:
+    no_rope_layers or layer_types not one a layer (transformers indexes them by layer), layer_types other than
+    full_attention and chunked_attention or chunked where transformers' attention is not (a NoPE layer, or without
+    attention_chunk_size), an attention_chunk_size that is not a positive integer, moe_layers naming no layer,
+    floor_scale not positive (the temperature's floor divides by it)."""
+    hint = "use the config.json that came with the weights"
+    layers = cfg.num_hidden_layers
+    rope = list(getattr(cfg, "no_rope_layers", None) or [])
+    if len(rope) < layers or any(r not in (0, 1) for r in rope):
+        raise UnsupportedModelError(f"llama4_text with no_rope_layers {json.dumps(rope)[:80]} for {layers} layers is "
+                                    "not supported (a 1 or a 0 a layer: rotary or NoPE)", hint)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk is not None and (type(chunk) is not int or chunk < 1):
+        raise UnsupportedModelError(f"llama4_text with attention_chunk_size {json.dumps(chunk)} is not supported (a "
+                                    "positive integer, or null: no chunked attention)", hint)
+    types = _layer_kinds(cfg, "layer_types", ("full_attention", "chunked_attention"),
+                         "Llama 4's layer_types give each of num_hidden_layers layers \"full_attention\" or "
+                         "\"chunked_attention\": " + hint)
+    odd = [i for i, t in enumerate(types) if (t == "chunked_attention") != bool(rope[i] and chunk)]
+    if odd:
+        raise UnsupportedModelError(f"llama4_text with layer_types chunked where the rope layers are not (layers "
+                                    f"{odd[:8]}) is not supported: infer chunks the attention of the rope layers "
+                                    "(no_rope_layers 1) where attention_chunk_size is set, as transformers builds "
+                                    "layer_types", "remove layer_types from config.json (transformers derives it), "
+                                    "or " + hint)
+    bad = [i for i in (getattr(cfg, "moe_layers", None) or []) if type(i) is not int or not 0 <= i < layers]
+    if bad:
+        raise UnsupportedModelError(f"llama4_text with moe_layers {bad[:8]} naming no layer of {layers} is not "
+                                    "supported", hint)
+    floor = getattr(cfg, "floor_scale", 1)
+    if getattr(cfg, "attn_temperature_tuning", False) and not (type(floor) in (int, float) and floor > 0):
+        raise UnsupportedModelError(f"llama4_text with floor_scale {json.dumps(floor)} is not supported (a positive "
+                                    "number: the attention temperature's positions are divided by it)", hint)
+
+
 def check_linear_attention(cfg) -> None:
     """A Gated DeltaNet config (Qwen3.5, Qwen3-Next: models.qwen3_5) its layers cannot run: head counts and sizes
     that are not positive, value heads that are not a multiple of the key heads (each key head serves
@@ -616,6 +658,9 @@ def model_class(cfg):
     if is_mla(cfg):  # (DeepSeek's multi-head latent attention)
         from .deepseek import deepseek_class
         return deepseek_class()
+    if cfg.model_type == "llama4_text":  # (dense or with experts: models.llama4)
+        from .llama4 import Llama4ForCausalLM
+        return Llama4ForCausalLM
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class({"granitemoe": "granite", "granitemoeshared": "granite",
