@@ -51,7 +51,9 @@ class Llama4ForCausalLM(MoeForCausalLM, LlamaForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
         super().__init__(cfg, dtype, method_for, max_positions)
         self.rope = [bool(r) for r in cfg.no_rope_layers[:cfg.num_hidden_layers]]
-        self.register_buffer("nope_cos_sin", identity_cos_sin(self.cos_sin.shape[0]), persistent=False)
+        identity = any(not r or layer.self_attn.norm_after_rope for r, layer in zip(self.rope, self.layers))
+        self.register_buffer("nope_cos_sin", identity_cos_sin(self.cos_sin.shape[0]) if identity else None,
+                             persistent=False)  # (rope.rope_table_bytes counts it)
         for layer, rope in zip(self.layers, self.rope):
             attn = layer.self_attn
             if not rope or attn.norm_after_rope:  # (the fused kernels rotate by the identity table)

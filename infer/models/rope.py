@@ -47,7 +47,7 @@ def nope_layers(cfg) -> list[bool]:
     if model_type == "cohere2" or (model_type == "exaone4" and getattr(cfg, "sliding_window", None)):
         types = list(getattr(cfg, "layer_types", None) or [])
         return [i < len(types) and types[i] != "sliding_attention" for i in range(layers)]
-    if model_type != "smollm3":
+    if model_type not in ("smollm3", "llama4_text"):  # (Llama 4's no_rope_layers: SmolLM3's, registry.check_llama4)
         return [False] * layers
     flags = getattr(cfg, "no_rope_layers", None)
     if not isinstance(flags, (list, tuple)) or len(flags) < layers or any(f not in (0, 1) for f in flags):
@@ -105,7 +105,7 @@ def rope_table_bytes(cfg, max_positions: int, dtype: torch.dtype | None = None, 
     bf16 = (dtype == torch.bfloat16 and device is not None and torch.device(device).type == "cpu"
             and kind not in ROPE_IN_FLOAT32 + ROPE_CAST_ROTATED_IN_FLOAT32)
     # (the NoPE layers' identity_cos_sin, float32; Hunyuan's layers hand it the fused kernels: models.llama)
-    nope = 2 if any(nope_layers(cfg)) or kind in HUNYUAN else 0
+    nope = 2 if any(nope_layers(cfg)) or kind in HUNYUAN or (kind == "llama4_text" and cfg.use_qk_norm) else 0
     return max_positions * (width * (2 if bf16 else 4) + nope * 4)
 
 
@@ -258,7 +258,7 @@ def _shown(params: dict) -> dict:
 # cos and sin (computed in float32) to the model's dtype and rotate in it, each product and sum rounded to bfloat16;
 # OLMo 2's, OLMo 3's and ERNIE 4.5's keep them in float32 and rotate in float32, rounding once; Cohere's cast them and
 # rotate in float32 (q.float()), rounding once
-ROPE_IN_FLOAT32 = ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe")
+ROPE_IN_FLOAT32 = ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe", "llama4_text")  # (Llama 4's complex rotary)
 ROPE_CAST_ROTATED_IN_FLOAT32 = ("cohere", "cohere2")
 
 

@@ -41,6 +41,12 @@ _QWEN3_5 = dict(_TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+# Llama 4's text model (tiny-llama4, tiny-llama4-mm)
+_LLAMA4 = dict(_TINY, num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+               num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=32,
+               floor_scale=16, attn_scale=0.1, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
 BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-llama": TinySpec("llama", 1, config=dict(_TINY)),
     "tiny-qwen2": TinySpec("qwen2", 2, config=dict(_TINY)),
@@ -285,6 +291,18 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True,
         routed_scaling_factor=1.5, conv_L_cache=3, norm_eps=1e-5, tie_word_embeddings=True,
         layer_types=["conv", "full_attention", "conv", "conv"])),
+    # Llama 4 (Scout's layout, shrunk): 4 layers, the 4th NoPE (its attention temperature, floor_scale 16), the
+    # others rotating interleaved pairs (llama3 rope) with q and k L2-normed and chunks of 32 (prompts pass them);
+    # the odd layers 8 experts of 32 (top 1, the sigmoid scaling their input) beside a shared expert, the even ones
+    # a dense MLP of 128 (intermediate_size_mlp)
+    "tiny-llama4": TinySpec("llama4_text", 41, config=dict(_LLAMA4)),
+    # Llama 4's multimodal checkpoint (Llama4ForConditionalGeneration: Scout's and Maverick's): tiny-llama4's
+    # language model and a tiny vision tower (skipped)
+    "tiny-llama4-mm": TinySpec("llama4", 42, config=dict(
+        text_config=dict(_LLAMA4),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                           projector_output_dim=32, pixel_shuffle_ratio=0.5), tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
