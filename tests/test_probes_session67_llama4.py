@@ -1,0 +1,98 @@
+"""Session 67: Meta's Llama 4 text model (Llama4ForCausalLM, model_type llama4_text; the language model of
+Llama4ForConditionalGeneration: Llama-4-Scout-17B-16E, Maverick-17B-128E), end to end on tiny random models (float32)
+against transformers: NoPE layers (no_rope_layers) and the others' rotary of interleaved pairs, q and k L2-normed
+after it (use_qk_norm), the NoPE layers' attention temperature (attn_temperature_tuning, floor_scale, attn_scale),
+the rope layers' chunked attention (attention_chunk_size 8: prompts cross chunks) in the CPU reference and the Triton
+kernels (interpreted), with chunked prefill and prefix caching; experts on the layers moe_layers lists whose sigmoid
+router scales their input, the shared expert, dense layers of intermediate_size_mlp; the built-in tiny-llama4 and
+tiny-llama4-mm (the multimodal checkpoint's text model); peft adapters; the memory plan of Scout's shapes;
+refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal, greedy_each,
+                     greedy_and_logprobs_test, hub_shaped_folder, norms_shifted_biases_drawn, random_prompts,
+                     save_random_model)
+from quant_helpers import check_gpu_path_equals_transformers
+
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
+ARCH = "Llama4ForCausalLM"
+# Scout's layout, shrunk: 4 layers, the 4th NoPE (no_rope_layer_interval 4), the others chunked (chunks of 8 here,
+# 8,192 there) with q and k L2-normed; experts on the odd layers (interleave_moe_layer_step 2; Scout's on every
+# layer, Maverick's on alternate ones), 4 experts of 32 (top 1) beside a shared expert of 32, dense MLPs of 48;
+# floor_scale 4 and attn_scale 0.5 (8,192 and 0.1 there) so that the temperature moves within the prompts
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=32, intermediate_size_mlp=48, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+             interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+             max_position_embeddings=256, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+
+
+def build(folder, family: str = "llama4_text", seed: int = 0, **config):
+    """A random Llama 4 text folder (float32) with the tiny-llama tokenizer, norms shifted (and biases drawn);
+    returns transformers' model (eager)."""
+    return save_random_model(folder, family, ARCH, {**SMALL, **config}, seed, norms_shifted_biases_drawn)
+
+
+CONFIGS = {
+    "scout-shaped": ("llama4_text", dict()),
+    # top 2 (each token's two scaled copies), every layer sparse, q/k/v/o biases, no L2 norm, the first and last
+    # layers NoPE, the default rope, no temperature, a tied head
+    "top2-biases-no-qk-norm": ("llama4_text", dict(
+        num_experts_per_tok=2, moe_layers=[0, 1, 2, 3], attention_bias=True, use_qk_norm=False,
+        no_rope_layers=[0, 1, 1, 0], attn_temperature_tuning=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # no chunked attention (attention_chunk_size null: every layer full), dense on every layer
+    "unchunked-dense": ("llama4_text", dict(attention_chunk_size=None, moe_layers=[])),
+}
+
+
+def check_model(model, hf, family, config):
+    """Each layer as transformers builds it: the rope layers chunked over attention_chunk_size (where set) and
+    L2-normed (use_qk_norm), the NoPE layers' temperature, the experts where moe_layers says (their router and shared
+    expert loaded from feed_forward.router and feed_forward.shared_expert), the dense MLPs of intermediate_size_mlp."""
+    from infer.models.moe import SparseMoeBlock
+    cfg = hf.config
+    for i, layer in enumerate(model.layers):
+        attn, rope = layer.self_attn, bool(cfg.no_rope_layers[i])
+        chunked = rope and cfg.attention_chunk_size is not None
+        assert (attn.chunked, attn.window) == (chunked, cfg.attention_chunk_size if chunked else 0), i
+        assert (attn.l2_eps is not None) == (rope and cfg.use_qk_norm), i
+        assert (attn.temperature is not None) == (not rope and cfg.attn_temperature_tuning), i
+        block = layer.feed_forward
+        assert isinstance(block, SparseMoeBlock) == (i in cfg.moe_layers), i
+        if i in cfg.moe_layers:
+            assert block.top_k == cfg.num_experts_per_tok and block.shared_experts is block.shared_expert
+            assert block.shared_expert.down_proj.names == [f"model.layers.{i}.feed_forward.shared_expert.down_proj"]
+            torch.testing.assert_close(block.gate.weight, hf.model.layers[i].feed_forward.router.weight)
+        else:
+            assert block.down_proj.in_features == cfg.intermediate_size_mlp, i
+
+
+test_greedy_tokens_and_logprobs_equal_transformers = greedy_and_logprobs_test(CONFIGS, build, check_model)
+
+
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    """Prompts of 30 and 41 tokens (chunks of 8: four and five of them) in steps of 12 tokens, and with prefix caching
+    a third sharing the second's first 32 (its cached blocks end on a chunk's boundary, its new tokens start one)."""
+    check_chunked_prefill_and_prefix_caching(tmp_path, build(tmp_path, seed=1))
+
+
+@interpreted
+def test_gpu_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    """Every op's Triton kernel (interpreted): the chunked prefill tiles and decodes (CHUNKED), the fused MoE of the
+    scaled inputs, through emulated CUDA graphs and piecewise graphs: transformers' tokens."""
+    check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, seed=2))
+
+
+test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = builtin_model_tests(
+    {"tiny-llama4": ARCH, "tiny-llama4-mm": "Llama4ForConditionalGeneration"}, nope=("tiny-llama4", "tiny-llama4-mm"))
