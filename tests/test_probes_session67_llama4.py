@@ -17,11 +17,13 @@ import torch
 from typer.testing import CliRunner
 
 from infer.cli.main import app
+from infer.kernels import reference
 
-from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal, greedy_each,
-                     greedy_and_logprobs_test, hub_shaped_folder, norms_shifted_biases_drawn, random_prompts,
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal,
+                     greedy_and_logprobs_test, hub_shaped_folder, interpreted_module, norms_shifted_biases_drawn,
                      save_random_model)
 from quant_helpers import check_gpu_path_equals_transformers
+from test_probes_session54_window import _batch
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "Llama4ForCausalLM"
@@ -96,3 +98,84 @@ def test_gpu_path_interpreted_equals_transformers(tmp_path, monkeypatch):
 
 test_builtin_tiny_model_runs_and_warmup_sizes_it, test_infer_run_and_bench_on_the_builtin_model = builtin_model_tests(
     {"tiny-llama4": ARCH, "tiny-llama4-mm": "Llama4ForConditionalGeneration"}, nope=("tiny-llama4", "tiny-llama4-mm"))
+
+
+# ------------------------------------------------------------------------------------------- chunked attention
+@pytest.fixture(scope="module")
+def attention():
+    """infer.kernels.attention, its kernels interpreted on CPU when there is no GPU."""
+    yield from interpreted_module("infer.kernels.attention")
+
+
+def _chunked_oracle(q, k_cache, v_cache, tables, lens, qsl, scale, chunk):
+    """Brute force: every query at p over its sequence's keys p - p % chunk..p (masking_utils' chunked_overlay)."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    for b in range(len(lens)):
+        n_keys, start, end = int(lens[b]), int(qsl[b]), int(qsl[b + 1])
+        slots = [int(tables[b, i // bs]) * bs + i % bs for i in range(n_keys)]
+        k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1)
+        v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1)
+        for t in range(start, end):
+            p = n_keys - (end - start) + (t - start)
+            pos = torch.arange(n_keys)
+            s = (torch.einsum("hd,lhd->hl", q[t].float(), k) * scale).masked_fill(
+                ~((pos <= p) & (pos >= p - p % chunk))[None], float("-inf"))
+            out[t] = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v)
+    return out
+
+
+CHUNK_CASES = {  # lens, queries (chunks of 8): decodes at a chunk's first key and past it, prefills, verify rows
+    "decodes": ([40, 9, 23, 16, 17, 8], [1] * 6),
+    "prefill-and-chunks": ([50, 33, 7, 16], [50, 20, 7, 3]),
+    "verify-rows-and-decodes": ([45, 30, 12, 9], [4, 1, 3, 2]),
+}
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES)
+def test_reference_and_triton_attend_to_the_querys_chunk_only(attention, case, monkeypatch):
+    """reference.paged_attention with chunked (a batch of decodes, whole prompts, chunks after a context, verify rows;
+    again one sequence at a time with row chunks of the masked queries) and the Triton kernels (interpreted):
+    each query over its own chunk's keys, the blocks of earlier chunks NaN where no query reads them."""
+    lens, queries = CHUNK_CASES[case]
+    q, kc, vc, tables, lens_t, qsl = _batch(lens, queries)
+    want = _chunked_oracle(q, kc, vc, tables, lens_t, qsl, 0.3, 8)
+    for b, (n, m) in enumerate(zip(lens, queries)):  # the blocks wholly before the first query's chunk: never read
+        first = n - m
+        for i in range((first - first % 8) // 4):
+            kc[tables[b, i]], vc[tables[b, i]] = float("nan"), float("nan")
+    args = (q, kc, vc, tables, lens_t, qsl, 0.3, max(queries))
+    torch.testing.assert_close(reference.paged_attention(*args, window=8, chunked=True).float(), want, atol=2e-5,
+                               rtol=2e-5)
+    window = reference.paged_attention(q, kc, vc, tables, lens_t, qsl, 0.3, max(queries), window=8)
+    assert not torch.allclose(window.float(), want, atol=1e-3, equal_nan=True)  # (chunks are not a sliding window)
+    monkeypatch.setattr(reference, "PER_SEQUENCE_LEN", 8)
+    monkeypatch.setattr(reference, "MASK_ELEMENTS", 64)
+    torch.testing.assert_close(reference.paged_attention(*args, window=8, chunked=True).float(), want, atol=2e-5,
+                               rtol=2e-5)
+    torch.testing.assert_close(attention.paged_attention(*args, window=8, chunked=True).float(), want, atol=1e-4,
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_triton_decode_attention_over_the_chunk_in_partitions(attention, parts):
+    """decode_attention (rotary, KV write, attention in one launch) with chunked over 1 and 3 partitions a sequence:
+    the reference's (the partitions share out the chunk's keys only)."""
+    lens = [70, 9, 33, 16]
+    q, kc, vc, tables, lens_t, qsl = _batch(lens, [1] * 4, seed=3)
+    g = torch.Generator().manual_seed(4)
+    t, hq, d = q.shape
+    hk = kc.shape[2]
+    qf, k, v = q.reshape(t, -1), torch.randn(t, hk * d, generator=g), torch.randn(t, hk * d, generator=g)
+    positions, bs = (lens_t - 1).long(), kc.shape[1]
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+    cos_sin = torch.randn(128, d, generator=g)
+    kr, vr, kt, vt = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want = reference.decode_attention(positions, qf, k, v, cos_sin, d, kr, vr, slots, tables, lens_t, qsl, 0.3,
+                                      window=32, chunked=True)
+    oracle = _chunked_oracle(reference.rotary_embedding(positions, qf, k, cos_sin, d)[0].view(t, hq, d), kr, vr,
+                             tables, lens_t, qsl, 0.3, 32)
+    torch.testing.assert_close(want.float(), oracle, atol=2e-5, rtol=2e-5)
+    got = attention.decode_attention(positions, qf, k, v, cos_sin, d, kt, vt, slots, tables, lens_t, qsl, 0.3,
+                                     parts=parts, window=32, chunked=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
