@@ -179,3 +179,53 @@ def test_triton_decode_attention_over_the_chunk_in_partitions(attention, parts):
     got = attention.decode_attention(positions, qf, k, v, cos_sin, d, kt, vt, slots, tables, lens_t, qsl, 0.3,
                                      parts=parts, window=32, chunked=True)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------- memory
+SCOUT = dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+             num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=16,
+             num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192,
+             max_position_embeddings=10485760, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def test_warmup_plans_scouts_shapes_with_chunk_sized_kv_on_the_chunked_layers(tmp_path, monkeypatch):
+    """`infer warmup --estimate` of a checkpoint of Llama-4-Scout's text shapes (no values): its 108 billion
+    parameters' bfloat16 bytes (the 16 experts of every layer counted; the CPU's prepacked dense copies under 15%
+    more), a KV cache of 48 x 2 x 8 x 128 x 2 bytes a token in 4 groups of 12 layers, the NoPE layers' group full
+    and the chunked layers' 3 holding a chunk (8,192 tokens) a sequence: at 131,072 tokens each sequence needs 8,192
+    blocks of the full group and 769 of each chunked one, where the whole context in every layer would fit none."""
+    params = hub_shaped_folder(tmp_path, "llama4_text", ARCH, SCOUT)
+    assert 107.5e9 < params < 108e9, params
+    monkeypatch.setattr("infer.memory.plan.device_total", lambda device: 256 << 30)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16",
+                                   "--max-length", "131072", "--concurrency", "2", "--device", "cpu", "--memory-limit",
+                                   "240GB"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    assert plan["kv_bytes_per_token"] == 48 * 2 * 8 * 128 * 2
+    assert (plan["window"], plan["kv_groups"], plan["full_groups"]) == (8192, 4, 1), plan
+    assert 2 * params <= plan["weights_bytes"] < 2 * params * 1.15, (plan["weights_bytes"], params)
+    per_sequence = 131072 // 16 + 3 * plan["window_blocks"]
+    assert plan["max_concurrency_at_max_length"] == plan["kv_blocks"] // per_sequence >= 2, plan
+    assert plan["kv_blocks"] < 4 * 131072 // 16  # (the whole context in every layer: not one sequence)
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+REFUSED = {  # config -> words of the refusal
+    "no-rope-values": (dict(no_rope_layers=[1, 1, 2, 0]), "llama4_text with no_rope_layers [1, 1, 2, 0] for 4 layers"),
+    "chunk-size": (dict(attention_chunk_size=0), "llama4_text with attention_chunk_size 0 is not supported"),
+    "layer-types": (dict(layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"]),
+                    "llama4_text layer_types ['sliding_attention'] are not supported"),
+    "chunked-nope": (dict(layer_types=["chunked_attention"] * 4),
+                     "llama4_text with layer_types chunked where the rope layers are not (layers [3])"),
+    "moe-layers": (dict(moe_layers=[1, 7]), "llama4_text with moe_layers [7] naming no layer of 4"),
+    "topk-over-experts": (dict(num_experts_per_tok=5), "config.json has num_experts_per_tok 5 with num_local_experts"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_infer_cannot_run_is_refused_naming_the_field(tmp_path, name):
+    config, words = REFUSED[name]
+    assert words in estimate_refusal(tmp_path, "llama4_text", ARCH, **{**SMALL, **config})
