@@ -601,6 +601,8 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's."""
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
+    if getattr(base_config, "model_type", None) == "llama4_text":  # (its dense layers' MLP: models.llama4)
+        inter = int(base_config.intermediate_size_mlp)
     if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
         # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
         wide = 2 if base_config.model_type in GATED_Q else 1
@@ -1067,9 +1069,11 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     if m is None:
         return None
     parent, proj = m["parent"], m["proj"]
-    if parent in ("mlp.shared_expert", "mlp.shared_experts") and proj in LLAMA_PROJECTIONS \
-            and LLAMA_PROJECTIONS[proj] == MLP:
+    if parent in ("mlp.shared_expert", "mlp.shared_experts", "feed_forward.shared_expert") \
+            and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:  # (Llama 4's: feed_forward's)
         proj = f"shared_expert.{proj}"
+    elif parent == "feed_forward" and LLAMA_PROJECTIONS.get(proj) == MLP:  # (Llama 4's dense MLP: models.llama4)
+        pass
     elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS) \
             and (parent, proj) not in LFM2_MODULES:
         return None  # (Nemotron-H's attention and MLP projections: under its blocks' mixer, models.nemotron_h)

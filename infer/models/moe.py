@@ -235,7 +235,8 @@ def shared_name(cfg) -> str | None:
     """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
     return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
             "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts", "deepseek_v3": "shared_experts",
-            "deepseek_v2": "shared_experts", "glm4_moe_lite": "shared_experts", "dots1": "shared_experts"}.get(
+            "deepseek_v2": "shared_experts", "glm4_moe_lite": "shared_experts", "dots1": "shared_experts",
+            "llama4_text": "shared_expert"}.get(
         cfg.model_type)
 
 
