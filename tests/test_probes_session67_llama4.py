@@ -229,3 +229,34 @@ REFUSED = {  # config -> words of the refusal
 def test_what_infer_cannot_run_is_refused_naming_the_field(tmp_path, name):
     config, words = REFUSED[name]
     assert words in estimate_refusal(tmp_path, "llama4_text", ARCH, **{**SMALL, **config})
+
+
+# ------------------------------------------------------------------------------------------------------ adapters
+def test_adapters_of_the_attention_dense_mlps_and_shared_experts_equal_peft_mixed(tmp_path):
+    """peft adapters on the scout-shaped model, "all8" (every projection peft's target_modules reach: the attention,
+    the dense layers' feed_forward.gate_proj/up_proj/down_proj of intermediate_size_mlp, the sparse layers'
+    feed_forward.shared_expert) and "qv4", with the base between them in one batch: peft's tokens."""
+    from lora_helpers import ALL, base_and_adapters, check_mixed_adapters_equal_peft
+    from helpers import random_prompts
+    base, hf, paths = base_and_adapters(tmp_path, {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+                                                   "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])},
+                                        build=lambda f: build(f, seed=3), scale=0.3)
+    from safetensors.torch import load_file
+    names = set(load_file(paths["all8"] / "adapter_model.safetensors"))
+    assert {"base_model.model.model.layers.0.feed_forward.down_proj.lora_A.weight",
+            "base_model.model.model.layers.1.feed_forward.shared_expert.up_proj.lora_B.weight"} <= names
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
+
+
+def test_an_adapter_of_the_experts_is_refused_naming_them(tmp_path):
+    """peft adapts Llama 4's stacked experts (target_parameters); infer's expert slots lay out Qwen's experts (the
+    score on the output), not these: refused naming them, before anything loads."""
+    from infer import LLM
+    from infer.errors import LoRAError
+    from lora_helpers import save_adapter
+    hf = build(tmp_path / "base", seed=3)
+    experts = save_adapter(hf, tmp_path / "ex", 1, r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.0,
+                           target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
+    with pytest.raises(LoRAError, match=r'target_parameters \["feed_forward.experts.gate_up_proj", "feed_forward.'
+                       r"experts.down_proj\"\]: infer does not adapt Llama 4's experts or router"):
+        LLM(str(tmp_path / "base"), loras={"x": str(experts)}, max_lora_rank=8)
