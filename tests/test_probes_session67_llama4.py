@@ -260,3 +260,101 @@ def test_an_adapter_of_the_experts_is_refused_naming_them(tmp_path):
     with pytest.raises(LoRAError, match=r'target_parameters \["feed_forward.experts.gate_up_proj", "feed_forward.'
                        r"experts.down_proj\"\]: infer does not adapt Llama 4's experts or router"):
         LLM(str(tmp_path / "base"), loras={"x": str(experts)}, max_lora_rank=8)
+
+
+# ------------------------------------------------------------------------------------------------------------ GPTQ
+def _gptq_checkpoint(src, out):
+    """`src` (a float Llama 4 folder) as a GPTQ checkpoint made elsewhere in GPTQModel's layout: every attention,
+    dense MLP, shared expert and expert projection 4-bit by round to nearest (group 32), each expert's gate_proj,
+    up_proj and down_proj apart under feed_forward.experts.N (from transformers 5's stacked [E, H, 2I] and
+    [E, I, H], x @ W), the router and head float."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from test_probes_session56_review_moeq import rtn_gptq
+    apart = out.parent / "apart"
+    shutil.copytree(src, apart)
+    tensors = {}
+    for name, t in load_file(apart / "model.safetensors").items():
+        m = re.fullmatch(r"(.+\.experts)\.(gate_up_proj|down_proj)", name)
+        if m is None:
+            tensors[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if m[2] == "down_proj":
+                tensors[f"{m[1]}.{e}.down_proj.weight"] = t[e].t().contiguous()
+            else:
+                half = t.shape[2] // 2
+                tensors[f"{m[1]}.{e}.gate_proj.weight"] = t[e, :, :half].t().contiguous()
+                tensors[f"{m[1]}.{e}.up_proj.weight"] = t[e, :, half:].t().contiguous()
+    save_file(tensors, str(apart / "model.safetensors"), metadata={"format": "pt"})
+    rtn_gptq(apart, out)
+    return out
+
+
+def _dequantized(src, out):
+    """transformers' model of `src` with every GPTQ projection of `out` dequantized into it (the experts' into the
+    stacked gate_up_proj and down_proj, transposed)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from quant_helpers import dequantize_v1
+    tensors = load_file(out / "model.safetensors")
+    hf = build_hf(src)
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name in tensors:
+            if not name.endswith(".qweight"):
+                continue
+            prefix = name.removesuffix(".qweight")
+            w = dequantize_v1(tensors, prefix, 4)
+            m = re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)", prefix)
+            if m is None:
+                state[prefix + ".weight"].copy_(w)
+            elif m[3] == "down_proj":
+                state[f"{m[1]}.down_proj"][int(m[2])].copy_(w.t())
+            else:
+                half = w.shape[0]
+                start = 0 if m[3] == "gate_proj" else half
+                state[f"{m[1]}.gate_up_proj"][int(m[2]), :, start:start + half].copy_(w.t())
+    return hf
+
+
+def build_hf(folder):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def test_a_gptq_checkpoint_made_elsewhere_equals_transformers_dequantized(tmp_path):
+    """A GPTQ Llama 4 in GPTQModel's layout (each expert's projections apart, 4-bit): infer's CPU path (its experts
+    dequantized at load into the stacks, the attention and dense MLPs int4) gives transformers' greedy tokens of the
+    same weights dequantized, varied; warmup --estimate counts the weights as loaded."""
+    from helpers import estimated_plan, greedy_each, random_prompts
+    from infer import LLM, SamplingParams
+    from infer.memory.sizes import weights_bytes
+    build(tmp_path / "f", seed=4, intermediate_size_mlp=64)  # (whole groups of 32)
+    out = _gptq_checkpoint(tmp_path / "f", tmp_path / "q")
+    hf = _dequantized(tmp_path / "f", out)
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    plan = estimated_plan(str(out), "--dtype", "float32")
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        model = llm.engine.runner.model
+        assert plan["weights_bytes"] == weights_bytes(model)
+        assert model.layers[0].feed_forward.down_proj.qweight is not None and model.layers[1].mlp.method_for
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+    assert got == greedy_each(hf, prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6
+
+
+def test_infer_quantize_of_llama4_is_refused_saying_why(tmp_path):
+    """GPTQModel 7.6 cannot quantize Llama 4 on transformers 5 (its llama4 definition and defuser): refused up front
+    naming the reason, nothing written."""
+    from quant_helpers import quantize_refusal
+    build(tmp_path / "f")
+    assert "is a Llama 4 (llama4_text), which GPTQModel 7.6 fails to quantize on transformers 5" in quantize_refusal(
+        tmp_path / "f", tmp_path / "q")

@@ -303,7 +303,8 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     fails on transformers 5), Nemotron-H (nemotron_h: its definition's backbone.layers is model.layers in
     transformers 5), ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
     transformers 5) and MiniMax-M2 (its minimax_m2 definition looks for the experts under block_sparse_moe, which
-    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names)."""
+    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names), and
+    Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's words)."""
     if config.get("model_type") == "glm4_moe":
         raise UnsupportedModelError(
             f"{src} is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its MoE "
@@ -345,6 +346,16 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "under names no reader takes (mlp.experts.N.gate_proj, seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
             "elsewhere: infer reads GPTQModel's layout (each expert's w1, w3 and w2 apart under block_sparse_moe)")
+    if config.get("model_type") == "llama4_text":  # (a Llama4ForConditionalGeneration's too: its text_config)
+        raise UnsupportedModelError(
+            f"{src} is a Llama 4 (llama4_text), which GPTQModel 7.6 fails to quantize on transformers 5: its llama4 "
+            "definition finds no experts in a layer dense by interleave_moe_layer_step (\"layer module item "
+            "`feed_forward.experts.0.gate_proj` not found\"), and where every layer has them, its defuser splits "
+            "transformers 5's stacked experts (gate_up_proj [E, H, 2I], x @ W) as if laid out [E, 2I, H] (\"mat1 "
+            "and mat2 shapes cannot be multiplied\" in an expert's down_proj; both seen on the CPU)",
+            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
+            "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart under "
+            "feed_forward.experts)")
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return
     layers = config.get("num_hidden_layers")
