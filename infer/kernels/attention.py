@@ -582,6 +582,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache, softcap, window, sinks, chunked), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
+            _meta(q3, k_cache, softcap, window, sinks, chunked), rope=(positions, k2, v2, cache, slot_mapping),
+            lora=lora,
             compile_only=compile_only, parts=parts, sinks=_sink_logits(sinks))
     return out

@@ -411,11 +411,11 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
         # scales, which infer's expert slots (lora.experts: Qwen's and Mixtral's [E, 2I, H] layout, the score on the
         # output) do not lay out
         what = f"target_parameters {json.dumps(params)}" if params else f"adapts {llama4[0]}"
-        return [Problem(f"{what}: infer does not adapt Llama 4's experts or router (feed_forward.experts.gate_up_proj, "
-                        "down_proj; feed_forward.router)", "train the adapter with target_modules on the attention "
-                        "(q_proj, k_proj, v_proj, o_proj) and the MLPs (gate_proj, up_proj, down_proj: the dense layers' "
-                        "and the shared experts'), or merge it into the weights (peft's merge_and_unload) and serve "
-                        "that")]
+        return [Problem(f"{what}: infer does not adapt Llama 4's experts or router (feed_forward.experts."
+                        "gate_up_proj, down_proj; feed_forward.router)", "train the adapter with target_modules on "
+                        "the attention (q_proj, k_proj, v_proj, o_proj) and the MLPs (gate_proj, up_proj, down_proj: "
+                        "the dense layers' and the shared experts'), or merge it into the weights (peft's "
+                        "merge_and_unload) and serve that")]
     moe_layer = [m for m in adapter.mlp_modules if ".mixer.shared_experts." in m]  # (Nemotron 3's shared experts)
     if base_config.model_type == "nemotron_h" and (params or experts or moe_layer):
         # Nemotron 3's experts (relu² without gate: w13 their up rows alone, which infer's expert slots, gate|up,

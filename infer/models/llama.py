@@ -261,8 +261,8 @@ class Attention(nn.Module):
     def _scaled_query(self, positions, q):
         """q [t, q_size] times Ministral 3's scale of each token's position (Llama 4's: q_scaling), as transformers
         computes it (float32, cast to q's dtype); q itself for every other family."""
-        if self.temperature is not None:  # Llama 4's NoPE layers: 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
-            attn_scale, floor_scale = self.temperature  # in float32, the product rounded to q's dtype (transformers')
+        if self.temperature is not None:  # Llama 4's NoPE layers: q times 1 + attn_scale * log(1 + floor((p + 1) /
+            attn_scale, floor_scale = self.temperature  # floor_scale)) in float32, rounded to q's dtype (transformers')
             scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             return (q * scale[:, None]).to(q.dtype)
         if self.q_scaling is None:
