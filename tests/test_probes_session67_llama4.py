@@ -89,6 +89,20 @@ def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
     check_chunked_prefill_and_prefix_caching(tmp_path, build(tmp_path, seed=1))
 
 
+def test_blocks_behind_the_chunk_are_freed_and_tokens_stay_transformers():
+    """tiny-llama4 (chunks of 32) on a prompt of 100 tokens and 30 generated, blocks of 4: the chunked layers' KV
+    group frees the blocks behind each query's chunk (engine.hybrid_blocks, as a sliding window of the chunk's size)
+    and the tokens are transformers'."""
+    from helpers import greedy_each, hf_model, random_prompts
+    from infer import LLM, SamplingParams
+    from infer.models.tiny import ensure_builtin
+    prompts = random_prompts(512, (100,), seed=1)
+    with LLM("tiny-llama4", block_size=4, max_model_len=256) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))]
+        assert llm.engine.stats()["kv_blocks_freed_window"] > 0
+    assert got == greedy_each(hf_model(str(ensure_builtin("tiny-llama4"))), prompts, 30)
+
+
 @interpreted
 def test_gpu_path_interpreted_equals_transformers(tmp_path, monkeypatch):
     """Every op's Triton kernel (interpreted): the chunked prefill tiles and decodes (CHUNKED), the fused MoE of the
