@@ -372,3 +372,16 @@ def test_infer_quantize_of_llama4_is_refused_saying_why(tmp_path):
     build(tmp_path / "f")
     assert "is a Llama 4 (llama4_text), which GPTQModel 7.6 fails to quantize on transformers 5" in quantize_refusal(
         tmp_path / "f", tmp_path / "q")
+
+
+def test_the_memory_plan_counts_the_adapter_slots_byte_for_byte(tmp_path):
+    """Adapter slots (--max-loras 3 x --max-lora-rank 4) of the attention, the dense MLPs (intermediate_size_mlp wide)
+    and the shared experts, none of the experts (refused): what the memory plan and `warmup --estimate`'s formula
+    (memory.sizes.lora_slot_bytes) count, byte for byte."""
+    from infer import LLM
+    from infer.memory.sizes import lora_slot_bytes
+    build(tmp_path)
+    with LLM(str(tmp_path), enable_lora=True, max_loras=3, max_lora_rank=4, block_size=4) as llm:
+        manager, cfg = llm.engine.lora_manager, llm.engine.runner.model.config
+        assert not manager.expert_layers
+        assert llm.engine.memory_plan.lora_bytes == manager.device_bytes() == lora_slot_bytes(cfg, 3, 4, torch.float32)

@@ -494,7 +494,13 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
 
 
 def mlp_width(model_config) -> int:
-    """A dense MLP's width: intermediate_size, or LFM2's as transformers adjusts it (models.lfm2.ffn_width)."""
+    """A dense MLP's width: intermediate_size, or LFM2's as transformers adjusts it (models.lfm2.ffn_width), or Llama
+    4's intermediate_size_mlp where a layer is dense (models.llama4; its experts and shared expert intermediate_size
+    wide)."""
+    if getattr(model_config, "model_type", None) == "llama4_text":
+        from ..models.moe import is_sparse
+        dense = not all(is_sparse(model_config, i) for i in range(model_config.num_hidden_layers))
+        return int(model_config.intermediate_size_mlp if dense else model_config.intermediate_size)
     if getattr(model_config, "model_type", None) in LFM2:
         from ..quant.config import ffn_width
         return ffn_width(model_config)
