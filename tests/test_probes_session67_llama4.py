@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from infer.cli.main import app
 from infer.kernels import reference
 
-from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal,
-                     greedy_and_logprobs_test, hub_shaped_folder, interpreted_module, norms_shifted_biases_drawn,
-                     save_random_model)
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal, greedy_each,
+                     greedy_and_logprobs_test, greedy_tokens, hub_shaped_folder, interpreted_module,
+                     norms_shifted_biases_drawn, save_random_model)
 from quant_helpers import check_gpu_path_equals_transformers
 from test_probes_session54_window import _batch
 
@@ -101,6 +101,22 @@ def test_blocks_behind_the_chunk_are_freed_and_tokens_stay_transformers():
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))]
         assert llm.engine.stats()["kv_blocks_freed_window"] > 0
     assert got == greedy_each(hf_model(str(ensure_builtin("tiny-llama4"))), prompts, 30)
+
+
+def test_bfloat16_greedy_tokens_equal_transformers():
+    """tiny-llama4 in bfloat16 (transformers' own dtype handling: the rotary's complex form in float32, the L2 norm in
+    float32, the router's sigmoid in float32 rounded to bfloat16, the temperature's product rounded once): prompts of
+    6, 40 and 70 tokens (past two chunks of 32), 12 greedy tokens, each transformers' in bfloat16."""
+    from helpers import random_prompts
+    from infer import LLM
+    from infer.models.tiny import ensure_builtin
+    from transformers import AutoModelForCausalLM
+    path = str(ensure_builtin("tiny-llama4"))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(512, (6, 40, 70), seed=1)
+    with LLM(path, dtype="bfloat16", max_model_len=256, block_size=4) as llm:
+        assert greedy_tokens(llm, prompts, 12) == greedy_each(hf, prompts, 12)
 
 
 @interpreted
