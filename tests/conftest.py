@@ -72,8 +72,141 @@ def _interpret_device_calls_without_repatching() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def _interpreter_fast_paths() -> dict:
+    """Exact fast paths for the interpreter's hottest per-op helpers: {(owner, name): replacement}, each a shortcut
+    for the argument kinds an interpreted kernel passes (tested side by side with the original in
+    tests/test_probes_session67_interp.py) that falls back to triton's own function for anything else. Each returns
+    what the original returns; none caches an object a caller could mutate. Test speed only (with the launch patch
+    above, INFER_TEST_SLOW_INTERPRETER=1 turns them off; an attribute a triton version lacks is skipped):
+    - interpreter._get_np_dtype (a NumPy dtype per op: the original builds a 19-entry dict of triton dtypes each call)
+      remembers its answer by the scalar type's name (triton dtypes compare and hash by name; NumPy dtypes are
+      immutable);
+    - core._unwrap_if_constexpr (millions of calls) answers a constexpr or a plain value (int, a tensor, a dtype: no
+      list, tuple or constexpr to look into) without its four isinstance tests;
+    - core._unwrap_shape answers a list or triton tuple of ints and constexprs with one list comprehension (the
+      original unwraps the container, copies it and unwraps each element again);
+    - core.tensor.__init__ (every op's result) builds its shape tuple from the constexprs' own types, which is what
+      triton's tuple() infers from them, and skips the constructor's copies and type tests."""
+    try:
+        from triton.language import core
+        from triton.runtime import interpreter
+    except ImportError:
+        return {}
+    found = {}
+    get_np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if get_np_dtype is not None and hasattr(core, "block_type"):
+        np_dtypes: dict = {}  # a scalar type's name -> its NumPy dtype
+
+        def _get_np_dtype(tt_dtype):
+            scalar = tt_dtype.element_ty if type(tt_dtype) is core.block_type else tt_dtype
+            if type(scalar) is not core.dtype:  # pointers, pointer blocks, anything else: as triton does
+                return get_np_dtype(tt_dtype)
+            np_dtype = np_dtypes.get(scalar.name)
+            if np_dtype is None:
+                np_dtype = np_dtypes[scalar.name] = get_np_dtype(scalar)
+            return np_dtype
+        found[(interpreter, "_get_np_dtype")] = _get_np_dtype
+    unwrap = getattr(core, "_unwrap_if_constexpr", None)
+    if unwrap is not None and all(hasattr(core, n) for n in ("constexpr", "tensor", "dtype", "block_type")):
+        constexpr = core.constexpr
+        plain = frozenset({int, float, bool, str, type(None), core.tensor, core.dtype, core.block_type,
+                           getattr(core, "pointer_type", core.dtype)})
+
+        def _unwrap_if_constexpr(o):
+            kind = type(o)
+            if kind is constexpr:
+                return o.value
+            if kind in plain:
+                return o
+            return unwrap(o)
+        found[(core, "_unwrap_if_constexpr")] = _unwrap_if_constexpr
+    unwrap_shape = getattr(core, "_unwrap_shape", None)
+    if unwrap_shape is not None and hasattr(core, "constexpr") and isinstance(getattr(core, "tuple", None), type):
+        constexpr, triton_tuple = core.constexpr, core.tuple
+
+        def _unwrap_shape(shape):
+            kind = type(shape)
+            items = shape if kind is list else shape.values if kind is triton_tuple else None
+            if items is None or not all(type(s) is int or type(s) is constexpr for s in items):
+                return unwrap_shape(shape)
+            return [s.value if type(s) is constexpr else s for s in items]
+        found[(core, "_unwrap_shape")] = _unwrap_shape
+    tensor_init = getattr(getattr(core, "tensor", None), "__init__", None)
+    if tensor_init is not None and all(hasattr(core, n) for n in ("constexpr", "tuple", "tuple_type", "math")):
+        constexpr, triton_tuple, tuple_type, prod, new = (core.constexpr, core.tuple, core.tuple_type, core.math.prod,
+                                                          object.__new__)
+
+        def __init__(self, handle, type):
+            self.handle = handle
+            shape = self.shape = type.shape if type.is_block() else ()
+            self.numel = constexpr(prod(shape))
+            self.type = type
+            self.dtype = type.scalar
+            dims = [constexpr(s) for s in shape]
+            self.shape = new(triton_tuple)
+            self.shape.values = dims
+            self.shape.type = tuple_type([d.type for d in dims], None)
+        __init__.__doc__ = tensor_init.__doc__
+        found[(core.tensor, "__init__")] = __init__
+    block_init = getattr(getattr(core, "block_type", None), "__init__", None)
+    if (block_init is not None and (core, "_unwrap_shape") in found and (core.tensor, "__init__") in found
+            and hasattr(core, "constexpr_type")
+            and hasattr(core, "validate_block_shape")):
+        constexpr_type, validate, fast_unwrap_shape = (core.constexpr_type, core.validate_block_shape,
+                                                       found[(core, "_unwrap_shape")])
+        blocks: dict = {}  # a block's dimensions (ints) -> (its numel, its shape tuple's str)
+
+        def block_type__init__(self, element_ty, shape):
+            kind = type(shape)
+            dims = fast_unwrap_shape(shape) if kind is list or kind is triton_tuple else None
+            if not dims or not all(type(d) is int for d in dims):  # an empty, odd or bad shape: triton's errors
+                return block_init(self, element_ty, shape)
+            self.element_ty = element_ty
+            self.shape = new(triton_tuple)
+            self.shape.values = dims
+            self.shape.type = tuple_type([constexpr_type(d) for d in dims], None)
+            key = tuple(dims)
+            if key not in blocks:
+                blocks[key] = (validate(self.shape), str(self.shape))
+            self.numel, text = blocks[key]
+            self.name = f'<{text}, {self.element_ty}>'
+        found[(core.block_type, "__init__")] = block_type__init__
+    try:
+        from triton.language.semantic import TritonSemantic
+    except ImportError:
+        return found
+    broadcast = getattr(TritonSemantic, "broadcast_impl_value", None)
+    if broadcast is not None and hasattr(core, "block_type"):
+        block_type = core.block_type
+
+        def broadcast_impl_value(self, lhs, rhs):
+            lhs_ty, rhs_ty = lhs.type, rhs.type
+            if type(lhs_ty) is block_type and type(rhs_ty) is block_type and lhs_ty.shape.values == rhs_ty.shape.values:
+                return lhs, rhs  # blocks of one shape: nothing to broadcast
+            return broadcast(self, lhs, rhs)
+        found[(TritonSemantic, "broadcast_impl_value")] = broadcast_impl_value
+    computation_type = getattr(TritonSemantic, "computation_type_impl", None)
+    if computation_type is not None and hasattr(core, "dtype"):
+        scalar_type = core.dtype
+        promoted: dict = {}  # (id(a_ty), a_is_scalar, id(b_ty), b_is_scalar, div_or_mod) -> (a_ty, b_ty, the type)
+
+        def computation_type_impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+            if type(self) is not TritonSemantic or type(a_ty) is not scalar_type or type(b_ty) is not scalar_type:
+                return computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+            key = (id(a_ty), a_is_scalar, id(b_ty), b_is_scalar, div_or_mod)
+            known = promoted.get(key)
+            if known is None or known[0] is not a_ty or known[1] is not b_ty:
+                known = promoted[key] = (a_ty, b_ty, computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar,
+                                                                      div_or_mod))
+            return known[2]
+        found[(TritonSemantic, "computation_type_impl")] = computation_type_impl
+    return found
+
+
 if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("INFER_TEST_SLOW_INTERPRETER"):
     _interpret_device_calls_without_repatching()
+    for (_owner, _name), _fast in _interpreter_fast_paths().items():
+        setattr(_owner, _name, _fast)
 
 
 @pytest.fixture(scope="session", autouse=True)
