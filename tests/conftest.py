@@ -203,10 +203,18 @@ def _interpreter_fast_paths() -> dict:
     return found
 
 
+INTERPRETER_ORIGINALS: dict = {}  # (owner, name) -> triton's own function, for each fast path installed
+
+
+def install_interpreter_fast_paths() -> None:
+    for (owner, name), fast in _interpreter_fast_paths().items():
+        INTERPRETER_ORIGINALS.setdefault((owner, name), owner.__dict__[name])
+        setattr(owner, name, fast)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("INFER_TEST_SLOW_INTERPRETER"):
     _interpret_device_calls_without_repatching()
-    for (_owner, _name), _fast in _interpreter_fast_paths().items():
-        setattr(_owner, _name, _fast)
+    install_interpreter_fast_paths()
 
 
 @pytest.fixture(scope="session", autouse=True)
