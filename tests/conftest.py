@@ -200,6 +200,23 @@ def _interpreter_fast_paths() -> dict:
                                                                       div_or_mod))
             return known[2]
         found[(TritonSemantic, "computation_type_impl")] = computation_type_impl
+    sanitize = getattr(TritonSemantic, "binary_op_sanitize_overflow_impl", None)
+    if sanitize is not None and hasattr(TritonSemantic, "device_assert"):
+        device_assert = TritonSemantic.device_assert
+
+        def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+            options = self.builder.options
+            if options.debug or type(self).device_assert is not device_assert:
+                return sanitize(self, lhs, rhs, binary_op)
+            if lhs.type.scalar.int_bitwidth >= 64 or not options.sanitize_overflow:
+                return
+            lhs_sca_ty, rhs_sca_ty = lhs.type.scalar, rhs.type.scalar
+            if __debug__ and not lhs_sca_ty == rhs_sca_ty:  # triton's asserts (pytest rewrites those in conftest)
+                raise AssertionError(f"expected matching operand types, got {lhs_sca_ty} and {rhs_sca_ty}")
+            if __debug__ and not lhs_sca_ty.is_int():
+                raise AssertionError(f"expected integer type, got {lhs_sca_ty}")
+            # the rest computes the op again in int64 for a device_assert, which checks nothing without options.debug
+        found[(TritonSemantic, "binary_op_sanitize_overflow_impl")] = binary_op_sanitize_overflow_impl
     return found
 
 

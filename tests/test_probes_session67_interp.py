@@ -17,7 +17,7 @@ import conftest  # noqa: E402
 
 FAST_PATHS = {(interpreter, "_get_np_dtype"), (core, "_unwrap_if_constexpr"), (core, "_unwrap_shape"),
               (core.tensor, "__init__"), (core.block_type, "__init__"), (TritonSemantic, "broadcast_impl_value"),
-              (TritonSemantic, "computation_type_impl")}
+              (TritonSemantic, "computation_type_impl"), (TritonSemantic, "binary_op_sanitize_overflow_impl")}
 SCALARS = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16,
            tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv, tl.float8e4b15]
 
@@ -172,13 +172,38 @@ def test_computation_type_matches_triton(paths):
                 assert results[1] is results[0] and results[2] is results[0] or results[0] == results[1] == results[2]
 
 
+def test_sanitize_overflow_matches_triton(paths):
+    """Without options.debug the sanitizer's device_assert checks nothing: the fast path skips computing its condition,
+    and with debug on it is triton's own (it raises on an overflow)."""
+    import dataclasses
+    semantic, builder = interpreter.interpreter_semantic, interpreter.interpreter_builder
+    options = builder.options
+    with paths("original"):
+        cases = [(tensor(np.array([2 ** 30, 5]), tl.int32), tensor(np.array([2 ** 30, 1]), tl.int32)),
+                 (tensor(np.array([3, 4]), tl.int16), tensor(np.array([1, 2]), tl.int16)),
+                 (tensor(np.array([2 ** 62]), tl.int64), tensor(np.array([2 ** 62]), tl.int64)),
+                 (tensor(np.array([1]), tl.int32), tensor(np.array([1]), tl.int16)),
+                 (tensor(np.array([1.5]), tl.float32), tensor(np.array([1.5]), tl.float32))]
+    try:
+        for debug in (False, True):
+            builder.options = dataclasses.replace(options, debug=debug)
+            results = [side_by_side(paths, lambda: semantic.binary_op_sanitize_overflow_impl(lhs, rhs, op))
+                       for lhs, rhs in cases for op in (semantic.add, semantic.mul)]
+            assert results[0] == (("raised", "AssertionError", "int32 overflow detected for operation add") if debug
+                                  else ("NoneType", None))
+            assert results[6][:2] == ("raised", "AssertionError") and results[2] == ("NoneType", None)
+    finally:
+        builder.options = options
+
+
 @triton.jit
 def _mixed_kernel(x_ptr, y_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr):
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, M)[None, :]
     x = tl.load(x_ptr + rows * M + cols)
     y = tl.load(y_ptr + cols)
-    z = x.to(tl.float32) * y + ((x * 3 + 7) // 2 - (x >> 1) + 3) + tl.where(x > 2, 1.5, -2)
+    w = x.to(tl.int32) * 300000000 + 2000000000  # int32 overflow wraps (the interpreter only checks under debug)
+    z = x.to(tl.float32) * y + ((x * 3 + 7) // 2 - (x >> 1) + 3) + tl.where(x > 2, 1.5, -2) + (w % 7 - w // 2 ** 28)
     acc = tl.sum(z, axis=1) / M
     tl.store(out_ptr + rows * M + cols, z + acc[:, None])
 
