@@ -73,20 +73,28 @@ def _interpret_device_calls_without_repatching() -> None:
 
 
 def _interpreter_fast_paths() -> dict:
-    """Exact fast paths for the interpreter's hottest per-op helpers: {(owner, name): replacement}, each a shortcut
-    for the argument kinds an interpreted kernel passes (tested side by side with the original in
-    tests/test_probes_session67_interp.py) that falls back to triton's own function for anything else. Each returns
-    what the original returns; none caches an object a caller could mutate. Test speed only (with the launch patch
-    above, INFER_TEST_SLOW_INTERPRETER=1 turns them off; an attribute a triton version lacks is skipped):
-    - interpreter._get_np_dtype (a NumPy dtype per op: the original builds a 19-entry dict of triton dtypes each call)
-      remembers its answer by the scalar type's name (triton dtypes compare and hash by name; NumPy dtypes are
-      immutable);
-    - core._unwrap_if_constexpr (millions of calls) answers a constexpr or a plain value (int, a tensor, a dtype: no
-      list, tuple or constexpr to look into) without its four isinstance tests;
-    - core._unwrap_shape answers a list or triton tuple of ints and constexprs with one list comprehension (the
-      original unwraps the container, copies it and unwraps each element again);
-    - core.tensor.__init__ (every op's result) builds its shape tuple from the constexprs' own types, which is what
-      triton's tuple() infers from them, and skips the constructor's copies and type tests."""
+    """Exact fast paths for the interpreter's hottest per-op helpers (each op of each program runs a dozen of them, in
+    Python): {(owner, name): replacement}. Each handles the argument kinds interpreted kernels pass and hands anything
+    else to triton's own function; each returns what the original returns (the same objects where it returns one of
+    its arguments or a triton constant, fresh ones where triton builds fresh ones: nothing a caller could mutate is
+    shared); tests/test_probes_session67_interp.py runs them side by side with the originals. Test speed only:
+    INFER_TEST_SLOW_INTERPRETER=1 turns them off with the launch patch above, and a triton lacking one skips it.
+    - interpreter._get_np_dtype (the original builds a 19-entry dict of triton types per call) remembers the NumPy
+      dtype of a scalar type by name (triton's dtypes compare and hash by name; NumPy dtypes are immutable);
+    - core._unwrap_if_constexpr (millions of calls) answers a constexpr or a plain value (int, float, tensor, type)
+      without its four isinstance tests; core._unwrap_shape answers a list or triton tuple of ints and constexprs with
+      one comprehension (the original unwraps the container, copies it, and unwraps each element again);
+    - core.tensor.__init__ and core.block_type.__init__ (every op's result) build their shape tuples directly, with the
+      element types triton's tuple() infers, and a block type's numel and name are remembered by its dimensions;
+    - TritonSemantic.broadcast_impl_value returns two blocks of one shape as they are (what the original does, after
+      comparing them dimension by dimension through triton's tuples); computation_type_impl remembers its answer for
+      the same type objects and flags (a pure function of them; only the module's 19 scalar types reach it);
+    - TritonSemantic.binary_op_sanitize_overflow_impl (every int add, sub and mul) checks its operands as triton does
+      but skips computing the op again in int64 and comparing it with the type's range: that only feeds device_assert,
+      which checks nothing unless the interpreter's options.debug is on (then triton's own runs).
+    Measured on `pytest tests/test_probes_session61_famb.py -k "helium and (int4 or mixed_adapters_interpreted or
+    gpu_code)"` (2 cores, shared): user CPU 28.6-29.4 s without these, 21.5-22.1 s with them; the interpreted part of
+    the int4 test (cProfile) from 77 s to 33 s."""
     try:
         from triton.language import core
         from triton.runtime import interpreter
@@ -101,10 +109,10 @@ def _interpreter_fast_paths() -> dict:
             scalar = tt_dtype.element_ty if type(tt_dtype) is core.block_type else tt_dtype
             if type(scalar) is not core.dtype:  # pointers, pointer blocks, anything else: as triton does
                 return get_np_dtype(tt_dtype)
-            np_dtype = np_dtypes.get(scalar.name)
-            if np_dtype is None:
-                np_dtype = np_dtypes[scalar.name] = get_np_dtype(scalar)
-            return np_dtype
+            key = scalar.name
+            if key not in np_dtypes:
+                np_dtypes[key] = get_np_dtype(scalar)
+            return np_dtypes[key]
         found[(interpreter, "_get_np_dtype")] = _get_np_dtype
     unwrap = getattr(core, "_unwrap_if_constexpr", None)
     if unwrap is not None and all(hasattr(core, n) for n in ("constexpr", "tensor", "dtype", "block_type")):

@@ -161,7 +161,8 @@ def test_computation_type_matches_triton(paths):
     semantic = interpreter.interpreter_semantic
     for a in SCALARS:
         for b in SCALARS:
-            for flags in ((False, False, False), (True, False, False), (False, True, True), (True, True, True)):
+            for flags in ((False, False, False), (False, False, True), (True, False, False), (False, True, True),
+                          (True, True, True)):
                 results = []
                 for which in ("original", "fast", "fast"):  # the second fast call answers from the cache
                     with paths(which):
