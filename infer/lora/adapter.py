@@ -21,7 +21,7 @@ import torch
 from ..errors import LoRAError, bom_error, json_problem
 from ..models.moe import expert_size, is_moe, is_sparse, num_experts, shared_name, shared_width
 from ..models.multimodal import VISION_PREFIXES, WRAPPERS, is_multimodal, text_name
-from ..models.registry import COHERE, GLM, HUNYUAN, UNGATED, is_hybrid
+from ..models.registry import COHERE, GLM, HUNYUAN, LFM2, UNGATED, is_hybrid
 from ..models.shapes import ModelShapes, is_mla
 from .targets import LINEAR_ATTENTION
 
@@ -54,7 +54,7 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     if model_type == "starcoder2":
         mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
         return list(dict.fromkeys(mlp.get(t, t) for t in targets))
-    if model_type == "lfm2":  # (LFM2's attention's out_proj, its feed_forward's w1, w3, w2: models.lfm2)
+    if model_type in LFM2:  # (LFM2's attention's out_proj, its feed_forward's w1, w3, w2: models.lfm2)
         names = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
         return list(dict.fromkeys(names.get(t, t) for t in targets))
     if model_type in UNGATED:  # (Arcee, Nemotron, Apertus: up_proj, down_proj)
@@ -92,6 +92,8 @@ _EXPERTS = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>mlp|bloc
 # them on transformers 5's stacked experts), by the stacked parameter it is part of
 _EXPERT_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\."
                             r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+# Llama 4's and LFM2-MoE's experts and routers (under feed_forward, beside their dense MLPs' projections)
+_FEED_FORWARD_MOE = re.compile(r"\.feed_forward\.(?:experts|gate|router)(?:\.|$)")
 _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 # the target_modules peft (0.21, on transformers 5) turns into the stacked experts' parameters, by base model_type
 # (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs';
@@ -123,7 +125,7 @@ PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
 PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepSeek's, GLM-4.7-Flash's)
 PEFT_NO_DEFAULT += ("dots1", "minimax_m2")  # (nor dots.llm1's, MiniMax-M2's)
 PEFT_NO_DEFAULT += ("hunyuan_v1_moe",)  # (nor Hunyuan MoE's)
-PEFT_NO_DEFAULT += ("lfm2",)  # (nor LFM2's)
+PEFT_NO_DEFAULT += LFM2  # (nor LFM2's, LFM2-MoE's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -294,11 +296,9 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
         return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's and "
                                    "the MLP's projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
                                    "q_proj, k_proj, v_proj, o_proj, up_proj, down_proj")
-    if base_config.model_type == "lfm2_moe":
-        return [Problem("adapters on LFM2-MoE (lfm2_moe) are not supported yet",
-                        "serve it without adapters (LFM2's are: its attention's, short convs' and MLP's projections)")]
-    if base_config.model_type == "lfm2":
-        return _unadapted_problems(adapter, LFM2_UNADAPTED, "lfm2 (LFM2) adapt the attention's, the short convs' "
+    if base_config.model_type in LFM2:  # (LFM2-MoE's experts and router: _moe_problems)
+        what = "lfm2 (LFM2)" if base_config.model_type == "lfm2" else "lfm2_moe (LFM2-MoE)"
+        return _unadapted_problems(adapter, LFM2_UNADAPTED, f"{what} adapt the attention's, the short convs' "
                                    "and the MLP's projections, not the short convs' depthwise conv (conv.conv)",
                                    "q_proj, k_proj, v_proj, out_proj, in_proj, w1, w3, w2")
     if not is_hybrid(base_config):
@@ -346,7 +346,8 @@ def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: s
 # LFM2's modules infer does not adapt (models.lfm2): the short convs' depthwise conv (peft adapts a Conv1d) and the
 # whole blocks
 LFM2_UNADAPTED = ("conv", "feed_forward", "self_attn", "layers")
-UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED, "lfm2": LFM2_UNADAPTED}
+UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED, "lfm2": LFM2_UNADAPTED,
+             "lfm2_moe": LFM2_UNADAPTED}
 
 
 def _target_names(adapter: "LoRAAdapter") -> set[str]:
@@ -416,6 +417,8 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "the attention (q_proj, k_proj, v_proj, o_proj) and the MLPs (gate_proj, up_proj, down_proj: "
                         "the dense layers' and the shared experts'), or merge it into the weights (peft's "
                         "merge_and_unload) and serve that")]
+    if base_config.model_type == "lfm2_moe":
+        return _lfm2_moe_problems(adapter, params)
     moe_layer = [m for m in adapter.mlp_modules if ".mixer.shared_experts." in m]  # (Nemotron 3's shared experts)
     if base_config.model_type == "nemotron_h" and (params or experts or moe_layer):
         # Nemotron 3's experts (relu² without gate: w13 their up rows alone, which infer's expert slots, gate|up,
@@ -472,6 +475,25 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
 
 
 _ABSENT = "which the base model does not have"
+
+
+def _lfm2_moe_problems(adapter: "LoRAAdapter", params: list[str]) -> list[Problem]:
+    """An adapter of LFM2-MoE's experts (feed_forward.experts: target_parameters on the stacked gate_up_proj and
+    down_proj, or transformers 4's per-expert w1, w3, w2) or router (feed_forward.gate, not a Linear layer): refused
+    naming them; infer gives its experts no adapter slots (models.moe.experts_adapted). Its target_modules w1, w3, w2
+    are the dense layers' MLPs' (peft has no lfm2_moe mapping that turns them into the experts' parameters)."""
+    targets = adapter.config.get("target_modules")
+    targets = [str(t) for t in targets] if isinstance(targets, list) else []
+    named = [t for t in targets if t.split(".")[-1] in ("experts", "gate") or ".experts." in t]
+    modules = [m for m in adapter.mlp_modules if _FEED_FORWARD_MOE.search(m)]
+    if not (params or named or modules):
+        return []
+    what = (f"target_parameters {json.dumps(params)}" if params else f"targets {named}" if named
+            else f"adapts {modules[0]}" + (f" (and {len(modules) - 1} more modules)" if len(modules) > 1 else ""))
+    return [Problem(f"{what}: infer does not adapt LFM2-MoE's experts or router (feed_forward.experts, "
+                    "feed_forward.gate)", "train the adapter with target_modules on the attention (q_proj, k_proj, "
+                    "v_proj, out_proj), the short convs (in_proj, out_proj) and the dense layers' MLPs (w1, w3, w2), "
+                    "or merge it into the weights (peft's merge_and_unload) and serve that")]
 
 
 def _moe_unmapped(adapter: "LoRAAdapter", base_config) -> list[str]:
@@ -573,10 +595,11 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         per_layer += [".post_self_attn_layernorm", ".post_mlp_layernorm"]
     if model_type in HUNYUAN:
         per_layer += [".self_attn.query_layernorm", ".self_attn.key_layernorm"]
-    if model_type == "lfm2":  # (models.lfm2: its operator blocks, feed_forward, norms; the final embedding_norm)
+    if model_type in LFM2:  # (models.lfm2: its operator blocks, feed_forward, norms; the final embedding_norm)
         names[2] = "model.embedding_norm"
         per_layer = ["", ".self_attn", ".conv", ".feed_forward", ".operator_norm", ".ffn_norm",
                      ".self_attn.q_layernorm", ".self_attn.k_layernorm"]
+        per_layer += [".feed_forward.experts", ".feed_forward.gate"] * (model_type == "lfm2_moe")  # (LFM2-MoE's)
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     if model_type == "granite_swa":  # (its rotary embeddings, one a non-zero base of layer_rope_theta)
         bases = {t for t in (getattr(base_config, "layer_rope_theta", None) or []) if t}
@@ -614,6 +637,8 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
     if getattr(base_config, "model_type", None) == "llama4_text":  # (its dense layers' MLP: models.llama4)
         inter = int(base_config.intermediate_size_mlp)
+    if getattr(base_config, "model_type", None) == "lfm2_moe":  # (LFM2's; its experts not adapted: _moe_problems)
+        return _lfm2_shapes(base_config, hidden, q, kv)
     if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
         # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
         wide = 2 if base_config.model_type in GATED_Q else 1
@@ -632,11 +657,8 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
             width = expert_size(base_config)
             out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
         return out
-    if getattr(base_config, "model_type", None) == "lfm2":  # (models.lfm2: the short convs' in_proj, out_proj)
-        from ..quant.config import ffn_width
-        inter = ffn_width(base_config)
-        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "out_proj": (q, hidden),
-                "in_proj": (hidden, 3 * hidden), "w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}
+    if getattr(base_config, "model_type", None) == "lfm2":
+        return _lfm2_shapes(base_config, hidden, q, kv)
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -653,6 +675,20 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     wide = 2 if base_config.model_type in GATED_Q else 1
     return {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def _lfm2_shapes(base_config, hidden: int, q: int, kv: int) -> dict[str, tuple[int, int]]:
+    """LFM2's and LFM2-MoE's projections (models.lfm2): the attention's, the short convs' in_proj (B | C | x) and
+    out_proj, the MLP's w1, w3, w2 (LFM2's adjusted width; LFM2-MoE's dense layers' intermediate_size, none where
+    every layer has experts)."""
+    from ..models.moe import is_sparse
+    from ..quant.config import ffn_width
+    inter = ffn_width(base_config)
+    out = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "out_proj": (q, hidden),
+           "in_proj": (hidden, 3 * hidden)}
+    if all(is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)):
+        return out
+    return {**out, "w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}
 
 
 def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
@@ -1447,7 +1483,8 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     adapter = LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
     found = (_TENSOR.match(n) for n in tensors)
     adapter.mlp_modules = sorted({m["module"].removeprefix("base_model.model.") for m in found
-                                  if m and re.search(r"\.(mlp|block_sparse_moe|mixer\.shared_experts)\.", m["module"])})
+                                  if m and re.search(r"\.(mlp|block_sparse_moe|mixer\.shared_experts)\.", m["module"])
+                                  or m and _FEED_FORWARD_MOE.search(m["module"])})
     found = (_TENSOR.match(n) for n in tensors)
     adapter.language_model = next((m["module"] for m in found if m and text_name(m["module"]) not in
                                    (None, m["module"])), None)

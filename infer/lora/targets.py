@@ -64,8 +64,10 @@ def model_target_names(model_config) -> list[str]:
     if is_mla(model_config):  # (DeepSeek's multi-head latent attention: its own projections, kv_b_proj absorbed)
         rank = getattr(model_config, "q_lora_rank", None)
         names = [*(MLA_ATTENTION[:2] if rank else ("q_proj",)), MLA_ATTENTION[2], "o_proj"]
-    if model_config.model_type == "lfm2":
-        return list(LFM2_NAMES)
+    if model_config.model_type == "lfm2" or (model_config.model_type == "lfm2_moe" and not all(sparse)):
+        return list(LFM2_NAMES)  # (LFM2-MoE's dense layers' MLPs; its experts get no slots: moe.experts_adapted)
+    if model_config.model_type == "lfm2_moe":  # (every layer with experts: no MLP of its own)
+        return [n for n in LFM2_NAMES if n not in LFM2_FUSED["gate_up_proj"] + ("gate_up_proj", "w2")]
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
     if model_config.model_type in UNGATED:
@@ -99,7 +101,7 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
     chosen = set(targets)
     from ..models.registry import UNGATED
     from ..models.shapes import is_mla
-    for fused, parts in (LFM2_FUSED if model_config.model_type == "lfm2" else FUSED).items():
+    for fused, parts in (LFM2_FUSED if model_config.model_type in ("lfm2", "lfm2_moe") else FUSED).items():
         if fused == "qkv_proj" and is_mla(model_config):  # (MLA's q_proj a layer of its own)
             continue
         if fused == "gate_up_proj" and model_config.model_type in UNGATED:  # (no fused MLP: up_proj a layer of its

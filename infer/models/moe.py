@@ -244,8 +244,9 @@ def experts_adapted(cfg) -> bool:
     """Whether a sparse layer's experts and shared experts get adapter slots: not Nemotron 3's (relu² experts
     without gate, its shared experts inside the block; lora.adapter refuses adapters of them), nor Llama 4's experts
     (their input scaled by the router: lora.adapter refuses adapters of them; its feed_forward.shared_expert, not
-    named shared_experts, keeps its slots: `shared_adapted`)."""
-    return getattr(cfg, "model_type", None) not in ("nemotron_h", "llama4_text")
+    named shared_experts, keeps its slots: `shared_adapted`), nor LFM2-MoE's (lora.adapter refuses adapters of its
+    experts and router)."""
+    return getattr(cfg, "model_type", None) not in ("nemotron_h", "llama4_text", "lfm2_moe")
 
 
 def shared_adapted(cfg, module: str) -> bool:
