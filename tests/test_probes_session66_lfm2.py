@@ -325,17 +325,6 @@ def test_lfm2_moe_equals_transformers(tmp_path, change):
     check_batched_chunks_equal_transformers(tmp_path, hf)
 
 
-def test_lfm2_moe_quantize_is_refused(tmp_path):
-    """`infer quantize` of LFM2-MoE is refused before any work, saying why; nothing is written (its adapters:
-    test_probes_session67_lfm2moe)."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    res = CliRunner().invoke(app, ["quantize", "tiny-lfm2-moe", "-o", str(tmp_path / "q"), "--group-size", "32"])
-    assert res.exit_code != 0 and not (tmp_path / "q").exists()
-    assert "is an LFM2-MoE (lfm2_moe), which infer quantize does not take yet" in " ".join(res.output.split())
-
-
 def test_lfm2_moe_warmup_counts_the_conv_states_and_the_built_in_model_runs():
     """`infer warmup --estimate` of tiny-lfm2-moe counts its 3 short convs' state slots and its one attention layer's
     KV as the engine allocates them; the built-in model gives transformers' tokens."""

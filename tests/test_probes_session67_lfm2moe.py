@@ -18,6 +18,7 @@ from infer.errors import LoRAError
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
+from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-lfm2-moe"
 EVERY = ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w3", "w2"]
@@ -118,3 +119,26 @@ def test_an_adapter_of_the_depthwise_conv_is_refused_by_name(adapters, tmp_path)
     with pytest.raises(LoRAError, match=r"targets \['conv'\]: infer's adapters of lfm2_moe \(LFM2-MoE\) adapt the "
                                         r"attention's, the short convs' and the MLP's projections"):
         LLM(NAME, loras={"x": str(path)}, max_lora_rank=8)
+
+
+@needs_gptqmodel
+def test_infer_quantize_writes_every_projection_int4_equal_to_its_dequantized_weights(tmp_path):
+    """`infer quantize` of tiny-lfm2-moe (GPTQModel's lfm2_moe definition under transformers 5's names) writes the
+    short convs' in_proj and out_proj, the attention's q, k, v and out_proj, the dense MLP's w1, w3, w2 and every
+    expert's projections int4 under LFM2-MoE's names (experts.N.w1, w3, w2), the router float; infer's CPU path gives
+    transformers' greedy tokens on the same weights dequantized; warmup --estimate counts its weights as loaded."""
+    from safetensors.torch import load_file
+
+    from quant_helpers import check_gptq_moe_equals_dequantized, infer_quantize
+    out = infer_quantize(NAME, tmp_path / "q")
+    tensors = load_file(out / "model.safetensors")
+    quantized = {k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")}
+    want = {"model.layers.0.conv.in_proj", "model.layers.0.conv.out_proj", "model.layers.1.self_attn.out_proj",
+            *(f"model.layers.1.self_attn.{p}_proj" for p in "qkv"),
+            *(f"model.layers.0.feed_forward.w{i}" for i in (1, 3, 2)),
+            *(f"model.layers.{i}.feed_forward.experts.{e}.w{p}" for i in (1, 2, 3) for e in range(8)
+              for p in (1, 3, 2))}
+    assert want <= quantized
+    assert not any(k.endswith(".weight") and ("_proj." in k or ".w1." in k) for k in tensors)
+    assert tensors["model.layers.1.feed_forward.gate.weight"].is_floating_point()
+    check_gptq_moe_equals_dequantized(ensure_builtin(NAME), out, lambda layer: layer.self_attn.o_proj)

@@ -218,8 +218,9 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     with staged_output(out, overwrite) as tmp, tempfile.TemporaryDirectory(prefix="infer-quantize-") as work:
         with _log_dir(gptqmodel_mod, Path(work)):
             log = _run_gptqmodel(src, tmp, opts, calib, Path(work), observer)
-        if config.get("model_type") == "mixtral":  # the report and the notes name the modules as the checkpoint does
-            log = {**log, "gptq": [{**r, "module": mixtral_name(str(r["module"]))} if "module" in r else r
+        rename = _EXPERT_NAMES.get(config.get("model_type"))
+        if rename:  # the report and the notes name the modules as the checkpoint does
+            log = {**log, "gptq": [{**r, "module": rename(str(r["module"]))} if "module" in r else r
                                    for r in log.get("gptq", [])]}
         num_layers = int(config.get("num_hidden_layers", 0))
         _check_losses(src, log, num_layers)
@@ -325,12 +326,6 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "nemotron_h definition looks for the layers under backbone.layers, which transformers 5's "
             "NemotronHForCausalLM holds as model.layers (\"'NoneType' object is not subscriptable\", seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it)")
-    if config.get("model_type") == "lfm2_moe":
-        raise UnsupportedModelError(
-            f"{src} is an LFM2-MoE (lfm2_moe), which infer quantize does not take yet: GPTQModel 7.6's lfm2_moe "
-            "definition is not checked against transformers 5 here (it names the final norm model.norm, which "
-            "transformers 5's Lfm2MoeModel calls embedding_norm)", "serve the float checkpoint (infer runs it; "
-            "--dtype bfloat16 halves it)")
     if config.get("model_type") == "ernie4_5_moe":
         raise UnsupportedModelError(
             f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
@@ -403,6 +398,11 @@ def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
         dims.pop("intermediate_size", None)
         dims.update({k: config[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")
                      if isinstance(config.get(k), int) and config[k] > 0})
+    if config.get("model_type") == "lfm2_moe":  # (its experts' width; intermediate_size its dense layers' alone)
+        if not config.get("num_dense_layers"):
+            dims.pop("intermediate_size", None)
+        if isinstance(config.get("moe_intermediate_size"), int):
+            dims["moe_intermediate_size"] = config["moe_intermediate_size"]
     if config.get("model_type") == "lfm2" and "intermediate_size" in dims:  # (its MLP's width: models.lfm2)
         from types import SimpleNamespace
 
@@ -605,7 +605,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
     try:
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
-        with _mistral3_names(src):
+        with _mistral3_names(src), _lfm2_moe_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -651,6 +651,36 @@ def _mistral3_names(src: Path):
         yield
     finally:
         auto.MODEL_MAP["mistral3"] = base
+
+
+# GPTQModel 7.6's LFM2-MoE definition (LFM2MoeQModel) names its attention's out_proj o_proj, its experts' projections
+# w1, w3, w2 (its defuser splits transformers 5's stacked experts into gate_proj, up_proj and down_proj) and the final
+# norm model.norm (transformers 5's embedding_norm): it quantizes the short convs, q, k, v and the dense MLPs alone and
+# saves the attention's out_proj and every expert float. Its module tree under the names transformers 5's model has.
+_LFM2_MOE_TREE = ["model", "layers", "#", {
+    "operator_norm": ("operator_norm:!",), "conv": ("in_proj", "out_proj"),
+    "self_attn": ("q_proj:0", "k_proj:0", "v_proj:0", "out_proj:1"), "ffn_norm": ("ffn_norm:!",),
+    "feed_forward:moe": {"gate": ("gate:!",), "": ("w1:0", "w3:0", "w2:1"),
+                         "experts": {"#": ("gate_proj:0", "up_proj:0", "down_proj:1")}}}]
+
+
+@contextlib.contextmanager
+def _lfm2_moe_view(src: Path):
+    """GPTQModel's LFM2-MoE definition, while an Lfm2MoeForCausalLM is quantized, given the modules' names
+    (_LFM2_MOE_TREE), its experts' hooks those names and its final norm embedding_norm; any other model's as it is."""
+    if read_config_json(src).get("model_type") != "lfm2_moe":
+        yield
+        return
+    from gptqmodel.models import auto
+    from gptqmodel.models.moe_lifecycle import GateUpDownMoELifecycleHooks
+    base = auto.MODEL_MAP["lfm2_moe"]
+    auto.MODEL_MAP["lfm2_moe"] = type("Lfm2MoeNamedGPTQ", (base,), {
+        "pre_lm_head_norm_module": "model.embedding_norm", "module_tree": _LFM2_MOE_TREE,
+        "moe_lifecycle_hooks": GateUpDownMoELifecycleHooks()})
+    try:
+        yield
+    finally:
+        auto.MODEL_MAP["lfm2_moe"] = base
 
 
 def source_half_dtype(src: Path):
@@ -806,7 +836,7 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -827,8 +857,10 @@ FALLBACK_NOTE = ("calibration routed {few} to {n} module{s} ({none} got none), w
 
 def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     """Rewrite GPTQModel's saved Mixtral checkpoint in `out` with Mixtral's own names of the experts and the router
-    (MIXTRAL_NAMES: tensors renamed, not changed); the note returned says GPTQModel.load refuses them."""
-    if config.get("model_type") != "mixtral":
+    (MIXTRAL_NAMES: tensors renamed, not changed); the note returned says GPTQModel.load refuses them. An LFM2-MoE's
+    experts renamed the same way (lfm2_moe_name), without a note."""
+    mixtral_name = _EXPERT_NAMES.get(config.get("model_type"))
+    if mixtral_name is None:
         return []
     log = out / "quant_log.csv"  # GPTQModel's own report (layer,module,...): its modules named as the checkpoint's
     if log.is_file():
@@ -841,7 +873,7 @@ def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     if all(mixtral_name(k) == k for k in state):
         return []
     _write_tensors(out, {mixtral_name(k): v for k, v in state.items()}, opts)
-    return [MIXTRAL_NOTE]
+    return [MIXTRAL_NOTE] if config.get("model_type") == "mixtral" else []
 
 
 def mixtral_name(key: str) -> str:
@@ -854,6 +886,23 @@ def mixtral_name(key: str) -> str:
     return f"{m.group(1) or ''}block_sparse_moe.{module}" + key[m.end():]
 
 
+# an LFM2-MoE expert's projections as GPTQModel saves them under _LFM2_MOE_TREE's names (transformers 5's defused
+# experts: feed_forward.experts.N.gate_proj, up_proj, down_proj); LFM2-MoE's own checkpoints of transformers 4, vLLM
+# and infer (models.moe) name them w1, w3, w2
+_GPTQMODEL_LFM2_MOE = re.compile(r"^((?:model\.layers\.\d+\.)?feed_forward\.experts\.\d+\.)"
+                                 r"(gate_proj|up_proj|down_proj)(?=\.|$)")
+
+
+def lfm2_moe_name(key: str) -> str:
+    """GPTQModel's name of an LFM2-MoE expert's tensor (model.layers.N.feed_forward.experts.E.gate_proj.qweight) or of
+    a module its report rows name, as LFM2-MoE names it (...experts.E.w1); any other unchanged."""
+    m = _GPTQMODEL_LFM2_MOE.match(key)
+    return key if m is None else m.group(1) + MIXTRAL_NAMES[m.group(2)] + key[m.end():]
+
+
+_EXPERT_NAMES = {"mixtral": mixtral_name, "lfm2_moe": lfm2_moe_name}
+
+
 def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path | None = None) -> list[str]:
     """What a mixture of experts' checkpoint's readers should know: transformers runs its experts float, unread; the
     expert projections calibration routed too few tokens to (GPTQModel's fallback: round-to-nearest; its threshold
@@ -862,8 +911,9 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     if model_type not in MOE_TYPES:
         return []
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
-            "hunyuan_v1_moe": "Hunyuan MoE"}[model_type]
-    notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if model_type == "mixtral" else ", GPTQModel.load")]
+            "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE"}[model_type]
+    own = model_type in ("mixtral", "lfm2_moe")  # (their experts renamed: GPTQModel.load reads its own names alone)
+    notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if own else ", GPTQModel.load")]
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
     if rows:
