@@ -142,3 +142,22 @@ def test_infer_quantize_writes_every_projection_int4_equal_to_its_dequantized_we
     assert not any(k.endswith(".weight") and ("_proj." in k or ".w1." in k) for k in tensors)
     assert tensors["model.layers.1.feed_forward.gate.weight"].is_floating_point()
     check_gptq_moe_equals_dequantized(ensure_builtin(NAME), out, lambda layer: layer.self_attn.o_proj)
+
+
+def test_no_target_modules_and_a_regex_of_the_router_are_refused_as_peft_refuses_them(adapters, tmp_path):
+    """Without target_modules (peft has no lfm2_moe default) the adapter is refused as peft refuses it; a
+    target_modules regex that selects the router (feed_forward.gate) or the experts (feed_forward.experts), not Linear
+    layers, is named as peft cannot load it."""
+    from lora_helpers import check_no_target_modules_refused_as_peft
+    from transformers import AutoConfig
+
+    from infer.lora.adapter import adapter_problems
+    path = check_no_target_modules_refused_as_peft(ensure_builtin(NAME), adapters[1]["conv"], tmp_path / "a",
+                                                   "lfm2_moe")
+    config = json.loads((path / "adapter_config.json").read_text())
+    for regex, module in ((r".*\.conv\.(in_proj|out_proj)|.*\.gate", "layers.1.feed_forward.gate"),
+                          (r".*\.(conv\.in_proj|conv\.out_proj|feed_forward\.experts)",
+                           "layers.1.feed_forward.experts")):
+        (path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": regex}))
+        problems = [str(p) for p in adapter_problems("a", path, AutoConfig.from_pretrained(ensure_builtin(NAME)))]
+        assert any(f"selects model.{module}, which is not a Linear layer" in p for p in problems), problems

@@ -599,8 +599,10 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         names[2] = "model.embedding_norm"
         per_layer = ["", ".self_attn", ".conv", ".feed_forward", ".operator_norm", ".ffn_norm",
                      ".self_attn.q_layernorm", ".self_attn.k_layernorm"]
-        per_layer += [".feed_forward.experts", ".feed_forward.gate"] * (model_type == "lfm2_moe")  # (LFM2-MoE's)
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
+    if model_type == "lfm2_moe":  # (its sparse layers' experts and router: not Linear layers, models.moe)
+        names[-1:-1] = [f"model.layers.{i}.feed_forward.{m}" for i in range(layers) if is_sparse(base_config, i)
+                        for m in ("experts", "gate")]
     if model_type == "granite_swa":  # (its rotary embeddings, one a non-zero base of layer_rope_theta)
         bases = {t for t in (getattr(base_config, "layer_rope_theta", None) or []) if t}
         names += ["model.rotary_embs", *(f"model.rotary_embs.{i}" for i in range(len(bases)))]
