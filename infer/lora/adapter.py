@@ -407,11 +407,14 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "train the adapter with target_modules on the attention (q_proj, k_proj, v_proj, o_proj), "
                         "or merge the experts' adapter into the weights (peft's merge_and_unload) and serve that")]
     llama4 = [m for m in adapter.mlp_modules if ".feed_forward.experts" in m or ".feed_forward.router" in m]
-    if base_config.model_type == "llama4_text" and (params or llama4):
+    targets = adapter.config.get("target_modules")  # (peft adapts the router, a Linear, where they name it)
+    router = [str(t) for t in targets if str(t).split(".")[-1] == "router"] if isinstance(targets, list) else []
+    if base_config.model_type == "llama4_text" and (params or llama4 or router):
         # Llama 4's experts: gate_up_proj [E, H, 2I] and down_proj [E, I, H] (x @ W) whose input the router's score
         # scales, which infer's expert slots (lora.experts: Qwen's and Mixtral's [E, 2I, H] layout, the score on the
-        # output) do not lay out
-        what = f"target_parameters {json.dumps(params)}" if params else f"adapts {llama4[0]}"
+        # output) do not lay out; its router (feed_forward.router) infer's routers take no adapter
+        what = f"target_parameters {json.dumps(params)}" if params else f"adapts {llama4[0]}" if llama4 else \
+            f"targets {router} (feed_forward.router)"
         return [Problem(f"{what}: infer does not adapt Llama 4's experts or router (feed_forward.experts."
                         "gate_up_proj, down_proj; feed_forward.router)", "train the adapter with target_modules on "
                         "the attention (q_proj, k_proj, v_proj, o_proj) and the MLPs (gate_proj, up_proj, down_proj: "
