@@ -235,17 +235,21 @@ def hub_shaped_folder(folder, family: str, arch: str, config: dict, gptq_group: 
     the hub's tensors' names, shapes and dtypes (bfloat16, the routers float32) and no values (sparse files: a header,
     then a hole of the data's size), the tiny-llama tokenizer; with `gptq_group`, a 4-bit GPTQ checkpoint's in
     GPTQModel's layout (every projection's qweight, qzeros, scales and g_idx in groups of that size, each expert's
-    apart). Returns the parameters' count."""
+    apart, the vision tower's float). A multimodal `arch` (...ForConditionalGeneration: Llama-4-Scout's) builds
+    transformers' image-text model, its vision tower's tensors stored too. Returns the parameters' count."""
     import shutil
     import struct
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from infer.models.tiny import ensure_builtin
     cfg = AutoConfig.for_model(family, **config)
     cfg.architectures = [arch]
+    auto = AutoModelForImageTextToText if arch.endswith("ForConditionalGeneration") else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = auto.from_config(cfg, dtype=torch.bfloat16)
+    # (Llama 4 stacks its experts [E, H, 2I] and [E, I, H], x @ W; the others [E, 2I, H] and [E, H, I])
+    stacked_in_out = getattr(cfg.get_text_config(), "model_type", None) == "llama4_text"
     if gptq_group:
         cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": gptq_group, "desc_act": False,
                                    "sym": True}
@@ -255,7 +259,8 @@ def hub_shaped_folder(folder, family: str, arch: str, config: dict, gptq_group: 
         if name == "lm_head.weight" and cfg.tie_word_embeddings:  # (a tied head: the embeddings' alone stored)
             continue
         count += t.numel()
-        for key, dtype, shape in _stored_tensors(name, t, gptq_group):
+        vision = "vision_model." in name or "multi_modal_projector." in name  # (GPTQModel quantizes the text model)
+        for key, dtype, shape in _stored_tensors(name, t, 0 if vision else gptq_group, stacked_in_out):
             size = math.prod(shape) * (2 if dtype in ("BF16", "F16") else 4)
             if shards[-1] and shards[-1]["end"] + size > 1 << 30:
                 shards.append({})
@@ -277,13 +282,15 @@ def hub_shaped_folder(folder, family: str, arch: str, config: dict, gptq_group: 
     return count
 
 
-def _stored_tensors(name: str, t: torch.Tensor, group: int) -> list[tuple[str, str, list[int]]]:
+def _stored_tensors(name: str, t: torch.Tensor, group: int,
+                    stacked_in_out: bool = False) -> list[tuple[str, str, list[int]]]:
     """(name, safetensors dtype, shape) of what a checkpoint stores for parameter `name` of `t`: itself (bfloat16,
     float32 where the model keeps it so); with `group`, a projection's 4-bit GPTQ tensors in groups of that size and
-    transformers 5's stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as each expert's projections."""
+    transformers 5's stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]; with `stacked_in_out` Llama 4's
+    [E, H, 2I] and [E, I, H]) as each expert's projections."""
     if group and t.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
         stack, _, proj = name.rpartition(".")
-        e, rows, cols = t.shape
+        e, rows, cols = (t.shape[0], t.shape[2], t.shape[1]) if stacked_in_out else t.shape
         parts = [("gate_proj", rows // 2), ("up_proj", rows // 2)] if proj == "gate_up_proj" else [("down_proj", rows)]
         return [x for i in range(e) for p, n in parts
                 for x in _stored_tensors(f"{stack}.{i}.{p}.weight", torch.empty(n, cols, device="meta"), group)]

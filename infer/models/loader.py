@@ -19,7 +19,7 @@ from .classifier import add_score_head, is_classifier, set_token_head, token_hea
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .moe import mtp_tensor
 from .multimodal import quant_config, text_config, text_tensors, wrapper_of
-from .registry import check_near_family, check_supported, model_class
+from .registry import check_llama4_temperature_tuning, check_near_family, check_supported, model_class
 from .rope import check_rope
 from .shapes import check_config_values, check_shapes
 
@@ -43,6 +43,7 @@ def load_config(path: Path):
     raw = read_config_json(path)
     check_config_values(raw)  # (bad JSON, a size of 0: said before transformers reads it)
     check_near_family(raw.get("model_type"), raw.get("architectures") or [])  # (remote code transformers lacks)
+    check_llama4_temperature_tuning(raw)  # (an integer transformers 4.51 wrote, which transformers 5 refuses)
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # an unknown model_type, a field of the wrong type, ...

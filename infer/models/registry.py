@@ -461,6 +461,24 @@ def check_minimax_m2(cfg) -> None:
                                     "lightning and full attention is another architecture)")
 
 
+def check_llama4_temperature_tuning(raw: dict) -> None:
+    """config.json's attn_temperature_tuning of a Llama 4 text model (top level, or a multimodal checkpoint's
+    text_config) as an integer, refused before transformers reads it: transformers 4.51 defaulted it to 4 and its
+    model scaled the NoPE layers' queries for any nonzero value, so configs it saved may say 4; transformers 5's
+    Llama4TextConfig takes only true or false (its validation error names neither the model nor the fix). The hub's
+    Scout and Maverick configs leave it out (true)."""
+    for where, part in (("", raw), ("text_config's ", raw.get("text_config"))):
+        if not isinstance(part, dict) or part.get("model_type") != "llama4_text":
+            continue
+        value = part.get("attn_temperature_tuning")
+        if value is not None and type(value) is not bool:
+            raise UnsupportedModelError(
+                f"config.json's {where}attn_temperature_tuning is {json.dumps(value)[:40]}: Llama 4's attention "
+                "temperature switch is true or false (transformers 4.51 wrote 4 for true; transformers 5 reads "
+                "only a boolean)", f"set attn_temperature_tuning to {'true' if value else 'false'} in config.json "
+                "(transformers 4.51 scaled the NoPE layers' queries for any nonzero value)")
+
+
 def check_llama4(cfg) -> None:
     """A Llama 4 text config transformers builds layers of that infer's do not run, refused naming the field:
     no_rope_layers or layer_types not one a layer (transformers indexes them by layer), layer_types other than
