@@ -194,7 +194,8 @@ class Attention(nn.Module):
         # (`_deinterleaved`), and every rotary kernel rotates those halves as its NeoX pairs (q and k alike: their
         # products, the attention, unchanged); ERNIE 4.5's and Cohere's over the whole head
         self.rope_interleaved = cfg.model_type in (*GLM, "ernie4_5", "ernie4_5_moe", "helium", *COHERE, "llama4_text")
-        # Ministral 3's query scaled by position (rope.query_scaling: (beta, original) or None), in torch before the
+        # Ministral 3's query scaled by position (rope.query_scaling: (beta, original) or None; its rope_parameters'
+        # llama_4_scaling_beta, not Llama 4's attention temperature, which is `temperature`), in torch before the
         # rotary kernels (a scale commutes with the rotation): every path, the Triton kernels' too
         self.q_scaling = query_scaling(cfg)
         if not self.qk_norm and not self.rope_interleaved and self.q_scaling is None:  # a decode step's qkv LoRA
@@ -259,8 +260,14 @@ class Attention(nn.Module):
         return (*self._normed(q, k, self.query_layernorm, self.key_layernorm), identity)
 
     def _scaled_query(self, positions, q):
-        """q [t, q_size] times Ministral 3's scale of each token's position (Llama 4's: q_scaling), as transformers
-        computes it (float32, cast to q's dtype); q itself for every other family."""
+        """q [t, q_size] times a scale of each token's position, as transformers computes it; q itself for every
+        other family. Two families' scales, from different fields:
+        - Llama 4's (model_type llama4_text) attention temperature on its NoPE layers (`temperature`: the config's
+          attn_temperature_tuning, attn_scale, floor_scale): 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)),
+          in float32 rounded to q's dtype once;
+        - Ministral 3's (ministral3: rope.query_scaling, `q_scaling`), a scaling Mistral named after Llama 4's but
+          read from rope_parameters' llama_4_scaling_beta and original_max_position_embeddings:
+          1 + beta * log(1 + floor(p / original)), cast to q's dtype. Llama 4's own config has no such field."""
         if self.temperature is not None:  # Llama 4's NoPE layers: q times 1 + attn_scale * log(1 + floor((p + 1) /
             attn_scale, floor_scale = self.temperature  # floor_scale)) in float32, rounded to q's dtype (transformers')
             scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0

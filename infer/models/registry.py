@@ -11,7 +11,8 @@ SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     # Ministral 3 (text_config of Mistral3ForConditionalGeneration: Ministral-3-3B/8B/14B): Mistral's layers with
-    # Llama 4's query scaled by position (rope_parameters' llama_4_scaling_beta: Attention.q_scaling)
+    # a query scaled by position (rope_parameters' llama_4_scaling_beta: Attention.q_scaling; named after Llama 4's
+    # but not its attention temperature)
     "Ministral3ForCausalLM": "ministral3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",

@@ -147,9 +147,12 @@ def check_rope(cfg) -> None:
 
 
 def query_scaling(cfg) -> tuple[float, int] | None:
-    """Ministral 3's (model_type ministral3) query scaling by position, Llama 4's: after the rotary, the query at
-    position p times 1 + beta * log(1 + floor(p / original_max_position_embeddings)), both from rope_parameters
-    (llama_4_scaling_beta and original_max_position_embeddings): (beta, original); None for every other family.
+    """Ministral 3's (model_type ministral3) query scaling by position, which Mistral named after Llama 4's (its
+    field llama_4_scaling_beta) but which is not Llama 4's attention temperature (llama4_text's attn_temperature_tuning,
+    attn_scale, floor_scale: models.llama.Attention.temperature): after the rotary, the query at position p times
+    1 + beta * log(1 + floor(p / original_max_position_embeddings)), both from rope_parameters
+    (llama_4_scaling_beta and original_max_position_embeddings): (beta, original); None for every other family
+    (Llama 4's included).
     Either missing or not a number is refused (transformers' Ministral 3 attention fails on it)."""
     if getattr(cfg, "model_type", None) != "ministral3":
         return None
