@@ -51,13 +51,23 @@ def test_int4_experts_through_the_triton_kernels_equal_the_cpu_path(tmp_path, mo
 # ------------------------------------------------------------------------------------------------------ adapters
 def test_an_adapter_of_the_router_is_refused_naming_llama4(tmp_path):
     """peft adapts Llama 4's router (feed_forward.router, a Linear) where target_modules names it; infer's routers
-    take no adapter: refused naming Llama 4's router and what to train instead, before anything loads."""
+    take no adapter: refused naming Llama 4's router and what to train instead, before anything loads: by its
+    tensors, and by its target_modules where the router's tensors are not in the file."""
+    from safetensors.torch import load_file, save_file
+
     from infer import LLM
     from infer.errors import LoRAError
     from lora_helpers import save_adapter
     hf = build(tmp_path / "base", seed=3)
     router = save_adapter(hf, tmp_path / "r", 1, r=4, lora_alpha=8, target_modules=["q_proj", "router"],
                           lora_dropout=0.0)
+    with pytest.raises(LoRAError, match=r"adapts model\.layers\.\d+\.feed_forward\.router: infer does not adapt "
+                       r"Llama 4's experts or router"):
+        LLM(str(tmp_path / "base"), loras={"x": str(router)}, max_lora_rank=8)
+    file = router / "adapter_model.safetensors"
+    tensors = load_file(file)
+    save_file({k: v for k, v in tensors.items() if ".router." not in k}, file)
+    assert len(load_file(file)) < len(tensors)
     with pytest.raises(LoRAError, match=r"targets \['router'\] \(feed_forward\.router\): infer does not adapt "
                        r"Llama 4's experts or router"):
         LLM(str(tmp_path / "base"), loras={"x": str(router)}, max_lora_rank=8)
