@@ -107,20 +107,25 @@ def test_triton_paged_attention_attends_to_the_window_only(attention, case, soft
     torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3])
-def test_triton_decode_attention_within_the_window_in_partitions(attention, parts):
-    """decode_attention (rotary, KV write, attention in one launch) over 1-3 partitions a sequence: equal to the
-    reference's, with the window (the partitions share out the window's keys only)."""
-    lens = [70, 9, 33, 16]
-    q, kc, vc, tables, lens_t, qsl = _batch(lens, [1] * 4, seed=3)
+def decode_batch(lens: list[int]) -> tuple:
+    """A decode step of one token a sequence of `lens` (_batch's caches, seed 3): (q, k cache, v cache, block tables,
+    lengths, query starts, q flat, the step's k and v, positions, KV slots, a random rotary table)."""
+    q, kc, vc, tables, lens_t, qsl = _batch(lens, [1] * len(lens), seed=3)
     g = torch.Generator().manual_seed(4)
     t, hq, d = q.shape
     hk = kc.shape[2]
     qf, k, v = q.reshape(t, -1), torch.randn(t, hk * d, generator=g), torch.randn(t, hk * d, generator=g)
-    positions = (lens_t - 1).long()
-    bs = kc.shape[1]
+    positions, bs = (lens_t - 1).long(), kc.shape[1]
     slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
-    cos_sin = torch.randn(128, d, generator=g)
+    return q, kc, vc, tables, lens_t, qsl, qf, k, v, positions, slots, torch.randn(128, d, generator=g)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_triton_decode_attention_within_the_window_in_partitions(attention, parts):
+    """decode_attention (rotary, KV write, attention in one launch) over 1-3 partitions a sequence: equal to the
+    reference's, with the window (the partitions share out the window's keys only)."""
+    q, kc, vc, tables, lens_t, qsl, qf, k, v, positions, slots, cos_sin = decode_batch([70, 9, 33, 16])
+    t, hq, d = q.shape
     kr, vr = kc.clone(), vc.clone()
     want = reference.decode_attention(positions, qf, k, v, cos_sin, d, kr, vr, slots, tables, lens_t, qsl, 0.3,
                                       window=16)

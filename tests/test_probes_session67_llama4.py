@@ -23,7 +23,7 @@ from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_cachi
                      greedy_and_logprobs_test, greedy_tokens, hub_shaped_folder, interpreted_module,
                      norms_shifted_biases_drawn, save_random_model)
 from quant_helpers import check_gpu_path_equals_transformers
-from test_probes_session54_window import _batch
+from test_probes_session54_window import _batch, decode_batch
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "Llama4ForCausalLM"
@@ -191,15 +191,8 @@ def test_reference_and_triton_attend_to_the_querys_chunk_only(attention, case, m
 def test_triton_decode_attention_over_the_chunk_in_partitions(attention, parts):
     """decode_attention (rotary, KV write, attention in one launch) with chunked over 1 and 3 partitions a sequence:
     the reference's (the partitions share out the chunk's keys only)."""
-    lens = [70, 9, 33, 16]
-    q, kc, vc, tables, lens_t, qsl = _batch(lens, [1] * 4, seed=3)
-    g = torch.Generator().manual_seed(4)
+    q, kc, vc, tables, lens_t, qsl, qf, k, v, positions, slots, cos_sin = decode_batch([70, 9, 33, 16])
     t, hq, d = q.shape
-    hk = kc.shape[2]
-    qf, k, v = q.reshape(t, -1), torch.randn(t, hk * d, generator=g), torch.randn(t, hk * d, generator=g)
-    positions, bs = (lens_t - 1).long(), kc.shape[1]
-    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
-    cos_sin = torch.randn(128, d, generator=g)
     kr, vr, kt, vt = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     want = reference.decode_attention(positions, qf, k, v, cos_sin, d, kr, vr, slots, tables, lens_t, qsl, 0.3,
                                       window=32, chunked=True)
