@@ -126,17 +126,24 @@ def test_a_data_parallel_summary_shows_the_first_error_as_one_engine(tmp_path, r
 # ---------------------------------------------------------------------------------------------- serve
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(ray_cluster):
+    """A server of each test's own (both kill replicas): under `--dist worksteal` a module's tests may run in
+    another order, and one found the replicas the other killed."""
     from infer.engine.config import EngineConfig
     from infer.parallel.serve import build_server
     cfg = EngineConfig("tiny-llama", max_model_len=128, max_num_seqs=4)
     srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5,
                           max_restarts=0)  # (the tests below see dead replicas stay dead)
-    return srv
+    yield srv
+    for r in srv.aengine.replicas:  # (their CPUs are free before another test's replicas ask for them)
+        kill_actor(ray, r.handle)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def url(server):
     from infer.serve.app import serve_in_thread
     with serve_in_thread(server) as base:
