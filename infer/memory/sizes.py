@@ -25,6 +25,8 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     layers = model_config.num_hidden_layers - len(_linear_layers(model_config))
     if getattr(model_config, "model_type", None) == "nemotron_h":  # (its MLP layers keep no KV either)
         layers = model_config.layers_block_type.count("full_attention")
+    if getattr(model_config, "model_type", None) == "falcon_h1":  # (every layer attends beside its Mamba-2 mixer)
+        layers = model_config.num_hidden_layers
     shapes = ModelShapes.from_config(model_config)
     return shapes.kv_copies * layers * shapes.kv_size * element_bytes(dtype)
 
@@ -35,6 +37,8 @@ def _linear_layers(model_config) -> list[int]:
     from ..models.registry import is_hybrid
     if not is_hybrid(model_config):
         return []
+    if model_config.model_type == "falcon_h1":  # (a Mamba-2 mixer on every layer: models.falcon_h1)
+        return list(range(model_config.num_hidden_layers))
     kind = "conv" if model_config.model_type in LFM2 else "linear_attention"
     return [i for i, t in enumerate(model_config.layer_types) if t == kind]
 
@@ -65,9 +69,7 @@ def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
     c = model_config
     if c.model_type in LFM2:  # (its short convs: a conv state [hidden_size, conv_L_cache - 1] alone, models.lfm2)
         return layers * c.hidden_size * (c.conv_L_cache - 1) * element_bytes(dtype)
-    if c.model_type == "nemotron_h":  # (models.nemotron_h.mamba_fields: Granite 4.0's fields)
-        from ..models.nemotron_h import mamba_fields
-        c = mamba_fields(c)
+    c = _granite_fields(c)
     if hasattr(c, "mamba_expand"):  # Mamba-2 (Granite 4.0, Nemotron-H: models.granite4.Mamba2Mixer.state_shapes)
         inter = int(c.mamba_expand * c.hidden_size)
         conv_dim, kernel = inter + 2 * c.mamba_n_groups * c.mamba_d_state, c.mamba_d_conv
@@ -79,6 +81,18 @@ def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
         rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     conv = conv_dim * (kernel - 1) * element_bytes(dtype)
     return layers * (conv + rec)
+
+
+def _granite_fields(c):
+    """Nemotron-H's and Falcon-H1's Mamba-2 fields under Granite 4.0's names (their models' mamba_fields); another
+    model's config as it is."""
+    if c.model_type == "nemotron_h":
+        from ..models.nemotron_h import mamba_fields
+        return mamba_fields(c)
+    if c.model_type == "falcon_h1":
+        from ..models.falcon_h1 import mamba_fields
+        return mamba_fields(c)
+    return c
 
 
 def kv_window(engine_config, model_config, max_length: int, draft_config=None) -> tuple[int, int]:
@@ -190,6 +204,8 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
         elif blocks is None or blocks[layer] == "full_attention":
             per_rank += (3 * h + wide * q + 2 * kv) * selects(chosen, "qkv_proj") + \
                 (q + h) * selects(chosen, o_name)
+        if model_config.model_type == "falcon_h1" and chosen is None:  # (its Mamba-2 mixer beside the attention:
+            per_rank += _mamba_slot_elements(model_config)  # slots only on every layer's, as Granite 4.0's)
         if blocks is not None and blocks[layer] in ("linear_attention", "full_attention"):
             continue
         if model_config.model_type == "granitemoehybrid":  # its shared_mlp's input_linear (gate | up) and
@@ -211,9 +227,7 @@ def _mamba_slot_elements(model_config) -> int:
     """A Mamba-2 layer's adapter slot elements per rank (models.granite4.Mamba2Mixer: A's input widths + B's
     heights): in_proj (z, x B C, dt) and out_proj."""
     c = model_config
-    if c.model_type == "nemotron_h":  # (Granite 4.0's fields: models.nemotron_h.mamba_fields)
-        from ..models.nemotron_h import mamba_fields
-        c = mamba_fields(c)
+    c = _granite_fields(c)
     inter = int(c.mamba_expand * c.hidden_size)
     in_out = 2 * inter + 2 * c.mamba_n_groups * c.mamba_d_state + c.mamba_n_heads
     return c.hidden_size + in_out + inter + c.hidden_size
@@ -431,13 +445,11 @@ def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int 
     over `seqs` sequences at once (kernels.mamba2.varlen_scan_bytes).
     Plus, on either, what the mixer holds over the whole step (models.granite4.Mamba2Mixer._prefill): the conv's
     output [T, conv_dim] and the gated norm's two float32 [T, H * P] temporaries (4 bytes an element: at most)."""
-    if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h") \
+    if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h", "falcon_h1") \
             or not _linear_layers(model_config) or tokens <= 0:
         return 0
     c = model_config
-    if c.model_type == "nemotron_h":  # (Granite 4.0's fields: models.nemotron_h.mamba_fields)
-        from ..models.nemotron_h import mamba_fields
-        c = mamba_fields(c)
+    c = _granite_fields(c)
     chunk, heads = int(c.mamba_chunk_size), int(c.mamba_n_heads)
     chunks = -(-tokens // chunk)
     group = min(chunks, SCAN_GROUP_CHUNKS + 1) * chunk * chunk

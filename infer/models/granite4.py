@@ -67,7 +67,8 @@ class Mamba2Mixer(nn.Module):
         bias = bool(cfg.mamba_proj_bias)
         self.in_proj = MergedLinear(cfg.hidden_size, [self.inter + self.conv_dim + self.heads], [f"{prefix}.in_proj"],
                                     bias, method_for([f"{prefix}.in_proj"]), dtype)
-        self.out_proj = MergedLinear(self.inter, [cfg.hidden_size], [f"{prefix}.out_proj"], bias,
+        out_bias = bool(getattr(cfg, "mamba_out_proj_bias", bias))  # (Falcon-H1's projectors_bias: models.falcon_h1)
+        self.out_proj = MergedLinear(self.inter, [cfg.hidden_size], [f"{prefix}.out_proj"], out_bias,
                                      method_for([f"{prefix}.out_proj"]), dtype)
         self.conv1d = _Conv(self.conv_dim, self.kernel, bool(cfg.mamba_conv_bias), dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.heads, dtype=dtype), requires_grad=False)
@@ -83,12 +84,16 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x, ctx: ForwardContext, kept):
         """(the layer's output, None: no LoRA delta left to a norm). kept [B] bool: whether each sequence's slot holds
         its state (False: its step starts at position 0, from zero state)."""
-        z, xbc, dt = self.in_proj(x, ctx).split([self.inter, self.conv_dim, self.heads], dim=-1)
+        z, xbc, dt = self.projected(x, ctx).split([self.inter, self.conv_dim, self.heads], dim=-1)
         if ctx.max_query_len == 1:
             y = self.norm(self._decode(xbc, dt, ctx.state_slots, kept).reshape(-1, self.inter), z)
         else:
             y = self._prefill(xbc, dt, z, ctx, kept)
         return self.out_proj(y, ctx), None
+
+    def projected(self, x, ctx: ForwardContext):
+        """in_proj's output (Falcon-H1 scales its input and output: models.falcon_h1.FalconMixer)."""
+        return self.in_proj(x, ctx)
 
     def _split(self, out):
         """x [T, H, P], B and C [T, G, N] of the conv's output [T, conv_dim]."""

@@ -119,6 +119,8 @@ class Attention(nn.Module):
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         if cfg.model_type in GRANITE:  # Granite's attention_multiplier: the scale
             self.scale = float(cfg.attention_multiplier)
+        if cfg.model_type == "falcon_h1":  # Falcon-H1's k times key_multiplier: the scale times it (models.falcon_h1)
+            self.scale *= float(cfg.key_multiplier)
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
@@ -140,7 +142,7 @@ class Attention(nn.Module):
                                                                              *COHERE, *OLMO, "smollm3", "seed_oss",
                                                                              "internlm3", "helium", "hunyuan_v1_dense",
                                                                              "arcee", "nemotron", "apertus",
-                                                                             "llama4_text") \
+                                                                             "llama4_text", "falcon_h1") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -344,7 +346,8 @@ class MLP(nn.Module):
         # (mlp_bias), and ERNIE 4.5's (use_bias)
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "granite_swa",
                                                                             "smollm3", "seed_oss",
-                                                                            "internlm3", "helium", "deepseek_v2") \
+                                                                            "internlm3", "helium", "deepseek_v2",
+                                                                            "falcon_h1") \
             or (cfg.model_type in ("ernie4_5", "ernie4_5_moe") and bool(getattr(cfg, "use_bias", False)))
         names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
                                                                           ("gate_proj", "up_proj"))
@@ -547,7 +550,8 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     # (Cohere, StarCoder2, Nemotron: the outputs go to the residual, no norm with a residual after them)
-    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron"):
+    # (Falcon-H1: both outputs scaled by its multipliers before the norm, models.falcon_h1)
+    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron", "falcon_h1"):
         return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)

@@ -57,6 +57,9 @@ SUPPORTED = {
     # (NVIDIA-Nemotron-3-Nano-30B-A3B): norm-then-mixer blocks of Mamba-2, attention without rope, a relu² MLP
     # without gate or relu² experts (models.nemotron_h)
     "NemotronHForCausalLM": "nemotron_h",
+    # TII's Falcon-H1 (Falcon-H1-0.5B/1.5B/3B/7B/34B): every layer attention and a Mamba-2 mixer in parallel, muP
+    # multipliers (models.falcon_h1)
+    "FalconH1ForCausalLM": "falcon_h1",
     "ApertusForCausalLM": "apertus",  # Swiss AI's Apertus: xIELU MLP without gate, q/k norms
     # Shanghai AI Lab's InternLM3 (internlm3-8b-instruct): Llama's layers (transformers runs it as LlamaForCausalLM),
     # qkv_bias and bias read as attention_bias and mlp_bias (transformers refuses them unequal), head_dim set apart
@@ -284,6 +287,8 @@ def check_supported(cfg) -> str:
         check_nemotron_h(cfg)
     elif model_type in LFM2:
         check_lfm2(cfg)
+    elif model_type == "falcon_h1":
+        check_falcon_h1(cfg)
     elif model_type in HYBRID:  # (the Gated DeltaNet layers of Qwen3.5, Qwen3.5 MoE and Qwen3-Next)
         check_linear_attention(cfg)
     from .moe import check_moe
@@ -658,12 +663,33 @@ def check_lfm2(cfg) -> None:
                                     "of 2 or more taps)", "use the config.json that came with the weights (LFM2's: 3)")
 
 
+def check_falcon_h1(cfg) -> None:
+    """Falcon-H1's Mamba-2 heads that its groups do not divide, mlp_multipliers other than (gate, down) and
+    ssm_multipliers other than (z, x, B, C, dt): refused naming them (models.falcon_h1)."""
+    heads, groups = getattr(cfg, "mamba_n_heads", 1), getattr(cfg, "mamba_n_groups", 1)
+    if not groups or heads % groups:
+        raise UnsupportedModelError(f"falcon_h1 with mamba_n_heads {heads} in mamba_n_groups {groups} is not "
+                                    "supported: each group's B and C serve mamba_n_heads / mamba_n_groups heads",
+                                    "use the config.json that came with the weights")
+    for field, n, what in (("mlp_multipliers", 2, "the gate's and down_proj's"),
+                           ("ssm_multipliers", 5, "in_proj's z, x, B, C and dt columns'")):
+        values = getattr(cfg, field, None)
+        if not isinstance(values, (list, tuple)) or len(values) != n \
+                or not all(type(v) in (int, float) for v in values):
+            raise UnsupportedModelError(f"falcon_h1 {field} {json.dumps(values)} is not {n} numbers",
+                                        f"Falcon-H1's {field} are {what} multipliers: use the config.json that came "
+                                        "with the weights")
+
+
 def model_class(cfg):
     check_supported(cfg)
     if cfg.model_type in LFM2:
         from .lfm2 import lfm2_class
         from .moe import is_moe
         return lfm2_class(is_hybrid(cfg), is_moe(cfg))
+    if cfg.model_type == "falcon_h1":
+        from .falcon_h1 import falcon_h1_class
+        return falcon_h1_class()
     if cfg.model_type == "nemotron_h":
         from .nemotron_h import nemotron_h_class
         return nemotron_h_class(is_hybrid(cfg))
@@ -701,10 +727,12 @@ def model_class(cfg):
 
 def is_hybrid(cfg) -> bool:
     """Whether the model keeps a linear-attention state per sequence (HYBRID: Qwen3.5; Granite 4.0 and Nemotron-H
-    with Mamba-2 layers; LFM2 with short-conv layers)."""
+    with Mamba-2 layers; LFM2 with short-conv layers; Falcon-H1)."""
     model_type = getattr(cfg, "model_type", None)
     if model_type in ("granitemoehybrid", "nemotron_h"):
         return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
     if model_type in LFM2:  # (LFM2's short convs: models.lfm2)
         return "conv" in (getattr(cfg, "layer_types", None) or [])
+    if model_type == "falcon_h1":  # (a Mamba-2 mixer on every layer: models.falcon_h1)
+        return True
     return model_type in HYBRID

@@ -303,6 +303,16 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
                            projector_output_dim=32, pixel_shuffle_ratio=0.5), tie_word_embeddings=False)),
+    # Falcon-H1 (Falcon-H1-0.5B's muP multipliers, shortened): 3 layers, each attention (heads of 16, rope) beside a
+    # Mamba-2 mixer of 128 channels (mamba_d_ssm; 8 heads of 16, 2 groups of 16 state dims, chunks of 16: prompts
+    # span several), no gated norm (the hub's mamba_rms_norm false)
+    "tiny-falcon-h1": TinySpec("falcon_h1", 43, config=dict(
+        _TINY, num_hidden_layers=3, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=False, tie_word_embeddings=False,
+        embedding_multiplier=5.656, lm_head_multiplier=0.0390625, key_multiplier=0.390625,
+        attention_in_multiplier=1.0, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.2357, ssm_multipliers=[0.3535, 0.25, 0.3535, 0.5, 0.3535],
+        mlp_multipliers=[0.8838, 0.5859])),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
