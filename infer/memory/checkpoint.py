@@ -170,7 +170,17 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     per_input = 4 + (8 if act_order and device.type == "cuda" else 0)  # g_idx (int32), act_perm (int64)
     # the experts' g_idx, and Int4Stack.perm (int32) of those sorted by group
     experts = sum(k * (8 if key in expert_sorted else 4) for key, k in expert_inputs.items())
-    return total + sum(gptq_inputs.values()) * per_input + (experts if device.type != "cpu" else 0)
+    return total + sum(gptq_inputs.values()) * per_input + (experts if device.type != "cpu" else 0) \
+        + model_buffer_bytes(model_config, dtype)
+
+
+def model_buffer_bytes(model_config, dtype: torch.dtype) -> int:
+    """The buffers a model computes from its config beside its tensors (Falcon-H1's mup vectors and gate scales:
+    models.falcon_h1.buffer_elements), in `dtype`; 0 for others."""
+    if getattr(model_config, "model_type", None) != "falcon_h1":
+        return 0
+    from ..models.falcon_h1 import buffer_elements
+    return buffer_elements(model_config) * (torch.finfo(dtype).bits // 8)
 
 
 def checkpoint_load_bytes(path: Path, model_config, dtype: torch.dtype, device: torch.device) -> int:

@@ -56,6 +56,14 @@ def mup_vector(cfg) -> torch.Tensor:
     return torch.cat([torch.full((w,), float(m)) for w, m in zip(widths, cfg.ssm_multipliers)])
 
 
+def buffer_elements(cfg) -> int:
+    """The elements of the buffers a Falcon-H1 model holds beside its checkpoint's tensors (memory.checkpoint): each
+    layer's mup vector (FalconMixer.mup) and, where mlp_multipliers' gate is not 1, its gate scale
+    (FalconMLP.gate_scale)."""
+    gate = 2 * int(cfg.intermediate_size) if float(cfg.mlp_multipliers[0]) != 1.0 else 0
+    return int(cfg.num_hidden_layers) * (len(mup_vector(cfg)) + gate)
+
+
 class FalconGatedNorm(nn.Module):
     """transformers' FalconH1RMSNormGated (mamba_rms_norm): over each of n_groups groups of y in float32, the weight
     applied in float32, times silu(z) after the norm (norm_before_gate) or before it, rounded to y's dtype; without
