@@ -178,3 +178,40 @@ def test_mup_vector_is_transformers():
     from infer.models.falcon_h1 import mup_vector
     cfg = FalconH1Config(**SMALL)
     assert torch.equal(mup_vector(cfg), compute_mup_vector(cfg).flatten())
+
+
+def test_mixed_adapters_on_the_attention_the_mlp_and_in_proj_equal_peft(tmp_path):
+    """Two adapters (every projection peft adapts on Falcon-H1: q, k, v, o, gate, up, down and the mixers' in_proj,
+    whose delta the mup vector scales; in_proj alone) and the base model in one batch and each alone: peft's tokens."""
+    from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters
+    base = ensure_builtin(NAME)
+    hf = hf_float(base)
+    paths = save_adapters(hf, tmp_path, {
+        "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj", "in_proj"]),
+        "mamba": dict(r=4, lora_alpha=4, target_modules=["in_proj"])}, scale=0.5)
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 12, 5), seed=2), ["all", None, "mamba"],
+                                    n=5)
+
+
+def test_adapters_of_out_proj_and_conv1d_are_refused_by_name_and_the_slots_are_counted(tmp_path):
+    """An adapter whose target_modules name the mixers' out_proj (peft refuses it on Falcon-H1; an adapter made
+    elsewhere may have it) or conv1d is refused at registration naming them and what infer adapts; the slots
+    allocated (every layer's attention, MLP and mixer) are lora_slot_bytes' count, byte for byte."""
+    from lora_helpers import hf_float, save_adapters
+
+    from infer.errors import LoRAError
+    from infer.memory.sizes import lora_slot_bytes
+    paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"a": dict(r=4, lora_alpha=8,
+                                                                               target_modules=["q_proj"])})
+    config = json.loads((paths["a"] / "adapter_config.json").read_text())
+    for extra in ("out_proj", "conv1d"):
+        (paths["a"] / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", extra]}))
+        with pytest.raises(LoRAError, match=rf"targets \['{extra}'\]: infer's adapters of falcon_h1 \(Falcon-H1\) "
+                                            r"adapt the attention's, the MLP's and the Mamba-2 mixers' in_proj, not "
+                                            r"the mixers' out_proj or conv1d.*retrain with target_modules among "
+                                            r"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj"):
+            LLM(NAME, loras={"a": str(paths["a"])}, max_lora_rank=8)
+    with LLM(NAME, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4) as llm:
+        got = llm.engine.lora_manager.device_bytes()
+        assert got == lora_slot_bytes(llm.engine.runner.model.config, 2, 4, torch.float32) > 0

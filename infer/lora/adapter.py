@@ -42,6 +42,9 @@ PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS
 LFM2_MODULES = {("self_attn", "out_proj"), ("conv", "in_proj"), ("conv", "out_proj"), ("feed_forward", "w1"),
                 ("feed_forward", "w3"), ("feed_forward", "w2")}
 LFM2_NAMES = ("out_proj", "in_proj", "w1", "w3", "w2")
+# Falcon-H1's (models.falcon_h1): its Mamba-2 mixers' in_proj (z | x B C | dt, before the mup vector), beside Llama's
+# attention and its feed_forward's gate, up and down
+FALCON_H1_MODULES = {("mamba", "in_proj")}
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -126,6 +129,7 @@ PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepS
 PEFT_NO_DEFAULT += ("dots1", "minimax_m2")  # (nor dots.llm1's, MiniMax-M2's)
 PEFT_NO_DEFAULT += ("hunyuan_v1_moe",)  # (nor Hunyuan MoE's)
 PEFT_NO_DEFAULT += LFM2  # (nor LFM2's, LFM2-MoE's)
+PEFT_NO_DEFAULT += ("falcon_h1",)  # (nor Falcon-H1's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
@@ -296,6 +300,11 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
         return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's and "
                                    "the MLP's projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
                                    "q_proj, k_proj, v_proj, o_proj, up_proj, down_proj")
+    if base_config.model_type == "falcon_h1":
+        return _unadapted_problems(adapter, FALCON_H1_UNADAPTED, "falcon_h1 (Falcon-H1) adapt the attention's, the "
+                                   "MLP's and the Mamba-2 mixers' in_proj, not the mixers' out_proj or conv1d (peft "
+                                   "refuses both on Falcon-H1)", "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                   "down_proj, in_proj")
     if base_config.model_type in LFM2:  # (LFM2-MoE's experts and router: _moe_problems)
         what = "lfm2 (LFM2)" if base_config.model_type == "lfm2" else "lfm2_moe (LFM2-MoE)"
         return _unadapted_problems(adapter, LFM2_UNADAPTED, f"{what} adapt the attention's, the short convs' "
@@ -343,11 +352,16 @@ def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: s
     return [Problem(f"targets {listed}: infer's adapters of {what}", f"retrain with target_modules among {adapted}")]
 
 
+# Falcon-H1's modules infer does not adapt (models.falcon_h1): the Mamba-2 mixers' out_proj and conv1d, the whole
+# blocks
+FALCON_H1_UNADAPTED = ("out_proj", "conv1d", "mamba", "self_attn", "feed_forward", "layers")
+
+
 # LFM2's modules infer does not adapt (models.lfm2): the short convs' depthwise conv (peft adapts a Conv1d) and the
 # whole blocks
 LFM2_UNADAPTED = ("conv", "feed_forward", "self_attn", "layers")
 UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED, "lfm2": LFM2_UNADAPTED,
-             "lfm2_moe": LFM2_UNADAPTED}
+             "lfm2_moe": LFM2_UNADAPTED, "falcon_h1": FALCON_H1_UNADAPTED}
 
 
 def _target_names(adapter: "LoRAAdapter") -> set[str]:
@@ -664,6 +678,11 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
         return out
     if getattr(base_config, "model_type", None) == "lfm2":
         return _lfm2_shapes(base_config, hidden, q, kv)
+    if getattr(base_config, "model_type", None) == "falcon_h1":  # (Llama's, and the mixers' in_proj: models.falcon_h1)
+        from ..models.falcon_h1 import mup_vector
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+                "in_proj": (hidden, len(mup_vector(base_config)))}
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -1127,7 +1146,7 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     elif parent == "feed_forward" and LLAMA_PROJECTIONS.get(proj) == MLP:  # (Llama 4's dense MLP: models.llama4)
         pass
     elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS) \
-            and (parent, proj) not in LFM2_MODULES:
+            and (parent, proj) not in LFM2_MODULES | FALCON_H1_MODULES:
         return None  # (Nemotron-H's attention and MLP projections: under its blocks' mixer, models.nemotron_h)
     return f"model.layers.{int(m['layer'])}.{parent}.{m['proj']}", int(m["layer"]), proj
 
