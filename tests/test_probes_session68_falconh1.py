@@ -4,6 +4,7 @@ and SSM states in the per-sequence state cache) on the same normed input, the ML
 embedding and lm_head multipliers: greedy tokens and logprobs, the gated norm (before and after the gate) and every
 bias, chunked prefill, prefix caching through state snapshots, preemption, the Triton kernels interpreted under
 emulated graphs; the memory plan's KV (every layer) and Mamba-2 states, on the tiny model and on the 7B's shapes;
+adapters (attention, MLP, the mixers' in_proj) equal to peft's; `infer quantize` equal to GPTQModel's own load;
 configs it cannot run refused by name."""
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from infer.models.tiny import ensure_builtin
 
 from helpers import (builtin_model_tests, check_batched_chunks_equal_transformers, check_emulated_decode_graphs,
                      check_greedy_and_logprobs_equal_transformers, check_preemption_restarts_from_zero_state,
-                     check_state_slots_all_free, estimated_plan, greedy_each, hf_model, hub_shaped_folder,
-                     norms_shifted_biases_drawn, random_prompts, save_random_model)
+                     check_state_slots_all_free, estimated_plan, greedy_each, greedy_tokens, hf_model,
+                     hub_shaped_folder, norms_shifted_biases_drawn, random_prompts, save_random_model)
+from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-falcon-h1"
 ARCH = "FalconH1ForCausalLM"
@@ -215,3 +217,33 @@ def test_adapters_of_out_proj_and_conv1d_are_refused_by_name_and_the_slots_are_c
     with LLM(NAME, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4) as llm:
         got = llm.engine.lora_manager.device_bytes()
         assert got == lora_slot_bytes(llm.engine.runner.model.config, 2, 4, torch.float32) > 0
+
+
+@needs_gptqmodel
+def test_infer_quantize_gives_gptqmodels_own_tokens(tmp_path):
+    """`infer quantize` (GPTQModel's falcon_h1 definition, each mixer's mup_vector made after its lazy load) writes
+    the attention's q, k, v, o, the mixers' in_proj and out_proj and the MLP's gate, up, down int4; infer loads it
+    (q|k|v and gate|up merged) and gives GPTQModel's own load's greedy tokens and transformers' on the dequantized
+    weights; `infer warmup --estimate` counts its weights as loaded."""
+    from safetensors import safe_open
+
+    from infer.memory.sizes import weights_bytes
+    from infer.quant.quantize import _falcon_h1_view
+    from quant_helpers import dequantized_float_model, gptqmodel_greedy, infer_quantize
+    out = infer_quantize(NAME, tmp_path / "q")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {f"model.layers.1.self_attn.{p}.qweight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} <= names
+    assert {f"model.layers.2.mamba.{p}.qweight" for p in ("in_proj", "out_proj")} <= names
+    assert {f"model.layers.0.feed_forward.{p}.qweight" for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    plan = estimated_plan(str(out), "--max-length", "256")
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+        model = llm.engine.runner.model
+        assert model.layers[0].mamba.in_proj.qweight is not None and model.layers[2].self_attn.qkv_proj.qweight \
+            is not None and model.layers[1].feed_forward.gate_up_proj.qweight is not None
+        assert plan["weights_bytes"] == weights_bytes(model)
+        got = greedy_tokens(llm, prompts, 8)
+    assert got == greedy_each(dequantized_float_model(ensure_builtin(NAME), out), prompts, 8)
+    with _falcon_h1_view(out):
+        assert got == gptqmodel_greedy(out, prompts, 8)

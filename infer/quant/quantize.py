@@ -605,7 +605,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
     try:
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
-        with _mistral3_names(src), _lfm2_moe_view(src):
+        with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -681,6 +681,32 @@ def _lfm2_moe_view(src: Path):
         yield
     finally:
         auto.MODEL_MAP["lfm2_moe"] = base
+
+
+@contextlib.contextmanager
+def _falcon_h1_view(src: Path):
+    """GPTQModel's Falcon-H1 definition, while a FalconH1ForCausalLM is quantized, with each mixer's mup_vector (a
+    buffer transformers computes from the config, in no checkpoint) made after the load: GPTQModel's lazy load leaves
+    it on the meta device, where the first layer's forward fails; any other model's as it is."""
+    if read_config_json(src).get("model_type") != "falcon_h1":
+        yield
+        return
+    from gptqmodel.models import auto
+    base = auto.MODEL_MAP["falcon_h1"]
+
+    def after_model_load(self, model, load_quantized_model):
+        from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
+        model = base.after_model_load(self, model, load_quantized_model)
+        mup = compute_mup_vector(model.config)
+        for layer in model.model.layers:
+            dtype = next((p.dtype for p in layer.mamba.parameters()), mup.dtype)
+            layer.mamba.register_buffer("mup_vector", mup.to(dtype), persistent=False)
+        return model
+    auto.MODEL_MAP["falcon_h1"] = type("FalconH1MupGPTQ", (base,), {"after_model_load": after_model_load})
+    try:
+        yield
+    finally:
+        auto.MODEL_MAP["falcon_h1"] = base
 
 
 def source_half_dtype(src: Path):
