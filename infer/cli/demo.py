@@ -108,6 +108,7 @@ def _check_args(out: Path, model: str) -> Path:
              "granitemoehybrid": "a Granite 4.0 (granitemoehybrid: infer quantize refuses it)",
              "nemotron_h": "a Nemotron-H (nemotron_h: infer quantize refuses it)",
              "lfm2": "an LFM2 (lfm2: the demo's chain is not checked on it yet)",
+             "falcon_h1": "a Falcon-H1 (falcon_h1: the demo's chain is not checked on it yet)",
              **{kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}}
     dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, *other)]
     if BUILTIN_MODELS[model].arch in other:
