@@ -76,6 +76,17 @@ def test_gated_norm_biases_and_a_tied_head_equal_transformers(tmp_path, before_g
     check_greedy_and_logprobs_equal_transformers(tmp_path, hf, f"falcon-h1-{before_gate}", check)
 
 
+def test_bfloat16_equals_transformers_in_bfloat16(hf):
+    """--dtype bfloat16 (the mup vector in bfloat16, as transformers holds it; the SSM state float32): transformers'
+    greedy tokens in bfloat16, batched, a one-token prompt included."""
+    import copy
+    hf = copy.deepcopy(hf).to(torch.bfloat16)  # (the module's hf: float32)
+    prompts = random_prompts(512, (5, 13, 30, 1), seed=3)
+    with LLM(NAME, block_size=4, dtype="bfloat16", max_num_seqs=2) as llm:
+        assert llm.engine.runner.model.linear_layers()[0].mup.dtype == torch.bfloat16
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+
+
 def test_chunked_prefill_and_preemption_carry_and_restart_the_states(hf):
     """Prompts of 30, 17 and 1 tokens in steps of 8 (states carried across steps beside the others' decodes); a KV
     budget that preempts (recomputed from zero state): transformers' tokens, every state slot given back."""
@@ -247,3 +258,15 @@ def test_infer_quantize_gives_gptqmodels_own_tokens(tmp_path):
     assert got == greedy_each(dequantized_float_model(ensure_builtin(NAME), out), prompts, 8)
     with _falcon_h1_view(out):
         assert got == gptqmodel_greedy(out, prompts, 8)
+
+
+def test_the_demo_refuses_falcon_h1_naming_it(tmp_path, monkeypatch):
+    """`infer demo --model tiny-falcon-h1` (its chain is not checked on Falcon-H1) is refused naming it."""
+    from typer.testing import CliRunner
+
+    from infer.cli import demo as demo_module
+    from infer.cli.main import app
+    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
+    res = CliRunner().invoke(app, ["demo", "--model", NAME, "--out", str(tmp_path / "d")])
+    assert res.exit_code == 2, res.output
+    assert f"--model {NAME} is a Falcon-H1 (falcon_h1: the demo's chain is not checked" in " ".join(res.output.split())
