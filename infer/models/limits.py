@@ -48,8 +48,8 @@ def layer_window(model_config, layer: int) -> int:
     model_type = getattr(model_config, "model_type", None)
     if not window or model_type in WINDOW_IGNORED:
         return 0
-    if model_type in ("mistral", "ministral3", "phi3", "mixtral", "qwen3_moe"):  # (Qwen3-MoE: sliding_window set
-        return int(window)  # only where use_sliding_window is, and then on every layer, as transformers runs it)
+    if model_type in ("mistral", "ministral3", "phi3", "mixtral", "qwen3_moe", "phimoe"):  # (Qwen3-MoE: sliding_window
+        return int(window)  # set only where use_sliding_window is, then on every layer, as transformers runs it)
     types = getattr(model_config, "layer_types", None)
     if types is not None:
         return int(window) if layer < len(types) and types[layer] == "sliding_attention" else 0

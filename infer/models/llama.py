@@ -90,8 +90,8 @@ def norm_for(cfg):
     GptOssRMSNorm too); Cohere's is a LayerNorm."""
     if cfg.model_type in COHERE:
         return LayerNorm
-    if cfg.model_type in ("starcoder2", "nemotron"):  # (Nemotron's LayerNorm1P: by 1 + weight)
-        return functools.partial(LayerNorm, bias=True, unit_offset=cfg.model_type == "nemotron")
+    if cfg.model_type in ("starcoder2", "nemotron", "phimoe"):  # (Nemotron's LayerNorm1P: by 1 + weight; Phi-3.5-MoE's
+        return functools.partial(LayerNorm, bias=True, unit_offset=cfg.model_type == "nemotron")  # nn.LayerNorm)
     return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA, float_weight=cfg.model_type in FLOAT_NORMS)
 
 
@@ -142,7 +142,7 @@ class Attention(nn.Module):
                                                                              *COHERE, *OLMO, "smollm3", "seed_oss",
                                                                              "internlm3", "helium", "hunyuan_v1_dense",
                                                                              "arcee", "nemotron", "apertus",
-                                                                             "llama4_text", "falcon_h1") \
+                                                                             "llama4_text", "falcon_h1", "phimoe") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -505,7 +505,7 @@ class DecoderLayer(nn.Module):
         if cfg.model_type in UNGATED:
             self.mlp = UngatedMLP(cfg, f"{p}.mlp", method_for, dtype)
         elif is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
-            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", *GRANITE_MOE, "minimax_m2") else "mlp"
+            moe = "block_sparse_moe" if cfg.model_type in ("mixtral", *GRANITE_MOE, "minimax_m2", "phimoe") else "mlp"
             self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
         else:
             self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
@@ -551,7 +551,7 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     # (Cohere, StarCoder2, Nemotron: the outputs go to the residual, no norm with a residual after them)
     # (Falcon-H1: both outputs scaled by its multipliers before the norm, models.falcon_h1)
-    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron", "falcon_h1"):
+    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron", "falcon_h1", "phimoe"):
         return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)
@@ -638,9 +638,11 @@ class LlamaForCausalLM(nn.Module):
         elif not self.tie_word_embeddings:
             self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
-        # ERNIE 4.5 MoE's use_bias: transformers' lm_head has a bias (lm_head.bias, its own, tied weight or not)
+        # ERNIE 4.5 MoE's use_bias, Phi-3.5-MoE's lm_head_bias: transformers' lm_head has a bias (lm_head.bias, its
+        # own, tied weight or not)
         self.head_bias = nn.Parameter(torch.empty(cfg.vocab_size, dtype=dtype), requires_grad=False) \
-            if cfg.model_type == "ernie4_5_moe" and bool(getattr(cfg, "use_bias", False)) else None
+            if (cfg.model_type == "ernie4_5_moe" and bool(getattr(cfg, "use_bias", False))) \
+            or (cfg.model_type == "phimoe" and bool(getattr(cfg, "lm_head_bias", False))) else None
         self.register_buffer("packed_head", None, persistent=False)
         types = rope_layer_types(cfg)  # [None]; Gemma 3's layer types: the full layers' table here (Gemma3ForCausalLM)
         self.register_buffer("cos_sin", build_cos_sin_cache(

@@ -104,11 +104,15 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "minimax_m2": "minimax_m2",
         "hunyuan_v1_moe": "hunyuan_v1_dense",  # (Hunyuan MoE: the dense Hunyuan's q/k norms after the rotary)
         "lfm2_moe": "lfm2",  # (LFM2-MoE: LFM2's layers, models.lfm2; experts after num_dense_layers)
-        "llama4_text": "llama4_text"}  # (Llama 4: its own attention and layers, models.llama4; experts on moe_layers)
+        "llama4_text": "llama4_text",  # (Llama 4: its own attention and layers, models.llama4; experts on moe_layers)
+        # (Phi-3.5-MoE: Llama's attention with q/k/v/o biases where attention_bias says, StarCoder2's LayerNorms with
+        # biases, Mixtral's layer of experts with the sparsemixer router: `SparseMoeBlock._sparsemixer_route`)
+        "phimoe": "phimoe"}
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
-_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid", "minimax_m2", "hunyuan_v1_moe")
+_ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid", "minimax_m2", "hunyuan_v1_moe",
+               "phimoe")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
@@ -125,7 +129,7 @@ SHARED_EXPERT = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # the checkpoint's names of an expert's projections: (gate, up, down)
 # (Nemotron 3's experts have no gate: up_proj alone, w13's I rows; "" names no tensor)
 _PROJ = {"mixtral": ("w1", "w3", "w2"), "nemotron_h": ("", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2"),
-         "lfm2_moe": ("w1", "w3", "w2")}
+         "lfm2_moe": ("w1", "w3", "w2"), "phimoe": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
 # the linear methods of quantized experts: GPTQ's, and AWQ's (quant.awq: each tensor repacked into GPTQ's layout as
 # it is read, so the same stacking, dequantization and kernels)
@@ -154,7 +158,7 @@ def experts_field(cfg) -> str:
             "nemotron_h": "n_routed_experts", "deepseek_v3": "n_routed_experts",
             "deepseek_v2": "n_routed_experts", "glm4_moe_lite": "n_routed_experts",
             "dots1": "n_routed_experts", "minimax_m2": "num_local_experts",
-            "llama4_text": "num_local_experts"}.get(cfg.model_type, "num_experts")
+            "llama4_text": "num_local_experts", "phimoe": "num_local_experts"}.get(cfg.model_type, "num_experts")
 
 
 def top_k_field(cfg) -> str:
@@ -284,10 +288,29 @@ def check_moe(cfg) -> None:
                                     "Nemotron-H's latent projections of the experts (fc1_latent_proj, fc2_latent_proj)",
                                     "serve a Nemotron 3 checkpoint without moe_latent_size (NVIDIA-Nemotron-3-Nano-"
                                     "30B-A3B's config.json has none)")
+    if cfg.model_type == "phimoe":
+        check_sparsemixer(cfg, k)
     if cfg.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"config.json has clip_qkv {cfg.clip_qkv}: infer does not clip OLMoE's queries, "
                                     "keys and values", "serve an OLMoE checkpoint without clip_qkv (OLMoE-1B-7B's "
                                     "config.json has none)")
+
+
+def check_sparsemixer(cfg, k: int) -> None:
+    """Phi-3.5-MoE's sparsemixer router (`SparseMoeBlock._sparsemixer_route`) routes every token to two experts
+    whatever num_experts_per_tok says (transformers' sparsemixer takes top_k and never reads it), its masks by
+    router_jitter_noise: another k (which transformers would not honour) and a jitter that is not a number of at least
+    0 refused naming the field."""
+    if k != 2:
+        raise UnsupportedModelError(f"phimoe with num_experts_per_tok {k} is not supported: Phi-3.5-MoE's sparsemixer "
+                                    "router (transformers') routes every token to 2 experts whatever it says",
+                                    "set num_experts_per_tok to 2 (Phi-3.5-MoE's config.json has 2)")
+    jitter = getattr(cfg, "router_jitter_noise", 0.0)
+    if type(jitter) not in (int, float) or not 0 <= jitter < float("inf"):
+        raise UnsupportedModelError(f"phimoe with router_jitter_noise {jitter!r} is not supported (a number of at "
+                                    "least 0: the sparsemixer's mask keeps the logits within 2 * router_jitter_noise "
+                                    "of the top one)", "use the config.json that came with the weights (Phi-3.5-MoE's "
+                                    "router_jitter_noise: 0.01)")
 
 
 def check_groups(cfg, e: int, k: int) -> None:
@@ -520,6 +543,11 @@ class SparseMoeBlock(nn.Module):
         # sigmoid (in float32, rounded to the model's dtype) scaling each token's INPUT to its experts, whose outputs
         # are summed unweighted (`forward`), and a shared expert (feed_forward.shared_expert) added unscaled
         self.llama4 = cfg.model_type == "llama4_text"
+        # Phi-3.5-MoE (transformers' PhimoeTopKRouter in eval mode): the sparsemixer's two experts, each the max of
+        # the logits (the first's left out for the second) with the softmax of those within router_jitter_noise of it
+        # (relatively) as its weight, in the model's dtype (`_sparsemixer_route`); input_jitter_noise is training's
+        self.phimoe = cfg.model_type == "phimoe"
+        self.jitter = float(getattr(cfg, "router_jitter_noise", 0.0) or 0.0) if self.phimoe else 0.0
         self.gate = _Gate(e, h, torch.float32 if self.glm or self.ernie or self.v2 or self.hunyuan else dtype,
                           bias=self.oai)
         if self.minimax:
@@ -701,6 +729,8 @@ class SparseMoeBlock(nn.Module):
             return weights / weights.sum(dim=-1, keepdim=True), ids
         if self.lfm2:
             return self._lfm2_route(x)
+        if self.phimoe:
+            return self._sparsemixer_route(x)
         if self.llama4:  # (transformers' Llama4Router: the top k logits, their sigmoid in float32)
             top, ids = torch.topk(self.gate(x), self.top_k, dim=1)
             return torch.sigmoid(top.float()).to(x.dtype), ids
@@ -738,6 +768,24 @@ class SparseMoeBlock(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
+
+    def _sparsemixer_route(self, x: torch.Tensor):
+        """Phi-3.5-MoE's routing, transformers' sparsemixer in eval mode (deterministic: no Gumbel sampling, its
+        multiplier the softmax's value itself): (weights [T, 2] in the model's dtype, experts [T, 2]). Expert 1 is the
+        top logit; its weight the softmax over the logits whose gap below it, relative to max(|logit|, top), is at
+        most 2 * router_jitter_noise (the others masked to -inf). Expert 2 is the top of the logits with expert 1's
+        masked, weighted so against that second top (the gaps still of the unmasked logits)."""
+        scores = self.gate(x)
+        weights, ids = [], []
+        masked = scores
+        for _ in range(2):
+            top, best = masked.max(dim=-1, keepdim=True)
+            factor = scores.abs().clamp(min=top)
+            gates = masked.masked_fill((top - scores) / factor > 2 * self.jitter, float("-inf"))
+            weights.append(torch.softmax(gates, dim=-1).gather(-1, best))
+            ids.append(best)
+            masked = torch.scatter(scores, -1, best, float("-inf"))
+        return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
     def _lfm2_route(self, x: torch.Tensor):
         """LFM2-MoE's routing, transformers' Lfm2MoeTopKRouter's ops: (weights [T, k] in the model's dtype, experts
@@ -966,6 +1014,8 @@ class MoeForCausalLM:
             raw = raw.reshape(-1) if raw is not None else None
         if self.config.model_type == "minimax_m2":
             key = _MINIMAX_BIAS.sub(r".\1.gate.e_score_correction_bias", key)
+        if self.config.model_type == "phimoe" and key.endswith(".mlp.router.weight"):  # (transformers 5's name of its
+            key = key.removesuffix(".router.weight") + ".gate.weight"  # router, block_sparse_moe.gate on the hub)
         if self.config.model_type == "llama4_text":  # (its router's name; its experts stored [E, H, 2I], [E, I, H])
             key, t, raw = _llama4_tensor(key, t, raw)
         shared = _SHARED_MLP.match(key) if self.config.model_type == "granitemoeshared" else None
@@ -1184,7 +1234,8 @@ _CLASS: dict[str, type] = {}
 def moe_model_class(base: str = "llama") -> type:
     """LlamaForCausalLM with the loader's routing of the experts' tensors (DecoderLayer builds a sparse layer's
     SparseMoeBlock); `base` "granite": GraniteForCausalLM's (Granite MoE: its four scalars); "hunyuan":
-    HunYuanDenseV1ForCausalLM's (Hunyuan MoE: q and k rotated, then normed, its identity table to the kernels)."""
+    HunYuanDenseV1ForCausalLM's (Hunyuan MoE: q and k rotated, then normed, its identity table to the kernels);
+    "phimoe": Starcoder2ForCausalLM's (Phi-3.5-MoE: LayerNorms with biases)."""
     if not _CLASS:
         from .llama import GraniteForCausalLM, HunYuanDenseV1ForCausalLM, LlamaForCausalLM
         _CLASS["llama"] = type("MoeForCausalLM", (MoeForCausalLM, LlamaForCausalLM), {
@@ -1195,4 +1246,9 @@ def moe_model_class(base: str = "llama") -> type:
         _CLASS["hunyuan"] = type("HunYuanMoEV1ForCausalLM", (MoeForCausalLM, HunYuanDenseV1ForCausalLM), {
             "__doc__": "Hunyuan MoE (models.moe): the dense Hunyuan's attention, every layer's MLP a SparseMoeBlock "
                        "with its shared MLP."})
+        from .llama import Starcoder2ForCausalLM
+        _CLASS["phimoe"] = type("PhimoeForCausalLM", (MoeForCausalLM, Starcoder2ForCausalLM), {
+            "__doc__": "Phi-3.5-MoE (models.moe): StarCoder2's loop of two LayerNorms with biases a layer (the norms "
+                       "add no residual), every layer's MLP a SparseMoeBlock of the sparsemixer router, a head "
+                       "bias where lm_head_bias says."})
     return _CLASS[base]

@@ -114,6 +114,10 @@ SUPPORTED = {
     # Llama4ForConditionalGeneration, models.multimodal): NoPE layers, a chunked attention and L2-normed q and k on the
     # rope layers, experts whose router scales their input and a shared expert (models.llama4)
     "Llama4ForCausalLM": "llama4_text",
+    # Microsoft's Phi-3.5-MoE (Phi-3.5-MoE-instruct: 42B, 6.6B active): LayerNorms with biases, q/k/v/o biases
+    # (attention_bias), a head bias (lm_head_bias), Phi-3's longrope (its short_mscale scaling cos and sin), 16
+    # experts on every layer routed by the sparsemixer (2 a token) (models.moe)
+    "PhimoeForCausalLM": "phimoe",
 }
 LFM2 = ("lfm2", "lfm2_moe")  # (models.lfm2)
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
@@ -709,7 +713,7 @@ def model_class(cfg):
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class({"granitemoe": "granite", "granitemoeshared": "granite",
-                                "hunyuan_v1_moe": "hunyuan"}.get(cfg.model_type, "llama"))
+                                "hunyuan_v1_moe": "hunyuan", "phimoe": "phimoe"}.get(cfg.model_type, "llama"))
     from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
                         Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, GraniteSWAForCausalLM,
                         HunYuanDenseV1ForCausalLM, LlamaForCausalLM, NemotronForCausalLM, Olmo2ForCausalLM,

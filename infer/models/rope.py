@@ -86,10 +86,14 @@ def rope_max_positions(cfg) -> int | None:
     max_position_embeddings (None: no such limit). longrope rotates with its short factors up to
     original_max_position_embeddings; once a sequence passes it, transformers rotates every position of the sequence
     with the long factors, keys already in a KV cache included, which a paged cache cannot redo: the context is
-    capped there (engine/setup.model_max_len)."""
+    capped there (engine/setup.model_max_len). Phi-3.5-MoE's transformers rotates by the short factors at every
+    length and scales cos and sin by short_mscale, by long_mscale once a forward's positions pass the original
+    context (`phimoe_mscale`): no cap where the two are equal (Phi-3.5-MoE-instruct's), that cap where not."""
     limits = []
     for layer_type in rope_layer_types(cfg):
         params = rope_parameters(cfg, layer_type)
+        if phimoe_mscale(cfg, params) is not None and params.get("short_mscale") == params.get("long_mscale"):
+            continue  # (Phi-3.5-MoE's: its short factors at every length, the same scale past the original context)
         if params.get("rope_type") == "longrope" and params.get("original_max_position_embeddings"):
             limits.append(int(params["original_max_position_embeddings"]))
     return min(limits) if limits else None
@@ -167,6 +171,24 @@ def query_scaling(cfg) -> tuple[float, int] | None:
     return float(beta), original
 
 
+def phimoe_mscale(cfg, params: dict) -> float | None:
+    """Phi-3.5-MoE's scale of cos and sin (transformers' PhimoeRotaryEmbedding: a rope other than the default's
+    frequencies, computed without the length: longrope's short factors, times short_mscale up to
+    original_max_position_embeddings, long_mscale past it, never the rope's own attention factor); None for the
+    default rope and every other family. Either mscale missing or not a number is refused naming it (transformers'
+    PhimoeConfig refuses it too)."""
+    if getattr(cfg, "model_type", None) != "phimoe" or params.get("rope_type", "default") == "default":
+        return None
+    for name in ("short_mscale", "long_mscale"):
+        value = params.get(name)
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise UnsupportedModelError(f"phimoe's {params.get('rope_type')} rope_parameters need {name} (a number "
+                                        f"scaling cos and sin), got {value!r}",
+                                        "use the config.json that came with the weights (Phi-3.5-MoE's rope_scaling "
+                                        "has short_mscale and long_mscale 1.243163121016122)")
+    return float(params["short_mscale"])
+
+
 def _inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] on the CPU, the attention scale of cos and sin) of the config's rope (of its layers
     of `layer_type`: rope_layer_types)."""
@@ -220,6 +242,8 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **(
                 {"layer_type": layer_type} if layer_type else {}))
+            mscale = phimoe_mscale(cfg, params)  # (Phi-3.5-MoE: its short_mscale, not the rope's attention factor)
+            scale = scale if mscale is None else mscale
     except (TypeError, ValueError, KeyError, ZeroDivisionError, RuntimeError) as e:  # a factor or a rope_theta "2",
         # a null field, longrope factors of another length than head_dim / 2, ...
         raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} cannot be "
