@@ -64,3 +64,107 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
         assert (model.head_bias is not None) == hf.config.lm_head_bias
         assert model.layers[0].self_attn.window == (hf.config.sliding_window or 0)
     check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+
+
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    """Phi-3.5-MoE's mscales unequal (long_mscale past the original context of 64: the context capped there),
+    no q/k/v/o biases: in chunks of 12 and with prefix caching, transformers' tokens."""
+    hf = build(tmp_path, seed=1, attention_bias=False, rope_parameters={**LONGROPE, "long_mscale": 1.5})
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert llm.engine.max_model_len == 64
+    check_chunked_prefill_and_prefix_caching(tmp_path, hf)
+
+
+def test_the_sparsemixer_equals_transformers_in_eval_mode(tmp_path):
+    """SparseMoeBlock.route of 256 tokens against transformers' PhimoeTopKRouter (eval mode) of the same weights, in
+    float32 and bfloat16: the same two experts in the same order and the same weights (the model's dtype); the masks
+    decide (the weights differ from the plain softmax's top 2, and from the jitter's masks of 0)."""
+    from infer.models.moe import SparseMoeBlock
+    hf = build(tmp_path)
+    router = hf.model.layers[0].mlp.router.eval()
+    for dtype in (torch.float32, torch.bfloat16):
+        block = SparseMoeBlock(hf.config, "model.layers.0.block_sparse_moe", lambda names: None, dtype)
+        block.gate.weight.data.copy_(router.weight)
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+        with torch.no_grad():
+            _, want_w, want_ids = router.to(dtype)(x)
+        weights, ids = block.route(x)
+        assert weights.dtype == dtype and torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+        plain = torch.softmax(x.float() @ router.weight.float().T, dim=-1).topk(2, dim=-1).values.to(dtype)
+        assert not torch.equal(weights, plain)
+        block.jitter = 0.0
+        assert not torch.equal(block.route(x)[0], want_w)
+
+
+def test_builtin_tiny_model_runs_and_warmup_sizes_it():
+    check_builtin_runs_and_warmup_sizes_it("tiny-phimoe", ARCH, False)
+
+
+@interpreted
+def test_the_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    """The GPU code path (the fused MoE of the sparsemixer's weights in float32, the LayerNorm kernels with biases,
+    the attention's biases; Triton interpreted, emulated CUDA graphs and piecewise graphs): transformers' tokens."""
+    from quant_helpers import check_gpu_path_equals_transformers
+    check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, seed=2))
+
+
+# ------------------------------------------------------------------------------------------------------- memory
+# Phi-3.5-MoE-instruct's config.json: its longrope factors (64 a head of 128) stand in by ones (their values change no
+# shape), its mscales equal (1.243163121016122)
+HUB = dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_hidden_layers=32, num_attention_heads=32,
+           num_key_value_heads=8, num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=131072,
+           sliding_window=131072, attention_bias=True, lm_head_bias=True, tie_word_embeddings=False,
+           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 64,
+                            "long_factor": [1.0] * 64, "short_mscale": 1.243163121016122,
+                            "long_mscale": 1.243163121016122, "original_max_position_embeddings": 4096})
+
+
+def test_warmup_plans_phi35_moes_shapes(tmp_path, monkeypatch):
+    """`infer warmup --estimate` of a checkpoint of Phi-3.5-MoE-instruct's shapes (no values): its 41.9 billion
+    parameters' bfloat16 bytes (the CPU's prepacked copies of the dense layers on top, under 15% more), a KV cache of
+    32 x 2 x 8 x 128 x 2 bytes a token, its context not capped at the original 4096 (the mscales equal), 8,192 tokens
+    planned for on a host of 256 GiB given 120 GB."""
+    params = hub_shaped_folder(tmp_path, "phimoe", ARCH, HUB)
+    assert 41.8e9 < params < 42.0e9, params
+    monkeypatch.setattr("infer.memory.plan.device_total", lambda device: 256 << 30)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--dtype", "bfloat16",
+                                   "--max-length", "8192", "--device", "cpu", "--memory-limit", "120GB"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    assert plan["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
+    assert 2 * params <= plan["weights_bytes"] < 2 * params * 1.15, (plan["weights_bytes"], params)
+    assert plan["max_concurrency_at_max_length"] >= 1, plan
+
+
+def test_phi35_moe_in_int4_fits_one_80_gb_gpu_with_a_long_context(tmp_path):
+    """A 4-bit GPTQ checkpoint of Phi-3.5-MoE's shapes (groups of 128, GPTQModel's layout: each expert's w1, w3, w2
+    apart; no values): the weights a GPU holds (the experts int4, about 0.53 bytes a parameter) with the KV cache of
+    131,072 tokens (its whole context) fit one 80 GB GPU with a tenth to spare."""
+    from infer.memory.checkpoint import checkpoint_load_bytes
+    from infer.memory.sizes import kv_bytes_per_token
+    from infer.models.loader import load_config
+    params = hub_shaped_folder(tmp_path, "phimoe", ARCH, HUB, gptq_group=128)
+    cfg = load_config(tmp_path)
+    weights = checkpoint_load_bytes(tmp_path, cfg, torch.bfloat16, torch.device("cuda"))
+    assert 0.5 * params < weights < 0.56 * params, (weights, params)
+    assert weights + 131072 * kv_bytes_per_token(cfg, torch.bfloat16) < 0.9 * 80e9
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+REFUSED = {  # config -> words of the refusal
+    "top-1": (dict(num_experts_per_tok=1), "phimoe with num_experts_per_tok 1 is not supported: Phi-3.5-MoE's "
+                                           "sparsemixer router (transformers') routes every token to 2 experts"),
+    "top-4": (dict(num_experts_per_tok=4), "phimoe with num_experts_per_tok 4 is not supported"),
+    "jitter-negative": (dict(router_jitter_noise=-0.1), "phimoe with router_jitter_noise -0.1 is not supported"),
+    "jitter-inf": (dict(router_jitter_noise=float("inf")), "phimoe with router_jitter_noise inf is not supported"),
+    "mscale-inf": (dict(rope_parameters={**LONGROPE, "long_mscale": float("inf")}),
+                   "phimoe's longrope rope_parameters need long_mscale (a number scaling cos and sin), got inf"),
+    "act": (dict(hidden_act="gelu"), "gelu"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_infer_cannot_run_is_refused_up_front_naming_the_field(tmp_path, name):
+    config, words = REFUSED[name]
+    text = estimate_refusal(tmp_path, "phimoe", ARCH, **{**SMALL, **config})
+    assert words in text, text

@@ -313,6 +313,15 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         attention_in_multiplier=1.0, attention_out_multiplier=0.9375, ssm_in_multiplier=1.25,
         ssm_out_multiplier=0.2357, ssm_multipliers=[0.3535, 0.25, 0.3535, 0.5, 0.3535],
         mlp_multipliers=[0.8838, 0.5859])),
+    # Phi-3.5-MoE (Phi-3.5-MoE-instruct's shape, shrunk): LayerNorms with biases, q/k/v/o and head biases, longrope
+    # (factors for heads of 16, its mscales equal as the hub's), 8 experts of 32 on every layer (the sparsemixer's 2)
+    "tiny-phimoe": TinySpec("phimoe", 43, config=dict(
+        _TINY, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, attention_bias=True,
+        lm_head_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [1.5 + 0.5 * i for i in range(8)], "short_mscale": 1.243163121016122,
+                         "long_mscale": 1.243163121016122, "original_max_position_embeddings": 1024})),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
