@@ -168,3 +168,45 @@ def test_what_infer_cannot_run_is_refused_up_front_naming_the_field(tmp_path, na
     config, words = REFUSED[name]
     text = estimate_refusal(tmp_path, "phimoe", ARCH, **{**SMALL, **config})
     assert words in text, text
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# the attention and the stacked experts (peft's target_parameters: peft has no conversion of Phi-3.5-MoE's target
+# modules w1, w3, w2 of transformers 4, which name no module of transformers 5's PhimoeExperts)
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=EXPERTS),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], target_parameters=EXPERTS)}
+
+
+@pytest.fixture(scope="module")
+def phimoe_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on a Phi-3.5-MoE."""
+    from lora_helpers import base_and_adapters
+    return base_and_adapters(tmp_path_factory.mktemp("phimoe_lora"), ADAPTERS, build)
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(phimoe_lora):
+    """Adapters of the attention (its biases kept) and the stacked experts, each alone and mixed with the base in one
+    batch: peft's tokens."""
+    from lora_helpers import check_all8_qv4_equal_peft
+    check_all8_qv4_equal_peft(*phimoe_lora)
+
+
+@pytest.mark.parametrize("module, width, words", [
+    ("layers.1.mlp.router", (4, 64, 8), "not its router (gate)"),
+    ("layers.1.block_sparse_moe.gate", (4, 64, 8), "not its router (gate)")])
+def test_an_adapter_of_the_router_is_refused_naming_it(phimoe_lora, tmp_path, module, width, words):
+    """Weights on the router (transformers 5's mlp.router, a Linear peft adapts where target_modules names it; the
+    hub's block_sparse_moe.gate): refused naming the module, by `infer lora validate`'s checks and at load."""
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    from lora_helpers import adapter_with_module
+    base, _, paths = phimoe_lora
+    folder = adapter_with_module(paths["qv4"], tmp_path / "a", module, *width)
+    problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+    assert any(words in p.message and module in p.message for p in problems), problems
+    with pytest.raises(LoRAError, match=module.rpartition(".")[2]):
+        LLM(str(base), loras={"x": str(folder)})
