@@ -20,6 +20,7 @@ from infer.cli.main import app
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
                      check_greedy_and_logprobs_equal_transformers, estimate_refusal, greedy_each, hub_shaped_folder,
                      norms_shifted_biases_drawn, random_prompts, save_random_model)
+from quant_helpers import needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "PhimoeForCausalLM"
@@ -100,12 +101,6 @@ def test_builtin_tiny_model_runs_and_warmup_sizes_it():
     check_builtin_runs_and_warmup_sizes_it("tiny-phimoe", ARCH, False)
 
 
-@interpreted
-def test_the_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
-    """The GPU code path (the fused MoE of the sparsemixer's weights in float32, the LayerNorm kernels with biases,
-    the attention's biases; Triton interpreted, emulated CUDA graphs and piecewise graphs): transformers' tokens."""
-    from quant_helpers import check_gpu_path_equals_transformers
-    check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, seed=2))
 
 
 # ------------------------------------------------------------------------------------------------------- memory
@@ -210,3 +205,73 @@ def test_an_adapter_of_the_router_is_refused_naming_it(phimoe_lora, tmp_path, mo
     assert any(words in p.message and module in p.message for p in problems), problems
     with pytest.raises(LoRAError, match=module.rpartition(".")[2]):
         LLM(str(base), loras={"x": str(folder)})
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@pytest.fixture(scope="module")
+def rtn_pair(tmp_path_factory):
+    """(a float Phi-3.5-MoE folder, a GPTQ checkpoint of it in GPTQModel's layout: the attention and each expert's w1,
+    w3 and w2 4-bit by round to nearest, apart under block_sparse_moe; the router, norms and head float)."""
+    from quant_helpers import rtn_gptq_pair
+    return rtn_gptq_pair(tmp_path_factory.mktemp("phimoe_rtn"), lambda folder: build(folder, seed=3))
+
+
+def test_a_gptq_checkpoint_equals_transformers_on_its_dequantized_weights(rtn_pair):
+    """infer's CPU path (the experts dequantized at load) gives transformers' greedy tokens of the same weights
+    dequantized, varied; warmup --estimate counts its weights as loaded."""
+    from quant_helpers import check_gptq_moe_equals_dequantized
+    check_gptq_moe_equals_dequantized(*rtn_pair, lambda layer: layer.self_attn.qkv_proj)
+
+
+@interpreted
+def test_the_gpu_code_path_interpreted_equals_transformers(rtn_pair, monkeypatch):
+    """The GPU code path of the GPTQ checkpoint (the experts int4 through the fused MoE kernel with the sparsemixer's
+    weights, the attention's int4 kernels with their biases, the LayerNorm kernels with biases, the head's bias;
+    Triton interpreted, emulated CUDA graphs and piecewise graphs): transformers' tokens of the dequantized weights."""
+    from quant_helpers import check_gpu_path_equals_transformers, dequantized_float_model
+    hf = dequantized_float_model(*rtn_pair)
+    hf.generation_config.eos_token_id = None
+    check_gpu_path_equals_transformers(rtn_pair[1], monkeypatch, hf)
+
+
+@pytest.fixture(scope="module")
+def gptq_phimoe(tmp_path_factory):
+    """`infer quantize tiny-phimoe` (GPTQModel 7.6's phimoe definition): its output folder."""
+    from quant_helpers import infer_quantize
+    return infer_quantize("tiny-phimoe", tmp_path_factory.mktemp("gq") / "q")
+
+
+@needs_gptqmodel
+def test_infer_quantize_writes_phi35_moes_names_and_equals_gptqmodels_load(gptq_phimoe, tmp_path):
+    """`infer quantize` of tiny-phimoe through GPTQModel quantizes the attention and each expert's projections, the
+    router float; GPTQModel saves them under transformers 5's names (mlp.experts.N.gate_proj, up_proj, down_proj;
+    mlp.router), which infer writes as Phi-3.5-MoE's own checkpoints name them (block_sparse_moe.experts.N.w1, w3, w2;
+    block_sparse_moe.gate), the same tensors. GPTQModel.load reads only its own names: the checkpoint renamed back
+    loads there with infer's greedy tokens; warmup --estimate counts its weights as loaded."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from helpers import estimated_plan, greedy_tokens
+    from infer.memory.sizes import weights_bytes
+    from quant_helpers import gptqmodel_greedy
+    state = load_file(gptq_phimoe / "model.safetensors")
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "block_sparse_moe.experts.7.w2",
+                 "block_sparse_moe.experts.3.w3"):
+        assert f"model.layers.1.{name}.qweight" in state, name
+    assert state["model.layers.1.block_sparse_moe.gate.weight"].is_floating_point()
+    assert not [k for k in state if ".mlp." in k]
+    back = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    shutil.copytree(gptq_phimoe, tmp_path / "g")
+    save_file({re.sub(r"\.block_sparse_moe\.experts\.(\d+)\.(w\d)\.", lambda m: f".mlp.experts.{m[1]}.{back[m[2]]}.",
+                      k).replace(".block_sparse_moe.gate.", ".mlp.router."): v for k, v in state.items()},
+              str(tmp_path / "g" / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts(512, (6, 15), seed=11)
+    plan = estimated_plan(str(gptq_phimoe), "--dtype", "float32")
+    with LLM(str(gptq_phimoe), block_size=4, dtype="float32") as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        got = greedy_tokens(llm, prompts, 6)
+    assert got == gptqmodel_greedy(tmp_path / "g", prompts, 6, every_float=True)
+    with LLM("tiny-phimoe", block_size=4) as llm:
+        assert got != greedy_tokens(llm, prompts, 6)  # (the int4 weights change the tokens)

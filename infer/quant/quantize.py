@@ -862,7 +862,7 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -899,7 +899,8 @@ def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     if all(mixtral_name(k) == k for k in state):
         return []
     _write_tensors(out, {mixtral_name(k): v for k, v in state.items()}, opts)
-    return [MIXTRAL_NOTE] if config.get("model_type") == "mixtral" else []
+    return [MIXTRAL_NOTE] if config.get("model_type") == "mixtral" else \
+        [PHIMOE_NOTE] if config.get("model_type") == "phimoe" else []
 
 
 def mixtral_name(key: str) -> str:
@@ -926,7 +927,29 @@ def lfm2_moe_name(key: str) -> str:
     return key if m is None else m.group(1) + MIXTRAL_NAMES[m.group(2)] + key[m.end():]
 
 
-_EXPERT_NAMES = {"mixtral": mixtral_name, "lfm2_moe": lfm2_moe_name}
+# a Phi-3.5-MoE's router and experts as GPTQModel saves them (transformers 5's names: mlp.router, the defused
+# mlp.experts.N.gate_proj, up_proj, down_proj); Phi-3.5-MoE's own checkpoints, vLLM and infer name them
+# block_sparse_moe.gate and block_sparse_moe.experts.N.w1, w3, w2
+_GPTQMODEL_PHIMOE = re.compile(r"^(model\.layers\.\d+\.)?mlp\."
+                               r"(?:(router)|experts\.(\d+)\.(gate_proj|up_proj|down_proj))(?=\.|$)")
+PHIMOE_NOTE = ("this Phi-3.5-MoE checkpoint names its experts block_sparse_moe.experts.N.w1, w3, w2 (its router "
+               "block_sparse_moe.gate), as Phi-3.5-MoE's own checkpoints do and vLLM and infer read them; "
+               "GPTQModel.load reads only its own names (mlp.experts.N.gate_proj, up_proj, down_proj; mlp.router) and "
+               "refuses it")
+
+
+def phimoe_name(key: str) -> str:
+    """GPTQModel's name of a Phi-3.5-MoE tensor (model.layers.N.mlp.experts.E.gate_proj.qweight, mlp.router.weight)
+    or of a module its report rows name, as Phi-3.5-MoE names it (block_sparse_moe.experts.E.w1,
+    block_sparse_moe.gate); any other unchanged."""
+    m = _GPTQMODEL_PHIMOE.match(key)
+    if m is None or (m.group(1) is None and m.end() != len(key)):
+        return key
+    module = "gate" if m.group(2) else f"experts.{m.group(3)}.{MIXTRAL_NAMES[m.group(4)]}"
+    return f"{m.group(1) or ''}block_sparse_moe.{module}" + key[m.end():]
+
+
+_EXPERT_NAMES = {"mixtral": mixtral_name, "lfm2_moe": lfm2_moe_name, "phimoe": phimoe_name}
 
 
 def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path | None = None) -> list[str]:
@@ -937,8 +960,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     if model_type not in MOE_TYPES:
         return []
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
-            "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE"}[model_type]
-    own = model_type in ("mixtral", "lfm2_moe")  # (their experts renamed: GPTQModel.load reads its own names alone)
+            "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE"}[model_type]
+    own = model_type in ("mixtral", "lfm2_moe", "phimoe")  # (their experts renamed: GPTQModel.load reads its own names alone)
     notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if own else ", GPTQModel.load")]
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
