@@ -961,7 +961,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
         return []
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE"}[model_type]
-    own = model_type in ("mixtral", "lfm2_moe", "phimoe")  # (their experts renamed: GPTQModel.load reads its own names alone)
+    # (their experts renamed: GPTQModel.load reads its own names alone)
+    own = model_type in ("mixtral", "lfm2_moe", "phimoe")
     notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if own else ", GPTQModel.load")]
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
