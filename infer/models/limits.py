@@ -11,7 +11,7 @@ from .rope import rope_max_positions
 # cache keeps only the last sliding_window keys (cache_utils.get_layer_types_and_kwargs: a config with the key and no
 # layer_types): a stray sliding_window in their config.json (a fine-tune's tooling) caps the context, never slides
 WINDOW_IGNORED = ("llama", "granite", "olmo2", "glm", "glm4", "gemma", "seed_oss", "ernie4_5", "ernie4_5_moe", "arcee",
-                  "nemotron", "apertus", "internlm3", "helium", *HUNYUAN, "minimax_m2")
+                  "nemotron", "apertus", "internlm3", "helium", *HUNYUAN, "minimax_m2", "flex_olmo")
 
 
 def sliding_window(model_config) -> int | None:
@@ -24,7 +24,8 @@ def sliding_window(model_config) -> int | None:
     window = getattr(model_config, "sliding_window", None)
     if not window:
         return None
-    if getattr(model_config, "model_type", None) in ("mistral", *WINDOW_IGNORED, "phi3", "mixtral", "qwen3_moe"):
+    if getattr(model_config, "model_type", None) in ("mistral", *WINDOW_IGNORED, "phi3", "mixtral", "qwen3_moe",
+                                                     "phimoe"):
         return int(window)
     types = getattr(model_config, "layer_types", None)
     if types is not None:

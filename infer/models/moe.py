@@ -107,12 +107,13 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2", "gpt_o
         "llama4_text": "llama4_text",  # (Llama 4: its own attention and layers, models.llama4; experts on moe_layers)
         # (Phi-3.5-MoE: Llama's attention with q/k/v/o biases where attention_bias says, StarCoder2's LayerNorms with
         # biases, Mixtral's layer of experts with the sparsemixer router: `SparseMoeBlock._sparsemixer_route`)
-        "phimoe": "phimoe"}
+        "phimoe": "phimoe",
+        "flex_olmo": "olmo2"}  # (FlexOlmo: OLMo 2's attention and layer of norms after, OLMoE's experts)
 # Granite MoE's and GraniteMoeShared's (Granite MoE with a dense shared MLP beside the experts: layers.N.shared_mlp)
 GRANITE_MOE = ("granitemoe", "granitemoeshared")
 # the families whose every decoder layer is sparse, its experts intermediate_size wide (Granite MoE's too)
 _ALL_SPARSE = ("mixtral", "gpt_oss", "olmoe", *GRANITE_MOE, "granitemoehybrid", "minimax_m2", "hunyuan_v1_moe",
-               "phimoe")
+               "phimoe", "flex_olmo")
 # Granite MoE's router and the hub's names of its experts (Granite 4.0's too: models.granite4)
 _GRANITE_ROUTER = (*GRANITE_MOE, "granitemoehybrid")
 # the families of GLM-4.5's router (sigmoid scores, e_score_correction_bias, group-limited top k, routed scaling:
@@ -1235,7 +1236,8 @@ def moe_model_class(base: str = "llama") -> type:
     """LlamaForCausalLM with the loader's routing of the experts' tensors (DecoderLayer builds a sparse layer's
     SparseMoeBlock); `base` "granite": GraniteForCausalLM's (Granite MoE: its four scalars); "hunyuan":
     HunYuanDenseV1ForCausalLM's (Hunyuan MoE: q and k rotated, then normed, its identity table to the kernels);
-    "phimoe": Starcoder2ForCausalLM's (Phi-3.5-MoE: LayerNorms with biases)."""
+    "phimoe": Starcoder2ForCausalLM's (Phi-3.5-MoE: LayerNorms with biases); "olmo2": Olmo2ForCausalLM's (FlexOlmo:
+    the norms after the attention and the MLP)."""
     if not _CLASS:
         from .llama import GraniteForCausalLM, HunYuanDenseV1ForCausalLM, LlamaForCausalLM
         _CLASS["llama"] = type("MoeForCausalLM", (MoeForCausalLM, LlamaForCausalLM), {
@@ -1246,7 +1248,10 @@ def moe_model_class(base: str = "llama") -> type:
         _CLASS["hunyuan"] = type("HunYuanMoEV1ForCausalLM", (MoeForCausalLM, HunYuanDenseV1ForCausalLM), {
             "__doc__": "Hunyuan MoE (models.moe): the dense Hunyuan's attention, every layer's MLP a SparseMoeBlock "
                        "with its shared MLP."})
-        from .llama import Starcoder2ForCausalLM
+        from .llama import Olmo2ForCausalLM, Starcoder2ForCausalLM
+        _CLASS["olmo2"] = type("FlexOlmoForCausalLM", (MoeForCausalLM, Olmo2ForCausalLM), {
+            "__doc__": "FlexOlmo (models.moe): OLMo 2's loop (the attention's and the MLP's outputs normed before the "
+                       "residual adds them, no norm before), every layer's MLP a SparseMoeBlock (OLMoE's)."})
         _CLASS["phimoe"] = type("PhimoeForCausalLM", (MoeForCausalLM, Starcoder2ForCausalLM), {
             "__doc__": "Phi-3.5-MoE (models.moe): StarCoder2's loop of two LayerNorms with biases a layer (the norms "
                        "add no residual), every layer's MLP a SparseMoeBlock of the sparsemixer router, a head "

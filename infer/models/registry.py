@@ -118,6 +118,9 @@ SUPPORTED = {
     # (attention_bias), a head bias (lm_head_bias), Phi-3's longrope (its short_mscale scaling cos and sin), 16
     # experts on every layer routed by the sparsemixer (2 a token) (models.moe)
     "PhimoeForCausalLM": "phimoe",
+    # AllenAI's FlexOlmo (FlexOlmo-7x7B-1T): OLMo 2's layers (norms after the attention and the MLP, q and k normed
+    # over their whole projections) with OLMoE's experts on every layer (models.moe)
+    "FlexOlmoForCausalLM": "flex_olmo",
 }
 LFM2 = ("lfm2", "lfm2_moe")  # (models.lfm2)
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
@@ -133,17 +136,17 @@ GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
 # and down_proj add no residual): Gemma 2's and 3's, and OLMo 2's and 3's (those two norms only: no input norms)
 OLMO = ("olmo2", "olmo3")  # OLMo 3: OLMo 2's layers, sliding windows on the layers layer_types names
 # GLM-4's (GLM-4-0414, GLM-Z1) too: its post_self_attn_layernorm and post_mlp_layernorm
-POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4", "exaone4")
+POST_NORMS = (*GEMMA_FOUR_NORMS, *OLMO, "glm4", "exaone4", "flex_olmo")
 # the families whose layers norm the attention's and the MLP's outputs only (no input norms): OLMo 2's and 3's, and
 # LG's EXAONE 4 (Exaone4ForCausalLM: OLMo 2's layer with q and k normed per head, Llama's RMSNorm, sliding windows on
 # the layers layer_types names and no rotary on the others where sliding_window is set)
-POST_ONLY = (*OLMO, "exaone4")
+POST_ONLY = (*OLMO, "exaone4", "flex_olmo")  # (FlexOlmo: OLMo 2's layer with OLMoE's experts, models.moe)
 # GLM-4's attention and MLP: q, k and v biases (attention_bias) and none on o, a partial rotary of interleaved pairs,
 # gate|up stored as one mlp.gate_up_proj; the first GLM-4 (GlmForCausalLM: glm-4-9b-chat-hf, model_type glm) has
 # them in Llama's layer of two norms, GLM-4-0414 (Glm4ForCausalLM) in a layer of four
 GLM = ("glm", "glm4")
 # the families whose RMSNorm weights the normed row in float32 and rounds once: OLMo 2's and 3's, gpt-oss's, Helium's
-FLOAT_NORMS = (*OLMO, "gpt_oss", "helium")
+FLOAT_NORMS = (*OLMO, "gpt_oss", "helium", "flex_olmo")
 # Cohere's Command R and R+ (CohereForCausalLM) and Command R7B and A (Cohere2ForCausalLM): one LayerNorm (no bias)
 # a layer whose output both the attention and the MLP read (their outputs added to the residual together), the
 # logits scaled by logit_scale, a rotary of interleaved pairs; Command R+'s q and k LayerNorms per head (use_qk_norm);
@@ -713,7 +716,8 @@ def model_class(cfg):
     from .moe import is_moe, moe_model_class
     if is_moe(cfg):
         return moe_model_class({"granitemoe": "granite", "granitemoeshared": "granite",
-                                "hunyuan_v1_moe": "hunyuan", "phimoe": "phimoe"}.get(cfg.model_type, "llama"))
+                                "hunyuan_v1_moe": "hunyuan", "phimoe": "phimoe",
+                                "flex_olmo": "olmo2"}.get(cfg.model_type, "llama"))
     from .llama import (ApertusForCausalLM, ArceeForCausalLM, CohereForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM,
                         Gemma3ForCausalLM, GemmaForCausalLM, Glm4ForCausalLM, GraniteForCausalLM, GraniteSWAForCausalLM,
                         HunYuanDenseV1ForCausalLM, LlamaForCausalLM, NemotronForCausalLM, Olmo2ForCausalLM,

@@ -285,7 +285,8 @@ def _shown(params: dict) -> dict:
 # cos and sin (computed in float32) to the model's dtype and rotate in it, each product and sum rounded to bfloat16;
 # OLMo 2's, OLMo 3's and ERNIE 4.5's keep them in float32 and rotate in float32, rounding once; Cohere's cast them and
 # rotate in float32 (q.float()), rounding once
-ROPE_IN_FLOAT32 = ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe", "llama4_text")  # (Llama 4's complex rotary)
+ROPE_IN_FLOAT32 = ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe", "llama4_text",  # (Llama 4's complex rotary)
+                   "flex_olmo")  # (FlexOlmo's: OLMo 2's)
 ROPE_CAST_ROTATED_IN_FLOAT32 = ("cohere", "cohere2")
 
 

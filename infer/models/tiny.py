@@ -322,6 +322,10 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                          "short_factor": [1.0 + 0.1 * i for i in range(8)],
                          "long_factor": [1.5 + 0.5 * i for i in range(8)], "short_mscale": 1.243163121016122,
                          "long_mscale": 1.243163121016122, "original_max_position_embeddings": 1024})),
+    # FlexOlmo (FlexOlmo-7x7B-1T's shape, shrunk): OLMo 2's layers (norms after the attention and the MLP, q and k
+    # normed whole) with 7 experts of 32 on every layer (top 3 of a float32 softmax, not renormalised)
+    "tiny-flex-olmo": TinySpec("flex_olmo", 44, config=dict(
+        _TINY, intermediate_size=32, num_experts=7, num_experts_per_tok=3, tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),

