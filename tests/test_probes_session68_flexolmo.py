@@ -16,6 +16,7 @@ from infer import LLM
 from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefill_and_prefix_caching,
                      check_greedy_and_logprobs_equal_transformers, check_stray_sliding_window, estimate_refusal,
                      norms_shifted_biases_drawn, save_random_model)
+from quant_helpers import needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "FlexOlmoForCausalLM"
@@ -89,3 +90,37 @@ def test_what_infer_cannot_run_is_refused_up_front_naming_the_field(tmp_path, na
     config, words = REFUSED[name]
     text = estimate_refusal(tmp_path, "flex_olmo", ARCH, **{**SMALL, **config})
     assert words in text, text
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+@needs_gptqmodel
+def test_infer_quantize_equals_gptqmodels_load_through_its_olmoe_definition(tmp_path):
+    """GPTQModel 7.6 has no FlexOlmo definition (it took one for OLMo 2 and failed after loading: "layer module item
+    `mlp.down_proj` not found"): `infer quantize` of tiny-flex-olmo runs GPTQModel's OLMoE definition given
+    FlexOlmo's norms (quantize._flex_olmo_view), which quantizes the attention and each expert (the router float;
+    every token's 3 experts calibrated); infer gives GPTQModel's load's greedy tokens (under that definition too: its
+    own load leaves the experts unread, which the notes say); warmup --estimate counts its weights as loaded."""
+    import pandas as pd
+    from safetensors.torch import load_file
+
+    from helpers import estimated_plan, greedy_tokens, random_prompts
+    from infer.memory.sizes import weights_bytes
+    from infer.quant.quantize import _flex_olmo_view
+    from quant_helpers import gptqmodel_greedy, infer_quantize
+    out = infer_quantize("tiny-flex-olmo", tmp_path / "q")
+    state = load_file(out / "model.safetensors")
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.experts.6.down_proj", "mlp.experts.2.up_proj"):
+        assert f"model.layers.1.{name}.qweight" in state, name
+    assert state["model.layers.1.mlp.gate.weight"].is_floating_point()
+    report = pd.read_csv(out / "quantization_report.csv")
+    gates = report[report["module"].str.endswith("gate_proj") & (report["layer"] == 0)]
+    assert gates["samples"].sum() == 3 * 256  # (8 samples of 32 tokens, each routed to 3 experts)
+    prompts = random_prompts(512, (6, 15), seed=11)
+    plan = estimated_plan(str(out), "--dtype", "float32")
+    with LLM(str(out), block_size=4, dtype="float32") as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        got = greedy_tokens(llm, prompts, 6)
+    with _flex_olmo_view(out):
+        assert got == gptqmodel_greedy(out, prompts, 6, every_float=True)
+    with LLM("tiny-flex-olmo", block_size=4) as llm:
+        assert got != greedy_tokens(llm, prompts, 6)  # (the int4 weights change the tokens)

@@ -605,7 +605,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
     try:
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
-        with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src):
+        with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -707,6 +707,43 @@ def _falcon_h1_view(src: Path):
         yield
     finally:
         auto.MODEL_MAP["falcon_h1"] = base
+
+
+FLEX_OLMO_NOTE = ("GPTQModel 7.6 has no FlexOlmo definition: infer quantized it through GPTQModel's OLMoE definition "
+                  "given FlexOlmo's norms, but GPTQModel.load of this checkpoint, without that definition, leaves "
+                  "the experts unread (its tokens all 0); infer reads it")
+# FlexOlmo's modules as transformers 5 names them: OLMo 2's layer (no input norm; norms after the attention and the
+# MLP; q and k normed whole) with OLMoE's experts (GPTQModel's defuser splits them into gate_proj, up_proj, down_proj)
+_FLEX_OLMO_TREE = ["model", "layers", "#", {
+    "self_attn": ("q_proj:0", "k_proj:0", "v_proj:0", "o_proj:1", "q_norm:!", "k_norm:!"),
+    "post_attention_layernorm": ("post_attention_layernorm:!",),
+    "mlp:moe": {"gate": ("gate:!",), "experts": {"#": ("gate_proj:0", "up_proj:0", "down_proj:1")}},
+    "post_feedforward_layernorm": ("post_feedforward_layernorm:!",)}]
+
+
+@contextlib.contextmanager
+def _flex_olmo_view(src: Path):
+    """GPTQModel 7.6 has no FlexOlmo definition (it took a FlexOlmo for OLMo 2 and failed: "layer module item
+    `mlp.down_proj` not found"): while a FlexOlmoForCausalLM is quantized, its OLMoE definition (the same experts,
+    router and attention) given FlexOlmo's layer of norms (_FLEX_OLMO_TREE); any other model's as it is."""
+    if read_config_json(src).get("model_type") != "flex_olmo":
+        yield
+        return
+    from gptqmodel.models import auto
+    before = auto.MODEL_MAP.get("flex_olmo")
+    listed = "flex_olmo" in auto.SUPPORTED_MODELS  # (its lookup: a model_type not listed gets its BaseQModel)
+    auto.MODEL_MAP["flex_olmo"] = type("FlexOlmoGPTQ", (auto.MODEL_MAP["olmoe"],), {"module_tree": _FLEX_OLMO_TREE})
+    if not listed:
+        auto.SUPPORTED_MODELS.append("flex_olmo")
+    try:
+        yield
+    finally:
+        if not listed:
+            auto.SUPPORTED_MODELS.remove("flex_olmo")
+        if before is None:
+            del auto.MODEL_MAP["flex_olmo"]
+        else:
+            auto.MODEL_MAP["flex_olmo"] = before
 
 
 def source_half_dtype(src: Path):
@@ -862,7 +899,7 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -960,10 +997,13 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     if model_type not in MOE_TYPES:
         return []
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
-            "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE"}[model_type]
+            "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
+            "flex_olmo": "FlexOlmo"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone)
-    own = model_type in ("mixtral", "lfm2_moe", "phimoe")
+    own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
     notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if own else ", GPTQModel.load")]
+    if model_type == "flex_olmo":
+        notes.append(FLEX_OLMO_NOTE)
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
     if rows:
