@@ -124,3 +124,92 @@ def test_infer_quantize_equals_gptqmodels_load_through_its_olmoe_definition(tmp_
         assert got == gptqmodel_greedy(out, prompts, 6, every_float=True)
     with LLM("tiny-flex-olmo", block_size=4) as llm:
         assert got != greedy_tokens(llm, prompts, 6)  # (the int4 weights change the tokens)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+# the attention and the experts: through target_modules gate_proj, up_proj, down_proj, which peft (on transformers 5)
+# turns into the experts' parameters (FlexOlmo: qwen2_moe's conversion; gate and up one gate_up_proj of rank 2r), or
+# peft's target_parameters of the names that conversion gives (peft mixes adapters of one set of parameters only)
+ADAPTERS = {"all8": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"]),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                        target_parameters=["gate_up_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module")
+def flex_lora(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on a FlexOlmo."""
+    from lora_helpers import base_and_adapters
+    return base_and_adapters(tmp_path_factory.mktemp("flex_olmo_lora"), ADAPTERS, build)
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(flex_lora):
+    """Adapters of the attention (its q and k norms over the adapted projections) and the stacked experts, each alone
+    and mixed with the base in one batch: peft's tokens."""
+    from helpers import random_prompts
+    from lora_helpers import check_mixed_adapters_equal_peft
+    check_mixed_adapters_equal_peft(*flex_lora, random_prompts(512, (5, 9, 7), seed=6), ["all8", None, "qv4"], n=4)
+
+
+def test_an_adapter_of_the_router_is_refused_naming_it(flex_lora, tmp_path):
+    """Weights on the router (mlp.gate): refused naming the module, by `infer lora validate`'s checks and at load."""
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    from lora_helpers import adapter_with_module
+    base, _, paths = flex_lora
+    module = "layers.1.mlp.gate"
+    folder = adapter_with_module(paths["qv4"], tmp_path / "a", module, 4, 64, 7)
+    problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+    assert any("not its router (gate)" in p.message and module in p.message for p in problems), problems
+    with pytest.raises(LoRAError, match="gate"):
+        LLM(str(base), loras={"x": str(folder)})
+
+
+def test_an_adapter_config_naming_the_experts_gate_proj_up_proj_down_proj_is_accepted(flex_lora, tmp_path):
+    """An adapter_config.json naming FlexOlmo's experts by transformers 4's target_modules gate_proj, up_proj and
+    down_proj (peft turns them into the stacked parameters: its qwen2_moe conversion) passes infer's checks and gives
+    the tokens of the same adapter saved with target_parameters."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from helpers import greedy_tokens, random_prompts
+    from infer.lora.adapter import adapter_problems
+    base, _, paths = flex_lora
+    folder = tmp_path / "v4"
+    shutil.copytree(paths["qv4"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_modules"] = sorted(config["target_modules"]) + ["gate_proj", "up_proj", "down_proj"]
+    config.pop("target_parameters")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_problems("v4", folder, AutoConfig.from_pretrained(base)) == []
+    prompts = random_prompts(512, (6, 9), seed=2)
+    with LLM(str(base), loras={"qv4": str(paths["qv4"]), "v4": str(folder)}) as llm:
+        assert greedy_tokens(llm, prompts, 5, lora=["v4", "v4"]) == greedy_tokens(llm, prompts, 5, lora=["qv4", "qv4"])
+
+
+def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(flex_lora, tmp_path):
+    """An adapter of the attention whose adapter_config.json lost target_modules: peft has no default for FlexOlmo
+    and refuses it (its MoE conversion: "No `target_modules` passed but also no `target_parameters`"), and so does
+    infer, naming the family."""
+    import json
+    import shutil
+
+    from peft import PeftModel
+
+    from infer.errors import LoRAError
+    from lora_helpers import hf_float, save_adapter
+    base, hf, _ = flex_lora
+    adapter = save_adapter(hf, tmp_path / "qv", 5, r=4, lora_alpha=4, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj"])
+    path = shutil.copytree(adapter, tmp_path / "a")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["target_modules"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="No `target_modules` passed"):
+        PeftModel.from_pretrained(hf_float(base), str(path))
+    with pytest.raises(LoRAError, match="peft has no default for a flex_olmo base"):
+        LLM(str(base), loras={"a": str(path)})

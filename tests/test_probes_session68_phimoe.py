@@ -275,3 +275,13 @@ def test_infer_quantize_writes_phi35_moes_names_and_equals_gptqmodels_load(gptq_
     assert got == gptqmodel_greedy(tmp_path / "g", prompts, 6, every_float=True)
     with LLM("tiny-phimoe", block_size=4) as llm:
         assert got != greedy_tokens(llm, prompts, 6)  # (the int4 weights change the tokens)
+
+
+def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(phimoe_lora, tmp_path):
+    """An adapter of the attention whose adapter_config.json lost target_modules: peft has no default for the family
+    and refuses it, and so does infer, naming the family."""
+    from lora_helpers import check_no_target_modules_refused_as_peft, save_adapter
+    base, hf, _ = phimoe_lora
+    adapter = save_adapter(hf, tmp_path / "qv", 5, r=4, lora_alpha=4, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj"])
+    check_no_target_modules_refused_as_peft(base, adapter, tmp_path / "a", "phimoe")

@@ -109,7 +109,8 @@ V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtra
                      "glm4_moe_lite": ("gate_proj", "up_proj", "down_proj"),
                      # (peft reads dots.llm1 as Qwen2-MoE, MiniMax-M2 as Mixtral: transformers' conversion patterns)
                      "dots1": ("gate_proj", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2"),
-                     "hunyuan_v1_moe": ("gate_proj", "up_proj", "down_proj")}
+                     "hunyuan_v1_moe": ("gate_proj", "up_proj", "down_proj"),
+                     "flex_olmo": ("gate_proj", "up_proj", "down_proj")}  # (FlexOlmo: as Qwen2-MoE too)
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
@@ -128,6 +129,7 @@ PEFT_NO_DEFAULT += ("ministral3", *WRAPPERS.values())
 PEFT_NO_DEFAULT += ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")  # (nor DeepSeek's, GLM-4.7-Flash's)
 PEFT_NO_DEFAULT += ("dots1", "minimax_m2")  # (nor dots.llm1's, MiniMax-M2's)
 PEFT_NO_DEFAULT += ("hunyuan_v1_moe",)  # (nor Hunyuan MoE's)
+PEFT_NO_DEFAULT += ("phimoe", "flex_olmo")  # (nor Phi-3.5-MoE's, FlexOlmo's)
 PEFT_NO_DEFAULT += LFM2  # (nor LFM2's, LFM2-MoE's)
 PEFT_NO_DEFAULT += ("falcon_h1",)  # (nor Falcon-H1's)
 _NO_TARGETS = "no target_modules, so peft adapts only its default"
