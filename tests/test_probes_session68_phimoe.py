@@ -97,6 +97,21 @@ def test_the_sparsemixer_equals_transformers_in_eval_mode(tmp_path):
         assert not torch.equal(block.route(x)[0], want_w)
 
 
+def test_transformers_5s_own_names_load_too(tmp_path):
+    """A state dict saved as transformers 5 holds it (mlp.router, the stacked mlp.experts.gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I], not the hub's block_sparse_moe.gate and experts.N.w1, w3, w2): transformers' tokens."""
+    from safetensors.torch import save_file
+
+    from helpers import greedy_tokens
+    hf = build(tmp_path, seed=4)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.router.weight" in state and state["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts(512, (7, 12), seed=5)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert greedy_tokens(llm, prompts, 6) == greedy_each(hf, prompts, 6)
+
+
 def test_builtin_tiny_model_runs_and_warmup_sizes_it():
     check_builtin_runs_and_warmup_sizes_it("tiny-phimoe", ARCH, False)
 
