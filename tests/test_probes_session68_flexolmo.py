@@ -20,6 +20,7 @@ from quant_helpers import needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "FlexOlmoForCausalLM"
+BUILTIN = "tiny-flex-olmo"
 # FlexOlmo-7x7B-1T's shape, shrunk: 32 layers there, 32 heads of 128, 7 experts of 11008 (top 5, not renormalised);
 # here 2 layers, 4 heads of 16 (2 KV heads), 7 experts of 32 (top 3)
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -68,7 +69,7 @@ def test_a_stray_sliding_window_caps_the_context(tmp_path):
 
 
 def test_builtin_tiny_model_runs_and_warmup_sizes_it():
-    check_builtin_runs_and_warmup_sizes_it("tiny-flex-olmo", ARCH, False)
+    check_builtin_runs_and_warmup_sizes_it(BUILTIN, ARCH, False)
 
 
 @interpreted
@@ -213,3 +214,8 @@ def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(flex_lo
         PeftModel.from_pretrained(hf_float(base), str(path))
     with pytest.raises(LoRAError, match="peft has no default for a flex_olmo base"):
         LLM(str(base), loras={"a": str(path)})
+
+
+def test_infer_run_and_bench_on_the_builtin_model(tmp_path):
+    from helpers import check_run_and_bench_builtin
+    check_run_and_bench_builtin(tmp_path, BUILTIN)

@@ -24,6 +24,7 @@ from quant_helpers import needs_gptqmodel
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ARCH = "PhimoeForCausalLM"
+BUILTIN = "tiny-phimoe"
 # Phi-3.5-MoE's longrope, shrunk: factors for heads of 16 (8 frequencies), its original context 4096 there, 64 here
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.3 * i for i in range(8)],
             "long_factor": [2.0 + 0.5 * i for i in range(8)], "short_mscale": 1.2, "long_mscale": 1.2,
@@ -113,7 +114,7 @@ def test_transformers_5s_own_names_load_too(tmp_path):
 
 
 def test_builtin_tiny_model_runs_and_warmup_sizes_it():
-    check_builtin_runs_and_warmup_sizes_it("tiny-phimoe", ARCH, False)
+    check_builtin_runs_and_warmup_sizes_it(BUILTIN, ARCH, False)
 
 
 
@@ -300,3 +301,8 @@ def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(phimoe_
     adapter = save_adapter(hf, tmp_path / "qv", 5, r=4, lora_alpha=4, lora_dropout=0.0,
                            target_modules=["q_proj", "v_proj"])
     check_no_target_modules_refused_as_peft(base, adapter, tmp_path / "a", "phimoe")
+
+
+def test_infer_run_and_bench_on_the_builtin_model(tmp_path):
+    from helpers import check_run_and_bench_builtin
+    check_run_and_bench_builtin(tmp_path, BUILTIN)
