@@ -189,7 +189,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     wide = 2 if model_config.model_type in GATED_Q else 1  # (gated attention: q_proj's query and gate)
     # the linear-attention layers: the gated-attention families' Gated DeltaNet, Granite 4.0's and Nemotron-H's
     # Mamba-2 (in_proj, out_proj), in place of the attention's qkv and o
-    mamba = model_config.model_type in ("granitemoehybrid", "nemotron_h")
+    mamba = model_config.model_type in ("granitemoehybrid", "nemotron_h", "bamba")
     linear = set(_linear_layers(model_config)) if model_config.model_type in GATED_Q or mamba else set()
     # (Nemotron-H's blocks: a Mamba-2 mixer, an attention or an MLP (or experts) alone)
     blocks = model_config.layers_block_type if model_config.model_type == "nemotron_h" else None
@@ -445,7 +445,7 @@ def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int 
     over `seqs` sequences at once (kernels.mamba2.varlen_scan_bytes).
     Plus, on either, what the mixer holds over the whole step (models.granite4.Mamba2Mixer._prefill): the conv's
     output [T, conv_dim] and the gated norm's two float32 [T, H * P] temporaries (4 bytes an element: at most)."""
-    if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h", "falcon_h1") \
+    if getattr(model_config, "model_type", None) not in ("granitemoehybrid", "nemotron_h", "falcon_h1", "bamba") \
             or not _linear_layers(model_config) or tokens <= 0:
         return 0
     c = model_config

@@ -142,7 +142,8 @@ class Attention(nn.Module):
                                                                              *COHERE, *OLMO, "smollm3", "seed_oss",
                                                                              "internlm3", "helium", "hunyuan_v1_dense",
                                                                              "arcee", "nemotron", "apertus",
-                                                                             "llama4_text", "falcon_h1", "phimoe") \
+                                                                             "llama4_text", "falcon_h1", "phimoe",
+                                                                             "bamba") \
             or (kind == "ernie4_5" and bool(getattr(cfg, "use_bias", False)))
         if kind == "starcoder2":  # StarCoder2's use_bias: every projection's
             declared = bool(getattr(cfg, "use_bias", True))
@@ -347,7 +348,7 @@ class MLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type in ("llama", "granite", "granite_swa",
                                                                             "smollm3", "seed_oss",
                                                                             "internlm3", "helium", "deepseek_v2",
-                                                                            "falcon_h1") \
+                                                                            "falcon_h1", "bamba") \
             or (cfg.model_type in ("ernie4_5", "ernie4_5_moe") and bool(getattr(cfg, "use_bias", False)))
         names = [f"{prefix}.{stored[0]}"] * 2 if stored else fused_names(cfg, prefix, "gate_up_proj",
                                                                           ("gate_proj", "up_proj"))

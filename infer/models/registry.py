@@ -121,6 +121,10 @@ SUPPORTED = {
     # AllenAI's FlexOlmo (FlexOlmo-7x7B-1T): OLMo 2's layers (norms after the attention and the MLP, q and k normed
     # over their whole projections) with OLMoE's experts on every layer (models.moe)
     "FlexOlmoForCausalLM": "flex_olmo",
+    # IBM's Bamba (Bamba-9B, Bamba-9B-v2): Granite 4.0's Mamba-2 mixers and attention layers (attn_layer_indices, half
+    # of each head rotated) in Llama's layer of two norms with a SwiGLU feed_forward, no Granite scalars
+    # (models.bamba), a Mamba-2 state per sequence beside the paged KV
+    "BambaForCausalLM": "bamba",
 }
 LFM2 = ("lfm2", "lfm2_moe")  # (models.lfm2)
 # the hybrid models of linear-attention and attention layers: a state cache per sequence (models.qwen3_5); Granite
@@ -292,6 +296,8 @@ def check_supported(cfg) -> str:
         check_granite4(cfg)
     elif model_type == "nemotron_h":
         check_nemotron_h(cfg)
+    elif model_type == "bamba":
+        check_bamba(cfg)
     elif model_type in LFM2:
         check_lfm2(cfg)
     elif model_type == "falcon_h1":
@@ -652,6 +658,45 @@ def check_nemotron_h(cfg) -> None:
                                     "use the config.json that came with the weights")
 
 
+def check_bamba(cfg) -> None:
+    """Bamba's attn_layer_indices naming no layer (transformers then builds every layer Mamba-2) or none at all, an
+    attn_rotary_emb other than the rotary transformers computes (half of each head: BambaConfig's
+    partial_rotary_factor 0.5, whatever config.json says), and Mamba-2 heads that its groups do not divide or whose
+    mamba_d_head does not tile mamba_expand * hidden_size (transformers fails on them): refused naming them
+    (models.bamba)."""
+    hint = "use the config.json that came with the weights"
+    layers = int(cfg.num_hidden_layers)
+    indices = list(getattr(cfg, "attn_layer_indices", None) or [])
+    bad = [i for i in indices if type(i) is not int or not 0 <= i < layers]
+    if bad:
+        raise UnsupportedModelError(f"bamba with attn_layer_indices {bad[:8]} naming no layer of {layers} is not "
+                                    "supported", hint)
+    if not indices:
+        raise UnsupportedModelError("bamba with no attention layer (attn_layer_indices empty: every layer Mamba-2) is "
+                                    "not supported: infer's KV blocks, which count each sequence's tokens, are an "
+                                    "attention layer's", "serve a Bamba checkpoint with attention layers (Bamba-9B's: "
+                                    "attn_layer_indices [9, 18, 27])")
+    from .rope import rope_parameters
+    from .shapes import ModelShapes
+    head = ModelShapes.from_config(cfg).head_dim
+    width = int(head * rope_parameters(cfg).get("partial_rotary_factor", 1.0))
+    rotary = getattr(cfg, "attn_rotary_emb", None)
+    if rotary is not None and rotary != width:
+        raise UnsupportedModelError(f"bamba with attn_rotary_emb {json.dumps(rotary)} is not supported: transformers "
+                                    f"rotates {width} dims of each head of {head} (partial_rotary_factor 0.5), "
+                                    "whatever attn_rotary_emb says", f"set attn_rotary_emb to {width} (or remove it) "
+                                    "if the weights were trained rotating half of each head; else " + hint)
+    heads, groups = getattr(cfg, "mamba_n_heads", 1), getattr(cfg, "mamba_n_groups", 1)
+    if not groups or heads % groups:
+        raise UnsupportedModelError(f"bamba with mamba_n_heads {heads} in mamba_n_groups {groups} is not supported: "
+                                    "each group's B and C serve mamba_n_heads / mamba_n_groups heads", hint)
+    inter = cfg.mamba_expand * cfg.hidden_size
+    if cfg.mamba_d_head * heads != inter:
+        raise UnsupportedModelError(f"bamba with mamba_d_head {cfg.mamba_d_head} times mamba_n_heads {heads} other "
+                                    f"than mamba_expand * hidden_size ({inter}) is not supported (the mixer's heads "
+                                    "tile its intermediate width)", hint)
+
+
 def check_lfm2(cfg) -> None:
     """LFM2's (and LFM2-MoE's) layer_types other than "conv" and "full_attention" (or not one a layer), none of them
     attention, and a conv of under 2 taps (conv_L_cache: its state keeps the last conv_L_cache - 1 inputs): refused
@@ -703,6 +748,9 @@ def model_class(cfg):
     if cfg.model_type == "granitemoehybrid":
         from .granite4 import granite4_class
         return granite4_class(is_hybrid(cfg))
+    if cfg.model_type == "bamba":
+        from .bamba import bamba_class
+        return bamba_class(is_hybrid(cfg))
     if cfg.model_type in HYBRID:
         from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_next_class
         return Qwen3_5ForCausalLM if cfg.model_type == "qwen3_5_text" else qwen3_next_class()
@@ -737,7 +785,7 @@ def is_hybrid(cfg) -> bool:
     """Whether the model keeps a linear-attention state per sequence (HYBRID: Qwen3.5; Granite 4.0 and Nemotron-H
     with Mamba-2 layers; LFM2 with short-conv layers; Falcon-H1)."""
     model_type = getattr(cfg, "model_type", None)
-    if model_type in ("granitemoehybrid", "nemotron_h"):
+    if model_type in ("granitemoehybrid", "nemotron_h", "bamba"):
         return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
     if model_type in LFM2:  # (LFM2's short convs: models.lfm2)
         return "conv" in (getattr(cfg, "layer_types", None) or [])

@@ -120,7 +120,7 @@ def partial_rotary(cfg) -> bool:
     Llama, Mistral, Qwen and Gemma rotate whole heads (Qwen3.5's, Qwen3.5 MoE's and Qwen3-Next's: a quarter;
     MiniMax-M2's: its config.json's rotary_dim of head_dim, which transformers reads as partial_rotary_factor)."""
     return getattr(cfg, "model_type", None) in ("phi3", "glm", "glm4", "nemotron", "glm4_moe", "qwen3_5_text",
-                                                "qwen3_next", "qwen3_5_moe_text", "minimax_m2")
+                                                "qwen3_next", "qwen3_5_moe_text", "minimax_m2", "bamba")
 
 
 def _rotary_dims(cfg, params: dict, head_dim: int) -> int:

@@ -326,6 +326,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # normed whole) with 7 experts of 32 on every layer (top 3 of a float32 softmax, not renormalised)
     "tiny-flex-olmo": TinySpec("flex_olmo", 44, config=dict(
         _TINY, intermediate_size=32, num_experts=7, num_experts_per_tok=3, tie_word_embeddings=False)),
+    # Bamba (Bamba-9B's layout, shortened): Mamba-2 layers and an attention layer (attn_layer_indices [2]) rotating
+    # half of each head of 16 (attn_rotary_emb 8), the SwiGLU feed_forward on every layer; Mamba-2 heads of 16 (8 of
+    # them), 2 groups of 16 state dims, chunks of 16 (prompts span several)
+    "tiny-bamba": TinySpec("bamba", 43, config=dict(
+        _TINY, num_hidden_layers=4, attn_layer_indices=[2], attn_rotary_emb=8, mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
