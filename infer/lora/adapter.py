@@ -307,6 +307,10 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
                                    "MLP's and the Mamba-2 mixers' in_proj, not the mixers' out_proj or conv1d (peft "
                                    "refuses both on Falcon-H1)", "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                    "down_proj, in_proj")
+    if base_config.model_type == "bamba":
+        return _unadapted_problems(adapter, BAMBA_UNADAPTED, "bamba (Bamba) adapt the attention's and the MLP's "
+                                   "projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
+                                   "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
     if base_config.model_type in LFM2:  # (LFM2-MoE's experts and router: _moe_problems)
         what = "lfm2 (LFM2)" if base_config.model_type == "lfm2" else "lfm2_moe (LFM2-MoE)"
         return _unadapted_problems(adapter, LFM2_UNADAPTED, f"{what} adapt the attention's, the short convs' "
@@ -335,6 +339,9 @@ GRANITE4_UNADAPTED = ("in_proj", "out_proj", "input_linear", "output_linear", "s
 # Nemotron-H's modules infer does not adapt (models.nemotron_h): the Mamba-2 mixers' in_proj, out_proj, conv1d and
 # the whole mixers (its attention's and MLP's projections are adapted)
 NEMOTRON_H_UNADAPTED = ("in_proj", "out_proj", "conv1d", "mixer", "layers")
+# Bamba's (models.bamba): the Mamba-2 mixers' in_proj, out_proj, conv1d and the whole mixers (its attention's and
+# feed_forward's projections are adapted)
+BAMBA_UNADAPTED = ("in_proj", "out_proj", "conv1d", "mamba", "layers")
 
 
 def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
@@ -363,7 +370,7 @@ FALCON_H1_UNADAPTED = ("out_proj", "conv1d", "mamba", "self_attn", "feed_forward
 # whole blocks
 LFM2_UNADAPTED = ("conv", "feed_forward", "self_attn", "layers")
 UNADAPTED = {"granitemoehybrid": GRANITE4_UNADAPTED, "nemotron_h": NEMOTRON_H_UNADAPTED, "lfm2": LFM2_UNADAPTED,
-             "lfm2_moe": LFM2_UNADAPTED, "falcon_h1": FALCON_H1_UNADAPTED}
+             "lfm2_moe": LFM2_UNADAPTED, "falcon_h1": FALCON_H1_UNADAPTED, "bamba": BAMBA_UNADAPTED}
 
 
 def _target_names(adapter: "LoRAAdapter") -> set[str]:

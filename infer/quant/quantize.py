@@ -304,7 +304,8 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     fails on transformers 5), Nemotron-H (nemotron_h: its definition's backbone.layers is model.layers in
     transformers 5), ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
     transformers 5) and MiniMax-M2 (its minimax_m2 definition looks for the experts under block_sparse_moe, which
-    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names), and
+    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names),
+    Bamba (bamba: GPTQModel 7.6 has no definition of it; its fallback quantizes the feed_forward alone), and
     Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's words)."""
     if config.get("model_type") == "glm4_moe":
         raise UnsupportedModelError(
@@ -326,6 +327,15 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "nemotron_h definition looks for the layers under backbone.layers, which transformers 5's "
             "NemotronHForCausalLM holds as model.layers (\"'NoneType' object is not subscriptable\", seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it)")
+    if config.get("model_type") == "bamba":
+        raise UnsupportedModelError(
+            f"{src} is a Bamba (bamba), which GPTQModel 7.6 does not quantize: it has no bamba definition, and its "
+            "fallback (Module Tree AutoCompat) reads the first layer, a Mamba-2 one, for the layers' modules: it "
+            "quantizes each layer's feed_forward alone and saves the attention and the Mamba-2 projections float with "
+            "no dynamic rule saying so (a checkpoint whose config.json says otherwise, seen on the CPU)",
+            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
+            "elsewhere in GPTQModel's layout (q, k, v, o, the feed_forward's gate_proj, up_proj, down_proj and the "
+            "Mamba-2 mixers' in_proj, out_proj int4)")
     if config.get("model_type") == "ernie4_5_moe":
         raise UnsupportedModelError(
             f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
