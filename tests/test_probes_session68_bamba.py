@@ -185,38 +185,48 @@ def test_a_gptq_checkpoint_made_elsewhere_equals_transformers_dequantized(tmp_pa
 
 
 # ------------------------------------------------------------------------------------------------------ adapters
-def test_mixed_adapters_on_the_attention_and_the_mlp_equal_peft(tmp_path):
-    """Two adapters ("all": every projection peft's Llama names reach, the attention's and the feed_forward's; "ff":
-    the feed_forward's alone) and the base model in one batch and each alone: peft's tokens."""
+def test_mixed_adapters_on_every_projection_equal_peft(tmp_path):
+    """Two adapters ("all": every projection peft finds, the attention's, the feed_forward's and the Mamba-2 mixers'
+    in_proj [64 -> 328] and out_proj; "mamba": the mixers' alone) and the base model in one batch and each alone:
+    peft's tokens."""
     from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters
     base = ensure_builtin(NAME)
     hf = hf_float(base)
     paths = save_adapters(hf, tmp_path, {
         "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                        "down_proj"]),
-        "ff": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])}, scale=0.5)
-    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 12, 5), seed=2), ["all", None, "ff"],
+                                                        "down_proj", "in_proj", "out_proj"]),
+        "mamba": dict(r=4, lora_alpha=4, target_modules=r".*\.mamba\.(in_proj|out_proj)")}, scale=0.5)
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 12, 5), seed=2), ["all", None, "mamba"],
                                     n=5)
 
 
-def test_an_adapter_of_the_mamba_projections_is_refused_by_name(tmp_path):
-    """An adapter whose target_modules name the Mamba-2 mixers' in_proj and out_proj is refused at registration,
-    naming them and the projections infer adapts."""
+def test_an_adapter_of_the_depthwise_conv_is_refused_by_name(tmp_path):
+    """An adapter whose target_modules name the Mamba-2 mixers' depthwise conv (conv1d) is refused at registration,
+    naming it and the projections infer adapts; --lora-target-modules gate_proj without up_proj is refused naming
+    the fused layer."""
     from lora_helpers import hf_float, save_adapters
 
-    from infer.errors import LoRAError
-    paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"a": dict(r=4, lora_alpha=8, target_modules=[
-        "in_proj", "out_proj", "q_proj"])})
-    with pytest.raises(LoRAError, match=r"targets \['in_proj', 'out_proj'\]: infer's adapters of bamba \(Bamba\) "
-                                        r"adapt the attention's and the MLP's projections alone.*retrain with "
-                                        r"target_modules among q_proj, k_proj, v_proj, o_proj, gate_proj"):
+    from infer.errors import ConfigError, LoRAError
+    paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"a": dict(r=4, lora_alpha=8,
+                                                                               target_modules=["q_proj"])})
+    config = json.loads((paths["a"] / "adapter_config.json").read_text())
+    (paths["a"] / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "conv1d"]}))
+    with pytest.raises(LoRAError, match=r"targets \['conv1d'\]: infer's adapters of bamba \(Bamba\) adapt the "
+                                        r"attention's, the MLP's and the Mamba-2 mixers' projections, not the mixers' "
+                                        r"depthwise conv.*retrain with target_modules among q_proj, .*in_proj, "
+                                        r"out_proj"):
         LLM(NAME, loras={"a": str(paths["a"])}, max_lora_rank=8)
+    with pytest.raises(ConfigError, match=r"names gate_proj but not up_proj: infer computes gate_proj, up_proj as one "
+                                          r"fused layer"):
+        LLM(NAME, enable_lora=True, max_lora_rank=8, lora_target_modules=["gate_proj"])
 
 
-@pytest.mark.parametrize("targets", [None, ["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"]])
+@pytest.mark.parametrize("targets", [None, ["qkv_proj", "o_proj"], ["gate_up_proj", "down_proj"], ["in_proj"],
+                                     ["out_proj", "o_proj"]])
 def test_adapter_slots_are_counted(targets):
-    """The slots allocated (--lora-target-modules: every layer's, the Mamba-2 mixers' in_proj and out_proj with them;
-    the attention's; the feed_forward's) are lora_slot_bytes' count, byte for byte."""
+    """The slots allocated (--lora-target-modules: every layer's; the attention's; the feed_forward's; the Mamba-2
+    mixers' in_proj [64 -> 328]; their out_proj with the attention's o_proj) are lora_slot_bytes' count, byte for
+    byte."""
     from infer.memory.sizes import lora_slot_bytes
     with LLM(NAME, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4, lora_target_modules=targets) as llm:
         got = llm.engine.lora_manager.device_bytes()

@@ -42,9 +42,9 @@ PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS
 LFM2_MODULES = {("self_attn", "out_proj"), ("conv", "in_proj"), ("conv", "out_proj"), ("feed_forward", "w1"),
                 ("feed_forward", "w3"), ("feed_forward", "w2")}
 LFM2_NAMES = ("out_proj", "in_proj", "w1", "w3", "w2")
-# Falcon-H1's (models.falcon_h1): its Mamba-2 mixers' in_proj (z | x B C | dt, before the mup vector), beside Llama's
-# attention and its feed_forward's gate, up and down
-FALCON_H1_MODULES = {("mamba", "in_proj")}
+# The Mamba-2 mixers' in_proj (z | x B C | dt) and out_proj, by (parent, projection): Bamba's both (models.bamba),
+# Falcon-H1's in_proj alone (before the mup vector: models.falcon_h1; its out_proj is refused by FALCON_H1_UNADAPTED)
+MAMBA_MODULES = {("mamba", "in_proj"), ("mamba", "out_proj")}
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -308,9 +308,9 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
                                    "refuses both on Falcon-H1)", "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                    "down_proj, in_proj")
     if base_config.model_type == "bamba":
-        return _unadapted_problems(adapter, BAMBA_UNADAPTED, "bamba (Bamba) adapt the attention's and the MLP's "
-                                   "projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
-                                   "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+        return _unadapted_problems(adapter, BAMBA_UNADAPTED, "bamba (Bamba) adapt the attention's, the MLP's and "
+                                   "the Mamba-2 mixers' projections, not the mixers' depthwise conv (conv1d)",
+                                   "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, in_proj, out_proj")
     if base_config.model_type in LFM2:  # (LFM2-MoE's experts and router: _moe_problems)
         what = "lfm2 (LFM2)" if base_config.model_type == "lfm2" else "lfm2_moe (LFM2-MoE)"
         return _unadapted_problems(adapter, LFM2_UNADAPTED, f"{what} adapt the attention's, the short convs' "
@@ -339,9 +339,9 @@ GRANITE4_UNADAPTED = ("in_proj", "out_proj", "input_linear", "output_linear", "s
 # Nemotron-H's modules infer does not adapt (models.nemotron_h): the Mamba-2 mixers' in_proj, out_proj, conv1d and
 # the whole mixers (its attention's and MLP's projections are adapted)
 NEMOTRON_H_UNADAPTED = ("in_proj", "out_proj", "conv1d", "mixer", "layers")
-# Bamba's (models.bamba): the Mamba-2 mixers' in_proj, out_proj, conv1d and the whole mixers (its attention's and
-# feed_forward's projections are adapted)
-BAMBA_UNADAPTED = ("in_proj", "out_proj", "conv1d", "mamba", "layers")
+# Bamba's (models.bamba): the Mamba-2 mixers' depthwise conv1d (peft adapts a Conv1d) and the whole blocks (its
+# attention's, feed_forward's and mixers' projections are adapted)
+BAMBA_UNADAPTED = ("conv1d", "mamba", "feed_forward", "self_attn", "layers")
 
 
 def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
@@ -692,6 +692,13 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
                 "in_proj": (hidden, len(mup_vector(base_config)))}
+    if getattr(base_config, "model_type", None) == "bamba":  # (its Mamba-2 mixers' too: models.granite4.Mamba2Mixer)
+        inter = int(base_config.mamba_expand * hidden)
+        projected = 2 * inter + 2 * base_config.mamba_n_groups * base_config.mamba_d_state + base_config.mamba_n_heads
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                "gate_proj": (hidden, base_config.intermediate_size), "up_proj": (hidden, base_config.intermediate_size),
+                "down_proj": (base_config.intermediate_size, hidden), "in_proj": (hidden, projected),
+                "out_proj": (inter, hidden)}
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -1155,7 +1162,7 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     elif parent == "feed_forward" and LLAMA_PROJECTIONS.get(proj) == MLP:  # (Llama 4's dense MLP: models.llama4)
         pass
     elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS) \
-            and (parent, proj) not in LFM2_MODULES | FALCON_H1_MODULES:
+            and (parent, proj) not in LFM2_MODULES and (parent, proj) not in MAMBA_MODULES:
         return None  # (Nemotron-H's attention and MLP projections: under its blocks' mixer, models.nemotron_h)
     return f"model.layers.{int(m['layer'])}.{parent}.{m['proj']}", int(m["layer"]), proj
 

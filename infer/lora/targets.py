@@ -68,6 +68,8 @@ def model_target_names(model_config) -> list[str]:
         return list(LFM2_NAMES)  # (LFM2-MoE's dense layers' MLPs; its experts get no slots: moe.experts_adapted)
     if model_config.model_type == "lfm2_moe":  # (every layer with experts: no MLP of its own)
         return [n for n in LFM2_NAMES if n not in LFM2_FUSED["gate_up_proj"] + ("gate_up_proj", "w2")]
+    if model_config.model_type == "bamba":  # (its Mamba-2 mixers' projections: models.bamba)
+        return names + list(MLP) + ["in_proj", "out_proj"]
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
     if model_config.model_type in UNGATED:

@@ -198,6 +198,8 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     for layer in range(model_config.num_hidden_layers):
         if layer in convs:  # LFM2's short conv: in_proj (B | C | x) and out_proj
             per_rank += (h + 3 * h) * selects(chosen, "in_proj") + 2 * h * selects(chosen, "out_proj")
+        elif layer in linear and model_config.model_type == "bamba":  # (its mixers' in_proj and out_proj, named)
+            per_rank += _mamba_slot_elements(model_config, selects(chosen, "in_proj"), selects(chosen, "out_proj"))
         elif layer in linear:  # their projections: slots only on every layer's (targets never name them)
             if chosen is None:
                 per_rank += _mamba_slot_elements(model_config) if mamba else _delta_net_slot_elements(model_config)
@@ -223,14 +225,14 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     return max_loras * max_rank * per_rank * element_bytes(dtype)
 
 
-def _mamba_slot_elements(model_config) -> int:
+def _mamba_slot_elements(model_config, in_proj: bool = True, out_proj: bool = True) -> int:
     """A Mamba-2 layer's adapter slot elements per rank (models.granite4.Mamba2Mixer: A's input widths + B's
-    heights): in_proj (z, x B C, dt) and out_proj."""
+    heights): in_proj (z, x B C, dt) and out_proj (each where asked: Bamba's --lora-target-modules)."""
     c = model_config
     c = _granite_fields(c)
     inter = int(c.mamba_expand * c.hidden_size)
     in_out = 2 * inter + 2 * c.mamba_n_groups * c.mamba_d_state + c.mamba_n_heads
-    return c.hidden_size + in_out + inter + c.hidden_size
+    return (c.hidden_size + in_out) * in_proj + (inter + c.hidden_size) * out_proj
 
 
 def _delta_net_slot_elements(model_config) -> int:
