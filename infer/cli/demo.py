@@ -107,6 +107,7 @@ def _check_args(out: Path, model: str) -> Path:
              # (infer quantize refuses it, and its adapters adapt the attention alone)
              "granitemoehybrid": "a Granite 4.0 (granitemoehybrid: infer quantize refuses it)",
              "nemotron_h": "a Nemotron-H (nemotron_h: infer quantize refuses it)",
+             "bamba": "a Bamba (bamba: infer quantize refuses it)",
              "lfm2": "an LFM2 (lfm2: the demo's chain is not checked on it yet)",
              "falcon_h1": "a Falcon-H1 (falcon_h1: the demo's chain is not checked on it yet)",
              **{kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}}

@@ -693,12 +693,11 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
                 "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
                 "in_proj": (hidden, len(mup_vector(base_config)))}
     if getattr(base_config, "model_type", None) == "bamba":  # (its Mamba-2 mixers' too: models.granite4.Mamba2Mixer)
-        inter = int(base_config.mamba_expand * hidden)
-        projected = 2 * inter + 2 * base_config.mamba_n_groups * base_config.mamba_d_state + base_config.mamba_n_heads
+        width = int(base_config.mamba_expand * hidden)
+        projected = 2 * width + 2 * base_config.mamba_n_groups * base_config.mamba_d_state + base_config.mamba_n_heads
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-                "gate_proj": (hidden, base_config.intermediate_size), "up_proj": (hidden, base_config.intermediate_size),
-                "down_proj": (base_config.intermediate_size, hidden), "in_proj": (hidden, projected),
-                "out_proj": (inter, hidden)}
+                "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+                "in_proj": (hidden, projected), "out_proj": (width, hidden)}
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
