@@ -102,6 +102,18 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
     assert [o.token_ids for o in outs] == want
 
 
+def test_bfloat16_equals_transformers_in_bfloat16(hf):
+    """--dtype bfloat16 (the conv state in bfloat16, the SSM state float32, the half-head rotary's table rounded as
+    transformers rounds it): transformers' greedy tokens in bfloat16, batched, a one-token prompt included."""
+    import copy
+    hf = copy.deepcopy(hf).to(torch.bfloat16)  # (the module's hf: float32)
+    prompts = random_prompts(512, (5, 13, 30, 1), seed=3)
+    with LLM(NAME, block_size=4, dtype="bfloat16", max_num_seqs=2) as llm:
+        assert llm.engine.runner.model.linear_layers()[0].conv_state.dtype == torch.bfloat16
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        check_state_slots_all_free(llm)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels and graphs")
 def test_the_gpu_code_path_interpreted_equals_transformers(hf, monkeypatch):
     """Every op through its Triton kernel (interpreted: the Mamba-2 conv, SSD scan and state update, the partial
