@@ -78,15 +78,32 @@ def weight_files(path: Path) -> list[Path]:
 def iter_tensors(files: list[Path], meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the files; `meta`: each as a meta tensor of its shape, read from the
     headers (float32 or int32: only the kind matters to the checks), no weight data read."""
+    if meta:
+        yield from _metas(iter_headers(files))
+        return
+    yield from _read(files, False)
+
+
+def iter_headers(files: list[Path]) -> Iterator[tuple[str, tuple[str, list[int]] | torch.Tensor]]:
+    """(name, (safetensors dtype, shape)) of every tensor in the files, from the headers, no tensor made (a .bin
+    file's: (name, meta tensor)): check_weights takes a mixture of experts' thousands of expert tensors in bulk."""
+    return _read(files, True)
+
+
+def _read(files: list[Path], headers: bool):
     for f in files:
         try:
             if f.suffix == ".safetensors":
                 from safetensors import safe_open
                 with safe_open(str(f), framework="pt") as sf:
                     for name in sf.keys():
-                        yield name, (_meta_of(sf.get_slice(name)) if meta else sf.get_tensor(name))
+                        if headers:
+                            part = sf.get_slice(name)
+                            yield name, (part.get_dtype(), part.get_shape())
+                        else:
+                            yield name, sf.get_tensor(name)
             else:
-                state = torch.load(f, map_location="meta" if meta else "cpu", weights_only=True)
+                state = torch.load(f, map_location="meta" if headers else "cpu", weights_only=True)
                 yield from state.items()
         except ModelLoadError:
             raise
@@ -99,10 +116,14 @@ _INT_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": t
                "BOOL": torch.bool}
 
 
-def _meta_of(part) -> torch.Tensor:
-    code = part.get_dtype()
+def _metas(entries) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_headers' entries as (name, meta tensor)."""
+    return ((name, h if isinstance(h, torch.Tensor) else _meta_of(*h)) for name, h in entries)
+
+
+def _meta_of(code: str, shape: list[int]) -> torch.Tensor:
     kind = torch.float32 if "F" in code else _INT_DTYPES.get(code, torch.int32)  # F16, BF16, F8_E4M3, ...
-    return torch.empty(part.get_shape(), dtype=kind, device="meta")
+    return torch.empty(shape, dtype=kind, device="meta")
 
 
 def _check_kind(name: str, t: torch.Tensor, dest) -> None:
@@ -157,7 +178,7 @@ def linear_method_factory(path: Path, cfg):
             return names
         if not stored:  # (as place_weights reads them: with or without the `model.` prefix)
             stored.update(module_key(name.rpartition(".")[0])
-                          for name, _ in text_tensors(cfg, iter_tensors(weight_files(path), meta=True)))
+                          for name, _ in text_tensors(cfg, iter_headers(weight_files(path))))
         return split if any(module_key(n) in stored for n in split) else names
 
     quantized: dict[str, bool] = {}  # layers.N -> whether it stores its experts quantized ("": any qweight at all)
@@ -172,7 +193,7 @@ def linear_method_factory(path: Path, cfg):
             return False
         if not quantized:
             quantized[""] = False
-            for name, _ in text_tensors(cfg, iter_tensors(weight_files(path), meta=True)):
+            for name, _ in text_tensors(cfg, iter_headers(weight_files(path))):
                 if name.endswith(".qweight"):
                     quantized[""] = True
                     if ".experts." in name:  # (layers.N: Mixtral's experts stored under block_sparse_moe or mlp)
@@ -250,7 +271,10 @@ def check_weights(path: Path, device: torch.device | None = None):
     files = weight_files(path)
     with torch.device("meta"), meta_as_gpu(device is not None and torch.device(device).type == "cuda"):
         model = _build(cfg, torch.float32, linear_method_factory(path, cfg), 1)
-    place_weights(model, text_tensors(cfg, iter_tensors(files, meta=True)), torch.float32)
+    tensors, loaded = text_tensors(cfg, iter_headers(files)), set()
+    if hasattr(model, "check_expert_headers"):  # (a mixture of experts' GPTQ experts: checked in bulk, models.moe)
+        tensors = model.check_expert_headers(tensors, loaded)
+    place_weights(model, _metas(tensors), torch.float32, loaded)
     for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in
         if isinstance(layer, MergedLinear) and hasattr(layer.method, "check_complete"):
             layer.method.check_complete(layer)
@@ -272,12 +296,13 @@ def load_weights(model, tensors, dtype: torch.dtype) -> None:
             model.untie_head(stored_head)
 
 
-def place_weights(model, tensors, dtype: torch.dtype):
+def place_weights(model, tensors, dtype: torch.dtype, loaded: set[str] | None = None):
     """Copy each (name, tensor) into the model, checking names and shapes against it: a ModelLoadError for a tensor
     of the wrong shape, one the model has no place for (a layer config.json does not count, another architecture's
-    names) or a missing one. Returns a stored lm_head.weight that config.json ties to the embeddings (else None)."""
+    names) or a missing one. `loaded`: the parameters already checked (check_weights' bulk pass). Returns a stored
+    lm_head.weight that config.json ties to the embeddings (else None)."""
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded = set() if loaded is None else loaded
     unexpected: list[str] = []
     stored_head = None
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}

@@ -670,6 +670,26 @@ class SparseMoeBlock(nn.Module):
                                                ex.w13.dtype)
         return self._gptq[key]
 
+    def _gptq_layers(self):
+        """(index, part), layer of each GPTQ expert projection gptq_layer built, in order; those whose tensors
+        MoeForCausalLM.check_expert_headers took from the headers (no layer built, nothing to dequantize) checked
+        complete in that order as check_complete checks a layer (GPTQLinearMethod.check_loaded) and marked loaded."""
+        layers = getattr(self, "_gptq", {})
+        headers = self.__dict__.pop("_headers", {})
+        if not headers:
+            yield from sorted(layers.items())
+            return
+        for key in sorted({*layers, *headers}):
+            if key in layers:
+                yield key, layers[key]
+                continue
+            index, part = key
+            names = headers[key]
+            if len(names) < len(_GPTQ_NAMES):  # (all four: complete)
+                method, proj, groups = self._header_methods[part]
+                method.check_loaded([f"{self.prefix}.experts.{index}.{proj}"], {(0, n) for n in names}, groups)
+            self.experts.loaded.add(key)
+
     def dequantize_experts(self) -> None:
         """Each GPTQ expert projection loaded into its float place in w13 / w2 (GPTQLinearMethod's dequantized
         weight, in the scales' precision as GPTQ runtimes compute it), then dropped; on the int4 path
@@ -678,7 +698,7 @@ class SparseMoeBlock(nn.Module):
             self.stack_experts()
             return
         ex = self.experts
-        for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
+        for (index, part), layer in self._gptq_layers():
             layer.method.use_kernel = False
             layer.finish_loading()  # (a ModelLoadError for a missing qweight, qzeros or scales)
             w = layer.method.dequantized_weight(layer)
@@ -696,7 +716,7 @@ class SparseMoeBlock(nn.Module):
         every g_idx is then plain (Int4Stack.sort_by_group)."""
         ex = self.experts
         inter = ex.inter
-        for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
+        for (index, part), layer in self._gptq_layers():
             layer.method.check_complete(layer)  # (a ModelLoadError for a missing qweight, qzeros or scales)
             stack = ex.w13_int4 if part < 2 else ex.w2_int4
             cols = slice(part * inter, (part + 1) * inter) if part < 2 else slice(None)
@@ -926,6 +946,10 @@ _GRANITE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.
 # GraniteMoeShared's shared MLP, beside the layer's block_sparse_moe (models.moe.SparseMoeBlock keeps it)
 _SHARED_MLP = re.compile(r"^layers\.(\d+)\.shared_mlp\.(input_linear|output_linear)\.(\w+)$")
 _LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+# an expert's GPTQ tensor apart (GPTQModel's layout), as MoeForCausalLM.check_expert_headers takes them in bulk
+_GPTQ_NAMES = ("qweight", "qzeros", "scales", "g_idx")
+_GPTQ_EXPERT = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe|mixer|feed_forward)\.experts\.(\d+)\.(\w+)\."
+                          r"(qweight|qzeros|scales|g_idx)$")
 _ROUTER32 = re.compile(r"\.(?:mlp\.(?:gate\.)?(?:moe_statics\.)?|mixer\.gate\.)(weight|e_score_correction_bias)$")
 # ERNIE 4.5 MoE's router bias as the hub stores it ([1, E]: mlp.moe_statics) and as transformers 5 names it
 _ERNIE_BIAS = re.compile(r"\.mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
@@ -1090,6 +1114,69 @@ class MoeForCausalLM:
             dest.data[index].copy_(t)
         experts.loaded.add((index, part))
         return f"layers.{layer}.experts.{'w13' if part < 2 else 'w2'}"
+
+    def check_expert_headers(self, entries, loaded: set[str]) -> list:
+        """loader.check_weights' pass over the checkpoint's headers ((name, (safetensors dtype, shape)) in
+        `entries`, a .bin file's (name, meta tensor)) before its usual one: each GPTQ expert's tensors (qweight,
+        qzeros, scales, g_idx of layers.N.mlp.experts.I.PROJ) checked in bulk against the one shape per layer,
+        projection and tensor name that load_expert_tensor would check them against, not fed one by one to a
+        GPTQ layer built on the meta device per expert projection (a GPTQ Llama-4-Scout has 10,560 such tensors,
+        DeepSeek-V3 178,000: half a minute, ten). Returns the entries it did not take, in their order (a tensor of
+        another shape among them: the usual path refuses it naming it, where the files have it); adds to `loaded`
+        the parameters the taken ones go into. What each expert projection had is kept for dequantize_experts or
+        stack_experts, which refuse an incomplete one as check_complete would (_gptq_layers), and check_experts one
+        with no tensor at all. Left to the usual path: a projection whose experts differ in their quantization
+        (`dynamic` rules), whose widths do not pack (create_weights names it), AWQ's, gpt-oss's, an expert or a
+        projection the model has no place for."""
+        from ..quant.gptq_linear import GPTQLinearMethod
+        from .loader import module_key
+        rest = []
+        if self.config.model_type == "gpt_oss":  # (its GPTQ experts' gate and up interleaved: _load_oai_tensor)
+            return list(entries)
+        specs: dict[tuple[str, str, str], tuple | None] = {}
+        for entry in entries:
+            name, header = entry
+            m = None if isinstance(header, torch.Tensor) else _GPTQ_EXPERT.match(module_key(name))
+            if m is None:
+                rest.append(entry)
+                continue
+            at = m.group(1, 2, 4)
+            spec = specs[at] if at in specs else specs.setdefault(at, self._expert_spec(m, GPTQLinearMethod))
+            # spec: (the experts' count, the part, {tensor name: shape}, [the names each expert had], into)
+            if spec is None or int(m.group(3)) >= spec[0] or tuple(header[1]) != spec[2][m.group(5)]:
+                rest.append(entry)
+                continue
+            spec[3][int(m.group(3))].add(m.group(5))
+            loaded.add(spec[4])
+        for (layer, _, _), spec in specs.items():
+            if spec is not None:
+                block = self.layers[int(layer)].mlp
+                headers = block.__dict__.setdefault("_headers", {})
+                headers.update(((index, spec[1]), names) for index, names in enumerate(spec[3]) if names)
+        return rest
+
+    def _expert_spec(self, m: re.Match, gptq) -> tuple | None:
+        """check_expert_headers' expectations of expert projection m (a match of _GPTQ_EXPERT) across a layer's
+        experts: (their count, the part, {tensor name: shape}, a set for each expert's names, the parameter they go
+        into); None where the usual path is to see them (see check_expert_headers)."""
+        key = f"layers.{m.group(1)}.{m.group(2)}.experts.0.{m.group(4)}.qweight"
+        block, _ = self._moe_block(key)
+        names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
+        if block is None or block.method_for is None or block.oai or mtp_tensor(self.config, key) \
+                or m.group(4) not in names:
+            return None
+        ex, proj = block.experts, m.group(4)
+        part = names.index(proj)
+        try:  # (every expert's config alike: its own method_for([name]) would be the same)
+            method = block.method_for([f"{block.prefix}.experts.{i}.{proj}" for i in range(ex.num_experts)])
+        except (ModelLoadError, UnsupportedModelError):
+            return None
+        k, n = (ex.hidden, ex.inter) if part < 2 else (ex.inter, ex.hidden)
+        if type(method) is not gptq or not method.packs(k, n):
+            return None
+        block.__dict__.setdefault("_header_methods", {})[part] = method, proj, method.config.num_groups(k)
+        into = f"layers.{m.group(1)}.{block.module}.experts.{'w13' if part < 2 else 'w2'}"
+        return ex.num_experts, part, method.expected_shapes(k, n), [set() for _ in range(ex.num_experts)], into
 
     def _load_shared_mlp(self, m: re.Match, t: torch.Tensor) -> str | None:
         """GraniteMoeShared's layers.N.shared_mlp.input_linear (gate rows, then up rows: the shared MLP's gate_up_proj

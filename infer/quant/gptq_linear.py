@@ -80,7 +80,7 @@ class GPTQLinearMethod:
 
     def create_weights(self, layer) -> None:
         c, k, n = self.config, layer.in_features, layer.out_features
-        if k % c.pack or any(size % c.pack for size in layer.out_sizes):  # name the projection(s) that do not
+        if not all(self.packs(k, size) for size in layer.out_sizes):  # name the projection(s) that do not
             bad = [f"{name} (input {k})" for name in layer.names[:1] if k % c.pack] + \
                 [f"{name} (output {size})" for name, size in zip(layer.names, layer.out_sizes) if size % c.pack]
             raise ModelLoadError(f"{', '.join(bad)}: the width does not pack into int32 words of {c.pack} {c.bits}-bit "
@@ -102,10 +102,18 @@ class GPTQLinearMethod:
         return self.config.pack if name == "qzeros" else 1
 
     def _expected(self, layer, name: str, shard: int) -> tuple[int, ...]:
-        c, k, n = self.config, layer.in_features, layer.out_sizes[shard]
+        return self.expected_shapes(layer.in_features, layer.out_sizes[shard])[name]
+
+    def expected_shapes(self, k: int, n: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each checkpoint tensor (qweight, qzeros, scales, g_idx) of a layer of k inputs and n outputs
+        (models.moe checks a mixture of experts' thousands of them against it in bulk)."""
+        c = self.config
         groups = c.num_groups(k)
-        return {"qweight": (k // c.pack, n), "qzeros": (groups, n // c.pack), "scales": (groups, n),
-                "g_idx": (k,)}[name]
+        return {"qweight": (k // c.pack, n), "qzeros": (groups, n // c.pack), "scales": (groups, n), "g_idx": (k,)}
+
+    def packs(self, k: int, n: int) -> bool:
+        """Whether a layer of k inputs and n outputs packs into int32 words (else create_weights refuses it)."""
+        return k % self.config.pack == 0 and n % self.config.pack == 0
 
     def load_shard(self, layer, name: str, shard: int, tensor: torch.Tensor) -> None:
         full = f"{layer.prefix_of(shard)}.{name}"
@@ -125,7 +133,9 @@ class GPTQLinearMethod:
         start = layer.shard_offset(shard)
         if name == "qzeros":
             start //= self.config.pack
-            if self.config.zeros_v1:  # a zero of 0 borrowed from its neighbour in the file's word
+            if self.config.zeros_v1 and not tensor.is_meta:  # a zero of 0 borrowed from its neighbour in the
+                # file's word (values only: loader.check_weights' meta tensors have none, and torch's meta kernels
+                # of the conversion's ops cost milliseconds a tensor)
                 tensor = packing.v1_words_to_fields(tensor, self.config.bits)
         buf = getattr(layer, name)
         buf[:, start:start + tensor.shape[1]].copy_(tensor)
@@ -161,25 +171,30 @@ class GPTQLinearMethod:
     def check_complete(self, layer) -> None:
         """Every shard's qweight, qzeros and scales in (and g_idx in all or none, and where desc_act needs it);
         g_idx's groups checked where its values are read (not on the meta device: loader.check_weights)."""
-        loaded = layer.loaded_names()
-        for shard in range(len(layer.names)):
-            for name in _REQUIRED:
-                if (shard, name) not in loaded:
-                    raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(shard)}.{name}",
-                                         "the GPTQ checkpoint is incomplete")
-        with_g = [s for s in range(len(layer.names)) if (s, "g_idx") in loaded]
-        if with_g and len(with_g) < len(layer.names):
-            missing = next(s for s in range(len(layer.names)) if s not in with_g)
-            raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(missing)}.g_idx but has "
-                                 f"{layer.prefix_of(with_g[0])}.g_idx", "the GPTQ checkpoint is incomplete")
         groups = layer.scales.shape[0]
-        if not with_g and self.config.desc_act and groups > 1:  # act-order groups are known only from g_idx
-            raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(0)}.g_idx but {self.config.source} "
-                                 "sets desc_act (act-order groups)", "the GPTQ checkpoint is incomplete: without "
-                                 "g_idx the groups of an act-order layer cannot be known")
+        self.check_loaded([layer.prefix_of(s) for s in range(len(layer.names))], layer.loaded_names(), groups)
         if not layer.g_idx.is_meta and (int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups):
             raise ModelLoadError(f"{layer.prefix_of(0)}.g_idx points outside its {groups} groups",
                                  "the checkpoint does not match its quantization_config (group_size)")
+
+    def check_loaded(self, prefixes: list[str], loaded: set[tuple[int, str]], groups: int) -> None:
+        """check_complete of a layer whose shards' checkpoint modules are `prefixes`, of `groups` groups, that had
+        the tensors `loaded` ((shard, name)): also models.moe's bulk check of a GPTQ expert's tensors, no layer
+        built."""
+        for shard, prefix in enumerate(prefixes):
+            for name in _REQUIRED:
+                if (shard, name) not in loaded:
+                    raise ModelLoadError(f"the checkpoint has no tensor {prefix}.{name}",
+                                         "the GPTQ checkpoint is incomplete")
+        with_g = [s for s in range(len(prefixes)) if (s, "g_idx") in loaded]
+        if with_g and len(with_g) < len(prefixes):
+            missing = next(s for s in range(len(prefixes)) if s not in with_g)
+            raise ModelLoadError(f"the checkpoint has no tensor {prefixes[missing]}.g_idx but has "
+                                 f"{prefixes[with_g[0]]}.g_idx", "the GPTQ checkpoint is incomplete")
+        if not with_g and self.config.desc_act and groups > 1:  # act-order groups are known only from g_idx
+            raise ModelLoadError(f"the checkpoint has no tensor {prefixes[0]}.g_idx but {self.config.source} "
+                                 "sets desc_act (act-order groups)", "the GPTQ checkpoint is incomplete: without "
+                                 "g_idx the groups of an act-order layer cannot be known")
 
     def _prepare_kernel_layout(self, layer) -> None:
         """Make g_idx plain (i // group_size) when it is a permutation of a plain grouping, then interleave the
