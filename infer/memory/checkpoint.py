@@ -13,7 +13,7 @@ import torch
 from ..errors import ModelLoadError
 from ..kernels import cpu_gemm
 from ..models.classifier import is_classifier, token_head
-from ..models.moe import float32_tensor, mtp_tensor
+from ..models.moe import float32_filter, mtp_filter
 from ..models.multimodal import is_multimodal, text_name
 from ..quant.config import mxfp4_model
 
@@ -114,6 +114,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     drops_head = token_head(model_config) is not None
     if drops_head:
         total += model_config.num_labels * model_config.hidden_size * 4
+    float32_tensor, mtp_tensor = float32_filter(model_config), mtp_filter(model_config)
     for header in headers:
         for name, info in header.items():
             if drops_head and name.startswith("lm_head."):
@@ -123,9 +124,9 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 numel *= d
             is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
-            if float32_tensor(model_config, name):  # (GLM-4.5's router: float32 in any dtype)
+            if float32_tensor(name):  # (GLM-4.5's router: float32 in any dtype)
                 size = numel * 4
-            if mtp_tensor(model_config, name):  # (GLM-4.5's, ERNIE 4.5 MoE's MTP layers: skipped at load)
+            if mtp_tensor(name):  # (GLM-4.5's, ERNIE 4.5 MoE's MTP layers: skipped at load)
                 continue
             if info["dtype"] == "U8" and name.endswith(("_proj_blocks", "_proj_scales")) and not mxfp4:
                 # MXFP4 tensors without config.json's word (models.moe dequantizes them at load): two values a byte

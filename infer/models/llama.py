@@ -609,7 +609,10 @@ def _moved(held: list) -> tuple:
 
 def _uninitialized(cls, *args, **kw) -> nn.Module:
     """A torch module on the current default device with its weights left unset (the checkpoint fills them): no
-    time spent drawing random initial values, and the caller's random state left as it was."""
+    time spent drawing random initial values, and the caller's random state left as it was. (An embedding is given
+    its empty weight: its init's normal_ on the meta device would import torch's decompositions, seconds.)"""
+    if cls is nn.Embedding:
+        return cls(*args, _weight=torch.empty(*args, dtype=kw.pop("dtype", None)), **kw)
     return cls(*args, device="meta", **kw).to_empty(device=torch.get_default_device())
 
 

@@ -17,7 +17,7 @@ from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
 from .classifier import add_score_head, is_classifier, set_token_head, token_head
 from .layers import MergedLinear, UnquantizedLinearMethod
-from .moe import mtp_tensor
+from .moe import mtp_filter
 from .multimodal import quant_config, text_config, text_tensors, wrapper_of
 from .registry import check_llama4_temperature_tuning, check_near_family, check_supported, model_class
 from .rope import check_rope
@@ -81,29 +81,32 @@ def iter_tensors(files: list[Path], meta: bool = False) -> Iterator[tuple[str, t
     if meta:
         yield from _metas(iter_headers(files))
         return
-    yield from _read(files, False)
+    yield from _read(files)
 
 
-def iter_headers(files: list[Path]) -> Iterator[tuple[str, tuple[str, list[int]] | torch.Tensor]]:
+def iter_headers(files: list[Path], names: bool = False) -> Iterator[tuple[str, tuple[str, list[int]] | torch.Tensor]]:
     """(name, (safetensors dtype, shape)) of every tensor in the files, from the headers, no tensor made (a .bin
-    file's: (name, meta tensor)): check_weights takes a mixture of experts' thousands of expert tensors in bulk."""
-    return _read(files, True)
+    file's: (name, meta tensor)): check_weights takes a mixture of experts' thousands of expert tensors in bulk.
+    `names`: (name, None) of a safetensors file's tensors, their headers' fields not read."""
+    return _read(files, "names" if names else "headers")
 
 
-def _read(files: list[Path], headers: bool):
+def _read(files: list[Path], what: str = "tensors"):
     for f in files:
         try:
             if f.suffix == ".safetensors":
                 from safetensors import safe_open
                 with safe_open(str(f), framework="pt") as sf:
                     for name in sf.keys():
-                        if headers:
+                        if what == "names":
+                            yield name, None
+                        elif what == "headers":
                             part = sf.get_slice(name)
                             yield name, (part.get_dtype(), part.get_shape())
                         else:
                             yield name, sf.get_tensor(name)
             else:
-                state = torch.load(f, map_location="meta" if headers else "cpu", weights_only=True)
+                state = torch.load(f, map_location="cpu" if what == "tensors" else "meta", weights_only=True)
                 yield from state.items()
         except ModelLoadError:
             raise
@@ -178,7 +181,7 @@ def linear_method_factory(path: Path, cfg):
             return names
         if not stored:  # (as place_weights reads them: with or without the `model.` prefix)
             stored.update(module_key(name.rpartition(".")[0])
-                          for name, _ in text_tensors(cfg, iter_headers(weight_files(path))))
+                          for name, _ in text_tensors(cfg, iter_headers(weight_files(path), names=True)))
         return split if any(module_key(n) in stored for n in split) else names
 
     quantized: dict[str, bool] = {}  # layers.N -> whether it stores its experts quantized ("": any qweight at all)
@@ -193,7 +196,7 @@ def linear_method_factory(path: Path, cfg):
             return False
         if not quantized:
             quantized[""] = False
-            for name, _ in text_tensors(cfg, iter_headers(weight_files(path))):
+            for name, _ in text_tensors(cfg, iter_headers(weight_files(path), names=True)):
                 if name.endswith(".qweight"):
                     quantized[""] = True
                     if ".experts." in name:  # (layers.N: Mixtral's experts stored under block_sparse_moe or mlp)
@@ -313,8 +316,9 @@ def place_weights(model, tensors, dtype: torch.dtype, loaded: set[str] | None = 
     on_cpu = all(p.device.type == "cpu" for p in params.values())
     float8: list[str] = []
     experts = getattr(model, "load_expert_tensor", None)
+    mtp_tensor = mtp_filter(getattr(model, "config", None))
     for name, t in tensors:
-        if _IGNORED.search(name) or mtp_tensor(getattr(model, "config", None), name):  # (multi-token prediction)
+        if _IGNORED.search(name) or mtp_tensor(name):  # (multi-token prediction)
             continue
         if t.dtype in _FLOAT8:
             float8.append(f"{name} ({_dtype_name(t.dtype)})")

@@ -976,27 +976,42 @@ def mtp_tensor(cfg, name: str) -> bool:
     num_nextn_predict_layers layers after num_hidden_layers, which transformers drops too) or ERNIE 4.5 MoE's
     (mtp_block.K, mtp_emb_norm.K, mtp_hidden_norm.K, mtp_linear_proj.K: transformers ignores its "mtp" keys): the
     loader skips them; and Qwen3-Next's, Qwen3.5's and Qwen3.5 MoE's (mtp.*, which transformers ignores too)."""
-    if getattr(cfg, "model_type", None) == "ernie4_5_moe":
-        return _ERNIE_MTP.match(name) is not None
-    if getattr(cfg, "model_type", None) in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"):
-        return name.startswith("mtp.")
-    m = _LAYER_KEY.match(name)
-    if getattr(cfg, "model_type", None) not in ("glm4_moe", "deepseek_v3", "glm4_moe_lite") or m is None:
-        return False
+    return mtp_filter(cfg)(name)
+
+
+def mtp_filter(cfg):
+    """mtp_tensor of `cfg` as a function of the name, cfg's fields read once: a pass over a checkpoint's names
+    (DeepSeek-V3's 180,000 GPTQ tensors) would spend seconds in transformers' config attribute lookups."""
+    kind = getattr(cfg, "model_type", None)
+    if kind == "ernie4_5_moe":
+        return lambda name: _ERNIE_MTP.match(name) is not None
+    if kind in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"):
+        return lambda name: name.startswith("mtp.")
+    if kind not in ("glm4_moe", "deepseek_v3", "glm4_moe_lite"):
+        return lambda name: False
     n = int(cfg.num_hidden_layers)
-    mtp = getattr(cfg, "num_nextn_predict_layers", getattr(cfg, "num_mtp_layers", 0))
-    return n <= int(m.group(1)) < n + int(mtp or 0)
+    mtp = int(getattr(cfg, "num_nextn_predict_layers", getattr(cfg, "num_mtp_layers", 0)) or 0)
+
+    def in_mtp_layer(name: str) -> bool:
+        m = _LAYER_KEY.match(name)
+        return m is not None and n <= int(m.group(1)) < n + mtp
+    return in_mtp_layer
 
 
 def float32_tensor(cfg, name: str) -> bool:
     """Whether checkpoint tensor `name` is loaded as float32 in any dtype: GLM-4.5's router (its weight and
     e_score_correction_bias, as transformers keeps them: SparseMoeBlock), Hunyuan MoE's (mlp.gate.wg.weight)."""
-    if getattr(cfg, "model_type", None) == "hunyuan_v1_moe":
-        return name.endswith(".mlp.gate.wg.weight")
-    return getattr(cfg, "model_type", None) in ("glm4_moe", "ernie4_5_moe", "nemotron_h", "deepseek_v3",
-                                                "deepseek_v2", "glm4_moe_lite", "dots1") \
-        and _ROUTER32.search(name) is not None \
-        and ".mlp.moe_statics.weight" not in name
+    return float32_filter(cfg)(name)
+
+
+def float32_filter(cfg):
+    """float32_tensor of `cfg` as a function of the name, cfg's fields read once (as mtp_filter)."""
+    kind = getattr(cfg, "model_type", None)
+    if kind == "hunyuan_v1_moe":
+        return lambda name: name.endswith(".mlp.gate.wg.weight")
+    if kind not in ("glm4_moe", "ernie4_5_moe", "nemotron_h", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "dots1"):
+        return lambda name: False
+    return lambda name: _ROUTER32.search(name) is not None and ".mlp.moe_statics.weight" not in name
 
 
 def layer_index(key: str) -> int:

@@ -89,7 +89,9 @@ class GPTQLinearMethod:
         layer.register_buffer("qweight", torch.zeros(k // c.pack, n, dtype=torch.int32))
         layer.register_buffer("qzeros", torch.zeros(groups, n // c.pack, dtype=torch.int32))
         layer.register_buffer("scales", torch.zeros(groups, n, dtype=torch.float16))
-        layer.register_buffer("g_idx", (torch.arange(k) // self._group_size(k)).int())
+        # (trunc, not //: the same for these indices, and // on the meta device (loader.check_weights) goes through
+        # torch's decompositions, milliseconds a layer and seconds to import)
+        layer.register_buffer("g_idx", torch.div(torch.arange(k), self._group_size(k), rounding_mode="trunc").int())
         layer.register_buffer("weight", None)  # the dequantized float weight (dequantized mode)
         layer.register_buffer("packed_weight", None)
         layer.register_buffer("act_perm", None)  # kernel mode with act-order: x's columns in sorted-group order
