@@ -93,15 +93,10 @@ DAMAGE = {
     # one expert tensor of another shape (qzeros of 2 groups of 4 words, one word short)
     "shape": lambda e: _reshaped(e, "model.layers.1.mlp.experts.5.up_proj.qzeros", [2, 3]),
     "missing qzeros": lambda e: [x for x in e if x[0] != "model.layers.0.mlp.experts.3.down_proj.qzeros"],
-    "missing scales": lambda e: [x for x in e if x[0] != "model.layers.1.mlp.experts.7.gate_proj.scales"],
     "missing projection": lambda e: [x for x in e if not x[0].startswith("model.layers.1.mlp.experts.2.up_proj.")],
-    "missing expert": lambda e: [x for x in e if ".layers.0.mlp.experts.6." not in x[0]],
     "expert beyond": lambda e: e + [("model.layers.0.mlp.experts.8.gate_proj.qweight", "I32", [8, 32])],
-    "unknown projection": lambda e: e + [("model.layers.0.mlp.experts.1.fc_proj.qweight", "I32", [8, 32])],
     "float expert": lambda e: e + [("model.layers.0.mlp.experts.1.gate_proj.weight", "BF16", [32, 64])],
-    "layer beyond": lambda e: e + [("model.layers.2.mlp.experts.0.gate_proj.qweight", "I32", [8, 32])],
     "g_idx shape": lambda e: _reshaped(e, "model.layers.0.mlp.experts.0.down_proj.g_idx", [64]),
-    "qweight shape": lambda e: _reshaped(e, "model.layers.1.mlp.experts.4.down_proj.qweight", [4, 32]),
 }
 
 
@@ -160,16 +155,12 @@ def test_a_sound_checkpoint_passes_and_the_bulk_pass_takes_every_expert_tensor(t
     assert sorted(left) == sorted(n for n, _, _ in entries if ".experts." not in n)
 
 
-@pytest.mark.parametrize("device", [None, "cuda"])
-def test_one_bad_expert_tensor_of_thousands_is_refused_naming_it(tmp_path, built, monkeypatch, device):
+def test_one_bad_expert_tensor_of_thousands_is_refused_naming_it(tmp_path, built):
     """`warmup --estimate` of a GPTQ MoE checkpoint of 2 x 128 experts (3,072 expert tensors): one scales tensor of
-    another shape refused naming it and both shapes; one qweight missing named as missing; sound, it plans."""
+    another shape refused naming it and both shapes; one qweight missing named as missing; sound, it plans. (A GPU's
+    model, int4 experts: the tests above, check_weights alone.)"""
     folder, entries = _folder(tmp_path, built, 128)
     args = ["warmup", str(folder), "--estimate"]
-    if device:
-        from test_probes_session67_llama4b import on_an_80_gb_gpu
-        on_an_80_gb_gpu(monkeypatch)
-        args += ["--device", "cuda"]
     _write(folder, _reshaped(entries, "model.layers.1.mlp.experts.97.down_proj.scales", [1, 48]))
     res = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
     words = " ".join(res.output.split())
