@@ -22,17 +22,23 @@ def replicas():
     return [Replica(cfg) for _ in range(2)]
 
 
-@pytest.fixture(scope="module")
-def work(replicas):
+def _work() -> list[Work]:
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     return [Work(f"r{i}", i + 1, [5 + i, 17, 99, 230 + i], params, None) for i in range(10)]
 
 
+@pytest.fixture
+def work():
+    """Each test's own: a run counts on its Work items the replicas lost under them (`lost`), which another test's
+    run would start from (under --dist worksteal a module's tests may run in another order)."""
+    return _work()
+
+
 @pytest.fixture(scope="module")
-def want(replicas, work):
+def want(replicas):
     """What one engine generates for every request."""
     engine = replicas[0].engine
-    for w in work:
+    for w in _work():
         engine.add_request(w.id, w.prompt_token_ids, w.params)
     done = {}
     while engine.has_unfinished_requests():
