@@ -17,8 +17,6 @@ from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.sampling_params import SamplingParams  # noqa: E402
 from infer.serve.app import serve_in_thread  # noqa: E402
 
-from helpers import kill_actor  # noqa: E402
-
 MAX_LEN = 256
 PROMPTS = [[5, 17, 99, 230, 41, 7], [8, 9, 10], [300, 301, 302, 303, 304, 305, 306, 307], [42] * 5]
 
@@ -55,13 +53,17 @@ def url(server):
         yield base
 
 
-@pytest.fixture(scope="module")
-def want():
+def one_engine_tokens() -> list[list[int]]:
     """One engine's greedy tokens for every prompt: the oracle."""
     from infer.engine.llm import LLM
     outs = LLM("tiny-llama", max_model_len=MAX_LEN).generate(PROMPTS, SamplingParams(max_new_tokens=10,
                                                                                       ignore_eos=True))
     return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def want():
+    return one_engine_tokens()
 
 
 @pytest.fixture

@@ -15,7 +15,12 @@ pytest.importorskip("fastapi")
 from infer.serve.app import serve_in_thread  # noqa: E402
 
 from helpers import kill_actor  # noqa: E402
-from test_ray_serve import PROMPTS, _all, _build_server, _complete, want  # noqa: E402,F401 (want: a fixture)
+from test_ray_serve import PROMPTS, _all, _build_server, _complete, one_engine_tokens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def want():
+    return one_engine_tokens()
 
 
 @pytest.fixture(scope="module")

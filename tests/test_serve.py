@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
