@@ -16,7 +16,7 @@ from torch import nn
 
 from .context import ForwardContext
 from .granite4 import Mamba2Mixer
-from .lfm2 import _rename
+from .lfm2 import _rename, hybrid_forward
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from .qwen3_5 import StateCacheMixin
 
@@ -55,20 +55,7 @@ class BambaForCausalLM(LlamaForCausalLM):
         return [layer.mamba for layer in self.layers if layer.linear]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed_and_norm(input_ids)
-        kept = self.kept_states(ctx) if getattr(self, "state_pad_slot", None) is not None else None
-        delta = None  # the LoRA delta the last o/down projection left to the norm after it
-        for i, layer in enumerate(self.layers):
-            if i:
-                x, residual = layer.input_layernorm(x, residual, delta)
-            if layer.linear:
-                x, delta = layer.mamba(x, ctx, kept)
-            else:
-                x, delta = layer.self_attn(positions, x, ctx, self._rope(i))
-            x, residual = layer.pre_ff_layernorm(x, residual, delta)
-            x, delta = layer.feed_forward(x, ctx)
-        x, _ = self.norm(x, residual, delta)
-        return x
+        return hybrid_forward(self, input_ids, positions, ctx, "input_layernorm", "mamba", "pre_ff_layernorm")
 
 
 _CLASSES: list[type] = []

@@ -119,20 +119,28 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         return [layer.conv for layer in self.layers if layer.linear]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed_and_norm(input_ids)
-        kept = self.kept_states(ctx) if getattr(self, "state_pad_slot", None) is not None else None
-        delta = None  # the LoRA delta the last o/down projection left to the norm after it
-        for i, layer in enumerate(self.layers):
-            if i:
-                x, residual = layer.operator_norm(x, residual, delta)
-            if layer.linear:
-                x, delta = layer.conv(x, ctx, kept)
-            else:
-                x, delta = layer.self_attn(positions, x, ctx, self._rope(i))
-            x, residual = layer.ffn_norm(x, residual, delta)
-            x, delta = layer.feed_forward(x, ctx)
-        x, _ = self.norm(x, residual, delta)
-        return x
+        return hybrid_forward(self, input_ids, positions, ctx, "operator_norm", "conv", "ffn_norm")
+
+
+def hybrid_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, first_norm: str,
+                   mixer: str, second_norm: str) -> torch.Tensor:
+    """The forward of a hybrid in Llama's layer of two norms (LFM2's, Bamba's: models.bamba): each layer's
+    `first_norm` (the first layer's is embed_and_norm's), then its `mixer` (a recurrent layer: `linear`) or its
+    attention, then `second_norm` and the feed_forward; the layers' attribute names are the checkpoint's."""
+    x, residual = model.embed_and_norm(input_ids)
+    kept = model.kept_states(ctx) if getattr(model, "state_pad_slot", None) is not None else None
+    delta = None  # the LoRA delta the last o/down projection left to the norm after it
+    for i, layer in enumerate(model.layers):
+        if i:
+            x, residual = getattr(layer, first_norm)(x, residual, delta)
+        if layer.linear:
+            x, delta = getattr(layer, mixer)(x, ctx, kept)
+        else:
+            x, delta = layer.self_attn(positions, x, ctx, model._rope(i))
+        x, residual = getattr(layer, second_norm)(x, residual, delta)
+        x, delta = layer.feed_forward(x, ctx)
+    x, _ = model.norm(x, residual, delta)
+    return x
 
 
 _CLASSES: list[type] = []
