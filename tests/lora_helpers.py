@@ -349,3 +349,26 @@ def test_serve_completions(family_lora):
     from helpers import check_served_completion_equals_transformers
     family, base, hf, _ = family_lora
     check_served_completion_equals_transformers(base, family, hf)
+
+
+def check_expert_target_modules_adapter(base, stacked, folder, names: list[str]) -> None:
+    """The adapter at `stacked` (the experts' stacked parameters in target_parameters) copied to `folder` with the
+    experts named instead by transformers 4's `names` in target_modules (peft turns those into the stacked
+    parameters): infer's checks pass it and it gives the stacked adapter's greedy tokens."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from helpers import greedy_tokens, random_prompts
+    from infer import LLM
+    from infer.lora.adapter import adapter_problems
+    shutil.copytree(stacked, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_modules"] = sorted(config["target_modules"]) + list(names)
+    config.pop("target_parameters")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_problems("v4", folder, AutoConfig.from_pretrained(base)) == []
+    prompts = random_prompts(512, (6, 9), seed=2)
+    with LLM(str(base), loras={"qv4": str(stacked), "v4": str(folder)}) as llm:
+        assert greedy_tokens(llm, prompts, 5, lora=["v4", "v4"]) == greedy_tokens(llm, prompts, 5, lora=["qv4", "qv4"])

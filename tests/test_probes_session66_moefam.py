@@ -11,8 +11,6 @@ of them refused naming the field."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -293,20 +291,6 @@ def test_an_adapter_config_naming_mixtrals_w1_w3_w2_is_accepted_on_minimax_m2(fa
     """An adapter_config.json naming MiniMax-M2's experts by Mixtral's target_modules w1, w3 and w2 (as written before
     peft turned them into the stacked parameters; peft's conversion reads MiniMax-M2 as Mixtral) passes infer's
     checks and gives the tokens of the same adapter saved with target_parameters."""
-    import shutil
-
-    from transformers import AutoConfig
-
-    from helpers import greedy_tokens, random_prompts
-    from infer.lora.adapter import adapter_problems
+    from lora_helpers import check_expert_target_modules_adapter
     _, base, _, paths = family_lora
-    folder = tmp_path / "v4"
-    shutil.copytree(paths["qv4"], folder)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["target_modules"] = sorted(config["target_modules"]) + ["w1", "w3", "w2"]
-    config.pop("target_parameters")
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    assert adapter_problems("v4", folder, AutoConfig.from_pretrained(base)) == []
-    prompts = random_prompts(512, (6, 9), seed=2)
-    with LLM(str(base), loras={"qv4": str(paths["qv4"]), "v4": str(folder)}) as llm:
-        assert greedy_tokens(llm, prompts, 5, lora=["v4", "v4"]) == greedy_tokens(llm, prompts, 5, lora=["qv4", "qv4"])
+    check_expert_target_modules_adapter(base, paths["qv4"], tmp_path / "v4", ["w1", "w3", "w2"])

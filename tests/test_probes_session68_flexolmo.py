@@ -172,24 +172,9 @@ def test_an_adapter_config_naming_the_experts_gate_proj_up_proj_down_proj_is_acc
     """An adapter_config.json naming FlexOlmo's experts by transformers 4's target_modules gate_proj, up_proj and
     down_proj (peft turns them into the stacked parameters: its qwen2_moe conversion) passes infer's checks and gives
     the tokens of the same adapter saved with target_parameters."""
-    import json
-    import shutil
-
-    from transformers import AutoConfig
-
-    from helpers import greedy_tokens, random_prompts
-    from infer.lora.adapter import adapter_problems
+    from lora_helpers import check_expert_target_modules_adapter
     base, _, paths = flex_lora
-    folder = tmp_path / "v4"
-    shutil.copytree(paths["qv4"], folder)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["target_modules"] = sorted(config["target_modules"]) + ["gate_proj", "up_proj", "down_proj"]
-    config.pop("target_parameters")
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    assert adapter_problems("v4", folder, AutoConfig.from_pretrained(base)) == []
-    prompts = random_prompts(512, (6, 9), seed=2)
-    with LLM(str(base), loras={"qv4": str(paths["qv4"]), "v4": str(folder)}) as llm:
-        assert greedy_tokens(llm, prompts, 5, lora=["v4", "v4"]) == greedy_tokens(llm, prompts, 5, lora=["qv4", "qv4"])
+    check_expert_target_modules_adapter(base, paths["qv4"], tmp_path / "v4", ["gate_proj", "up_proj", "down_proj"])
 
 
 def test_an_adapter_without_target_modules_is_refused_as_peft_refuses_it(flex_lora, tmp_path):
