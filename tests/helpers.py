@@ -1041,6 +1041,46 @@ def check_batched_chunks_equal_transformers(path, hf) -> None:
         check_state_slots_all_free(llm)
 
 
+def check_chunked_prefill_carries_the_states(name: str, hf) -> None:
+    """Built-in hybrid `name` in steps of 8 tokens: prompts of 30 and 41 tokens run in chunks whose states carry over,
+    mixed with the others' decodes, and a prompt of one token: transformers' greedy tokens; every state slot given
+    back."""
+    from infer import LLM
+    prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
+    with LLM(name, block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        steps = prompt_steps(llm)
+        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
+        assert max(steps) <= 8 and len(steps) > 10
+        check_state_slots_all_free(llm)
+
+
+def check_prefix_snapshot_restored(name: str, hf, then=None, **engine) -> None:
+    """Built-in hybrid `name`: a 37-token prompt, then it with 7 more tokens (blocks of 4): the second finds the
+    first's 9 full blocks and the states snapshotted at their end and computes its last 8 tokens alone; its logprobs
+    are those of caching off (a zero state restored would move them) and the tokens transformers'. `then(llm,
+    prompts, want)` runs on the caching engine (of `engine`'s options) after."""
+    from infer import LLM
+    from infer.engine.sampling_params import SamplingParams
+    base = random_prompts(512, (37,), seed=6)[0]
+    prompts = [base, base + [5, 6, 7, 8, 9, 10, 11]]
+    want = greedy_each(hf, prompts, 6)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    with LLM(name, block_size=4, enable_prefix_caching=False) as llm:
+        full = [llm.generate([p], params)[0] for p in prompts]
+        assert [o.token_ids for o in full] == want
+    with LLM(name, block_size=4, **engine) as llm:
+        steps = prompt_steps(llm)
+        outs = [llm.generate([p], params)[0] for p in prompts]
+        for a, b in zip(outs[1].logprobs, full[1].logprobs):
+            assert abs(a["logprob"] - b["logprob"]) < 1e-5
+        assert llm.engine.block_manager.snapshots.restored == 1
+        assert outs[1].num_cached_tokens == 36 and steps[-6:].count(0) >= 5
+        check_state_slots_all_free(llm)
+        if then is not None:
+            then(llm, prompts, want)
+    assert [o.token_ids for o in outs] == want
+
+
 def check_sleep_frees_the_states_with_the_kv_cache(llm) -> None:
     """A hybrid's engine slept (level 1) frees its state slots and snapshots with the KV cache, their bytes together;
     woken after."""

@@ -15,11 +15,11 @@ import torch
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_batched_chunks_equal_transformers, check_greedy_and_logprobs_equal_transformers,
-                     check_preemption_restarts_from_zero_state, check_sleep_frees_the_states_with_the_kv_cache,
-                     check_state_slots_all_free, check_warmup_counts_the_states, estimated_plan, greedy_each,
-                     greedy_tokens, hf_model, interpreted_module, norms_and_biases_shifted, prompt_steps,
-                     random_prompts, save_random_model)
+from helpers import (check_batched_chunks_equal_transformers, check_chunked_prefill_carries_the_states,
+                     check_greedy_and_logprobs_equal_transformers, check_preemption_restarts_from_zero_state,
+                     check_prefix_snapshot_restored, check_sleep_frees_the_states_with_the_kv_cache,
+                     check_warmup_counts_the_states, estimated_plan, greedy_each, greedy_tokens, hf_model,
+                     interpreted_module, norms_and_biases_shifted, random_prompts, save_random_model)
 from quant_helpers import needs_gptqmodel
 
 NAME = "tiny-lfm2"
@@ -66,12 +66,7 @@ def test_conv_bias_and_drawn_norms_equal_transformers(tmp_path):
 def test_chunked_prefill_carries_the_conv_state_across_steps(hf):
     """Steps of 8 tokens: prompts of 30 and 41 tokens run in chunks whose conv states carry over, mixed with the
     others' decodes; a prompt of one token too; every state slot given back."""
-    prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
-    with LLM(NAME, block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
-        steps = prompt_steps(llm)
-        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
-        assert max(steps) <= 8 and len(steps) > 10
-        check_state_slots_all_free(llm)
+    check_chunked_prefill_carries_the_states(NAME, hf)
 
 
 def test_preemption_restarts_the_conv_state_from_zero(hf):
@@ -83,28 +78,14 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
     """A 37-token prompt, then it with 7 more tokens (blocks of 4): the second finds the first's 9 full blocks and
     the conv states snapshotted at their end, computes its last 8 tokens alone, and both give transformers' tokens
     and those of caching off; after sleep and wake_up it is computed in full, the same tokens."""
-    base = random_prompts(512, (37,), seed=6)[0]
-    prompts = [base, base + [5, 6, 7, 8, 9, 10, 11]]
-    want = greedy_each(hf, prompts, 6)
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
-    with LLM(NAME, block_size=4, enable_prefix_caching=False) as llm:
-        full = [llm.generate([p], params)[0] for p in prompts]
-        assert [o.token_ids for o in full] == want
-    with LLM(NAME, block_size=4, enable_sleep_mode=True) as llm:
-        steps = prompt_steps(llm)
-        outs = [llm.generate([p], params)[0] for p in prompts]
-        # (the restored conv state reaches the logprobs: a zero one could leave the greedy tokens as they are)
-        for a, b in zip(outs[1].logprobs, full[1].logprobs):
-            assert abs(a["logprob"] - b["logprob"]) < 1e-5
-        assert llm.engine.block_manager.snapshots.restored == 1
-        assert outs[1].num_cached_tokens == 36 and steps[-6:].count(0) >= 5
-        check_state_slots_all_free(llm)
-        # sleep frees the conv states and their snapshots with the KV cache (no recurrent state to free) and forgets
-        # the snapshots: the extension after waking is computed in full, the same tokens
+
+    def after_sleep(llm, prompts, want):
+        # sleep frees the conv states and their snapshots with the KV cache (no recurrent state to free) and
+        # forgets the snapshots: the extension after waking is computed in full, the same tokens
         check_sleep_frees_the_states_with_the_kv_cache(llm)
         again = llm.generate(prompts[1:], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
         assert again.num_cached_tokens == 0 and again.token_ids == want[1]
-    assert [o.token_ids for o in outs] == want
+    check_prefix_snapshot_restored(NAME, hf, after_sleep, enable_sleep_mode=True)
 
 
 def test_prefix_caching_without_snapshots_is_off_and_said(caplog, hf):

@@ -11,12 +11,13 @@ import json
 import pytest
 import torch
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.models.tiny import ensure_builtin
 
-from helpers import (check_batched_chunks_equal_transformers, check_greedy_and_logprobs_equal_transformers,
+from helpers import (check_batched_chunks_equal_transformers, check_chunked_prefill_carries_the_states,
+                     check_greedy_and_logprobs_equal_transformers, check_prefix_snapshot_restored,
                      check_state_slots_all_free, estimated_plan, greedy_each, greedy_tokens, hf_model,
-                     norms_and_biases_shifted, prompt_steps, random_prompts, save_random_model)
+                     norms_and_biases_shifted, random_prompts, save_random_model)
 
 NAME = "tiny-bamba"
 
@@ -71,35 +72,14 @@ def test_biases_one_group_two_attention_layers_and_a_tied_head_equal_transformer
 def test_chunked_prefill_carries_the_mamba_state_across_steps(hf):
     """Steps of 8 tokens: prompts of 30 and 41 tokens run in chunks whose conv and SSM states carry over, mixed with
     the others' decodes; a prompt of one token too; every state slot given back."""
-    prompts = random_prompts(512, (30, 41, 1, 9), seed=5)
-    with LLM(NAME, block_size=4, max_num_batched_tokens=8, max_num_seqs=4) as llm:
-        steps = prompt_steps(llm)
-        assert greedy_tokens(llm, prompts, 8) == greedy_each(hf, prompts, 8)
-        assert max(steps) <= 8 and len(steps) > 10
-        check_state_slots_all_free(llm)
+    check_chunked_prefill_carries_the_states(NAME, hf)
 
 
 def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
     """A 37-token prompt, then it with 7 more tokens (blocks of 4): the second finds the first's 9 full blocks and
     the Mamba-2 states snapshotted at their end, computes its last 8 tokens alone; its logprobs are those of caching
     off and its tokens transformers'."""
-    base = random_prompts(512, (37,), seed=6)[0]
-    prompts = [base, base + [5, 6, 7, 8, 9, 10, 11]]
-    want = greedy_each(hf, prompts, 6)
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
-    with LLM(NAME, block_size=4, enable_prefix_caching=False) as llm:
-        full = [llm.generate([p], params)[0] for p in prompts]
-        assert [o.token_ids for o in full] == want
-    with LLM(NAME, block_size=4) as llm:
-        steps = prompt_steps(llm)
-        outs = [llm.generate([p], params)[0] for p in prompts]
-        # (the restored states reach the logprobs: zero ones could leave the greedy tokens as they are)
-        for a, b in zip(outs[1].logprobs, full[1].logprobs):
-            assert abs(a["logprob"] - b["logprob"]) < 1e-5
-        assert llm.engine.block_manager.snapshots.restored == 1
-        assert outs[1].num_cached_tokens == 36 and steps[-6:].count(0) >= 5
-        check_state_slots_all_free(llm)
-    assert [o.token_ids for o in outs] == want
+    check_prefix_snapshot_restored(NAME, hf)
 
 
 def test_bfloat16_equals_transformers_in_bfloat16(hf):

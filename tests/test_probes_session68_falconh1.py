@@ -14,12 +14,12 @@ import json
 import pytest
 import torch
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.models.tiny import ensure_builtin
 
 from helpers import (builtin_model_tests, check_batched_chunks_equal_transformers, check_emulated_decode_graphs,
                      check_greedy_and_logprobs_equal_transformers, check_preemption_restarts_from_zero_state,
-                     check_state_slots_all_free, estimated_plan, greedy_each, greedy_tokens, hf_model,
+                     check_prefix_snapshot_restored, estimated_plan, greedy_each, greedy_tokens, hf_model,
                      hub_shaped_folder, norms_shifted_biases_drawn, random_prompts, save_random_model)
 from quant_helpers import needs_gptqmodel
 
@@ -98,18 +98,7 @@ def test_a_second_request_sharing_a_prefix_starts_after_its_snapshot(hf):
     """A 37-token prompt, then it with 7 more tokens (blocks of 4): the second finds the first's 9 full blocks (the KV
     of every layer) and the Mamba-2 states snapshotted at their end, computes its last tokens alone; the tokens and
     logprobs are those of caching off, the tokens transformers'."""
-    base = random_prompts(512, (37,), seed=6)[0]
-    prompts = [base, base + [5, 6, 7, 8, 9, 10, 11]]
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
-    with LLM(NAME, block_size=4, enable_prefix_caching=False) as llm:
-        full = [llm.generate([p], params)[0] for p in prompts]
-    with LLM(NAME, block_size=4) as llm:
-        outs = [llm.generate([p], params)[0] for p in prompts]
-        assert llm.engine.block_manager.snapshots.restored == 1 and outs[1].num_cached_tokens == 36
-        check_state_slots_all_free(llm)
-    for a, b in zip(outs[1].logprobs, full[1].logprobs):  # (a zero state restored would move them)
-        assert abs(a["logprob"] - b["logprob"]) < 1e-5
-    assert [o.token_ids for o in outs] == [o.token_ids for o in full] == greedy_each(hf, prompts, 6)
+    check_prefix_snapshot_restored(NAME, hf)
 
 
 def test_interpreted_triton_kernels_under_emulated_graphs_equal_transformers(hf, monkeypatch):
