@@ -110,11 +110,12 @@ def test_warmup_counts_the_conv_states_and_the_attention_kv_alone():
 
 
 def test_the_activation_estimate_covers_the_measured_peak():
-    """`infer warmup` (measured, a fresh process) of a step of 1,020 tokens: the short convs' temporaries (in_proj's
+    """`infer warmup` (measured, a fresh process) of a step of 4,092 tokens: the short convs' temporaries (in_proj's
     B | C | x, B * x, the conv's input with its state and its output, C times it) are within the formula, which is
-    not loose by more than 30%."""
+    not loose by more than 30%. (At 1,020 tokens the peak RSS's growth, about 3 MB, moved by 0.5 MB from run to run
+    beside another pytest worker: 1.14 to 1.35 of it.)"""
     from helpers import measured_warmup
-    measured = measured_warmup([NAME, "--max-length", "256", "--concurrency", "4", "--max-num-batched-tokens", "1024"])
+    measured = measured_warmup([NAME, "--max-length", "1024", "--concurrency", "4", "--max-num-batched-tokens", "4096"])
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert peak <= formula <= 1.3 * peak, (formula, peak)
 

@@ -267,10 +267,10 @@ def test_warmup_estimate_on_bamba_9bs_shapes(tmp_path, monkeypatch):
 
 
 def test_the_measured_cpu_peak_is_under_the_estimate():
-    """`infer warmup` (measured, a fresh process) of a step of 1,020 tokens and decodes at 256: the measured peak
-    (the SSD scan's temporaries over 64 chunks of 16, the feed_forward's) is under `warmup --estimate`'s activations,
-    which are not loose by more than 1.5x."""
+    """`infer warmup` (measured, a fresh process) of a step of 4,092 tokens and decodes at 1,024: the measured peak
+    (the SSD scan's temporaries over 256 chunks of 16, the feed_forward's) is under `warmup --estimate`'s
+    activations, which are not loose by more than 1.5x (1.38 to 1.39 measured; at 1,020 tokens, 1.39 to 1.45)."""
     from helpers import measured_warmup
-    measured = measured_warmup([NAME, "--max-length", "256", "--concurrency", "4", "--max-num-batched-tokens", "1024"])
+    measured = measured_warmup([NAME, "--max-length", "1024", "--concurrency", "4", "--max-num-batched-tokens", "4096"])
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert peak <= formula <= 1.5 * peak, (formula, peak)
