@@ -180,13 +180,22 @@ def test_a_stream_sends_openais_typed_events_in_order(served):
     assert _events(served, input="hi", guided_regex="ok", max_output_tokens=20)[-1][0] == "response.completed"
 
 
+def _cold(base):
+    """Forget the cached prefixes: a prompt prefilled over cached blocks gets logprobs that differ from a whole
+    prefill's in the last float bits (and under --dist worksteal another test of the module may have cached it)."""
+    assert httpx.post(f"{base}/reset_prefix_cache", timeout=60).status_code == 200
+
+
 def test_logprobs_come_as_chats_when_included(served):
     include = ["message.output_text.logprobs"]
+    _cold(served)
     r = _resp(served, input="hi", include=include, top_logprobs=2, ignore_eos=True).json()
+    _cold(served)
     chat = _chat(served, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, ignore_eos=True)
     lp = r["output"][0]["content"][0]["logprobs"]
     assert lp == chat["choices"][0]["logprobs"]["content"] and len(lp) == 8 and len(lp[0]["top_logprobs"]) == 2
     assert _resp(served, input="hi", top_logprobs=2).json()["output"][0]["content"][0]["logprobs"] == []  # as vLLM
+    _cold(served)
     events = _events(served, input="hi", include=include, top_logprobs=2, ignore_eos=True)
     streamed = [x for _, d in events if d["type"] == "response.output_text.delta" for x in d["logprobs"]]
     done = [d for _, d in events if d["type"] == "response.output_text.done"][0]
