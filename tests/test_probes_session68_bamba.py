@@ -124,8 +124,6 @@ REFUSED = {  # what config.json changes -> words of the refusal
     "no-attention": (dict(attn_layer_indices=[]), "bamba with no attention layer (attn_layer_indices empty"),
     "rotary-width": (dict(attn_rotary_emb=16), "bamba with attn_rotary_emb 16 is not supported: transformers rotates "
                                                "8 dims of each head of 16"),
-    "time-step-limit": (dict(time_step_limit=[0.0, 0.5]), "bamba with time_step_limit [0.0, 0.5] is not supported: "
-                                                          "transformers clamps dt by it in a prompt's scan but not"),
     "groups": (dict(mamba_n_groups=3), "bamba with mamba_n_heads 8 in mamba_n_groups 3 is not supported"),
     "activation": (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
 }
@@ -134,7 +132,7 @@ REFUSED = {  # what config.json changes -> words of the refusal
 @pytest.mark.parametrize("name", REFUSED)
 def test_what_infer_cannot_run_is_refused_naming_the_field(tmp_path, name):
     """attn_layer_indices naming no layer or none, an attn_rotary_emb other than the half head transformers rotates,
-    a time_step_limit that clamps, Mamba-2 heads the groups do not divide, an activation other than silu (the MLP's
+    Mamba-2 heads the groups do not divide, an activation other than silu (the MLP's
     and the conv's): `infer warmup --estimate` refuses them naming the field."""
     from helpers import estimate_refusal
     from infer.models.tiny import BUILTIN_MODELS

@@ -246,8 +246,9 @@ class DecodeGraphs(_StaticTokens):
 
     # ------------------------------------------------------------------ replay
     def fits(self, num_new_tokens: list[int], ctx: ForwardContext) -> bool:
-        """Whether this step can replay a graph: decodes only, at most max_num_seqs, block tables within width."""
-        return (ctx.max_query_len == 1 and len(num_new_tokens) <= self.max_batch
+        """Whether this step can replay a graph: decodes only (of generated tokens where a clamping time_step_limit
+        tells them apart: ctx.dt_clamp), at most max_num_seqs, block tables within width."""
+        return (ctx.max_query_len == 1 and ctx.dt_clamp is None and len(num_new_tokens) <= self.max_batch
                 and ctx.block_tables.shape[1] <= self.max_blocks and bool(self.graphs))
 
     def _pad(self, n: int, b: int) -> None:

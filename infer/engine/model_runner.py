@@ -43,6 +43,9 @@ class ModelRunner:
         # a hybrid model's linear-attention states: a slot per running sequence (engine.state_cache; 0: none)
         self.hybrid = hasattr(model, "allocate_states")
         self.state_bytes = model.allocate_states(config.max_num_seqs, device) if self.hybrid else 0
+        # Mamba-2 layers whose time_step_limit clamps a prompt's dt: each step says which tokens are the prompt's
+        # where a prefill's are not all or a decode's not none (ForwardContext.dt_clamp)
+        self.clamps_dt = self.hybrid and any(getattr(m, "clamps", False) for m in model.linear_layers())
         self.snapshot_bytes = 0  # and its prefix cache's state snapshots (LLMEngine: allocate_snapshots)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured (and checked)
@@ -168,6 +171,7 @@ class ModelRunner:
         parameters' floats, when a row draws or has penalties, in a second."""
         host = HostInputs(self.block_size, len(self.groups[1]) - 1 if self.groups is not None else 0)
         host.states = [] if self.hybrid else None
+        host.dt_clamp = [] if self.clamps_dt else None
         rows, row_seqs = [], []
         for i in order if order is not None else range(len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -196,6 +200,7 @@ class ModelRunner:
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
         states = pack.add(host.states) if self.hybrid else None
         prompt = (pack.add(host.plp_rows), pack.add(host.plp_tokens)) if host.plp_rows else None
+        dt_clamp = pack.add(host.dt_clamp) if host.dt_clamp_needed else None
         groups = None  # the tokens grouped by adapter slot (LoRAGroups), made on the host, copied with the rest
         if self.lora_manager is not None and max(host.lora_slots, default=-1) >= 0:
             by_slot, bounds, in_order = host_groups(host.lora_slots, self.lora_manager.max_loras)
@@ -213,6 +218,8 @@ class ModelRunner:
                              max_query_len=max(batch.num_new_tokens))
         if states is not None:
             ctx.state_slots = data[states]
+        if dt_clamp is not None:
+            ctx.dt_clamp = data[dt_clamp].bool()
         if groups_at:
             ctx.kv_groups = (torch.stack([data[t].view(b, width) for t, _ in groups_at]).int(),
                              torch.stack([data[s] for _, s in groups_at]))
@@ -364,6 +371,10 @@ class HostInputs:
         self.ids, self.pos, self.slots, self.lens, self.last, self.lora_slots = [], [], [], [], [], []
         self.tables: list[list[int]] = []
         self.states: list[int] | None = None  # a hybrid model's state slot of each sequence (ModelRunner.prepare)
+        # a clamping time_step_limit (ModelRunner.clamps_dt): whether each token is the prompt's, and whether that
+        # differs anywhere from "a prefill's tokens are, a decode's is not" (then the step sends it: ctx.dt_clamp)
+        self.dt_clamp: list[bool] | None = None
+        self.dt_clamp_needed = False
         self.sample: list[int] = []  # flat index of the last token of each sequence that samples
         self.fill: list[int] = []  # pairs: flat index, row of the previous step's sampled tokens
         # prompt_logprobs: the flat index of each hidden row that predicts a prompt token, that token, and per
@@ -405,6 +416,11 @@ class HostInputs:
         self.last.append(len(self.ids) - 1)
         if self.states is not None:
             self.states.append(seq.state_slot)
+        if self.dt_clamp is not None:
+            prompt = len(seq.prompt_token_ids)
+            self.dt_clamp.extend(start + j < prompt for j in range(n))
+            # (a prompt's token alone, or a chunk past the prompt: a recomputation's, a speculative step's)
+            self.dt_clamp_needed |= start < prompt if n == 1 else start + n > prompt
         self.tables.append(table)
         for view, tables, slots in zip(seq.kv_views if self.group_tables else (), self.group_tables,
                                        self.group_slots):

@@ -188,13 +188,15 @@ def mamba2_decode(x, dt, A, B, C, D, dt_bias, states, slots, kept):
     return mamba2.state_update_slots(x, dt, A, B, C, D, dt_bias, states, slots, kept)
 
 
-def mamba2_prefill(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc, slots, kept, limit):
+def mamba2_prefill(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc, slots, kept, limit, clamp=None):
     """A Mamba-2 prefill step's chunked SSD scan over each sequence's tokens from its SSM state at its slot
-    (mamba2.chunk_scan_varlen): on CUDA in Triton over every chunk of the step at once (mamba2_triton)."""
+    (mamba2.chunk_scan_varlen; `limit` clamps the dt of the tokens `clamp` marks, None: of all): on CUDA in Triton
+    over every chunk of the step at once (mamba2_triton)."""
     if use_triton(x):
         return _triton("mamba2_triton").chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc,
-                                                          slots, kept, limit)
-    return mamba2.chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc, slots, kept, limit)
+                                                          slots, kept, limit, clamp)
+    return mamba2.chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk, states, query_start_loc, slots, kept, limit,
+                                    clamp)
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):

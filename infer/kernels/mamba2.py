@@ -28,18 +28,22 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool, device=a.device)), -torch.inf)
 
 
-def _discretized_dt(dt, dt_bias, limit=None):
-    """softplus(dt + dt_bias) in dt's dtype, clamped to `limit`."""
+def _discretized_dt(dt, dt_bias, limit=None, clamp=None):
+    """softplus(dt + dt_bias) in dt's dtype, clamped to `limit` (of the tokens `clamp` [T] bool marks; None: all)."""
     dt = F.softplus(dt + dt_bias.to(dt.dtype))
-    return dt if limit is None else dt.clamp(limit[0], limit[1])
+    if limit is None:
+        return dt
+    clamped = dt.clamp(limit[0], limit[1])
+    return clamped if clamp is None else torch.where(clamp[:, None], clamped, dt)
 
 
-def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limit=(0.0, float("inf"))):
+def chunk_scan(x, dt, A, B, C, D, dt_bias, chunk: int, state: torch.Tensor, limit=(0.0, float("inf")), clamp=None):
     """One sequence's T tokens from `state` [H, P, N]: (y [T, H, P] float32 with the D skip, the final state).
-    x [T, H, P], dt [T, H], B and C [T, G, N]; dt clamped to `limit` (time_step_limit) after softplus."""
+    x [T, H, P], dt [T, H], B and C [T, G, N]; dt clamped to `limit` (time_step_limit) after softplus: every token's,
+    or those `clamp` [T] bool marks (a prompt's: transformers clamps a prompt's dt, not a decode step's)."""
     t, h, p = x.shape
     rep = h // B.shape[1]
-    dt = _discretized_dt(dt, dt_bias, limit).float()
+    dt = _discretized_dt(dt, dt_bias, limit, clamp).float()
     x = x.float()
     skip = x * D.float()[:, None]
     B = B.float().repeat_interleave(rep, dim=1)  # [T, H, N]
@@ -99,16 +103,18 @@ def state_update_slots(x, dt, A, B, C, D, dt_bias, states: torch.Tensor, slots: 
 
 
 def chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, chunk: int, states: torch.Tensor, query_start_loc: torch.Tensor,
-                      slots: torch.Tensor, kept: torch.Tensor, limit=(0.0, float("inf"))):
+                      slots: torch.Tensor, kept: torch.Tensor, limit=(0.0, float("inf")), clamp=None):
     """A prefill step's scan (chunk_scan) of each sequence's tokens query_start_loc[i]:query_start_loc[i + 1] (x [T,
     H, P], dt [T, H], B and C [T, G, N]) from its state at slots[i] of `states` [slots, H, P, N] float32 (zero where
-    not kept[i]), the state after them written back there. Returns y [T, H, P] float32. (The CPU path: one
-    chunk_scan a sequence; mamba2_triton's runs every chunk of the step at once.)"""
+    not kept[i]), the state after them written back there; `clamp` [T] bool: the tokens whose dt `limit` clamps
+    (None: all). Returns y [T, H, P] float32. (The CPU path: one chunk_scan a sequence; mamba2_triton's runs every
+    chunk of the step at once.)"""
     y = x.new_empty(x.shape, dtype=torch.float32)
     bounds = query_start_loc.tolist()
     for s, e, slot, k in zip(bounds[:-1], bounds[1:], slots.tolist(), kept.tolist()):
         state = states[slot] if k else torch.zeros_like(states[slot])
-        y[s:e], states[slot] = chunk_scan(x[s:e], dt[s:e], A, B[s:e], C[s:e], D, dt_bias, chunk, state, limit)
+        y[s:e], states[slot] = chunk_scan(x[s:e], dt[s:e], A, B[s:e], C[s:e], D, dt_bias, chunk, state, limit,
+                                          None if clamp is None else clamp[s:e])
     return y
 
 

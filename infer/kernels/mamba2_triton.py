@@ -220,12 +220,12 @@ def _chunk_scan_kernel(x_ptr, b_ptr, c_ptr, d_ptr, dt_ptr, cum_ptr, prev_ptr, y_
         tl.store(y_ptr + tok_m[:, None] * s_yt + h * s_yh + offs_p[None, :], acc, mask=mm[:, None] & mp[None, :])
 
 
-def scan_terms(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, rows: torch.Tensor, limit):
+def scan_terms(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, rows: torch.Tensor, limit, clamp=None):
     """The discretized dt and the cumulative sums of dt A within each chunk of `rows` ([NC, L], chunk_layout's):
     ([H, NC, L] float32 each; dt 0 past a sequence's end, so the sums stay its last token's), as mamba2.chunk_scan
     computes them."""
     from .mamba2 import _discretized_dt
-    d = F.pad(_discretized_dt(dt, dt_bias, limit).float(), (0, 0, 0, 1))[rows]  # [NC, L, H] (row T: zero)
+    d = F.pad(_discretized_dt(dt, dt_bias, limit, clamp).float(), (0, 0, 0, 1))[rows]  # [NC, L, H] (row T: zero)
     cum = torch.cumsum(A.float() * d, dim=1)
     return d.permute(2, 0, 1).contiguous(), cum.permute(2, 0, 1).contiguous()
 
@@ -233,7 +233,7 @@ def scan_terms(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor, rows: t
 def chunk_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                       D: torch.Tensor, dt_bias: torch.Tensor, chunk: int, states: torch.Tensor,
                       query_start_loc: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor,
-                      limit=(0.0, float("inf"))) -> torch.Tensor:
+                      limit=(0.0, float("inf")), clamp=None) -> torch.Tensor:
     """mamba2.chunk_scan_varlen over every chunk of the step at once: x [T, H, P], dt [T, H], B and C [T, G, N]
     (each unit stride along its last dim, or copied), states [slots, H, P, N] float32 written in place at `slots`.
     Returns y [T, H, P] float32 (the D skip included)."""
@@ -249,7 +249,7 @@ def chunk_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: tor
         return y
     lay = chunk_layout(query_start_loc, chunk)
     nc = lay["rows"].shape[0]
-    d, cum = scan_terms(dt, A, dt_bias, lay["rows"], limit)
+    d, cum = scan_terms(dt, A, dt_bias, lay["rows"], limit, clamp)
     # each chunk's own state, then the state before it (mamba2.varlen_scan_bytes counts it)
     chunk_states = torch.empty(nc, h, p, n, dtype=torch.float32, device=x.device)
     bp, bn = max(16, min(DIM_BLOCK, next_power_of_2(p))), max(16, next_power_of_2(n))  # (tl.dot's smallest tile)

@@ -29,3 +29,8 @@ class ForwardContext:
     # a hybrid model's per-sequence state slots [B] int64 (models.qwen3_5: its linear-attention layers' states); None:
     # no such layers
     state_slots: Any = None
+    # a hybrid model whose Mamba-2 time_step_limit clamps (models.granite4.Mamba2Mixer.clamps): [T] bool, whether each
+    # token is the prompt's (its dt clamped, as transformers clamps a prompt's and not a decode step's), set only for
+    # a step where that is not "a prefill's tokens are the prompt's, a decode's generated" (a prompt's last token
+    # alone, a recomputed sequence's generated tokens); None: that rule holds
+    dt_clamp: Any = None

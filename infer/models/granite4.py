@@ -64,6 +64,10 @@ class Mamba2Mixer(nn.Module):
         self.kernel, self.chunk = int(cfg.mamba_d_conv), int(cfg.mamba_chunk_size)
         self.conv_dim = self.inter + 2 * self.groups * self.d_state
         self.limit = tuple(float(v) for v in (cfg.time_step_limit or (0.0, float("inf"))))
+        # a limit that can clamp (softplus is never negative): transformers clamps a prompt's dt and not a decode
+        # step's, so the tokens of a prompt infer computes one at a time (the last of a chunked or prefix-cached
+        # prompt) are scanned, clamped, where the model runner marks them (ForwardContext.dt_clamp)
+        self.clamps = self.limit[0] > 0 or self.limit[1] < float("inf")
         bias = bool(cfg.mamba_proj_bias)
         self.in_proj = MergedLinear(cfg.hidden_size, [self.inter + self.conv_dim + self.heads], [f"{prefix}.in_proj"],
                                     bias, method_for([f"{prefix}.in_proj"]), dtype)
@@ -85,7 +89,7 @@ class Mamba2Mixer(nn.Module):
         """(the layer's output, None: no LoRA delta left to a norm). kept [B] bool: whether each sequence's slot holds
         its state (False: its step starts at position 0, from zero state)."""
         z, xbc, dt = self.projected(x, ctx).split([self.inter, self.conv_dim, self.heads], dim=-1)
-        if ctx.max_query_len == 1:
+        if ctx.max_query_len == 1 and (ctx.dt_clamp is None or not self.clamps):
             y = self.norm(self._decode(xbc, dt, ctx.state_slots, kept).reshape(-1, self.inter), z)
         else:
             y = self._prefill(xbc, dt, z, ctx, kept)
@@ -117,16 +121,22 @@ class Mamba2Mixer(nn.Module):
     def _prefill(self, xbc, dt, z, ctx: ForwardContext, kept):
         """A step with a prefill: the conv over every sequence's tokens from its slot's conv state (zero where not
         `kept`), then the SSD scan over every prefill (kernels.mamba2_prefill: one call) and, for a decode in the
-        mixed step (one token, its state kept), the recurrence as transformers decodes; each normed by z (a
-        prefill's scan output float32, a decode's in the model's dtype). Returns [T, I] in the model's dtype."""
+        mixed step (one generated token, its state kept), the recurrence as transformers decodes; each normed by z (a
+        prefill's scan output float32, a decode's in the model's dtype). A time_step_limit that clamps applies to the
+        prompt's tokens: those of every prefill, or those ctx.dt_clamp marks (a prompt's last token alone is scanned
+        then). Returns [T, I] in the model's dtype."""
         starts, slots = ctx.query_start_loc, ctx.state_slots
         conv = kernels.causal_conv1d_varlen(xbc, self.conv1d.weight, self.conv_state, starts, slots, kept,
                                             ctx.max_query_len, self.conv1d.bias)
         x, b, c = self._split(conv)
         lens = starts[1:] - starts[:-1]
         decode = (lens == 1) & kept
+        clamp = ctx.dt_clamp if self.clamps else None
+        if clamp is not None:
+            decode &= ~clamp[starts[:-1]]
         if not bool(decode.any()):
-            return self.norm(self._scan(x, dt, b, c, starts, slots, kept).reshape(-1, self.inter), z).to(z.dtype)
+            y = self._scan(x, dt, b, c, starts, slots, kept, clamp)
+            return self.norm(y.reshape(-1, self.inter), z).to(z.dtype)
         out = torch.empty_like(z)
         rows = starts[:-1][decode]
         y = kernels.mamba2_decode(x[rows], dt[rows], self._a(), b[rows], c[rows], self.D, self.dt_bias,
@@ -136,14 +146,15 @@ class Mamba2Mixer(nn.Module):
         if bool(prefill.any()):
             rows = torch.repeat_interleave(prefill, lens).nonzero().squeeze(1)  # the prefills' tokens
             y = self._scan(x[rows], dt[rows], b[rows], c[rows], F.pad(lens[prefill].cumsum(0), (1, 0)),
-                           slots[prefill], kept[prefill])
+                           slots[prefill], kept[prefill], None if clamp is None else clamp[rows])
             out[rows] = self.norm(y.reshape(-1, self.inter), z[rows]).to(z.dtype)
         return out
 
-    def _scan(self, x, dt, b, c, starts, slots, kept):
-        """The SSD scan of the prefills (tokens starts[i]:starts[i + 1] each) from their slots' SSM states."""
+    def _scan(self, x, dt, b, c, starts, slots, kept, clamp=None):
+        """The SSD scan of the prefills (tokens starts[i]:starts[i + 1] each) from their slots' SSM states; `clamp`
+        [T] bool: the tokens whose dt time_step_limit clamps (None: all)."""
         return kernels.mamba2_prefill(x, dt, self._a(), b, c, self.D, self.dt_bias, self.chunk, self.rec_state,
-                                      starts, slots, kept, self.limit)
+                                      starts, slots, kept, self.limit, clamp)
 
 
 class Granite4Layer(nn.Module):

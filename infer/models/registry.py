@@ -661,8 +661,7 @@ def check_nemotron_h(cfg) -> None:
 def check_bamba(cfg) -> None:
     """Bamba's attn_layer_indices naming no layer (transformers then builds every layer Mamba-2) or none at all, an
     attn_rotary_emb other than the rotary transformers computes (half of each head: BambaConfig's partial_rotary_factor
-    0.5, whatever config.json says), a time_step_limit that clamps (transformers clamps a prompt's dt alone: infer
-    computes some prompt tokens as decode steps), and Mamba-2 heads that its groups do not divide or whose mamba_d_head
+    0.5, whatever config.json says), and Mamba-2 heads that its groups do not divide or whose mamba_d_head
     does not tile mamba_expand * hidden_size (transformers fails on them): refused naming them (models.bamba)."""
     hint = "use the config.json that came with the weights"
     layers = int(cfg.num_hidden_layers)
@@ -686,13 +685,6 @@ def check_bamba(cfg) -> None:
                                     f"rotates {width} dims of each head of {head} (partial_rotary_factor 0.5), "
                                     "whatever attn_rotary_emb says", f"set attn_rotary_emb to {width} (or remove it) "
                                     "if the weights were trained rotating half of each head; else " + hint)
-    limit = tuple(getattr(cfg, "time_step_limit", None) or (0.0, math.inf))
-    if limit != (0.0, math.inf):  # (softplus is never negative: the default clamps nothing)
-        raise UnsupportedModelError(f"bamba with time_step_limit {list(limit)} is not supported: transformers clamps "
-                                    "dt by it in a prompt's scan but not in a decode step's state update, and infer "
-                                    "computes some prompt tokens as decode steps (the last token of a chunked or "
-                                    "prefix-cached prompt, a one-token prompt)", "remove time_step_limit from "
-                                    "config.json (Bamba-9B's is the default, [0.0, inf]: no clamp)")
     heads, groups = getattr(cfg, "mamba_n_heads", 1), getattr(cfg, "mamba_n_groups", 1)
     if not groups or heads % groups:
         raise UnsupportedModelError(f"bamba with mamba_n_heads {heads} in mamba_n_groups {groups} is not supported: "
