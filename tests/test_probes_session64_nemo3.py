@@ -187,7 +187,7 @@ def test_adapters_of_the_shared_experts_are_refused_naming_them(tmp_path, target
     paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"a": dict(r=4, lora_alpha=8,
                                                                                target_modules=targets)})
     with pytest.raises(LoRAError, match=r"adapts model\.layers\.1\.mixer\.shared_experts\.\w+_proj: infer does not "
-                                        r"adapt Nemotron 3's experts or shared experts.*train the adapter with "
+                                        r"adapt Nemotron 3's experts, shared experts.*train the adapter with "
                                         r"target_modules on the attention"):
         LLM(NAME, loras={"a": str(paths["a"])}, max_lora_rank=8)
 
@@ -212,13 +212,13 @@ def _config(**change):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"moe_latent_size": 32}, r"moe_latent_size 32: infer does not run Nemotron-H's latent projections"),
+    ({"moe_latent_size": 0}, r"moe_latent_size 0: Nemotron 3's experts run in a latent of that many dims"),
     ({"n_group": 3}, r"n_group 3 with n_routed_experts 8.*Nemotron 3's router \(GLM-4.5's\) splits"),
     ({"num_experts_per_tok": 9}, r"num_experts_per_tok 9 with n_routed_experts 8"),
     ({"topk_group": 1, "num_experts_per_tok": 3}, r"num_experts_per_tok 3, more than the 2 experts of its "
                                                    r"topk_group 1 groups of 2")])
 def test_what_the_experts_cannot_compute_is_refused(change, match):
-    """A Nemotron 3 config.json with the experts' latent projections (moe_latent_size), groups that do not divide
+    """A Nemotron 3 config.json with a latent of no dims (moe_latent_size 0), groups that do not divide
     the experts, or more experts a token than there are (or than its kept groups hold): refused naming the field."""
     from infer.errors import UnsupportedModelError
     from infer.models.registry import check_supported

@@ -42,6 +42,8 @@ PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS, **STARCODER2_PROJECTIONS
 LFM2_MODULES = {("self_attn", "out_proj"), ("conv", "in_proj"), ("conv", "out_proj"), ("feed_forward", "w1"),
                 ("feed_forward", "w3"), ("feed_forward", "w2")}
 LFM2_NAMES = ("out_proj", "in_proj", "w1", "w3", "w2")
+# Nemotron 3 Super's latent projections around its experts (models.moe: no adapter slots; _moe_problems refuses them)
+LATENT_NAMES = ("fc1_latent_proj", "fc2_latent_proj")
 # The Mamba-2 mixers' in_proj (z | x B C | dt) and out_proj, by (parent, projection): Bamba's both (models.bamba),
 # Falcon-H1's in_proj alone (before the mup vector: models.falcon_h1; its out_proj is refused by FALCON_H1_UNADAPTED)
 MAMBA_MODULES = {("mamba", "in_proj"), ("mamba", "out_proj")}
@@ -445,14 +447,16 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "merge_and_unload) and serve that")]
     if base_config.model_type == "lfm2_moe":
         return _lfm2_moe_problems(adapter, params)
-    moe_layer = [m for m in adapter.mlp_modules if ".mixer.shared_experts." in m]  # (Nemotron 3's shared experts)
+    # (Nemotron 3's shared experts, Nemotron 3 Super's latent projections)
+    moe_layer = [m for m in adapter.mlp_modules if ".mixer.shared_experts." in m or m.endswith(LATENT_NAMES)]
     if base_config.model_type == "nemotron_h" and (params or experts or moe_layer):
         # Nemotron 3's experts (relu² without gate: w13 their up rows alone, which infer's expert slots, gate|up,
-        # do not lay out) and its shared experts (a relu² MLP inside the sparse block)
+        # do not lay out), its shared experts (a relu² MLP inside the sparse block) and Super's latent projections
         what = f"target_parameters {json.dumps(params)}" if params else f"adapts {(experts or moe_layer)[0]}"
-        return [Problem(f"{what}: infer does not adapt Nemotron 3's experts or shared experts (its moe layers' "
-                        "mixer.experts, mixer.shared_experts; peft's target_modules up_proj and down_proj reach the "
-                        "shared experts too)", "train the adapter with target_modules on the attention (q_proj, "
+        return [Problem(f"{what}: infer does not adapt Nemotron 3's experts, shared experts or latent projections "
+                        "(its moe layers' mixer.experts, mixer.shared_experts, mixer.fc1_latent_proj, "
+                        "mixer.fc2_latent_proj; peft's target_modules up_proj and down_proj reach the shared experts "
+                        "too)", "train the adapter with target_modules on the attention (q_proj, "
                         "k_proj, v_proj, o_proj) and, if at all, with a regex on the MLP layers' up_proj and "
                         "down_proj alone, or merge it into the weights (peft's merge_and_unload) and serve that")]
     targets = adapter.config.get("target_modules")
@@ -966,7 +970,8 @@ def config_problems(config: dict) -> list[Problem]:
     if isinstance(targets, (list, tuple)):
         # (Mixtral's experts' w1, w3, w2 of transformers 4: validate_against checks them against the base)
         unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS,
-                                                                      *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES)]
+                                                                      *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES,
+                                                                      *LATENT_NAMES)]
         if unknown:
             problems.append(Problem(f"targets {unknown}, which the base model does not have", _HINT_TARGETS))
     return problems
@@ -1522,7 +1527,8 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     adapter = LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
     found = (_TENSOR.match(n) for n in tensors)
     adapter.mlp_modules = sorted({m["module"].removeprefix("base_model.model.") for m in found
-                                  if m and re.search(r"\.(mlp|block_sparse_moe|mixer\.shared_experts)\.", m["module"])
+                                  if m and re.search(r"\.(mlp|block_sparse_moe|mixer\.shared_experts)\.|"
+                                                     r"\.mixer\.fc[12]_latent_proj$", m["module"])
                                   or m and _FEED_FORWARD_MOE.search(m["module"])})
     found = (_TENSOR.match(n) for n in tensors)
     adapter.language_model = next((m["module"] for m in found if m and text_name(m["module"]) not in

@@ -22,11 +22,12 @@ _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
                      r"|c_fc|c_proj|in_proj_qkvz?|in_proj_z|in_proj_ba?|in_proj_a|in_proj|out_proj"
                      r"|shared_mlp\.input_linear|shared_mlp\.output_linear"
-                     r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$")  # (c_fc, c_proj: StarCoder2's
+                     r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa|fc1_latent_proj|fc2_latent_proj)"
+                     r"\.weight$")  # (c_fc, c_proj: StarCoder2's
 # MLP; in_proj_*, out_proj: Qwen3.5's and Qwen3-Next's linear-attention layers, models.qwen3_5; in_proj, out_proj,
 # shared_mlp's: Granite 4.0's Mamba-2 layers and shared MLP, models.granite4, and GraniteMoeShared's, models.moe;
 # q_a_proj, q_b_proj, kv_a_proj_with_mqa: DeepSeek's multi-head latent attention, models.deepseek, whose absorbed
-# kv_b_proj is never prepacked)
+# kv_b_proj is never prepacked; fc1_latent_proj, fc2_latent_proj: Nemotron 3 Super's latent experts', models.moe)
 
 
 def safetensors_header(path: Path) -> dict:

@@ -423,13 +423,17 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     gate|up rows, their activation and the down rows (kernels.moe: [T * k, 2I], [T * k, I], [T * k, H]), with the
     alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them. With adapter slots
     (`lora_rank`), each pair's experts' LoRA (kernels.moe._LoRAPairs, kernels.reference.moe_lora_delta): its shrink
-    [T * k, r] and the gate_up delta [T * k, 2I], with the int64 alignment of the pairs by slot and expert."""
+    [T * k, r] and the gate_up delta [T * k, 2I], with the int64 alignment of the pairs by slot and expert.
+    Nemotron 3 Super's latent experts: their rows in the latent, with its projections' input and output."""
     from ..models.moe import expert_size, is_moe, num_experts, shared_width, top_k
     if not is_moe(model_config):
         return 0
     b, h = element_bytes(dtype), model_config.hidden_size
     e, k, inter = num_experts(model_config), top_k(model_config), expert_size(model_config)
-    experts = k * ((3 * inter + h) * b + 4 * 8)
+    # (Nemotron 3 Super's experts in a latent of L dims: their down rows [T * k, L], beside the projections' [T, L]
+    # input and [T, H] output)
+    latent = getattr(model_config, "moe_latent_size", None) if model_config.model_type == "nemotron_h" else None
+    experts = k * ((3 * inter + (latent or h)) * b + 4 * 8) + ((latent + h) * b if latent else 0)
     if lora_rank:
         experts += k * ((2 * inter + lora_rank) * b + 5 * 8)
     shared = 4 * shared_width(model_config) * b  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)

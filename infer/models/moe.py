@@ -72,6 +72,7 @@ token's adapter's delta per token-expert pair).
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 
 import torch
@@ -261,7 +262,14 @@ def shared_adapted(cfg, module: str) -> bool:
     it loads in peft, and lora.adapter refuses one)."""
     if getattr(cfg, "model_type", None) == "hunyuan_v1_moe":
         return ".mlp.shared_mlp." not in module
+    if module.endswith(_LATENT):  # (Nemotron 3 Super's latent projections: lora.adapter refuses adapters of them)
+        return False
     return experts_adapted(cfg) or ".shared_experts." not in module
+
+
+# Nemotron 3 Super's latent projections around its experts (transformers' NemotronHMoE: the experts' input projected
+# from hidden_size to moe_latent_size, their sum projected back)
+_LATENT = (".fc1_latent_proj", ".fc2_latent_proj")
 
 
 def check_moe(cfg) -> None:
@@ -284,11 +292,12 @@ def check_moe(cfg) -> None:
                                     "n_shared_experts shared experts in every sparse layer and cannot build none",
                                     "set n_shared_experts as the weights have them (dots.llm1's config.json: 2; 0 "
                                     "for none)")
-    if cfg.model_type == "nemotron_h" and getattr(cfg, "moe_latent_size", None) is not None:
-        raise UnsupportedModelError(f"config.json has moe_latent_size {cfg.moe_latent_size}: infer does not run "
-                                    "Nemotron-H's latent projections of the experts (fc1_latent_proj, fc2_latent_proj)",
-                                    "serve a Nemotron 3 checkpoint without moe_latent_size (NVIDIA-Nemotron-3-Nano-"
-                                    "30B-A3B's config.json has none)")
+    latent = getattr(cfg, "moe_latent_size", None) if cfg.model_type == "nemotron_h" else None
+    if latent is not None and (type(latent) is not int or latent < 1):
+        raise UnsupportedModelError(f"config.json has moe_latent_size {json.dumps(latent)}: Nemotron 3's experts "
+                                    "run in a latent of that many dims (fc1_latent_proj, fc2_latent_proj)",
+                                    "use the config.json that came with the weights (Nemotron 3 Super's: 1024; none "
+                                    "for Nano)")
     if cfg.model_type == "phimoe":
         check_sparsemixer(cfg, k)
     if cfg.model_type == "olmoe" and getattr(cfg, "clip_qkv", None) is not None:
@@ -605,7 +614,17 @@ class SparseMoeBlock(nn.Module):
             raise UnsupportedModelError(f"config.json quantizes the experts as MXFP4 with hidden_size {h} and "
                                         f"intermediate_size {inter}: MXFP4 packs groups of 32 values",
                                         "both must be multiples of 32 (gpt-oss-20b's and 120b's are 2880)")
-        self.experts = Experts(e, h, inter, dtype, self.int4, biases=self.oai, mxfp4=self.mxfp4,
+        # Nemotron 3 Super (moe_latent_size): the experts run in a latent of L dims, fc1_latent_proj [L, H] before
+        # them and fc2_latent_proj [H, L] after (biases where mlp_bias says), the router and the shared experts on the
+        # hidden state itself
+        self.latent = getattr(cfg, "moe_latent_size", None) if cfg.model_type == "nemotron_h" else None
+        if self.latent is not None:
+            from .layers import MergedLinear
+            bias = bool(getattr(cfg, "mlp_bias", False))
+            for name, (a, b) in zip(_LATENT, ((h, self.latent), (self.latent, h))):
+                names = [prefix + name]
+                self.add_module(name[1:], MergedLinear(a, [b], names, bias, method_for(names), dtype))
+        self.experts = Experts(e, self.latent or h, inter, dtype, self.int4, biases=self.oai, mxfp4=self.mxfp4,
                                gated=cfg.model_type != "nemotron_h")
         # the layer's module the block is (the loader's names of its parameters): Nemotron-H's mixer, LFM2-MoE's
         # feed_forward, else mlp
@@ -914,6 +933,8 @@ class SparseMoeBlock(nn.Module):
         lora = self.lora.moe_lora(batch) if batch is not None else None
         if self.llama4:
             out = self._scaled_inputs_experts(x, weights, ids, lora)
+        elif self.latent is not None:
+            out = self.fc2_latent_proj(self.run_experts(self.fc1_latent_proj(x, ctx), weights, ids, lora), ctx)
         else:
             out = self.run_experts(x, weights, ids, lora)
         if self.shared_expert is not None and self.shared_width and not self.llama4:
