@@ -70,6 +70,8 @@ def model_target_names(model_config) -> list[str]:
         return [n for n in LFM2_NAMES if n not in LFM2_FUSED["gate_up_proj"] + ("gate_up_proj", "w2")]
     if model_config.model_type == "bamba":  # (its Mamba-2 mixers' projections: models.bamba)
         return names + list(MLP) + ["in_proj", "out_proj"]
+    if model_config.model_type == "falcon_h1":  # (its Mamba-2 mixers' in_proj; out_proj's adapters are refused)
+        return names + list(MLP) + ["in_proj"]
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
     if model_config.model_type in UNGATED:
@@ -97,6 +99,8 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
         from ..models.registry import is_hybrid
         if is_hybrid(model_config) and set(missing) <= set(LINEAR_ATTENTION):  # (they were "unknown")
             what = "linear-attention (Gated DeltaNet) projections, which infer's adapters do not adapt"
+            if model_config.model_type in ("granitemoehybrid", "nemotron_h", "falcon_h1"):
+                what = "Mamba-2 mixer projections, which infer's adapters of this model do not adapt"
         raise ConfigError(f"{FLAG} {', '.join(missing)}: {what} ({model_config.model_type} has adapter slots for "
                           f"{', '.join(valid)})", f"name modules among {', '.join(valid)}, or leave {FLAG} out for "
                           "all of them")

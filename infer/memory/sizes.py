@@ -206,8 +206,9 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
         elif blocks is None or blocks[layer] == "full_attention":
             per_rank += (3 * h + wide * q + 2 * kv) * selects(chosen, "qkv_proj") + \
                 (q + h) * selects(chosen, o_name)
-        if model_config.model_type == "falcon_h1" and chosen is None:  # (its Mamba-2 mixer beside the attention:
-            per_rank += _mamba_slot_elements(model_config)  # slots only on every layer's, as Granite 4.0's)
+        if model_config.model_type == "falcon_h1":  # (its Mamba-2 mixer beside the attention: in_proj's slots
+            # where named, out_proj's only on every layer's)
+            per_rank += _mamba_slot_elements(model_config, selects(chosen, "in_proj"), chosen is None)
         if blocks is not None and blocks[layer] in ("linear_attention", "full_attention"):
             continue
         if model_config.model_type == "granitemoehybrid":  # its shared_mlp's input_linear (gate | up) and
