@@ -165,19 +165,6 @@ def test_config_refusals(change, match):
         check_supported(cfg)
 
 
-@pytest.mark.parametrize("name", [HYBRID, DENSE])
-def test_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path, name):
-    """`infer quantize` of Granite 4.0 (GPTQModel 7.6's granitemoehybrid definition fails on transformers 5) is
-    refused before any work, naming why and what to serve instead; nothing is written."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    res = CliRunner().invoke(app, ["quantize", name, "-o", str(tmp_path / "q"), "--group-size", "32"])
-    assert res.exit_code != 0
-    assert "Granite 4.0 (granitemoehybrid), which GPTQModel 7.6 fails to quantize" in res.output
-    assert "serve the float checkpoint" in res.output and not (tmp_path / "q").exists()
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_equals_transformers_in_the_same_dtype(hf, dtype):
     """--dtype bfloat16 / float16 (the conv state in the model's dtype, the SSM state float32; dt, the step's

@@ -300,9 +300,7 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
     before: infer runs both, float. GPTQModel 7.6's glm4_moe definition fails on transformers 5 (its MoE hooks take
     the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
-    experts)): refused too, as are Granite 4.0 (granitemoehybrid: its definition's patch of the Mamba-2 mixer
-    fails on transformers 5), Nemotron-H (nemotron_h: its definition's backbone.layers is model.layers in
-    transformers 5), ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
+    experts)): refused too, as are ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
     transformers 5) and MiniMax-M2 (its minimax_m2 definition looks for the experts under block_sparse_moe, which
     transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names),
     Bamba (bamba: GPTQModel 7.6 has no definition of it; its fallback quantizes the feed_forward alone), and
@@ -314,19 +312,6 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "(\"'tuple' object has no attribute 'sigmoid'\", seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
             "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
-    if config.get("model_type") == "granitemoehybrid":
-        raise UnsupportedModelError(
-            f"{src} is a Granite 4.0 (granitemoehybrid), which GPTQModel 7.6 fails to quantize on transformers 5: its "
-            "definition patches the first layer's Mamba-2 mixer by a torch_forward that transformers 5's mixer no "
-            "longer has (and, where the first layer is attention, the mixer None: \"type object 'NoneType' has no "
-            "attribute 'forward'\", seen on the CPU)", "serve the float checkpoint (infer runs it; --dtype bfloat16 "
-            "halves it)")
-    if config.get("model_type") == "nemotron_h":
-        raise UnsupportedModelError(
-            f"{src} is a Nemotron-H (nemotron_h), which GPTQModel 7.6 fails to quantize on transformers 5: its "
-            "nemotron_h definition looks for the layers under backbone.layers, which transformers 5's "
-            "NemotronHForCausalLM holds as model.layers (\"'NoneType' object is not subscriptable\", seen on the CPU)",
-            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it)")
     if config.get("model_type") == "bamba":
         raise UnsupportedModelError(
             f"{src} is a Bamba (bamba), which GPTQModel 7.6 does not quantize: it has no bamba definition, and its "
@@ -615,7 +600,8 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
     try:
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
-        with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src):
+        with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
+                _granite4_view(src), _nemotron_h_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -717,6 +703,53 @@ def _falcon_h1_view(src: Path):
         yield
     finally:
         auto.MODEL_MAP["falcon_h1"] = base
+
+
+@contextlib.contextmanager
+def _granite4_view(src: Path):
+    """GPTQModel 7.6's Granite 4.0 definition, while a GraniteMoeHybridForCausalLM is quantized, without its patch of
+    the Mamba-2 mixer's forward (for its quantized layers' fast kernels: it reads a torch_forward signature that
+    transformers 5's mixer no longer has, and a first layer of attention's mixer, None: "type object 'NoneType' has
+    no attribute 'forward'"); transformers' own mixer runs the calibration. Its experts stay float, as Granite MoE's
+    do; any other model's as it is."""
+    if read_config_json(src).get("model_type") != "granitemoehybrid":
+        yield
+        return
+    from gptqmodel.models import auto
+    base = auto.MODEL_MAP["granitemoehybrid"]
+    auto.MODEL_MAP["granitemoehybrid"] = type("Granite4GPTQ", (base,), {"monkey_patch": lambda self: None})
+    try:
+        yield
+    finally:
+        auto.MODEL_MAP["granitemoehybrid"] = base
+
+
+# Nemotron-H's modules as transformers 5 names them (GPTQModel 7.6's definition looks under backbone.layers): each
+# block's mixer (attention, Mamba-2's in_proj and out_proj, or the MLP), Nemotron 3's shared experts and Nemotron 3
+# Super's latent projections int4; the routed experts float (infer refuses GPTQ experts of Nemotron 3)
+_NEMOTRON_H_TREE = ["model", "layers", "#", {"norm": ("norm:!",), "mixer": {
+    "": ("q_proj:0", "k_proj:0", "v_proj:0", "o_proj:1", "in_proj:2", "out_proj:2", "gate_proj:3", "up_proj:3",
+         "down_proj:4", "fc1_latent_proj:5", "fc2_latent_proj:6"),
+    "shared_experts": ("up_proj:7", "down_proj:8")}}]
+
+
+@contextlib.contextmanager
+def _nemotron_h_view(src: Path):
+    """GPTQModel 7.6's Nemotron-H definition, while a NemotronHForCausalLM is quantized, given the layers where
+    transformers 5 holds them (_NEMOTRON_H_TREE: it failed at "'NoneType' object is not subscriptable"), without its
+    remote code and its patch of the mixer's forward (for its quantized layers' fast kernels); any other model's as
+    it is."""
+    if read_config_json(src).get("model_type") != "nemotron_h":
+        yield
+        return
+    from gptqmodel.models import auto
+    base = auto.MODEL_MAP["nemotron_h"]
+    auto.MODEL_MAP["nemotron_h"] = type("NemotronHGPTQ", (base,), {
+        "module_tree": _NEMOTRON_H_TREE, "monkey_patch": lambda self: None, "require_trust_remote_code": False})
+    try:
+        yield
+    finally:
+        auto.MODEL_MAP["nemotron_h"] = base
 
 
 FLEX_OLMO_NOTE = ("GPTQModel 7.6 has no FlexOlmo definition: infer quantized it through GPTQModel's OLMoE definition "
