@@ -128,19 +128,20 @@ def test_mixed_adapters_on_the_attention_equal_peft(tmp_path):
     check_attention_adapters_equal_peft(base, hf_float(base), tmp_path)
 
 
-@pytest.mark.parametrize("targets", [["in_proj", "out_proj", "q_proj"], ["input_linear", "v_proj"]])
-def test_adapters_of_the_mamba_layers_and_the_shared_mlp_are_refused(tmp_path, targets):
-    """An adapter of the Mamba-2 mixers' projections or of the shared MLP is refused at registration, naming them and
-    what to adapt."""
+@pytest.mark.parametrize("targets", [["input_linear", "v_proj"], ["output_linear", "in_proj"]])
+def test_adapters_of_the_shared_mlp_are_refused(tmp_path, targets):
+    """An adapter of the shared MLP is refused at registration, naming it and what to adapt (the mixers' in_proj and
+    out_proj are adapted: test_probes_session69_mamba_lora)."""
     from lora_helpers import hf_float, save_adapters
 
     from infer.errors import LoRAError
     paths = save_adapters(hf_float(ensure_builtin(HYBRID)), tmp_path, {"a": dict(r=4, lora_alpha=8,
                                                                                   target_modules=targets)})
-    listed = re.escape(repr(sorted(set(targets) - {"q_proj", "v_proj"})))
+    listed = re.escape(repr(sorted(set(targets) - {"v_proj", "in_proj"})))
     with pytest.raises(LoRAError, match=rf"targets {listed}: infer's adapters of granitemoehybrid .* adapt the "
-                                        r"attention's projections alone.*retrain with target_modules among q_proj, "
-                                        r"k_proj, v_proj, o_proj"):
+                                        r"attention's and the Mamba-2 mixers' projections \(in_proj, out_proj\), not "
+                                        r"the mixers' conv1d.*retrain with target_modules among q_proj, k_proj, "
+                                        r"v_proj, o_proj, in_proj, out_proj"):
         LLM(HYBRID, loras={"a": str(paths["a"])}, max_lora_rank=8)
 
 

@@ -95,23 +95,6 @@ def test_mixed_adapters_on_the_attention_and_the_mlp_equal_peft(tmp_path):
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
 
 
-@pytest.mark.parametrize("targets", [["in_proj", "q_proj"], ["in_proj", "up_proj"]])
-def test_adapters_of_the_mamba_layers_are_refused(tmp_path, targets):
-    """An adapter of the Mamba-2 mixers' projections is refused at registration, naming them and what to adapt."""
-    import re
-
-    from lora_helpers import hf_float, save_adapters
-
-    from infer.errors import LoRAError
-    paths = save_adapters(hf_float(ensure_builtin(NAME)), tmp_path, {"a": dict(r=4, lora_alpha=8,
-                                                                               target_modules=targets)})
-    with pytest.raises(LoRAError, match=rf"targets {re.escape(repr(targets[:1]))}: infer's adapters of nemotron_h "
-                                        r"\(Nemotron-H\) adapt the attention's and the MLP's projections.*retrain "
-                                        r"with target_modules among q_proj, k_proj, v_proj, o_proj, up_proj, "
-                                        r"down_proj"):
-        LLM(NAME, loras={"a": str(paths["a"])}, max_lora_rank=8)
-
-
 def test_the_demo_refuses_nemotron_h_naming_it(tmp_path, monkeypatch):
     """`infer demo --model tiny-nemotron-h` (its chain is not checked on it) is refused naming it."""
     from typer.testing import CliRunner

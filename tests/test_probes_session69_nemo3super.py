@@ -125,7 +125,7 @@ def test_warmup_estimate_counts_the_latent_weights(built):
 def test_the_hubs_super_120b_config_passes_the_checks_and_the_memory_plan():
     """NVIDIA-Nemotron-3-Super-120B-A12B's config.json: the registry accepts it; its model built on the meta device
     holds 40 sparse layers of 512 relu² experts in the latent (w13 [512, 2688, 1024]) with their projections, about
-    120.7B parameters (the hub's 120B); the KV is the 8 attention layers' alone; in bfloat16 the weights alone
+    120.8B parameters (the hub's 120B); the KV is the 8 attention layers' alone; in bfloat16 the weights alone
     (about 225 GiB) do not fit an H100's 80 GiB, which the plan says."""
     from transformers import AutoConfig
 

@@ -45,8 +45,10 @@ LFM2_NAMES = ("out_proj", "in_proj", "w1", "w3", "w2")
 # Nemotron 3 Super's latent projections around its experts (models.moe: no adapter slots; _moe_problems refuses them)
 LATENT_NAMES = ("fc1_latent_proj", "fc2_latent_proj")
 # The Mamba-2 mixers' in_proj (z | x B C | dt) and out_proj, by (parent, projection): Bamba's both (models.bamba),
-# Falcon-H1's in_proj alone (before the mup vector: models.falcon_h1; its out_proj is refused by FALCON_H1_UNADAPTED)
-MAMBA_MODULES = {("mamba", "in_proj"), ("mamba", "out_proj")}
+# Falcon-H1's in_proj alone (before the mup vector: models.falcon_h1; its out_proj is refused by FALCON_H1_UNADAPTED),
+# Granite 4.0's both (models.granite4) and Nemotron-H's in_proj under its blocks' mixer (models.nemotron_h; peft
+# refuses its out_proj, as Falcon-H1's)
+MAMBA_MODULES = {("mamba", "in_proj"), ("mamba", "out_proj"), ("mixer", "in_proj")}
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -301,9 +303,10 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
     if base_config.model_type == "granitemoehybrid":
         return _granite4_problems(adapter)
     if base_config.model_type == "nemotron_h":
-        return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's and "
-                                   "the MLP's projections alone, not the Mamba-2 layers' (in_proj, out_proj)",
-                                   "q_proj, k_proj, v_proj, o_proj, up_proj, down_proj")
+        return _unadapted_problems(adapter, NEMOTRON_H_UNADAPTED, "nemotron_h (Nemotron-H) adapt the attention's, "
+                                   "the MLP's and the Mamba-2 mixers' in_proj, not the mixers' out_proj or conv1d "
+                                   "(peft refuses both on Nemotron-H)", "q_proj, k_proj, v_proj, o_proj, up_proj, "
+                                   "down_proj, in_proj")
     if base_config.model_type == "falcon_h1":
         return _unadapted_problems(adapter, FALCON_H1_UNADAPTED, "falcon_h1 (Falcon-H1) adapt the attention's, the "
                                    "MLP's and the Mamba-2 mixers' in_proj, not the mixers' out_proj or conv1d (peft "
@@ -332,26 +335,27 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
                     "down_proj)")]
 
 
-# Granite 4.0's modules infer does not adapt (models.granite4): the Mamba-2 mixers' in_proj and out_proj, the shared
+# Granite 4.0's modules infer does not adapt (models.granite4): the Mamba-2 mixers' depthwise conv1d, the shared
 # MLP's input_linear and output_linear, the experts' block (block_sparse_moe: its input_linear, output_linear, router)
-GRANITE4_UNADAPTED = ("in_proj", "out_proj", "input_linear", "output_linear", "shared_mlp", "mamba", "router",
-                      "layer", "block_sparse_moe")
+GRANITE4_UNADAPTED = ("conv1d", "input_linear", "output_linear", "shared_mlp", "mamba", "router", "layer",
+                      "block_sparse_moe")
 
 
-# Nemotron-H's modules infer does not adapt (models.nemotron_h): the Mamba-2 mixers' in_proj, out_proj, conv1d and
-# the whole mixers (its attention's and MLP's projections are adapted)
-NEMOTRON_H_UNADAPTED = ("in_proj", "out_proj", "conv1d", "mixer", "layers")
+# Nemotron-H's modules infer does not adapt (models.nemotron_h): the Mamba-2 mixers' out_proj and conv1d (peft refuses
+# both on it) and the whole mixers (its attention's and MLP's projections and the mixers' in_proj are adapted)
+NEMOTRON_H_UNADAPTED = ("out_proj", "conv1d", "mixer", "layers")
 # Bamba's (models.bamba): the Mamba-2 mixers' depthwise conv1d (peft adapts a Conv1d) and the whole blocks (its
 # attention's, feed_forward's and mixers' projections are adapted)
 BAMBA_UNADAPTED = ("conv1d", "mamba", "feed_forward", "self_attn", "layers")
 
 
 def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
-    """An adapter of Granite 4.0's Mamba-2 projections, shared MLP or experts, which infer does not adapt (yet):
-    refused naming them (its attention's projections are adapted)."""
+    """An adapter of Granite 4.0's Mamba-2 conv, shared MLP or experts, which infer does not adapt (yet): refused
+    naming them (its attention's and Mamba-2 mixers' projections are adapted)."""
     return _unadapted_problems(adapter, GRANITE4_UNADAPTED, "granitemoehybrid (Granite 4.0) adapt the attention's "
-                               "projections alone, not the Mamba-2 layers' (in_proj, out_proj), the shared MLP's "
-                               "(input_linear, output_linear) or the experts'", "q_proj, k_proj, v_proj, o_proj")
+                               "and the Mamba-2 mixers' projections (in_proj, out_proj), not the mixers' conv1d, the "
+                               "shared MLP's (input_linear, output_linear) or the experts'",
+                               "q_proj, k_proj, v_proj, o_proj, in_proj, out_proj")
 
 
 def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: str) -> list[Problem]:
@@ -664,31 +668,26 @@ def mla_shapes(c) -> dict[str, tuple[int, int]]:
 
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every projection of a Llama-family base model (a HF config): Phi-3's fused
-    qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's."""
+    qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's;
+    Granite 4.0's Mamba-2 mixers' in_proj and out_proj (Nemotron-H's in_proj) beside their attention's and MLP's."""
+    out = _family_shapes(base_config)
+    if getattr(base_config, "model_type", None) == "granitemoehybrid":
+        out = {**out, **_mamba_shapes(base_config)}
+    if getattr(base_config, "model_type", None) == "nemotron_h":  # (its out_proj's adapters refused)
+        out = {**out, "in_proj": _mamba_shapes(base_config)["in_proj"]}
+    return out
+
+
+def _family_shapes(base_config) -> dict[str, tuple[int, int]]:
+    """expected_shapes of the attention and the MLP of each family."""
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
     if getattr(base_config, "model_type", None) == "llama4_text":  # (its dense layers' MLP: models.llama4)
         inter = int(base_config.intermediate_size_mlp)
     if getattr(base_config, "model_type", None) == "lfm2_moe":  # (LFM2's; its experts not adapted: _moe_problems)
         return _lfm2_shapes(base_config, hidden, q, kv)
-    if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
-        # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
-        wide = 2 if base_config.model_type in GATED_Q else 1
-        out = {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
-        if is_mla(base_config):
-            out = mla_shapes(base_config)
-        layers = [is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)]
-        if not all(layers):
-            out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
-        if any(layers):
-            # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts; not GraniteMoeShared's shared_mlp: not adapted)
-            shared = shared_width(base_config) if shared_name(base_config) else 0
-            if shared:
-                out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
-                            "shared_expert.down_proj": (shared, hidden)})
-            width = expert_size(base_config)
-            out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
-        return out
+    if is_moe(base_config):
+        return _moe_shapes(base_config, hidden, inter, q, kv)
     if getattr(base_config, "model_type", None) == "lfm2":
         return _lfm2_shapes(base_config, hidden, q, kv)
     if getattr(base_config, "model_type", None) == "falcon_h1":  # (Llama's, and the mixers' in_proj: models.falcon_h1)
@@ -697,11 +696,9 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
                 "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
                 "in_proj": (hidden, len(mup_vector(base_config)))}
     if getattr(base_config, "model_type", None) == "bamba":  # (its Mamba-2 mixers' too: models.granite4.Mamba2Mixer)
-        width = int(base_config.mamba_expand * hidden)
-        projected = 2 * width + 2 * base_config.mamba_n_groups * base_config.mamba_d_state + base_config.mamba_n_heads
         return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
                 "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-                "in_proj": (hidden, projected), "out_proj": (width, hidden)}
+                **_mamba_shapes(base_config)}
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -718,6 +715,37 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     wide = 2 if base_config.model_type in GATED_Q else 1
     return {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def _mamba_shapes(base_config) -> dict[str, tuple[int, int]]:
+    """The Mamba-2 mixers' in_proj (z | x B C | dt) and out_proj (models.granite4.Mamba2Mixer: Granite 4.0's, Bamba's,
+    Nemotron-H's under its fields' names)."""
+    from ..memory.sizes import _granite_fields
+    c = _granite_fields(base_config)
+    width = int(c.mamba_expand * c.hidden_size)
+    projected = 2 * width + 2 * c.mamba_n_groups * c.mamba_d_state + c.mamba_n_heads
+    return {"in_proj": (c.hidden_size, projected), "out_proj": (width, c.hidden_size)}
+
+
+def _moe_shapes(base_config, hidden: int, inter: int, q: int, kv: int) -> dict[str, tuple[int, int]]:
+    """expected_shapes of a mixture of experts: its attention, and what its layers' MLPs have (models.moe)."""
+    # (Qwen3-Next's and Qwen3.5 MoE's gated attention: q_proj's output each head's query and its gate)
+    wide = 2 if base_config.model_type in GATED_Q else 1
+    out = {"q_proj": (hidden, wide * q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+    if is_mla(base_config):
+        out = mla_shapes(base_config)
+    layers = [is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)]
+    if not all(layers):
+        out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
+    if any(layers):
+        # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts; not GraniteMoeShared's shared_mlp: not adapted)
+        shared = shared_width(base_config) if shared_name(base_config) else 0
+        if shared:
+            out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
+                        "shared_expert.down_proj": (shared, hidden)})
+        width = expert_size(base_config)
+        out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
+    return out
 
 
 def _lfm2_shapes(base_config, hidden: int, q: int, kv: int) -> dict[str, tuple[int, int]]:

@@ -58,7 +58,6 @@ def model_target_names(model_config) -> list[str]:
     layers = range(int(model_config.num_hidden_layers))
     sparse = [is_sparse(model_config, i) for i in layers]
     shared = shared_name(model_config) is not None and any(sparse)  # (Qwen2-MoE's, GLM-4.5's)
-    from ..models.registry import UNGATED
     names = list(ATTENTION)
     from ..models.shapes import is_mla
     if is_mla(model_config):  # (DeepSeek's multi-head latent attention: its own projections, kv_b_proj absorbed)
@@ -72,6 +71,16 @@ def model_target_names(model_config) -> list[str]:
         return names + list(MLP) + ["in_proj", "out_proj"]
     if model_config.model_type == "falcon_h1":  # (its Mamba-2 mixers' in_proj; out_proj's adapters are refused)
         return names + list(MLP) + ["in_proj"]
+    if model_config.model_type == "granitemoehybrid":  # (its Mamba-2 mixers' projections too)
+        return _family_names(model_config, names, sparse, shared) + ["in_proj", "out_proj"]
+    if model_config.model_type == "nemotron_h":  # (its Mamba-2 mixers' in_proj too; out_proj's adapters refused)
+        return _family_names(model_config, names, sparse, shared) + ["in_proj"]
+    return _family_names(model_config, names, sparse, shared)
+
+
+def _family_names(model_config, names: list[str], sparse: list[bool], shared: bool) -> list[str]:
+    """model_target_names of the attention and the MLPs of the other families."""
+    from ..models.registry import UNGATED
     if model_config.model_type == "starcoder2":
         return names + list(STARCODER2_MLP)
     if model_config.model_type in UNGATED:
@@ -99,7 +108,7 @@ def check_target_modules(targets: list[str] | None, model_config) -> frozenset[s
         from ..models.registry import is_hybrid
         if is_hybrid(model_config) and set(missing) <= set(LINEAR_ATTENTION):  # (they were "unknown")
             what = "linear-attention (Gated DeltaNet) projections, which infer's adapters do not adapt"
-            if model_config.model_type in ("granitemoehybrid", "nemotron_h", "falcon_h1"):
+            if model_config.model_type in ("falcon_h1", "nemotron_h"):  # (its out_proj: adapters of it refused)
                 what = "Mamba-2 mixer projections, which infer's adapters of this model do not adapt"
         raise ConfigError(f"{FLAG} {', '.join(missing)}: {what} ({model_config.model_type} has adapter slots for "
                           f"{', '.join(valid)})", f"name modules among {', '.join(valid)}, or leave {FLAG} out for "

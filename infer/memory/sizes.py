@@ -198,7 +198,8 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     for layer in range(model_config.num_hidden_layers):
         if layer in convs:  # LFM2's short conv: in_proj (B | C | x) and out_proj
             per_rank += (h + 3 * h) * selects(chosen, "in_proj") + 2 * h * selects(chosen, "out_proj")
-        elif layer in linear and model_config.model_type == "bamba":  # (its mixers' in_proj and out_proj, named)
+        elif layer in linear and model_config.model_type in ("bamba", "granitemoehybrid", "nemotron_h"):  # (their
+            # mixers' in_proj and out_proj, which --lora-target-modules names)
             per_rank += _mamba_slot_elements(model_config, selects(chosen, "in_proj"), selects(chosen, "out_proj"))
         elif layer in linear:  # their projections: slots only on every layer's (targets never name them)
             if chosen is None:
