@@ -93,6 +93,21 @@ def measured_warmup(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def meta_hub_model(model_type: str, arch: str, config: dict):
+    """(config, model, its SparseMoeBlocks) of a hub-shaped config.json (`config` for `model_type`, architecture
+    `arch`), which the registry's checks accept, its model built on the meta device in bfloat16."""
+    from transformers import AutoConfig
+
+    from infer.models.moe import SparseMoeBlock
+    from infer.models.registry import check_supported, model_class
+    cfg = AutoConfig.for_model(model_type, **config)
+    cfg.architectures = [arch]
+    check_supported(cfg)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, torch.bfloat16)
+    return cfg, model, [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
 def estimated_plan(model: str, *args: str) -> dict:
     """`infer warmup MODEL --estimate --json ARGS`'s plan, run in this process; the command must succeed."""
     from typer.testing import CliRunner

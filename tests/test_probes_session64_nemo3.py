@@ -220,18 +220,9 @@ def test_the_hubs_nano_30b_config_passes_the_checks_and_the_memory_plan():
     holds 23 sparse layers of 128 relu² experts (w13 [128, 1856, 2688]), about 31.6B parameters (the hub's count);
     the plan's KV is the 6 attention layers' alone and a step's activations count the experts' rows
     (memory.sizes.moe_token_bytes) within a budget: 4096 tokens of 8 sequences fit an H100's 80 GiB in bfloat16."""
-    from transformers import AutoConfig
-
+    from helpers import meta_hub_model
     from infer.memory.sizes import activation_bytes, kv_bytes_per_token, moe_token_bytes, weights_bytes
-    from infer.models.moe import SparseMoeBlock, is_sparse
-    from infer.models.registry import check_supported, model_class
-    cfg = AutoConfig.for_model("nemotron_h", **NANO_30B)
-    cfg.architectures = ["NemotronHForCausalLM"]
-    check_supported(cfg)
-    assert sum(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)) == 23
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg, torch.bfloat16)
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    cfg, model, blocks = meta_hub_model("nemotron_h", "NemotronHForCausalLM", NANO_30B)
     assert len(blocks) == 23 and tuple(blocks[0].experts.w13.shape) == (128, 1856, 2688)
     weights = weights_bytes(model)
     assert 31.0e9 < weights / 2 < 32.5e9, weights / 2

@@ -129,17 +129,10 @@ def test_the_hubs_super_120b_config_passes_the_checks_and_the_memory_plan():
     (about 225 GiB) do not fit an H100's 80 GiB, which the plan says."""
     from transformers import AutoConfig
 
+    from helpers import meta_hub_model
     from infer.memory.sizes import kv_bytes_per_token, moe_token_bytes, weights_bytes
-    from infer.models.moe import SparseMoeBlock, is_sparse
-    from infer.models.registry import check_supported, model_class
     assert len(SUPER_PATTERN) == 88 and [SUPER_PATTERN.count(c) for c in "ME*"] == [40, 40, 8]
-    cfg = AutoConfig.for_model("nemotron_h", **SUPER_120B)
-    cfg.architectures = ["NemotronHForCausalLM"]
-    check_supported(cfg)
-    assert sum(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)) == 40
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg, torch.bfloat16)
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    cfg, model, blocks = meta_hub_model("nemotron_h", "NemotronHForCausalLM", SUPER_120B)
     assert len(blocks) == 40 and tuple(blocks[0].experts.w13.shape) == (512, 2688, 1024)
     assert blocks[0].fc1_latent_proj.weight.shape == (1024, 4096)
     weights = weights_bytes(model)
