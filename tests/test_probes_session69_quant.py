@@ -1,8 +1,9 @@
-"""`infer quantize` of Granite 4.0 and Nemotron-H (refused before: GPTQModel 7.6's definitions fail on transformers 5)
-through GPTQModel with infer's views of them (quant.quantize._granite4_view: without the patch of the Mamba-2
-mixer's forward; _nemotron_h_view: the layers under model.layers, the shared experts and Nemotron 3 Super's latent
-projections in its tree): which layers are int4, infer's greedy tokens equal GPTQModel's own load of the checkpoint,
-and `infer warmup --estimate` counts its weights as loaded."""
+"""`infer quantize` of Granite 4.0, Nemotron-H and Bamba (refused before: GPTQModel 7.6's definitions fail on
+transformers 5, and it has none of Bamba) through GPTQModel with infer's views of them (quant.quantize._granite4_view:
+without the patch of the Mamba-2 mixer's forward; _nemotron_h_view: the layers under model.layers, the shared experts
+and Nemotron 3 Super's latent projections in its tree; _bamba_view: a definition of its layers): which layers are
+int4, infer's greedy tokens equal GPTQModel's own load of the checkpoint, and `infer warmup --estimate` counts its
+weights as loaded."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from quant_helpers import gptqmodel_greedy, infer_quantize, needs_gptqmodel
 pytestmark = needs_gptqmodel
 
 
-def _quantized(src, tmp_path, view, int4: list[str], float_: list[str]) -> None:
+def _quantized(src, tmp_path, view, int4: list[str], float_: list[str]) -> list[list[int]]:
     """`infer quantize` of `src`: the `int4` modules' qweight written and the `float_` tensors kept float; infer runs
     it with those layers int4 and gives GPTQModel's own load's (under `view`) greedy tokens; --estimate's weights are
-    the loaded model's."""
+    the loaded model's. Returns those tokens."""
     from infer.memory.sizes import weights_bytes
     out = infer_quantize(src, tmp_path / "q")
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -37,6 +38,7 @@ def _quantized(src, tmp_path, view, int4: list[str], float_: list[str]) -> None:
         got = greedy_tokens(llm, prompts, 8)
     with view(out):
         assert got == gptqmodel_greedy(out, prompts, 8, every_float=True)
+    return got
 
 
 @pytest.mark.parametrize("name", ["tiny-granite4", "tiny-granite4-dense"])
@@ -82,3 +84,22 @@ def test_nemotron3_super_quantizes_its_latent_projections(tmp_path):
                ["model.layers.1.mixer.fc1_latent_proj", "model.layers.1.mixer.fc2_latent_proj",
                 "model.layers.1.mixer.shared_experts.up_proj"],
                ["model.layers.1.mixer.fc1_latent_proj.bias", "model.layers.5.mixer.experts.3.down_proj.weight"])
+
+
+def test_bamba_quantizes_its_mamba_attention_and_feed_forward(tmp_path):
+    """Bamba (GPTQModel 7.6 has no definition: its fallback quantized the feed_forward alone): the mixers' in_proj and
+    out_proj, q, k, v, o and the feed_forward int4, the conv float; the notes say GPTQModel.load needs infer's
+    definition (without it, its tokens are all 0)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.quant.quantize import BAMBA_NOTE, _bamba_view
+    int4 = ["model.layers.0.mamba.in_proj", "model.layers.0.mamba.out_proj", "model.layers.2.self_attn.k_proj",
+            "model.layers.2.self_attn.o_proj", "model.layers.3.feed_forward.gate_proj",
+            "model.layers.1.feed_forward.down_proj"]
+    got = _quantized("tiny-bamba", tmp_path, _bamba_view, int4, ["model.layers.3.mamba.conv1d.weight"])
+    assert len({t for tokens in got for t in tokens}) > 6
+    res = CliRunner().invoke(app, ["quantize", "tiny-bamba", "-o", str(tmp_path / "q2"), "--group-size", "32",
+                                   "--num-samples", "2", "--seq-len", "16"])
+    assert res.exit_code == 0, res.output
+    assert BAMBA_NOTE.split(":")[0] in " ".join(res.output.split())

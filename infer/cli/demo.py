@@ -107,7 +107,7 @@ def _check_args(out: Path, model: str) -> Path:
              # (its adapters adapt the attention alone; the demo's adapter targets the MLP too)
              "granitemoehybrid": "a Granite 4.0 (granitemoehybrid: its adapters adapt the attention alone)",
              "nemotron_h": "a Nemotron-H (nemotron_h: the demo's chain is not checked on it yet)",
-             "bamba": "a Bamba (bamba: infer quantize refuses it)",
+             "bamba": "a Bamba (bamba: the demo's chain is not checked on it yet)",
              "lfm2": "an LFM2 (lfm2: the demo's chain is not checked on it yet)",
              "falcon_h1": "a Falcon-H1 (falcon_h1: the demo's chain is not checked on it yet)",
              **{kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}}

@@ -229,6 +229,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         _drop_work_paths(tmp)
         notes = fuse_gate_up(tmp, config, opts) + mixtral_names(tmp, config, opts)
         notes += moe_notes(config, log, num_layers, tmp)
+        if config.get("model_type") == "bamba":
+            notes.append(BAMBA_NOTE)
         keep_source_config(src, tmp, {"dtype": saved_dtype(tmp), "_name_or_path": source_name or str(src),
                                       "quantization_config": read_config_json(tmp)["quantization_config"]})
         _restore_source_files(src, tmp)
@@ -302,8 +304,7 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
     experts)): refused too, as are ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
     transformers 5) and MiniMax-M2 (its minimax_m2 definition looks for the experts under block_sparse_moe, which
-    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names),
-    Bamba (bamba: GPTQModel 7.6 has no definition of it; its fallback quantizes the feed_forward alone), and
+    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names), and
     Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's words)."""
     if config.get("model_type") == "glm4_moe":
         raise UnsupportedModelError(
@@ -312,15 +313,6 @@ def _check_moe_layers(src: Path, config: dict) -> None:
             "(\"'tuple' object has no attribute 'sigmoid'\", seen on the CPU)",
             "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
             "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
-    if config.get("model_type") == "bamba":
-        raise UnsupportedModelError(
-            f"{src} is a Bamba (bamba), which GPTQModel 7.6 does not quantize: it has no bamba definition, and its "
-            "fallback (Module Tree AutoCompat) reads the first layer, a Mamba-2 one, for the layers' modules: it "
-            "quantizes each layer's feed_forward alone and saves the attention and the Mamba-2 projections float with "
-            "no dynamic rule saying so (a checkpoint whose config.json says otherwise, seen on the CPU)",
-            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
-            "elsewhere in GPTQModel's layout (q, k, v, o, the feed_forward's gate_proj, up_proj, down_proj and the "
-            "Mamba-2 mixers' in_proj, out_proj int4)")
     if config.get("model_type") == "ernie4_5_moe":
         raise UnsupportedModelError(
             f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
@@ -601,7 +593,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
-                _granite4_view(src), _nemotron_h_view(src):
+                _granite4_view(src), _nemotron_h_view(src), _bamba_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -750,6 +742,44 @@ def _nemotron_h_view(src: Path):
         yield
     finally:
         auto.MODEL_MAP["nemotron_h"] = base
+
+
+BAMBA_NOTE = ("GPTQModel 7.6 has no Bamba definition: infer quantized it through one of its own; GPTQModel.load of "
+              "this checkpoint, without it, computes garbage (its tokens all 0); infer reads it")
+# Bamba's modules as transformers 5 names them: a Mamba-2 mixer (in_proj, out_proj) or attention a layer, then the
+# SwiGLU feed_forward, each behind its norm
+_BAMBA_TREE = ["model", "layers", "#", {
+    "input_layernorm": ("input_layernorm:!",), "mamba": ("in_proj:0", "out_proj:1"),
+    "self_attn": ("q_proj:0", "k_proj:0", "v_proj:0", "o_proj:1"), "pre_ff_layernorm": ("pre_ff_layernorm:!",),
+    "feed_forward": ("gate_proj:2", "up_proj:2", "down_proj:3")}]
+
+
+@contextlib.contextmanager
+def _bamba_view(src: Path):
+    """GPTQModel 7.6 has no Bamba definition (its fallback read the first layer, a Mamba-2 one, for every layer's
+    modules and quantized the feed_forward alone, its config.json saying every layer was): while a
+    BambaForCausalLM is quantized, a definition of its layers (_BAMBA_TREE: the Mamba-2 mixers' and the attention's
+    projections and the feed_forward int4); any other model's as it is."""
+    if read_config_json(src).get("model_type") != "bamba":
+        yield
+        return
+    from gptqmodel.models import auto
+    from gptqmodel.models.base import BaseQModel
+    before = auto.MODEL_MAP.get("bamba")
+    listed = "bamba" in auto.SUPPORTED_MODELS  # (its lookup: a model_type not listed gets the fallback)
+    auto.MODEL_MAP["bamba"] = type("BambaGPTQ", (BaseQModel,), {
+        "module_tree": _BAMBA_TREE, "layer_modules_strict": False, "pre_lm_head_norm_module": "model.final_layernorm"})
+    if not listed:
+        auto.SUPPORTED_MODELS.append("bamba")
+    try:
+        yield
+    finally:
+        if not listed:
+            auto.SUPPORTED_MODELS.remove("bamba")
+        if before is None:
+            del auto.MODEL_MAP["bamba"]
+        else:
+            auto.MODEL_MAP["bamba"] = before
 
 
 FLEX_OLMO_NOTE = ("GPTQModel 7.6 has no FlexOlmo definition: infer quantized it through GPTQModel's OLMoE definition "
