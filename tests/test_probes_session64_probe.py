@@ -10,17 +10,25 @@ from infer.models.tiny import ensure_builtin
 
 
 @pytest.mark.parametrize("model, targets, named", [
-    ("tiny-granite4", ["in_proj", "out_proj"], "infer's adapters of granitemoehybrid"),
-    ("tiny-nemotron-h", ["in_proj", "up_proj"], "infer's adapters of nemotron_h"),
+    ("tiny-granite4", ["input_linear", "out_proj"], "infer's adapters of granitemoehybrid"),
+    ("tiny-nemotron-h", ["in_proj", "up_proj", "+out_proj"], "infer's adapters of nemotron_h"),
     ("tiny-qwen3_5-moe", ["in_proj_qkvz", "out_proj", "q_proj"], "linear-attention (Gated DeltaNet) layers")])
 def test_adapter_of_a_hybrids_unadapted_layers_is_refused_once(tmp_path, monkeypatch, model, targets, named):
-    """`infer lora-validate` of an adapter of a hybrid's Mamba-2 or linear-attention projections names them once, as
-    layers infer does not adapt: not again as modules "which the base model does not have" (the base has them), whose
-    hint listed every other architecture's projections."""
+    """`infer lora-validate` of an adapter of a hybrid's layers infer does not adapt (Granite 4.0's shared MLP,
+    Nemotron-H's Mamba-2 out_proj, Qwen3.5's linear attention) names them once, as layers infer does not adapt: not
+    again as modules "which the base model does not have" (the base has them), whose hint listed every other
+    architecture's projections. (A "+" target is added to adapter_config.json after peft made the adapter: peft
+    refuses Nemotron-H's out_proj, an adapter made elsewhere may name it.)"""
+    import json
+
     from lora_helpers import hf_float, save_adapters
     monkeypatch.setenv("COLUMNS", "250")
+    made = [t for t in targets if not t.startswith("+")]
     paths = save_adapters(hf_float(ensure_builtin(model)), tmp_path, {"a": dict(r=4, lora_alpha=8,
-                                                                                target_modules=targets)})
+                                                                                target_modules=made)})
+    config = json.loads((paths["a"] / "adapter_config.json").read_text())
+    (paths["a"] / "adapter_config.json").write_text(json.dumps({**config, "target_modules": [t.lstrip("+")
+                                                                                             for t in targets]}))
     res = CliRunner().invoke(app, ["lora-validate", model, str(paths["a"])])
     assert res.exit_code == 1, res.output
     errors = [line for line in res.output.splitlines() if line.startswith("error:")]

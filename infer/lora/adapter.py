@@ -391,7 +391,8 @@ def _without_absent(problems: list[Problem], adapter: "LoRAAdapter", unadapted) 
     a problem first in the list names) as ones the base model does not have: it has them. Kept where the adapter's
     target_modules (a list) name another module no base has, which such a problem may be about."""
     targets = adapter.config.get("target_modules")
-    known = (*PROJECTIONS, *EMBEDDINGS, *V4_EXPERT_TARGETS["mixtral"], *unadapted)
+    # (the Mamba-2 mixers' in_proj and out_proj: adapted on Bamba, Granite 4.0, Falcon-H1's and Nemotron-H's in_proj)
+    known = (*PROJECTIONS, *EMBEDDINGS, *V4_EXPERT_TARGETS["mixtral"], *unadapted, *(p for _, p in MAMBA_MODULES))
     if not isinstance(targets, list) or any(str(t).split(".")[-1] not in known for t in targets):
         return problems
     return [p for p in problems if _ABSENT not in p.message]
@@ -720,8 +721,8 @@ def _family_shapes(base_config) -> dict[str, tuple[int, int]]:
 def _mamba_shapes(base_config) -> dict[str, tuple[int, int]]:
     """The Mamba-2 mixers' in_proj (z | x B C | dt) and out_proj (models.granite4.Mamba2Mixer: Granite 4.0's, Bamba's,
     Nemotron-H's under its fields' names)."""
-    from ..memory.sizes import _granite_fields
-    c = _granite_fields(base_config)
+    from ..models.granite4 import mamba2_fields
+    c = mamba2_fields(base_config)
     width = int(c.mamba_expand * c.hidden_size)
     projected = 2 * width + 2 * c.mamba_n_groups * c.mamba_d_state + c.mamba_n_heads
     return {"in_proj": (c.hidden_size, projected), "out_proj": (width, c.hidden_size)}

@@ -69,7 +69,8 @@ def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
     c = model_config
     if c.model_type in LFM2:  # (its short convs: a conv state [hidden_size, conv_L_cache - 1] alone, models.lfm2)
         return layers * c.hidden_size * (c.conv_L_cache - 1) * element_bytes(dtype)
-    c = _granite_fields(c)
+    from ..models.granite4 import mamba2_fields
+    c = mamba2_fields(c)
     if hasattr(c, "mamba_expand"):  # Mamba-2 (Granite 4.0, Nemotron-H: models.granite4.Mamba2Mixer.state_shapes)
         inter = int(c.mamba_expand * c.hidden_size)
         conv_dim, kernel = inter + 2 * c.mamba_n_groups * c.mamba_d_state, c.mamba_d_conv
@@ -81,18 +82,6 @@ def state_slot_bytes(model_config, dtype: torch.dtype) -> int:
         rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     conv = conv_dim * (kernel - 1) * element_bytes(dtype)
     return layers * (conv + rec)
-
-
-def _granite_fields(c):
-    """Nemotron-H's and Falcon-H1's Mamba-2 fields under Granite 4.0's names (their models' mamba_fields); another
-    model's config as it is."""
-    if c.model_type == "nemotron_h":
-        from ..models.nemotron_h import mamba_fields
-        return mamba_fields(c)
-    if c.model_type == "falcon_h1":
-        from ..models.falcon_h1 import mamba_fields
-        return mamba_fields(c)
-    return c
 
 
 def kv_window(engine_config, model_config, max_length: int, draft_config=None) -> tuple[int, int]:
@@ -231,7 +220,8 @@ def _mamba_slot_elements(model_config, in_proj: bool = True, out_proj: bool = Tr
     """A Mamba-2 layer's adapter slot elements per rank (models.granite4.Mamba2Mixer: A's input widths + B's
     heights): in_proj (z, x B C, dt) and out_proj (each where asked: Bamba's --lora-target-modules)."""
     c = model_config
-    c = _granite_fields(c)
+    from ..models.granite4 import mamba2_fields
+    c = mamba2_fields(c)
     inter = int(c.mamba_expand * c.hidden_size)
     in_out = 2 * inter + 2 * c.mamba_n_groups * c.mamba_d_state + c.mamba_n_heads
     return (c.hidden_size + in_out) * in_proj + (inter + c.hidden_size) * out_proj
@@ -457,7 +447,8 @@ def mamba_scan_bytes(model_config, tokens: int, step_tokens: int = 0, seqs: int 
             or not _linear_layers(model_config) or tokens <= 0:
         return 0
     c = model_config
-    c = _granite_fields(c)
+    from ..models.granite4 import mamba2_fields
+    c = mamba2_fields(c)
     chunk, heads = int(c.mamba_chunk_size), int(c.mamba_n_heads)
     chunks = -(-tokens // chunk)
     group = min(chunks, SCAN_GROUP_CHUNKS + 1) * chunk * chunk

@@ -50,6 +50,18 @@ class _Conv(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels, dtype=dtype), requires_grad=False) if bias else None
 
 
+def mamba2_fields(cfg):
+    """A config's Mamba-2 fields under Granite 4.0's names, which Mamba2Mixer reads: Nemotron-H's and Falcon-H1's
+    through their models' mamba_fields; another model's config (Granite 4.0's, Bamba's) as it is."""
+    if cfg.model_type == "nemotron_h":
+        from .nemotron_h import mamba_fields
+        return mamba_fields(cfg)
+    if cfg.model_type == "falcon_h1":
+        from .falcon_h1 import mamba_fields
+        return mamba_fields(cfg)
+    return cfg
+
+
 class Mamba2Mixer(nn.Module):
     """transformers' GraniteMoeHybridMambaLayer (Bamba's mixer) on a flat batch: in_proj's output split into the
     gate z [I], x|B|C [conv_dim] and dt [H]; the causal conv1d (with bias) and silu over x|B|C; the SSD scan (dt
