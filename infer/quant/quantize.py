@@ -708,12 +708,9 @@ def _granite4_view(src: Path):
         yield
         return
     from gptqmodel.models import auto
-    base = auto.MODEL_MAP["granitemoehybrid"]
-    auto.MODEL_MAP["granitemoehybrid"] = type("Granite4GPTQ", (base,), {"monkey_patch": lambda self: None})
-    try:
+    with _definition("granitemoehybrid", type("Granite4GPTQ", (auto.MODEL_MAP["granitemoehybrid"],),
+                                              {"monkey_patch": lambda self: None})):
         yield
-    finally:
-        auto.MODEL_MAP["granitemoehybrid"] = base
 
 
 # Nemotron-H's modules as transformers 5 names them (GPTQModel 7.6's definition looks under backbone.layers): each
@@ -735,13 +732,9 @@ def _nemotron_h_view(src: Path):
         yield
         return
     from gptqmodel.models import auto
-    base = auto.MODEL_MAP["nemotron_h"]
-    auto.MODEL_MAP["nemotron_h"] = type("NemotronHGPTQ", (base,), {
-        "module_tree": _NEMOTRON_H_TREE, "monkey_patch": lambda self: None, "require_trust_remote_code": False})
-    try:
+    with _definition("nemotron_h", type("NemotronHGPTQ", (auto.MODEL_MAP["nemotron_h"],), {
+            "module_tree": _NEMOTRON_H_TREE, "monkey_patch": lambda self: None, "require_trust_remote_code": False})):
         yield
-    finally:
-        auto.MODEL_MAP["nemotron_h"] = base
 
 
 BAMBA_NOTE = ("GPTQModel 7.6 has no Bamba definition: infer quantized it through one of its own; GPTQModel.load of "
@@ -763,23 +756,32 @@ def _bamba_view(src: Path):
     if read_config_json(src).get("model_type") != "bamba":
         yield
         return
-    from gptqmodel.models import auto
     from gptqmodel.models.base import BaseQModel
-    before = auto.MODEL_MAP.get("bamba")
-    listed = "bamba" in auto.SUPPORTED_MODELS  # (its lookup: a model_type not listed gets the fallback)
-    auto.MODEL_MAP["bamba"] = type("BambaGPTQ", (BaseQModel,), {
-        "module_tree": _BAMBA_TREE, "layer_modules_strict": False, "pre_lm_head_norm_module": "model.final_layernorm"})
+    with _definition("bamba", type("BambaGPTQ", (BaseQModel,), {
+            "module_tree": _BAMBA_TREE, "layer_modules_strict": False,
+            "pre_lm_head_norm_module": "model.final_layernorm"})):
+        yield
+
+
+@contextlib.contextmanager
+def _definition(model_type: str, definition: type):
+    """GPTQModel's definition of `model_type` (auto.MODEL_MAP) replaced by `definition` while the block runs, the
+    model type listed as supported (a type not listed gets GPTQModel's fallback); both as they were after."""
+    from gptqmodel.models import auto
+    before = auto.MODEL_MAP.get(model_type)
+    listed = model_type in auto.SUPPORTED_MODELS
+    auto.MODEL_MAP[model_type] = definition
     if not listed:
-        auto.SUPPORTED_MODELS.append("bamba")
+        auto.SUPPORTED_MODELS.append(model_type)
     try:
         yield
     finally:
         if not listed:
-            auto.SUPPORTED_MODELS.remove("bamba")
+            auto.SUPPORTED_MODELS.remove(model_type)
         if before is None:
-            del auto.MODEL_MAP["bamba"]
+            del auto.MODEL_MAP[model_type]
         else:
-            auto.MODEL_MAP["bamba"] = before
+            auto.MODEL_MAP[model_type] = before
 
 
 FLEX_OLMO_NOTE = ("GPTQModel 7.6 has no FlexOlmo definition: infer quantized it through GPTQModel's OLMoE definition "
@@ -803,20 +805,8 @@ def _flex_olmo_view(src: Path):
         yield
         return
     from gptqmodel.models import auto
-    before = auto.MODEL_MAP.get("flex_olmo")
-    listed = "flex_olmo" in auto.SUPPORTED_MODELS  # (its lookup: a model_type not listed gets its BaseQModel)
-    auto.MODEL_MAP["flex_olmo"] = type("FlexOlmoGPTQ", (auto.MODEL_MAP["olmoe"],), {"module_tree": _FLEX_OLMO_TREE})
-    if not listed:
-        auto.SUPPORTED_MODELS.append("flex_olmo")
-    try:
+    with _definition("flex_olmo", type("FlexOlmoGPTQ", (auto.MODEL_MAP["olmoe"],), {"module_tree": _FLEX_OLMO_TREE})):
         yield
-    finally:
-        if not listed:
-            auto.SUPPORTED_MODELS.remove("flex_olmo")
-        if before is None:
-            del auto.MODEL_MAP["flex_olmo"]
-        else:
-            auto.MODEL_MAP["flex_olmo"] = before
 
 
 def source_half_dtype(src: Path):
