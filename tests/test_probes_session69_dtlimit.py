@@ -55,10 +55,11 @@ def _generates_as_transformers(hf, prompts, outs, n: int) -> None:
 
 @pytest.mark.parametrize("name,triton", [(name, False) for name in FAMILIES] + [("tiny-granite4", True)])
 def test_a_prompts_last_token_alone_is_clamped_as_transformers(name, triton, tmp_path, monkeypatch):
-    """(`triton`: every op with a Triton kernel through it, interpreted.) Prompts of 17 and 9 tokens in steps of 8, one at a time (their last token a step of its own, its state kept),
-    and a prompt of 37 tokens then another with its first 36 (the second finds 9 cached blocks and the state snapshot
-    at their end, and computes its last token alone): transformers' greedy tokens, each generated token's logprob (its decode steps
-    unclamped) and every prompt token's."""
+    """(`triton`: every op with a Triton kernel through it, interpreted.) Prompts of 17 and 9 tokens in steps of 8,
+    one at a time (their last token a step of its own, its state kept), and a prompt of 37 tokens then another with
+    its first 36 (the second finds 9 cached blocks and the state snapshot at their end, and computes its last token
+    alone): transformers' greedy tokens, each generated token's logprob (its decode steps unclamped) and every
+    prompt token's."""
     _interpret(triton, monkeypatch)
     hf = _limited(name, tmp_path / "m")
     short = random_prompts(512, (17, 9), seed=4)
@@ -115,9 +116,9 @@ def test_decode_graphs_replay_generated_tokens_alone(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("triton", [False, True])
 def test_a_preempted_sequence_recomputes_its_reply_unclamped(triton, tmp_path, monkeypatch):
-    """(`triton`: as above.) A KV budget of 16 blocks of 4 for 4 prompts: the preempted ones recompute prompt and reply in one prefill from
-    zero state, dt clamped for the prompt's tokens alone (the reply's were decode steps): transformers' generate's
-    tokens and logprobs."""
+    """(`triton`: as above.) A KV budget of 16 blocks of 4 for 4 prompts: the preempted ones recompute prompt and
+    reply in one prefill from zero state, dt clamped for the prompt's tokens alone (the reply's were decode steps):
+    transformers' generate's tokens and logprobs."""
     _interpret(triton, monkeypatch)
     hf = _limited("tiny-granite4", tmp_path / "m")
     prompts = random_prompts(512, (20, 25, 17, 30), seed=4)

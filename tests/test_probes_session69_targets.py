@@ -47,6 +47,6 @@ def test_out_proj_is_refused_as_a_mamba_projection():
     from infer.errors import ConfigError
     with pytest.raises(ConfigError, match=r"--lora-target-modules out_proj: Mamba-2 mixer projections, which infer's "
                                           r"adapters of this model do not adapt \(falcon_h1 has adapter slots for "
-                                          r"q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, "
-                                          r"down_proj, in_proj\)"):
+                                          r"q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, "
+                                          r"gate_up_proj, down_proj, in_proj\)"):
         LLM(NAME, enable_lora=True, lora_target_modules=["out_proj"])

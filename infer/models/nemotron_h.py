@@ -12,8 +12,9 @@ transformers' NemotronHMoE: GLM-4.5's float32 router (sigmoid scores, e_score_co
 n_group / topk_group, norm_topk_prob, routed_scaling_factor), n_routed_experts relu² experts without gate (up_proj,
 down_proj: w13 their up rows alone, the fused MoE's relu(up)²) and the shared experts (a relu² MLP of
 moe_shared_expert_intermediate_size, added unscaled); Nemotron 3 Super's experts run in a latent of moe_latent_size
-dims between fc1_latent_proj and fc2_latent_proj (models.moe.SparseMoeBlock); checkpoint names mixer.gate.{weight,e_score_correction_bias}, mixer.experts.N.{up,down}_proj
-(or transformers 5's stacked mixer.experts.{up,down}_proj), mixer.shared_experts.{up,down}_proj."""
+dims between fc1_latent_proj and fc2_latent_proj (models.moe.SparseMoeBlock); checkpoint names
+mixer.gate.{weight,e_score_correction_bias}, mixer.experts.N.{up,down}_proj (or transformers 5's stacked
+mixer.experts.{up,down}_proj), mixer.shared_experts.{up,down}_proj."""
 
 from __future__ import annotations
 
