@@ -302,11 +302,11 @@ def _stored_tensors(name: str, t: torch.Tensor, group: int,
     """(name, safetensors dtype, shape) of what a checkpoint stores for parameter `name` of `t`: itself (bfloat16,
     float32 where the model keeps it so); with `group`, a projection's 4-bit GPTQ tensors in groups of that size and
     transformers 5's stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]; with `stacked_in_out` Llama 4's
-    [E, H, 2I] and [E, I, H]) as each expert's projections."""
-    if group and t.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+    [E, H, 2I] and [E, I, H]; Nemotron 3's up_proj [E, I, H] without gate) as each expert's projections."""
+    if group and t.dim() == 3 and name.endswith(("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")):
         stack, _, proj = name.rpartition(".")
         e, rows, cols = (t.shape[0], t.shape[2], t.shape[1]) if stacked_in_out else t.shape
-        parts = [("gate_proj", rows // 2), ("up_proj", rows // 2)] if proj == "gate_up_proj" else [("down_proj", rows)]
+        parts = [("gate_proj", rows // 2), ("up_proj", rows // 2)] if proj == "gate_up_proj" else [(proj, rows)]
         return [x for i in range(e) for p, n in parts
                 for x in _stored_tensors(f"{stack}.{i}.{p}.weight", torch.empty(n, cols, device="meta"), group)]
     if group and t.dim() == 2 and name.endswith("proj.weight"):

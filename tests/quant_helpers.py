@@ -102,6 +102,8 @@ def dequantized_float_model(float_dir, gptq_dir):
                     stack = stack.replace(".block_sparse_moe.", ".mlp.")
                 if proj in ("down_proj", "w2"):
                     state[f"{stack}.down_proj"][index].copy_(w)
+                elif f"{stack}.gate_up_proj" not in state:  # (Nemotron 3's experts: no gate, up_proj stacked alone)
+                    state[f"{stack}.{proj}"][index].copy_(w)
                 else:
                     half = w.shape[0]
                     start = 0 if proj in ("gate_proj", "w1") else half

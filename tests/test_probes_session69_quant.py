@@ -1,9 +1,9 @@
 """`infer quantize` of Granite 4.0, Nemotron-H and Bamba (refused before: GPTQModel 7.6's definitions fail on
 transformers 5, and it has none of Bamba) through GPTQModel with infer's views of them (quant.quantize._granite4_view:
-without the patch of the Mamba-2 mixer's forward; _nemotron_h_view: the layers under model.layers, the shared experts
-and Nemotron 3 Super's latent projections in its tree; _bamba_view: a definition of its layers): which layers are
-int4, infer's greedy tokens equal GPTQModel's own load of the checkpoint, and `infer warmup --estimate` counts its
-weights as loaded."""
+without the patch of the Mamba-2 mixer's forward; _nemotron_h_view: the layers under model.layers, the shared experts,
+the routed experts (session 70) and Nemotron 3 Super's latent projections in its tree; _bamba_view: a definition of
+its layers): which layers are int4, infer's greedy tokens equal GPTQModel's own load of the checkpoint, and `infer
+warmup --estimate` counts its weights as loaded."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def test_granite4_quantizes_its_mamba_attention_and_shared_mlp(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["tiny-nemotron-h", "tiny-nemotron-h-moe"])
 def test_nemotron_h_quantizes_every_mixer_and_the_shared_experts(tmp_path, name):
-    """Nemotron-H (Mamba-2, MLP, attention blocks) and Nemotron 3 (experts): every block's mixer projections and the
-    shared experts int4, the routed experts float (infer refuses GPTQ experts of Nemotron 3)."""
+    """Nemotron-H (Mamba-2, MLP, attention blocks) and Nemotron 3 (experts): every block's mixer projections, the
+    shared experts and (session 70) the routed experts int4, the router float."""
     from infer.quant.quantize import _nemotron_h_view
     if name == "tiny-nemotron-h":  # (M-*M-)
         int4 = ["model.layers.0.mixer.in_proj", "model.layers.0.mixer.out_proj", "model.layers.1.mixer.up_proj",
@@ -69,21 +69,21 @@ def test_nemotron_h_quantizes_every_mixer_and_the_shared_experts(tmp_path, name)
         float_ = []
     else:  # (ME*M-E)
         int4 = ["model.layers.1.mixer.shared_experts.up_proj", "model.layers.5.mixer.shared_experts.down_proj",
-                "model.layers.2.mixer.v_proj", "model.layers.4.mixer.up_proj"]
-        float_ = ["model.layers.1.mixer.experts.0.up_proj.weight", "model.layers.1.mixer.gate.weight"]
+                "model.layers.2.mixer.v_proj", "model.layers.4.mixer.up_proj", "model.layers.1.mixer.experts.0.up_proj"]
+        float_ = ["model.layers.1.mixer.gate.weight"]
     _quantized(name, tmp_path, _nemotron_h_view, int4, float_)
 
 
 def test_nemotron3_super_quantizes_its_latent_projections(tmp_path):
     """Nemotron 3 Super (moe_latent_size, mlp_bias): fc1_latent_proj and fc2_latent_proj int4 with their biases, as
-    the shared experts; the experts float."""
+    the shared experts and (session 70) the routed experts."""
     from infer.quant.quantize import _nemotron_h_view
     from test_probes_session69_nemo3super import _build
     _build(tmp_path / "m", mlp_bias=True)
     _quantized(tmp_path / "m", tmp_path, _nemotron_h_view,
                ["model.layers.1.mixer.fc1_latent_proj", "model.layers.1.mixer.fc2_latent_proj",
-                "model.layers.1.mixer.shared_experts.up_proj"],
-               ["model.layers.1.mixer.fc1_latent_proj.bias", "model.layers.5.mixer.experts.3.down_proj.weight"])
+                "model.layers.1.mixer.shared_experts.up_proj", "model.layers.5.mixer.experts.3.down_proj"],
+               ["model.layers.1.mixer.fc1_latent_proj.bias"])
 
 
 def test_bamba_quantizes_its_mamba_attention_and_feed_forward(tmp_path):

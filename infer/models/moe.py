@@ -57,10 +57,10 @@ up_proj, down_proj; Mixtral's block_sparse_moe.experts.N.w1, w3, w2), which is w
 what GPTQModel quantizes, or fused as transformers names its parameters (mlp.experts.gate_up_proj, down_proj): the
 loader (`MoeForCausalLM.load_expert_tensor`) reads either.
 
-GPTQ experts (GPTQModel's qwen3_moe / mixtral checkpoints), and AWQ ones (repacked into GPTQ's layout as they are
-read, quant.awq): each expert's projection is read into a one-shard GPTQ layer of its own; on the CPU it is
+GPTQ experts (GPTQModel's qwen3_moe / mixtral / nemotron_h checkpoints), and AWQ ones (repacked into GPTQ's layout as
+they are read, quant.awq): each expert's projection is read into a one-shard GPTQ layer of its own; on the CPU it is
 dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer); on the GPU path (`int4_path`) its
-int4 tensors are stacked by expert (Int4Stack: an expert's gate and up share their g_idx) and
+int4 tensors are stacked by expert (Int4Stack: an expert's gate and up share their g_idx; Nemotron 3's up alone) and
 kernels.fused_moe_int4 dequantizes them in registers. Not supported, refused up front
 (UnsupportedModelError): on a GPU, GPTQ experts not all 4-bit and quantized alike; other quantizations of the
 experts; adapters on the router or Qwen2-MoE's shared_expert_gate (lora.adapter); a hidden_act other than silu.
@@ -465,7 +465,7 @@ class Experts(nn.Module):
     w13_int4, w2_int4); mxfp4 (the hub's gpt-oss checkpoints, on every device): no float weights but their MXFP4
     stacks as stored (Mxfp4Stack w13_mxfp4, w2_mxfp4). `biases` (gpt-oss): b13 [E, 2I] (gate's, then up's) and
     b2 [E, H]. Not `gated` (Nemotron 3's relu² experts): w13 [E, I, H] their up rows alone (the fused MoE's
-    relu(up)², reference.fused_moe)."""
+    relu(up)², reference.fused_moe), w13_int4 their I columns."""
 
     def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None, biases: bool = False,
                  mxfp4: bool = False, gated: bool = True):
@@ -479,7 +479,7 @@ class Experts(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, *(rows or (hidden, inter)), dtype=dtype), requires_grad=False)
         if int4:
-            self.w13_int4 = Int4Stack(e, hidden, 2 * inter, int4[0])
+            self.w13_int4 = Int4Stack(e, hidden, (2 if gated else 1) * inter, int4[0])
             self.w2_int4 = Int4Stack(e, inter, hidden, int4[1])
         if mxfp4:
             self.w13_mxfp4 = Mxfp4Stack(e, hidden, 2 * inter)
@@ -589,15 +589,16 @@ class SparseMoeBlock(nn.Module):
             method = method_for([f"{prefix}.experts.0.{name}"])
             if method is None or isinstance(method, UnquantizedLinearMethod):
                 continue
-            if type(method).__name__ not in _INT4_METHODS or cfg.model_type == "nemotron_h":
+            if type(method).__name__ not in _INT4_METHODS:
                 raise UnsupportedModelError(
                     f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}, "
                     f"{type(method).__name__}): infer runs quantized experts only as GPTQ or AWQ",
-                    "serve the float checkpoint" + ("" if cfg.model_type == "nemotron_h" else ", or a GPTQ one"))
+                    "serve the float checkpoint, or a GPTQ one")
             self.method_for = method_for
         if self.method_for is not None and int4_path(torch.empty(0)):
             # every expert's gate and up alike (one stacked matmul), every down alike (method_for refuses others)
-            gate_up = method_for([f"{prefix}.experts.{i}.{n}" for n in names[:2] for i in range(e)])
+            # (Nemotron 3's experts: no gate, up alone)
+            gate_up = method_for([f"{prefix}.experts.{i}.{n}" for n in names[:2] if n for i in range(e)])
             down = method_for([f"{prefix}.experts.{i}.{names[2]}" for i in range(e)])
             for method, what in ((gate_up, "gate/up"), (down, "down")):
                 if type(method).__name__ not in _INT4_METHODS or method.config.bits != 4:
@@ -730,16 +731,15 @@ class SparseMoeBlock(nn.Module):
 
     def stack_experts(self) -> None:
         """The int4 path: each GPTQ expert projection's checkpoint tensors (qzeros as fields, v1 borrows undone)
-        copied into its Int4Stack (gate's columns, then up's), then dropped; an expert's gate and up must share
-        their g_idx (one matmul); each stack's act-order experts sorted by group, and its group size kept where
-        every g_idx is then plain (Int4Stack.sort_by_group)."""
+        copied into its Int4Stack (gate's columns, then up's; up's alone where there is no gate), then dropped; an
+        expert's gate and up must share their g_idx (one matmul); each stack's act-order experts sorted by group, and
+        its group size kept where every g_idx is then plain (Int4Stack.sort_by_group)."""
         ex = self.experts
-        inter = ex.inter
         for (index, part), layer in self._gptq_layers():
             layer.method.check_complete(layer)  # (a ModelLoadError for a missing qweight, qzeros or scales)
             stack = ex.w13_int4 if part < 2 else ex.w2_int4
-            cols = slice(part * inter, (part + 1) * inter) if part < 2 else slice(None)
-            zcols = slice(part * inter // 8, (part + 1) * inter // 8) if part < 2 else slice(None)
+            cols = ex.rows(part) if part < 2 else slice(None)  # (w13's rows are the stack's columns)
+            zcols = slice(cols.start // 8, cols.stop // 8) if part < 2 else slice(None)
             stack.words[index, :, cols].copy_(layer.qweight)
             stack.zeros[index, :, zcols].copy_(layer.qzeros)
             stack.scales[index, :, cols].copy_(layer.scales)

@@ -714,26 +714,30 @@ def _granite4_view(src: Path):
 
 
 # Nemotron-H's modules as transformers 5 names them (GPTQModel 7.6's definition looks under backbone.layers): each
-# block's mixer (attention, Mamba-2's in_proj and out_proj, or the MLP), Nemotron 3's shared experts and Nemotron 3
-# Super's latent projections int4; the routed experts float (infer refuses GPTQ experts of Nemotron 3)
+# block's mixer (attention, Mamba-2's in_proj and out_proj, or the MLP), Nemotron 3's routed experts (GPTQModel's
+# defuser splits transformers 5's stacked up_proj and down_proj; n_routed_experts of them), its shared experts and
+# Nemotron 3 Super's latent projections int4, in the order a token meets them (fc1_latent_proj, the experts,
+# fc2_latent_proj)
 _NEMOTRON_H_TREE = ["model", "layers", "#", {"norm": ("norm:!",), "mixer": {
     "": ("q_proj:0", "k_proj:0", "v_proj:0", "o_proj:1", "in_proj:2", "out_proj:2", "gate_proj:3", "up_proj:3",
-         "down_proj:4", "fc1_latent_proj:5", "fc2_latent_proj:6"),
-    "shared_experts": ("up_proj:7", "down_proj:8")}}]
+         "down_proj:4", "fc1_latent_proj:5", "fc2_latent_proj:8"),
+    "experts": {"#": ("up_proj:6", "down_proj:7")},
+    "shared_experts": ("up_proj:9", "down_proj:10")}}]
 
 
 @contextlib.contextmanager
 def _nemotron_h_view(src: Path):
     """GPTQModel 7.6's Nemotron-H definition, while a NemotronHForCausalLM is quantized, given the layers where
     transformers 5 holds them (_NEMOTRON_H_TREE: it failed at "'NoneType' object is not subscriptable"), without its
-    remote code and its patch of the mixer's forward (for its quantized layers' fast kernels); any other model's as
-    it is."""
+    remote code and its patch of the mixer's forward (for its quantized layers' fast kernels), its routed experts
+    counted by n_routed_experts (without a count it quantized none: saved float); any other model's as it is."""
     if read_config_json(src).get("model_type") != "nemotron_h":
         yield
         return
     from gptqmodel.models import auto
     with _definition("nemotron_h", type("NemotronHGPTQ", (auto.MODEL_MAP["nemotron_h"],), {
-            "module_tree": _NEMOTRON_H_TREE, "monkey_patch": lambda self: None, "require_trust_remote_code": False})):
+            "module_tree": _NEMOTRON_H_TREE, "monkey_patch": lambda self: None, "require_trust_remote_code": False,
+            "dynamic_expert_index": "n_routed_experts"})):
         yield
 
 
@@ -962,7 +966,8 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
+             "nemotron_h")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -974,7 +979,7 @@ MIXTRAL_NOTE = ("this Mixtral checkpoint names its experts block_sparse_moe.expe
                 "reads only its own names (mlp.experts.N.gate_proj, up_proj, down_proj) and refuses it")
 MOE_TRANSFORMERS_NOTE = ("transformers does not read GPTQ experts: its {arch} experts stay float layers the "
                          "checkpoint's int4 tensors never fill (wrong outputs there, `infer bench --baseline hf` too); "
-                         "infer{gptqmodel} and vLLM read them")
+                         "{readers} read them")
 FALLBACK_NOTE = ("calibration routed {few} to {n} module{s} ({none} got none), which GPTQModel quantized by "
                  "round-to-nearest instead of GPTQ (its fallback, without calibration: a larger error; no loss in "
                  "{report}): {names}. Calibrate on more or longer text (--num-samples, --seq-len, --calibration) for "
@@ -1057,14 +1062,16 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     expert projections calibration routed too few tokens to (GPTQModel's fallback: round-to-nearest; its threshold
     as the quantize_config.json in `out` records it)."""
     model_type = config.get("model_type")
-    if model_type not in MOE_TYPES:
+    if model_type not in MOE_TYPES or model_type == "nemotron_h" and not _nemotron_experts(config):
         return []
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
-            "flex_olmo": "FlexOlmo"}[model_type]
-    # (their experts renamed: GPTQModel.load reads its own names alone)
+            "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3"}[model_type]
+    # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
+    # layers, _nemotron_h_view: without it, "No compatible quant linear was found")
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
-    notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if own else ", GPTQModel.load")]
+    readers = "infer" if model_type == "nemotron_h" else "infer and vLLM" if own else "infer, GPTQModel.load and vLLM"
+    notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, readers=readers)]
     if model_type == "flex_olmo":
         notes.append(FLEX_OLMO_NOTE)
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
@@ -1079,6 +1086,13 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
         notes.append(FALLBACK_NOTE.format(few=few, n=len(rows), s="" if len(rows) == 1 else "s", none=none,
                                           report=REPORT_NAME, names=names))
     return notes
+
+
+def _nemotron_experts(config: dict) -> bool:
+    """Whether a Nemotron-H's config.json has layers of experts (Nemotron 3): "moe" in layers_block_type, as
+    transformers 5 writes it, or "E" in the hub's hybrid_override_pattern."""
+    kinds = config.get("layers_block_type")
+    return "moe" in kinds if isinstance(kinds, list) else "E" in str(config.get("hybrid_override_pattern", ""))
 
 
 def _fallback_threshold(out: Path) -> str:
