@@ -13,6 +13,10 @@ groups of 128).
                                                # gpt-oss-20b's experts: biases and clamped SwiGLU, fused vs apart
     python -m infer.bench.moe --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --tokens 1 8 64 512 4096
                                                # gpt-oss-20b's MXFP4 experts (packed) vs the same experts in bf16
+    python -m infer.bench.moe --ungated --experts 128 --top-k 6 --hidden 2688 --intermediate 1856
+                                               # Nemotron 3 Nano's relu² experts without gate (w13: up alone)
+    python -m infer.bench.moe --ungated --experts 512 --top-k 22 --hidden 1024 --intermediate 2688
+                                               # Nemotron 3 Super's, in its latent of 1024
 
 With --tune each count of tokens' bucket is tuned (the full candidate set; --quick: the engine start's) over the
 int4 experts, the winners saved to this GPU's cache file as an engine start saves them, and each bucket's tuned
@@ -27,6 +31,9 @@ interleaved): both the int4 and the bf16 experts are timed with the biases and t
 epilogue (`int4_us`, `bf16_us`: two launches, the engine's way) and apart (`int4_apart_us`, `bf16_apart_us`: plain
 matmuls, then the index_select adds and the activation's torch ops, as session 60 ran them), and
 `int4_epilogue_gain` / `bf16_epilogue_gain` apart / fused (above 1: the epilogue is faster).
+
+With --ungated the experts have no gate (Nemotron 3's: w13 their up projections alone, I columns, and relu(up)² in
+place of SwiGLU), their bytes two projections an expert, not three.
 
 With --mxfp4 the experts are gpt-oss's as the hub stores them (random MXFP4 blocks and e8m0 scales:
 reference.Mxfp4Experts, kept packed as the engine holds them) with its biases and activation: the MXFP4 kernel
@@ -126,13 +133,16 @@ def measure_mxfp4(tokens, experts: int, top_k: int, hidden: int, inter: int, ban
 
 
 def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool,
-            bandwidth: float, block_ms=(), oai: bool = False, device: str = "cuda") -> list[dict]:
+            bandwidth: float, block_ms=(), oai: bool = False, device: str = "cuda",
+            ungated: bool = False) -> list[dict]:
     """One row a count of tokens (device: "cuda"; the tests run the same code on "cpu", interpreted). oai: gpt-oss's
-    experts, each also timed with its biases and activation apart (the module docstring's --oai)."""
+    experts, each also timed with its biases and activation apart (the module docstring's --oai); ungated:
+    Nemotron 3's experts without gate (--ungated)."""
     from ..kernels import moe
     from ..kernels.gptq_tune import time_graph
+    n13 = (1 if ungated else 2) * inter  # (w13's outputs: up alone without a gate, the kernels' relu(up)²)
     # (act-order: sorted by group, as models.moe.Int4Stack holds them)
-    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0, device).sorted_by_group(group)
+    w13 = random_experts(experts, hidden, n13, group, act_order, 0, device).sorted_by_group(group)
     w2 = random_experts(experts, inter, hidden, group, act_order, 1, device).sorted_by_group(group)
     f13, f2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
     extra = {"oai": oai_experts(experts, hidden, inter, device)} if oai else {}
@@ -141,9 +151,9 @@ def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: in
         x, weights, ids, chosen = _step(t, experts, top_k, hidden, device)
         ours = time_graph([lambda: moe.fused_moe_int4(x, w13, w2, weights, ids, **extra)])
         dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids, **extra)])
-        q_bytes = int4_bytes(chosen, hidden, 2 * inter, group) + int4_bytes(chosen, inter, hidden, group)
-        f_bytes = chosen * 3 * hidden * inter * 2
-        rows.append({"tokens": t, "experts_chosen": chosen, "act_order": act_order,
+        q_bytes = int4_bytes(chosen, hidden, n13, group) + int4_bytes(chosen, inter, hidden, group)
+        f_bytes = chosen * (n13 + inter) * hidden * 2
+        rows.append({"tokens": t, "experts_chosen": chosen, "act_order": act_order, "ungated": ungated,
                      "int4_us": round(ours, 2), "bf16_us": round(dense, 2), "int4_vs_bf16": round(dense / ours, 3),
                      "int4_floor_us": round(q_bytes / bandwidth * 1e6, 2),
                      "int4_of_floor": round(q_bytes / bandwidth * 1e6 / ours, 3),
@@ -165,12 +175,12 @@ def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: in
 
 
 def tune(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool, quick: bool,
-         log=None) -> list[dict]:
-    """Tune the int4 experts of these shapes at the buckets of `tokens` (kernels.moe_tune.tune_layer), save the
-    winners to this GPU's cache file (as an engine start does) and return one row a bucket: the heuristics' time,
-    the tuned one, their ratio, the winner."""
+         log=None, ungated: bool = False) -> list[dict]:
+    """Tune the int4 experts of these shapes (`ungated`: without gate, w13 of I columns) at the buckets of `tokens`
+    (kernels.moe_tune.tune_layer), save the winners to this GPU's cache file (as an engine start does) and return
+    one row a bucket: the heuristics' time, the tuned one, their ratio, the winner."""
     from ..kernels import gptq_configs, moe, moe_tune
-    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0).sorted_by_group(group)
+    w13 = random_experts(experts, hidden, (1 if ungated else 2) * inter, group, act_order, 0).sorted_by_group(group)
     w2 = random_experts(experts, inter, hidden, group, act_order, 1).sorted_by_group(group)
     buckets = sorted({gptq_configs.bucket(t) for t in tokens})
     res = moe_tune.tune_layer(w13, w2, top_k, buckets, torch.bfloat16, quick=quick, log=log)
@@ -230,8 +240,13 @@ def main(argv=None) -> int:
                                                        "with those apart from the matmuls' epilogue")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss's MXFP4 experts (packed, its biases and "
                                                          "activation) against the same experts in bf16")
+    ap.add_argument("--ungated", action="store_true", help="experts without gate (Nemotron 3's relu² experts: w13 "
+                    "their up projections alone)")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
+    if args.ungated and (args.oai or args.mxfp4):
+        ap.error(f"--ungated times experts without gate (Nemotron 3's); {'--oai' if args.oai else '--mxfp4'} times "
+                 "gpt-oss's gated ones: drop one")
     if args.mxfp4:
         clash = [f for f, on in (("--tune", args.tune), ("--oai", args.oai), ("--act-order", args.act_order),
                                  ("--block-m", args.block_m)) if on]
@@ -259,15 +274,16 @@ def main(argv=None) -> int:
     from .kernels import copy_bandwidth
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; E={args.experts} "
-          f"k={args.top_k} H={args.hidden} I={args.intermediate} g={args.group_size} act_order={args.act_order}")
+          f"k={args.top_k} H={args.hidden} I={args.intermediate} g={args.group_size} act_order={args.act_order}"
+          + (" ungated" if args.ungated else ""))
     if args.mxfp4:
         rows = measure_mxfp4(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, bandwidth)
     elif args.tune:
         rows = tune(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
-                    args.act_order, args.quick, log=lambda m: print(m, flush=True))
+                    args.act_order, args.quick, log=lambda m: print(m, flush=True), ungated=args.ungated)
     else:
         rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
-                       args.act_order, bandwidth, args.block_m, args.oai)
+                       args.act_order, bandwidth, args.block_m, args.oai, ungated=args.ungated)
     keys = list(rows[0])
     print("  ".join(keys))
     for r in rows:
