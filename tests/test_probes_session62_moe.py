@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
@@ -480,15 +481,21 @@ def test_granitemoe_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
 
 @needs_gptqmodel
 def test_granitemoe_infer_quantize_equals_gptqmodels_load(tmp_path):
-    """GPTQModel's granitemoe definition through `infer quantize` (the attention quantized, the stacked experts left
-    float, as GPTQModel 7.6 does on transformers 5): infer's tokens equal GPTQModel's own load."""
+    """GPTQModel's granitemoe definition through `infer quantize` given infer's tree (quant.quantize._granite_view:
+    the attention and, since session 70, each expert's gate_proj, up_proj and down_proj quantized; GPTQModel 7.6's
+    own tree looked for input_linear.N and left them float): infer's tokens equal GPTQModel's own load given that
+    view."""
+    from infer.quant.quantize import _granite_view
     build_granite(tmp_path / "f")
     infer_quantize(tmp_path / "f", tmp_path / "q")
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(tmp_path / "q"), block_size=4, dtype="float32") as llm:
         assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
-    assert got == gptqmodel_greedy(tmp_path / "q", prompts, 8)
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.down_proj.qweight" in f.keys()
+    with _granite_view(tmp_path / "q"):
+        assert got == gptqmodel_greedy(tmp_path / "q", prompts, 8)
     assert len({t for tokens in got for t in tokens}) > 6
 
 

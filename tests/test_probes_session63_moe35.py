@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
@@ -101,15 +102,21 @@ def test_granitemoeshared_an_adapter_of_the_shared_mlp_is_refused_naming_it(tmp_
 
 @needs_gptqmodel
 def test_granitemoeshared_infer_quantize_equals_gptqmodels_load(tmp_path):
-    """`infer quantize` through GPTQModel (the attention and the shared MLP quantized, the stacked experts left
-    float): infer's tokens equal GPTQModel's own load; the shared MLP's fused input_linear read as its gate_up."""
+    """`infer quantize` through GPTQModel given infer's definition (quant.quantize._granite_view: GPTQModel 7.6 has
+    none, and its fallback left the experts float): the attention, the shared MLP and each expert's gate_proj,
+    up_proj and down_proj quantized; infer's tokens equal GPTQModel's own load given that definition; the shared
+    MLP's fused input_linear read as its gate_up."""
+    from infer.quant.quantize import _granite_view
     build_granite(tmp_path / "f")
     infer_quantize(tmp_path / "f", tmp_path / "q")
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(tmp_path / "q"), block_size=4, dtype="float32") as llm:
         assert llm.engine.runner.model.layers[0].mlp.shared_experts.gate_up_proj.qweight is not None
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
-    assert got == gptqmodel_greedy(tmp_path / "q", prompts, 8)
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.gate_proj.qweight" in f.keys()
+    with _granite_view(tmp_path / "q"):
+        assert got == gptqmodel_greedy(tmp_path / "q", prompts, 8)
     assert len({t for tokens in got for t in tokens}) > 6
 
 

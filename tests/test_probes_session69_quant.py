@@ -1,9 +1,9 @@
 """`infer quantize` of Granite 4.0, Nemotron-H and Bamba (refused before: GPTQModel 7.6's definitions fail on
-transformers 5, and it has none of Bamba) through GPTQModel with infer's views of them (quant.quantize._granite4_view:
-without the patch of the Mamba-2 mixer's forward; _nemotron_h_view: the layers under model.layers, the shared experts,
-the routed experts (session 70) and Nemotron 3 Super's latent projections in its tree; _bamba_view: a definition of
-its layers): which layers are int4, infer's greedy tokens equal GPTQModel's own load of the checkpoint, and `infer
-warmup --estimate` counts its weights as loaded."""
+transformers 5, and it has none of Bamba) through GPTQModel with infer's views of them (quant.quantize._granite_view:
+without the patch of the Mamba-2 mixer's forward, each expert in its tree (session 70); _nemotron_h_view: the layers
+under model.layers, the shared experts, the routed experts (session 70) and Nemotron 3 Super's latent projections
+in its tree; _bamba_view: a definition of its layers): which layers are int4, infer's greedy tokens equal
+GPTQModel's own load of the checkpoint, and `infer warmup --estimate` counts its weights as loaded."""
 
 from __future__ import annotations
 
@@ -45,17 +45,18 @@ def _quantized(src, tmp_path, view, int4: list[str], float_: list[str]) -> list[
 def test_granite4_quantizes_its_mamba_attention_and_shared_mlp(tmp_path, name):
     """Granite 4.0 (Mamba-2 layers, attention, shared MLP and experts; and the attention-only micro shape, whose
     first layer's mixer GPTQModel's patch took for None): the mixers' in_proj and out_proj, q, k, v, o and the shared
-    MLP int4, the experts float (as Granite MoE's)."""
-    from infer.quant.quantize import _granite4_view
+    MLP int4, and (session 70) each expert's gate_proj, up_proj and down_proj."""
+    from infer.quant.quantize import _granite_view
     if name == "tiny-granite4":
         int4 = ["model.layers.0.mamba.in_proj", "model.layers.0.mamba.out_proj", "model.layers.2.self_attn.q_proj",
                 "model.layers.2.self_attn.o_proj", "model.layers.3.shared_mlp.input_linear",
-                "model.layers.3.shared_mlp.output_linear"]
-        float_ = ["model.layers.1.block_sparse_moe.experts.7.down_proj.weight"]
+                "model.layers.3.shared_mlp.output_linear", "model.layers.1.block_sparse_moe.experts.7.down_proj",
+                "model.layers.1.block_sparse_moe.experts.0.gate_proj"]
+        float_ = ["model.layers.1.block_sparse_moe.router.weight"]
     else:
         int4 = ["model.layers.0.self_attn.q_proj", "model.layers.1.shared_mlp.output_linear"]
         float_ = []
-    _quantized(name, tmp_path, _granite4_view, int4, float_)
+    _quantized(name, tmp_path, _granite_view, int4, float_)
 
 
 @pytest.mark.parametrize("name", ["tiny-nemotron-h", "tiny-nemotron-h-moe"])

@@ -593,7 +593,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
-                _granite4_view(src), _nemotron_h_view(src), _bamba_view(src):
+                _granite_view(src), _nemotron_h_view(src), _bamba_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -697,19 +697,47 @@ def _falcon_h1_view(src: Path):
         auto.MODEL_MAP["falcon_h1"] = base
 
 
+GRANITE_MOE_NOTE = ("GPTQModel 7.6's Granite definitions look for the experts under block_sparse_moe.input_linear.N "
+                    "and output_linear.N, where transformers 5 stacks them and its defuser splits them into "
+                    "block_sparse_moe.experts.N.gate_proj, up_proj and down_proj: infer quantized those through a "
+                    "tree of its own; GPTQModel.load of this checkpoint without it leaves the experts unread (float "
+                    "layers the checkpoint never fills, seen on the CPU); infer reads it")
+
+
+def _granite_tree(model_type: str) -> list:
+    """GPTQModel's module tree of a Granite MoE (granitemoe), GraniteMoeShared or Granite 4.0 (granitemoehybrid)
+    layer as transformers 5 and GPTQModel's defuser name it: the Mamba-2 mixer's in_proj and out_proj (Granite 4.0),
+    q, k, v and o, each expert's gate_proj, up_proj and down_proj (block_sparse_moe.experts.N, counted by
+    num_local_experts; none in a Granite 4.0 without experts), and the shared MLP's fused input_linear and
+    output_linear (GraniteMoeShared, Granite 4.0); the routers and norms float."""
+    layer: dict = {"input_layernorm": ("input_layernorm:!",)}
+    if model_type == "granitemoehybrid":
+        layer["mamba"] = ("in_proj:0", "out_proj:1")
+    layer.update({"self_attn": ("q_proj:0", "k_proj:0", "v_proj:0", "o_proj:1"),
+                  "post_attention_layernorm": ("post_attention_layernorm:!",),
+                  "block_sparse_moe:moe:?": {"experts": {"#": ("gate_proj:2", "up_proj:2", "down_proj:3")}}})
+    if model_type != "granitemoe":
+        layer["shared_mlp"] = ("input_linear:2", "output_linear:3")
+    return ["model", "layers", "#", layer]
+
+
 @contextlib.contextmanager
-def _granite4_view(src: Path):
-    """GPTQModel 7.6's Granite 4.0 definition, while a GraniteMoeHybridForCausalLM is quantized, without its patch of
-    the Mamba-2 mixer's forward (for its quantized layers' fast kernels: it reads a torch_forward signature that
-    transformers 5's mixer no longer has, and a first layer of attention's mixer, None: "type object 'NoneType' has
-    no attribute 'forward'"); transformers' own mixer runs the calibration. Its experts stay float, as Granite MoE's
-    do; any other model's as it is."""
-    if read_config_json(src).get("model_type") != "granitemoehybrid":
+def _granite_view(src: Path):
+    """While a Granite MoE, GraniteMoeShared or Granite 4.0 is quantized, GPTQModel 7.6's definition of it given
+    _granite_tree (its own looks for the experts where the defuser does not put them, and quantized none; it has no
+    GraniteMoeShared definition at all, whose fallback quantized the attention and shared MLP alone: GPTQModel's
+    Granite MoE one serves it); Granite 4.0's without its patch of the Mamba-2 mixer's forward (for its quantized
+    layers' fast kernels: it reads a torch_forward signature that transformers 5's mixer no longer has, and a first
+    layer of attention's mixer, None: "type object 'NoneType' has no attribute 'forward'"), transformers' own mixer
+    running the calibration; any other model's as it is."""
+    model_type = read_config_json(src).get("model_type")
+    if model_type not in ("granitemoe", "granitemoeshared", "granitemoehybrid"):
         yield
         return
     from gptqmodel.models import auto
-    with _definition("granitemoehybrid", type("Granite4GPTQ", (auto.MODEL_MAP["granitemoehybrid"],),
-                                              {"monkey_patch": lambda self: None})):
+    base = auto.MODEL_MAP["granitemoehybrid" if model_type == "granitemoehybrid" else "granitemoe"]
+    with _definition(model_type, type("GraniteGPTQ", (base,), {"module_tree": _granite_tree(model_type),
+                                                               "monkey_patch": lambda self: None})):
         yield
 
 
@@ -967,7 +995,9 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
-             "nemotron_h")
+             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid")
+# (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view)
+_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -1062,18 +1092,22 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     expert projections calibration routed too few tokens to (GPTQModel's fallback: round-to-nearest; its threshold
     as the quantize_config.json in `out` records it)."""
     model_type = config.get("model_type")
-    if model_type not in MOE_TYPES or model_type == "nemotron_h" and not _nemotron_experts(config):
+    if model_type not in MOE_TYPES or model_type == "nemotron_h" and not _nemotron_experts(config) \
+            or model_type == "granitemoehybrid" and not config.get("num_local_experts"):  # (none: dense)
         return []
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
-            "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3"}[model_type]
+            "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3", "granitemoe": "Granite MoE",
+            "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
-    # layers, _nemotron_h_view: without it, "No compatible quant linear was found")
+    # layers, _nemotron_h_view: without it, "No compatible quant linear was found"; Granite's: GRANITE_MOE_NOTE)
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
-    readers = "infer" if model_type == "nemotron_h" else "infer and vLLM" if own else "infer, GPTQModel.load and vLLM"
+    readers = "infer" if model_type in _INFER_READS else "infer and vLLM" if own else "infer, GPTQModel.load and vLLM"
     notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, readers=readers)]
     if model_type == "flex_olmo":
         notes.append(FLEX_OLMO_NOTE)
+    if model_type.startswith("granitemoe"):
+        notes.append(GRANITE_MOE_NOTE)
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
     if rows:

@@ -1,0 +1,134 @@
+"""Session 70: Granite MoE's, GraniteMoeShared's and Granite 4.0's experts as GPTQ int4. GPTQModel 7.6's Granite
+definitions look for the experts under block_sparse_moe.input_linear.N / output_linear.N, where transformers 5 stacks
+them and GPTQModel's defuser splits them into experts.N.gate_proj / up_proj / down_proj: they quantized none (and it
+has no GraniteMoeShared definition: its fallback left them float too). `infer quantize` now gives GPTQModel a tree of
+infer's own (quant.quantize._granite_view): every expert int4, the router float; infer's greedy tokens equal
+transformers' on the dequantized weights and GPTQModel's own load given that tree, on the CPU and (interpreted) the
+GPU path, whose experts stay int4; the notes say who reads the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from infer import LLM, SamplingParams
+
+from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
+from quant_helpers import dequantized_float_model, gptqmodel_greedy, needs_gptqmodel
+
+pytestmark = needs_gptqmodel
+
+PROMPTS = random_prompts(512, (4, 11, 23), seed=11)
+MODELS = {"tiny-granitemoe": "Granite MoE", "tiny-granitemoeshared": "GraniteMoeShared", "tiny-granite4": "Granite 4.0"}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """{built-in name: (its GPTQ checkpoint, quantize's output, words joined by single spaces)} (groups of 32, 8
+    random samples of 32 tokens)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    root = tmp_path_factory.mktemp("granite-gptq")
+    done = {}
+    for name in MODELS:
+        res = CliRunner().invoke(app, ["quantize", name, "-o", str(root / name), "--group-size", "32",
+                                       "--num-samples", "8", "--seq-len", "32"])
+        assert res.exit_code == 0, res.output
+        done[name] = root / name, " ".join(res.output.split())
+    return done
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_expert_is_int4_and_the_tokens_are_transformers_and_gptqmodels(quantized, name):
+    """Every expert's gate_proj, up_proj and down_proj in every layer written int4, no float expert, the router
+    float; infer's greedy tokens equal transformers' on the float model with every GPTQ layer's dequantized weight
+    and GPTQModel's own load given infer's tree; --estimate's weights are the loaded model's; the notes say
+    transformers does not read the experts, and GPTQModel.load needs infer's tree."""
+    from infer.memory.sizes import weights_bytes
+    from infer.models.tiny import ensure_builtin
+    from infer.quant.quantize import GRANITE_MOE_NOTE, _granite_view
+    out, output = quantized[name]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    layers = {int(n.split(".")[2]) for n in names if ".block_sparse_moe." in n}
+    assert layers
+    experts = {f"model.layers.{i}.block_sparse_moe.experts.{e}.{p}.qweight" for i in layers for e in range(8)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    assert experts <= names, sorted(experts - names)
+    assert not any(".experts." in n and n.endswith(".weight") for n in names)
+    assert {f"model.layers.{i}.block_sparse_moe.router.weight" for i in layers} <= names
+    assert f"transformers does not read GPTQ experts: its {MODELS[name]} experts stay float layers" in output
+    assert "; infer read them" in output and GRANITE_MOE_NOTE in output
+    plan = estimated_plan(str(out), "--max-length", "256")
+    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        got = greedy_tokens(llm, PROMPTS, 8)
+    assert len({t for tokens in got for t in tokens}) > 6
+    assert got == greedy_each(dequantized_float_model(ensure_builtin(name), out), PROMPTS, 8)
+    with _granite_view(out):
+        assert got == gptqmodel_greedy(out, PROMPTS, 8, every_float=True)
+
+
+def test_gptqmodels_own_load_leaves_the_experts_unread(quantized):
+    """What GRANITE_MOE_NOTE says: GPTQModel.load of such a checkpoint without infer's tree builds the experts as
+    float layers, which the checkpoint's int4 tensors never fill (the attention's layers are GPTQModel's quantized
+    ones)."""
+    from gptqmodel import BACKEND, GPTQModel
+    out, _ = quantized["tiny-granitemoe"]
+    model = GPTQModel.load(str(out), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model
+    layer = model.model.layers[1]
+    assert hasattr(layer.self_attn.q_proj, "qweight")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        linear = getattr(layer.block_sparse_moe.experts[0], proj)
+        assert type(linear) is torch.nn.Linear and not hasattr(linear, "qweight")
+
+
+@pytest.mark.parametrize("name", ["tiny-granitemoe", "tiny-granite4"])
+def test_the_gpu_path_holds_the_experts_int4_and_gives_the_cpu_paths_tokens(quantized, monkeypatch, name):
+    """The GPU code path (every op through its Triton kernel, interpreted; decode steps through emulated CUDA graphs;
+    prefills in chunks) keeps every sparse layer's experts int4 in their stacks (gate's and up's columns) and runs
+    the int4 fused MoE: the CPU path's tokens, logprobs close."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer.kernels import moe as moe_kernels
+    from infer.models.moe import SparseMoeBlock
+    from quant_helpers import int4_kernel_path
+    out, _ = quantized[name]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
+    prompts = PROMPTS[:2]
+    with LLM(str(out), **opts) as llm:
+        cpu = llm.generate(prompts, params)
+    int4_kernel_path(monkeypatch)
+    calls = []
+    real = moe_kernels.fused_moe_int4
+    monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: calls.append(1) or real(*a))
+    with LLM(str(out), cuda_graph_max_tokens=4, **opts) as llm:
+        blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert blocks
+        for block in blocks:
+            ex = block.experts
+            assert ex.w13.numel() == ex.w2.numel() == 0
+            assert tuple(ex.w13_int4.words.shape) == (8, ex.hidden // 8, 2 * ex.inter)
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        gpu = llm.generate(prompts, params)
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert calls
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    for a, b in zip(gpu, cpu):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+
+
+def test_the_notes_are_for_granites_with_experts_alone():
+    """quantize's notes for a Granite: transformers does not read the GPTQ experts, infer alone reads them, and
+    GPTQModel.load needs infer's tree; none for a Granite 4.0 without experts (granite-4.0-micro's shape)."""
+    from infer.quant.quantize import GRANITE_MOE_NOTE, moe_notes
+    for model_type, arch in (("granitemoe", "Granite MoE"), ("granitemoeshared", "GraniteMoeShared"),
+                             ("granitemoehybrid", "Granite 4.0")):
+        notes = moe_notes({"model_type": model_type, "num_local_experts": 8}, {}, 3)
+        assert notes[0].startswith(f"transformers does not read GPTQ experts: its {arch} experts")
+        assert notes[0].endswith("; infer read them") and notes[1] == GRANITE_MOE_NOTE
+    assert moe_notes({"model_type": "granitemoehybrid", "num_local_experts": 0}, {}, 3) == []
