@@ -132,3 +132,30 @@ def test_the_notes_are_for_granites_with_experts_alone():
         assert notes[0].startswith(f"transformers does not read GPTQ experts: its {arch} experts")
         assert notes[0].endswith("; infer read them") and notes[1] == GRANITE_MOE_NOTE
     assert moe_notes({"model_type": "granitemoehybrid", "num_local_experts": 0}, {}, 3) == []
+
+
+def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_both_paths(quantized, tmp_path,
+                                                                                         monkeypatch):
+    """The GPTQ Granite MoE with adapters of its stacked experts (and q_proj) mixed with the base in one batch:
+    peft's tokens on the dequantized float weights on the CPU path, and the same on the GPU code path (interpreted),
+    whose int4 fused MoE keeps the experts int4 and adds the adapters' deltas (their weights at 0.5's scale: Granite's
+    residual_multiplier of 0.22 leaves smaller deltas too small to change a token)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import GRANITE_EXPERTS, save_adapters
+    from quant_helpers import dequantized_float_model
+    from test_probes_session57_moelora import _cpu_and_gpu_path, peft_tokens
+    out, _ = quantized["tiny-granitemoe"]
+    hf = dequantized_float_model(ensure_builtin("tiny-granitemoe"), out)
+    hf.generation_config.eos_token_id = None
+    paths = save_adapters(hf, tmp_path, {
+        "a": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=GRANITE_EXPERTS),
+        "b": dict(r=8, lora_alpha=16, target_parameters=[GRANITE_EXPERTS[0]])}, scale=0.5)
+    prompts = random_prompts(512, (6, 10, 5), seed=7)
+    names = ["a", None, "b"]
+    cpu, gpu = _cpu_and_gpu_path(out, paths, prompts, names, monkeypatch)
+    assert cpu == peft_tokens(hf, paths, prompts, names, 5)
+    assert gpu == cpu
+    base_tokens = greedy_each(hf, prompts, 5)
+    assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]
