@@ -274,8 +274,9 @@ _MISSING = object()
 
 def defuser_originals() -> dict:
     """What GPTQModel's defuser replaces process-wide when it quantizes or loads a mixture of experts (transformers'
-    sparse MoE blocks of Qwen3-MoE, Mixtral and Qwen2-MoE become per-expert ModuleLists, and its checkpoint
-    conversion mapping renames their weights): {(module, attribute): the original}, taken before any test runs."""
+    sparse MoE blocks of every model type its registry replaces, Qwen3-MoE, Mixtral, Qwen2-MoE and GLM-4.5 among
+    them, become per-expert ModuleLists, and its checkpoint conversion mapping renames their weights): {(module,
+    attribute): the original}, taken before any test runs."""
     try:
         import importlib
 
@@ -286,11 +287,15 @@ def defuser_originals() -> dict:
     import transformers.modeling_utils as modeling
     found = {(m, "get_checkpoint_conversion_mapping"): getattr(m, "get_checkpoint_conversion_mapping", _MISSING)
              for m in (conversion, modeling)}
-    for model_type in ("qwen3_moe", "mixtral", "qwen2_moe"):
-        for orig, _ in MODEL_CONFIG.get(model_type, {}).get(PATCH.REPLACE_MODULE, []):
+    for config in MODEL_CONFIG.values():
+        for orig, _ in config.get(PATCH.REPLACE_MODULE, []):
             module, name = orig.rsplit(".", 1)
-            m = importlib.import_module(module)
-            found[(m, name)] = getattr(m, name)
+            try:
+                m = importlib.import_module(module)
+            except ImportError:  # (a model this transformers does not have: nothing to replace)
+                continue
+            if hasattr(m, name):
+                found[(m, name)] = getattr(m, name)
     return found
 
 

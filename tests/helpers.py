@@ -311,8 +311,9 @@ def _stored_tensors(name: str, t: torch.Tensor, group: int,
                 for x in _stored_tensors(f"{stack}.{i}.{p}.weight", torch.empty(n, cols, device="meta"), group)]
     if group and t.dim() == 2 and name.endswith("proj.weight"):
         module, (out, k) = name.removesuffix(".weight"), t.shape
-        return [(f"{module}.qweight", "I32", [k // 8, out]), (f"{module}.qzeros", "I32", [k // group, out // 8]),
-                (f"{module}.scales", "F16", [k // group, out]), (f"{module}.g_idx", "I32", [k])]
+        groups = -(-k // group)  # (a last partial group where k is no multiple: GLM-4.5-Air's 10944 of 128)
+        return [(f"{module}.qweight", "I32", [k // 8, out]), (f"{module}.qzeros", "I32", [groups, out // 8]),
+                (f"{module}.scales", "F16", [groups, out]), (f"{module}.g_idx", "I32", [k])]
     return [(name, "F32" if t.dtype == torch.float32 else "BF16", list(t.shape))]
 
 

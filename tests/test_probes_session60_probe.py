@@ -73,7 +73,7 @@ def test_the_chat_forms_add_generation_prompt_must_be_a_boolean(pooling_server):
     (["--experts", "0"], "--experts 0 must be at least 1"),
     (["--top-k", "0"], "--top-k 0 must be at least 1"),
     (["--hidden", "0"], "--hidden 0 must be at least 1"),
-    (["--intermediate", "100"], "--intermediate 100 is no multiple of --group-size 128 and of 8"),
+    (["--intermediate", "100"], "--intermediate 100 is no multiple of 8 (int4 packs 8 values a word)"),
     (["--tune", "--top-k", "9", "--experts", "8"], "--top-k must be at most --experts"),
 ])
 def test_the_moe_bench_refuses_bad_shapes_before_the_gpu(monkeypatch, capsys, argv, message):

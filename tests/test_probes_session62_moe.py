@@ -31,7 +31,7 @@ from helpers import (check_builtin_runs_and_warmup_sizes_it, check_chunked_prefi
 from lora_helpers import (base_and_adapters, check_all8_qv4_equal_peft, check_granite_adapters_equal_peft,
                           check_mixed_adapters_gpu_path_equal_peft, hf_float)
 from quant_helpers import (check_gpu_path_equals_transformers, check_gptq_moe_equals_dequantized, gptqmodel_greedy,
-                           infer_quantize, needs_gptqmodel, quantize_refusal, rtn_gptq_pair)
+                           infer_quantize, needs_gptqmodel, rtn_gptq_pair)
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 # GLM-4.5-Air's shape, shrunk: 46 layers there (the first dense), 128 experts of 1408 (top 8) beside one shared
@@ -243,15 +243,6 @@ def test_int4_experts_through_the_kernels_equal_the_cpu_path(gptq_glm, monkeypat
     routing weights, interpreted): the CPU path's tokens."""
     from quant_helpers import check_kernel_path_equals_cpu
     check_kernel_path_equals_cpu(gptq_glm[1], monkeypatch)
-
-
-def test_infer_quantize_refuses_glm_45_naming_gptqmodels_failure(tmp_path):
-    """GPTQModel 7.6's glm4_moe definition fails on transformers 5 after loading the model: `infer quantize` refuses
-    it before, saying why and what to serve instead."""
-    build(tmp_path / "f", num_hidden_layers=2)
-    text = quantize_refusal(tmp_path / "f", tmp_path / "q")
-    assert "is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5" in text, text
-    assert "serve the float checkpoint (infer runs it" in text, text
 
 
 # ------------------------------------------------------------------------ checkpoints, refusals, neighbours

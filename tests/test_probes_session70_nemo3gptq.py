@@ -237,3 +237,38 @@ def test_the_moe_bench_times_experts_without_gate(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             bench.main(["--ungated", other])
         assert exc.value.code == 2 and f"{other} times gpt-oss's gated ones" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
+@pytest.mark.parametrize("act_order", [False, True])
+def test_ungated_int4_experts_with_a_partial_last_group_equal_the_reference(act_order):
+    """Nemotron 3 Nano's experts in groups of 128 (its down projection's 1856 inputs: 14 groups and a half), in
+    small: the int4 fused MoE without gate (interpreted; w13 of I columns, relu(up)²) over a down projection of 48
+    inputs in groups of 32 equals the experts dequantized then the float reference; the MoE bench builds and counts
+    such experts (a partial last group's scale and zeros)."""
+    from infer.bench import moe as bench
+    from infer.kernels import moe, reference
+    from helpers import nan_filled_empty
+    w13 = bench.random_experts(4, 64, 48, 32, act_order, 0, device="cpu").sorted_by_group(32)
+    w2 = bench.random_experts(4, 48, 64, 32, act_order, 1, device="cpu").sorted_by_group(32)
+    assert tuple(w2.scales.shape) == (4, 2, 64) and bench.int4_bytes(4, 48, 64, 32) == 4 * (48 * 64 / 2 + 2 * 64 * 2.5)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3))
+    w, ids = torch.topk(torch.randn(7, 4, generator=torch.Generator().manual_seed(4)).softmax(-1), 2, -1)
+    want = reference.fused_moe(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), w, ids)
+    with nan_filled_empty(moe):
+        got = moe.fused_moe_int4(x, w13, w2, w, ids)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_the_moe_bench_accepts_a_partial_last_group(monkeypatch, capsys):
+    """`python -m infer.bench.moe --intermediate 1856` (Nemotron 3 Nano's experts, groups of 128 by default) gets
+    past the shape checks to the GPU check (it was refused as no multiple of the group size); a width that int4
+    cannot pack (no multiple of 8) is still refused by name."""
+    from infer.bench import moe as bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--ungated", "--experts", "128", "--top-k", "6", "--hidden", "2688", "--intermediate",
+                       "1856", "--tokens", "1"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--intermediate", "1852"])
+    assert exc.value.code == 2 and "--intermediate 1852 is no multiple of 8" in capsys.readouterr().err

@@ -33,7 +33,8 @@ matmuls, then the index_select adds and the activation's torch ops, as session 6
 `int4_epilogue_gain` / `bf16_epilogue_gain` apart / fused (above 1: the epilogue is faster).
 
 With --ungated the experts have no gate (Nemotron 3's: w13 their up projections alone, I columns, and relu(up)² in
-place of SwiGLU), their bytes two projections an expert, not three.
+place of SwiGLU), their bytes two projections an expert, not three. A width no multiple of --group-size has a partial
+last group, as GPTQModel writes it (Nemotron 3 Nano's 1856 in groups of 128).
 
 With --mxfp4 the experts are gpt-oss's as the hub stores them (random MXFP4 blocks and e8m0 scales:
 reference.Mxfp4Experts, kept packed as the engine holds them) with its biases and activation: the MXFP4 kernel
@@ -58,9 +59,10 @@ def random_experts(experts: int, k: int, n: int, group: int, act_order: bool, se
     from ..kernels.reference import Int4Experts
     gen = torch.Generator(device=device).manual_seed(seed)
     words = torch.randint(-2**31, 2**31 - 1, (experts, k // 8, n), device=device, dtype=torch.int32, generator=gen)
-    zeros = torch.randint(-2**31, 2**31 - 1, (experts, k // group, n // 8), device=device, dtype=torch.int32,
+    groups = -(-k // group)  # (a last partial group where k is no multiple of it: Nemotron 3 Nano's 1856 of 128)
+    zeros = torch.randint(-2**31, 2**31 - 1, (experts, groups, n // 8), device=device, dtype=torch.int32,
                           generator=gen)
-    scales = (torch.rand(experts, k // group, n, device=device, generator=gen) * 0.004 + 0.001).half()
+    scales = (torch.rand(experts, groups, n, device=device, generator=gen) * 0.004 + 0.001).half()
     plain = (torch.arange(k, device=device) // group).int()
     g_idx = torch.stack([plain[torch.randperm(k, device=device, generator=gen)] if act_order else plain
                          for _ in range(experts)])
@@ -69,8 +71,8 @@ def random_experts(experts: int, k: int, n: int, group: int, act_order: bool, se
 
 def int4_bytes(experts: int, k: int, n: int, group: int) -> float:
     """Bytes of `experts` int4 projections of k inputs and n outputs: half a byte a weight, a float16 scale and half
-    a byte of zero point a group of each output."""
-    return experts * (k * n / 2 + k // group * n * 2.5)
+    a byte of zero point a group (the last one partial where k is no multiple of the group size) of each output."""
+    return experts * (k * n / 2 + -(-k // group) * n * 2.5)
 
 
 def oai_experts(experts: int, hidden: int, inter: int, device: str = "cuda"):
@@ -213,10 +215,11 @@ def _bad_shape(args) -> str | None:
     if args.mxfp4 and (args.hidden % 32 or args.intermediate % 32):
         return (f"--mxfp4 packs groups of 32 values: --hidden {args.hidden} and --intermediate {args.intermediate} "
                 "must be multiples of 32 (gpt-oss-20b's are 2880)")
-    bad = [(flag, v) for flag, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
-           if v % args.group_size or v % 8]
+    # (a width no multiple of the group size has a partial last group, as GPTQModel writes it: GLM-4.5-Air's dense
+    # 10944 and Nemotron 3 Nano's experts' 1856 of 128)
+    bad = [(flag, v) for flag, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate)) if v % 8]
     if bad:
-        return f"{bad[0][0]} {bad[0][1]} is no multiple of --group-size {args.group_size} and of 8"
+        return f"{bad[0][0]} {bad[0][1]} is no multiple of 8 (int4 packs 8 values a word)"
     if args.top_k > args.experts or min(args.tokens) < 1:
         return "--top-k must be at most --experts and every --tokens at least 1"
     return None

@@ -300,19 +300,11 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
     and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"), as does a Qwen2-MoE without a
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
-    before: infer runs both, float. GPTQModel 7.6's glm4_moe definition fails on transformers 5 (its MoE hooks take
-    the router's output for a tensor of logits; transformers 5's Glm4MoeTopkRouter returns (logits, weights,
-    experts)): refused too, as are ERNIE 4.5 MoE (its ernie4_5_moe definition calls _update_causal_mask, gone in
-    transformers 5) and MiniMax-M2 (its minimax_m2 definition looks for the experts under block_sparse_moe, which
-    transformers 5 names mlp: it quantized the attention alone and saved the experts float under Qwen's names), and
-    Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's words)."""
-    if config.get("model_type") == "glm4_moe":
-        raise UnsupportedModelError(
-            f"{src} is a GLM-4.5 / 4.6 (glm4_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its MoE "
-            "hooks take the router's output for a tensor of logits, where transformers 5's router returns a tuple "
-            "(\"'tuple' object has no attribute 'sigmoid'\", seen on the CPU)",
-            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
-            "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
+    before: infer runs both, float. Refused too: ERNIE 4.5 MoE (its ernie4_5_moe definition calls
+    _update_causal_mask, gone in transformers 5), MiniMax-M2 (its minimax_m2 definition looks for the experts under
+    block_sparse_moe, which transformers 5 names mlp: it quantized the attention alone and saved the experts float
+    under Qwen's names) and Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's
+    words)."""
     if config.get("model_type") == "ernie4_5_moe":
         raise UnsupportedModelError(
             f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
@@ -593,7 +585,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
-                _granite_view(src), _nemotron_h_view(src), _bamba_view(src):
+                _granite_view(src), _nemotron_h_view(src), _bamba_view(src), _glm4_moe_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -695,6 +687,50 @@ def _falcon_h1_view(src: Path):
         yield
     finally:
         auto.MODEL_MAP["falcon_h1"] = base
+
+
+GLM4_MOE_NOTE = ("GPTQModel.load of this checkpoint fails on transformers 5 (\"'tuple' object has no attribute "
+                 "'sigmoid'\": its GLM-4.5 MoE block takes the router's (logits, weights, experts) for logits, seen on "
+                 "the CPU), as its quantization did: infer quantized it with each block routed by the router's own "
+                 "choice; infer reads it")
+
+
+def _routed_by_the_router(self, hidden_states):
+    """The forward of GPTQModel's GLM-4.5 MoE block (defuser's LinearGlm4MoeMoE: one module an expert) on
+    transformers 5, whose Glm4MoeTopkRouter returns (logits, top k weights, top k experts) where the block expects
+    the logits: each token's experts and weights as the router chose them (transformers' own routing), the experts
+    run on their tokens, the shared experts added."""
+    residuals, shape = hidden_states, hidden_states.shape
+    routed = self.gate(hidden_states)
+    if isinstance(routed, tuple):
+        _, weights, experts = routed
+    else:  # (a transformers whose router returns the logits: the block's own routing)
+        experts, weights = self.route_tokens_to_experts(routed)
+    out = self.moe(hidden_states.view(-1, shape[-1]), experts, weights).view(*shape)
+    return out + self.shared_experts(residuals)
+
+
+@contextlib.contextmanager
+def _glm4_moe_view(src: Path):
+    """GPTQModel 7.6's GLM-4.5 definition, while a Glm4MoeForCausalLM is quantized (or GPTQModel loads its
+    checkpoint), with each MoE block routed by the router's own choice (_routed_by_the_router: its block failed at
+    "'tuple' object has no attribute 'sigmoid'" on transformers 5); any other model's as it is."""
+    if read_config_json(src).get("model_type") != "glm4_moe":
+        yield
+        return
+    import types
+
+    from gptqmodel.models import auto
+    base = auto.MODEL_MAP["glm4_moe"]
+
+    def after_model_load(self, model, load_quantized_model):
+        model = base.after_model_load(self, model, load_quantized_model)
+        for module in model.modules():
+            if type(module).__name__ == "LinearGlm4MoeMoE":
+                module.forward = types.MethodType(_routed_by_the_router, module)
+        return model
+    with _definition("glm4_moe", type("Glm4MoeGPTQ", (base,), {"after_model_load": after_model_load})):
+        yield
 
 
 GRANITE_MOE_NOTE = ("GPTQModel 7.6's Granite definitions look for the experts under block_sparse_moe.input_linear.N "
@@ -995,9 +1031,10 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
-             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid")
-# (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view)
-_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid")
+             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe")
+# (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view,
+# _glm4_moe_view)
+_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -1098,7 +1135,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
     arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE",
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
             "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3", "granitemoe": "Granite MoE",
-            "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0"}[model_type]
+            "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0",
+            "glm4_moe": "GLM-4.5"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
     # layers, _nemotron_h_view: without it, "No compatible quant linear was found"; Granite's: GRANITE_MOE_NOTE)
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
@@ -1108,6 +1146,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
         notes.append(FLEX_OLMO_NOTE)
     if model_type.startswith("granitemoe"):
         notes.append(GRANITE_MOE_NOTE)
+    if model_type == "glm4_moe":
+        notes.append(GLM4_MOE_NOTE)
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
     if rows:
