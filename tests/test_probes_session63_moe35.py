@@ -28,7 +28,7 @@ from helpers import (builtin_model_tests, check_builtin_runs_and_warmup_sizes_it
                      norms_shifted_biases_drawn, random_prompts, save_random_model)
 from lora_helpers import check_all8_qv4_equal_peft, check_granite_adapters_equal_peft, hf_float, save_adapter
 from quant_helpers import (check_gpu_path_equals_transformers, check_gptq_moe_equals_dequantized, gptqmodel_greedy,
-                           infer_quantize, needs_gptqmodel, quantize_refusal, rtn_gptq_pair)
+                           infer_quantize, needs_gptqmodel, rtn_gptq_pair)
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -317,15 +317,6 @@ def test_ernie_int4_experts_through_the_kernels_equal_the_cpu_path(gptq_ernie, m
     weights, interpreted): the CPU path's tokens."""
     from quant_helpers import check_kernel_path_equals_cpu
     check_kernel_path_equals_cpu(gptq_ernie[1], monkeypatch)
-
-
-def test_ernie_infer_quantize_is_refused_naming_gptqmodels_failure(tmp_path):
-    """GPTQModel 7.6's ernie4_5_moe definition fails on transformers 5 while calibrating: `infer quantize` refuses it
-    before loading, saying why and what to serve instead."""
-    build_ernie(tmp_path / "f")
-    text = quantize_refusal(tmp_path / "f", tmp_path / "q")
-    assert "is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5" in text, text
-    assert "serve the float checkpoint (infer runs it" in text, text
 
 
 ERNIE_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

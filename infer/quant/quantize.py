@@ -300,18 +300,10 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
     and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"), as does a Qwen2-MoE without a
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
-    before: infer runs both, float. Refused too: ERNIE 4.5 MoE (its ernie4_5_moe definition calls
-    _update_causal_mask, gone in transformers 5), MiniMax-M2 (its minimax_m2 definition looks for the experts under
+    before: infer runs both, float. Refused too: MiniMax-M2 (its minimax_m2 definition looks for the experts under
     block_sparse_moe, which transformers 5 names mlp: it quantized the attention alone and saved the experts float
     under Qwen's names) and Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's
     words)."""
-    if config.get("model_type") == "ernie4_5_moe":
-        raise UnsupportedModelError(
-            f"{src} is an ERNIE 4.5 MoE (ernie4_5_moe), which GPTQModel 7.6 fails to quantize on transformers 5: its "
-            "ernie4_5_moe definition calls the model's _update_causal_mask, which transformers 5 no longer has "
-            "(\"'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'\", seen on the CPU)",
-            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
-            "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart)")
     if config.get("model_type") == "minimax_m2":
         raise UnsupportedModelError(
             f"{src} is a MiniMax-M2 (minimax_m2), which GPTQModel 7.6 does not quantize on transformers 5: its "
@@ -585,7 +577,8 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
-                _granite_view(src), _nemotron_h_view(src), _bamba_view(src), _glm4_moe_view(src):
+                _granite_view(src), _nemotron_h_view(src), _bamba_view(src), _glm4_moe_view(src), \
+                _ernie45_moe_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -730,6 +723,21 @@ def _glm4_moe_view(src: Path):
                 module.forward = types.MethodType(_routed_by_the_router, module)
         return model
     with _definition("glm4_moe", type("Glm4MoeGPTQ", (base,), {"after_model_load": after_model_load})):
+        yield
+
+
+@contextlib.contextmanager
+def _ernie45_moe_view(src: Path):
+    """GPTQModel 7.6's ERNIE 4.5 MoE definition, while an Ernie4_5_MoeForCausalLM is quantized, without its remote
+    code and its patch of the model's forward (written for the hub's remote code: it calls _update_causal_mask, gone
+    in transformers 5, "'Ernie4_5_MoeModel' object has no attribute '_update_causal_mask'"); transformers' own
+    model runs the calibration; any other model's as it is."""
+    if read_config_json(src).get("model_type") != "ernie4_5_moe":
+        yield
+        return
+    from gptqmodel.models import auto
+    with _definition("ernie4_5_moe", type("Ernie45MoeGPTQ", (auto.MODEL_MAP["ernie4_5_moe"],), {
+            "monkey_patch": lambda self: None, "require_trust_remote_code": False})):
         yield
 
 
@@ -1031,7 +1039,7 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
-             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe")
+             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "ernie4_5_moe")
 # (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view,
 # _glm4_moe_view)
 _INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe")
@@ -1136,11 +1144,12 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
             "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3", "granitemoe": "Granite MoE",
             "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0",
-            "glm4_moe": "GLM-4.5"}[model_type]
+            "glm4_moe": "GLM-4.5", "ernie4_5_moe": "ERNIE 4.5 MoE"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
     # layers, _nemotron_h_view: without it, "No compatible quant linear was found"; Granite's: GRANITE_MOE_NOTE)
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
-    readers = "infer" if model_type in _INFER_READS else "infer and vLLM" if own else "infer, GPTQModel.load and vLLM"
+    readers = "infer" if model_type in _INFER_READS else "infer and vLLM" if own else \
+        "infer and GPTQModel.load" if model_type == "ernie4_5_moe" else "infer, GPTQModel.load and vLLM"
     notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, readers=readers)]
     if model_type == "flex_olmo":
         notes.append(FLEX_OLMO_NOTE)
