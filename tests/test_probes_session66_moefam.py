@@ -275,17 +275,6 @@ def test_a_gptq_minimax_m2_checkpoint_equals_transformers_on_its_dequantized_wei
                                       lambda layer: layer.self_attn.qkv_proj)
 
 
-def test_infer_quantize_of_minimax_m2_is_refused_naming_gptqmodels_definition(tmp_path):
-    """GPTQModel 7.6's minimax_m2 definition finds no experts in transformers 5's MiniMax-M2 (block_sparse_moe there
-    is mlp): it would quantize the attention alone and save the experts float under names no reader takes. `infer
-    quantize` refuses it up front, writing nothing, naming the float checkpoint and GPTQModel's layout."""
-    from infer.models.tiny import ensure_builtin
-    from quant_helpers import quantize_refusal
-    text = quantize_refusal(ensure_builtin("tiny-minimax-m2"), tmp_path / "q")
-    assert "is a MiniMax-M2 (minimax_m2), which GPTQModel 7.6 does not quantize on transformers 5" in text, text
-    assert "serve the float checkpoint" in text and "w1, w3 and w2 apart under block_sparse_moe" in text, text
-
-
 @pytest.mark.parametrize("family_lora", ["minimax_m2"], indirect=True)
 def test_an_adapter_config_naming_mixtrals_w1_w3_w2_is_accepted_on_minimax_m2(family_lora, tmp_path):
     """An adapter_config.json naming MiniMax-M2's experts by Mixtral's target_modules w1, w3 and w2 (as written before

@@ -300,18 +300,8 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
     and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"), as does a Qwen2-MoE without a
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
-    before: infer runs both, float. Refused too: MiniMax-M2 (its minimax_m2 definition looks for the experts under
-    block_sparse_moe, which transformers 5 names mlp: it quantized the attention alone and saved the experts float
-    under Qwen's names) and Llama 4 (its llama4 definition on transformers 5's stacked experts: see the refusal's
-    words)."""
-    if config.get("model_type") == "minimax_m2":
-        raise UnsupportedModelError(
-            f"{src} is a MiniMax-M2 (minimax_m2), which GPTQModel 7.6 does not quantize on transformers 5: its "
-            "minimax_m2 definition looks for the experts under block_sparse_moe, which transformers 5's "
-            "MiniMaxM2ForCausalLM holds as mlp, so it quantizes the attention alone and saves the experts float "
-            "under names no reader takes (mlp.experts.N.gate_proj, seen on the CPU)",
-            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
-            "elsewhere: infer reads GPTQModel's layout (each expert's w1, w3 and w2 apart under block_sparse_moe)")
+    before: infer runs both, float. Refused too: Llama 4 (its llama4 definition on transformers 5's stacked experts:
+    see the refusal's words)."""
     if config.get("model_type") == "llama4_text":  # (a Llama4ForConditionalGeneration's too: its text_config)
         raise UnsupportedModelError(
             f"{src} is a Llama 4 (llama4_text), which GPTQModel 7.6 fails to quantize on transformers 5: its llama4 "
@@ -578,7 +568,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
                 _granite_view(src), _nemotron_h_view(src), _bamba_view(src), _glm4_moe_view(src), \
-                _ernie45_moe_view(src):
+                _ernie45_moe_view(src), _minimax_m2_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -738,6 +728,25 @@ def _ernie45_moe_view(src: Path):
     from gptqmodel.models import auto
     with _definition("ernie4_5_moe", type("Ernie45MoeGPTQ", (auto.MODEL_MAP["ernie4_5_moe"],), {
             "monkey_patch": lambda self: None, "require_trust_remote_code": False})):
+        yield
+
+
+@contextlib.contextmanager
+def _minimax_m2_view(src: Path):
+    """GPTQModel 7.6's MiniMax-M2 definition, while a MiniMaxM2ForCausalLM is quantized, given the experts where
+    transformers 5 holds them (mlp, its defuser's experts.N.gate_proj, up_proj, down_proj: the definition looks
+    under block_sparse_moe for w1, w3, w2, quantized the attention alone and saved the experts float) with the MoE
+    hooks of those names; any other model's as it is. minimax_m2_name then writes the hub's names."""
+    if read_config_json(src).get("model_type") != "minimax_m2":
+        yield
+        return
+    from gptqmodel.models import auto
+    from gptqmodel.models.moe_lifecycle import GateUpDownMoELifecycleHooks
+    base = auto.MODEL_MAP["minimax_m2"]
+    layer = {k: v for k, v in base.module_tree[3].items() if not k.startswith("block_sparse_moe")}
+    layer["mlp:moe"] = {"experts": {"#": ("gate_proj:0", "up_proj:0", "down_proj:1")}}
+    with _definition("minimax_m2", type("MiniMaxM2GPTQ", (base,), {
+            "module_tree": [*base.module_tree[:3], layer], "moe_lifecycle_hooks": GateUpDownMoELifecycleHooks()})):
         yield
 
 
@@ -1039,10 +1048,11 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float; Hunyuan MoE's shared_mlp is quantized as a
 # dense MLP, its router (mlp.gate.wg) stays float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
-             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "ernie4_5_moe")
+             "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "ernie4_5_moe",
+             "minimax_m2")
 # (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view,
-# _glm4_moe_view)
-_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe")
+# _glm4_moe_view; MiniMax-M2's: MINIMAX_NOTE)
+_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "minimax_m2")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -1052,6 +1062,14 @@ _GPTQMODEL_MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)?mlp\."
 MIXTRAL_NOTE = ("this Mixtral checkpoint names its experts block_sparse_moe.experts.N.w1, w3, w2 (its router "
                 "block_sparse_moe.gate), as Mixtral's own checkpoints do and vLLM and infer read them; GPTQModel.load "
                 "reads only its own names (mlp.experts.N.gate_proj, up_proj, down_proj) and refuses it")
+# MiniMax-M2's the same, its router's correction bias too (mlp.e_score_correction_bias): the hub's checkpoints, vLLM
+# and infer name them block_sparse_moe.experts.N.w1, w3, w2, block_sparse_moe.gate, e_score_correction_bias
+_GPTQMODEL_MINIMAX = re.compile(r"^(model\.layers\.\d+\.)?mlp\.(?:(gate|e_score_correction_bias)"
+                                r"|experts\.(\d+)\.(gate_proj|up_proj|down_proj))(?=\.|$)")
+MINIMAX_NOTE = ("this MiniMax-M2 checkpoint names its experts block_sparse_moe.experts.N.w1, w3, w2 (its router "
+                "block_sparse_moe.gate and e_score_correction_bias), as MiniMax-M2's own checkpoints do and infer "
+                "reads them; GPTQModel.load of it on transformers 5 leaves the experts unread (its definition looks "
+                "for them where transformers 5 does not put them)")
 MOE_TRANSFORMERS_NOTE = ("transformers does not read GPTQ experts: its {arch} experts stay float layers the "
                          "checkpoint's int4 tensors never fill (wrong outputs there, `infer bench --baseline hf` too); "
                          "{readers} read them")
@@ -1079,8 +1097,8 @@ def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     if all(mixtral_name(k) == k for k in state):
         return []
     _write_tensors(out, {mixtral_name(k): v for k, v in state.items()}, opts)
-    return [MIXTRAL_NOTE] if config.get("model_type") == "mixtral" else \
-        [PHIMOE_NOTE] if config.get("model_type") == "phimoe" else []
+    return {"mixtral": [MIXTRAL_NOTE], "phimoe": [PHIMOE_NOTE], "minimax_m2": [MINIMAX_NOTE]}.get(
+        config.get("model_type"), [])
 
 
 def mixtral_name(key: str) -> str:
@@ -1098,6 +1116,17 @@ def mixtral_name(key: str) -> str:
 # and infer (models.moe) name them w1, w3, w2
 _GPTQMODEL_LFM2_MOE = re.compile(r"^((?:model\.layers\.\d+\.)?feed_forward\.experts\.\d+\.)"
                                  r"(gate_proj|up_proj|down_proj)(?=\.|$)")
+
+
+def minimax_m2_name(key: str) -> str:
+    """GPTQModel's name of a MiniMax-M2 tensor under _minimax_m2_view's tree (model.layers.N.mlp.experts.E.gate_proj.
+    qweight, mlp.gate.weight, mlp.e_score_correction_bias) or of a module its report rows name, as the hub's
+    checkpoints name it (block_sparse_moe.experts.E.w1, block_sparse_moe.gate, ...); any other unchanged."""
+    m = _GPTQMODEL_MINIMAX.match(key)
+    if m is None or (m.group(1) is None and m.end() != len(key)):
+        return key
+    module = m.group(2) or f"experts.{m.group(3)}.{MIXTRAL_NAMES[m.group(4)]}"
+    return f"{m.group(1) or ''}block_sparse_moe.{module}" + key[m.end():]
 
 
 def lfm2_moe_name(key: str) -> str:
@@ -1129,7 +1158,8 @@ def phimoe_name(key: str) -> str:
     return f"{m.group(1) or ''}block_sparse_moe.{module}" + key[m.end():]
 
 
-_EXPERT_NAMES = {"mixtral": mixtral_name, "lfm2_moe": lfm2_moe_name, "phimoe": phimoe_name}
+_EXPERT_NAMES = {"mixtral": mixtral_name, "lfm2_moe": lfm2_moe_name, "phimoe": phimoe_name,
+                 "minimax_m2": minimax_m2_name}
 
 
 def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path | None = None) -> list[str]:
@@ -1144,7 +1174,7 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
             "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3", "granitemoe": "Granite MoE",
             "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0",
-            "glm4_moe": "GLM-4.5", "ernie4_5_moe": "ERNIE 4.5 MoE"}[model_type]
+            "glm4_moe": "GLM-4.5", "ernie4_5_moe": "ERNIE 4.5 MoE", "minimax_m2": "MiniMax-M2"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
     # layers, _nemotron_h_view: without it, "No compatible quant linear was found"; Granite's: GRANITE_MOE_NOTE)
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
