@@ -66,8 +66,8 @@ def test_ernie_quantizes_every_expert_and_the_tokens_are_transformers_and_gptqmo
             f"model.layers.{sparse[0]}.mlp.gate.moe_statics.e_score_correction_bias"} <= names
     assert "transformers does not read GPTQ experts: its ERNIE 4.5 MoE experts stay float layers" in output
     assert "; infer and GPTQModel.load read them" in output
-    plan = estimated_plan(str(out), "--max-length", "256")
-    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
+    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
         assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
         got = greedy_tokens(llm, PROMPTS, 8)
     assert len({t for tokens in got for t in tokens}) > 6

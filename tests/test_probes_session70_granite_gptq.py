@@ -61,8 +61,8 @@ def test_every_expert_is_int4_and_the_tokens_are_transformers_and_gptqmodels(qua
     assert {f"model.layers.{i}.block_sparse_moe.router.weight" for i in layers} <= names
     assert f"transformers does not read GPTQ experts: its {MODELS[name]} experts stay float layers" in output
     assert "; infer read them" in output and GRANITE_MOE_NOTE in output
-    plan = estimated_plan(str(out), "--max-length", "256")
-    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
+    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
         assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
         got = greedy_tokens(llm, PROMPTS, 8)
     assert len({t for tokens in got for t in tokens}) > 6

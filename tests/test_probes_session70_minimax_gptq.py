@@ -76,8 +76,8 @@ def test_every_expert_is_int4_under_the_hubs_names_and_the_tokens_are_transforme
     assert not any(".mlp." in n for n in names)
     assert "block_sparse_moe.experts.6.w2" in output and "mlp.experts" not in output
     assert MINIMAX_NOTE in output and "its MiniMax-M2 experts stay float layers" in output
-    plan = estimated_plan(str(out), "--max-length", "256")
-    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
+    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
         assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
         got = greedy_tokens(llm, PROMPTS, 8)
     assert len({t for tokens in got for t in tokens}) > 6

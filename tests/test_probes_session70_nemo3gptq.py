@@ -66,8 +66,8 @@ def test_every_routed_expert_is_int4_and_the_tokens_are_gptqmodels(quantized, ki
     assert "model.layers.1.mixer.gate.weight" in names and "model.layers.1.mixer.gate.qweight" not in names
     assert "transformers does not read GPTQ experts: its Nemotron 3 experts stay float layers" in output
     assert "infer read them" in output
-    plan = estimated_plan(str(out), "--max-length", "256")
-    with LLM(str(out), block_size=4, max_model_len=256) as llm:
+    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
+    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
         model = llm.engine.runner.model
         assert plan["weights_bytes"] == weights_bytes(model)
         assert model.layers[1].mixer.experts.w13.shape == (8, 32, 24 if kind == "super" else 64)

@@ -673,46 +673,48 @@ def _falcon_h1_view(src: Path):
 
 
 GLM4_MOE_NOTE = ("GPTQModel.load of this checkpoint fails on transformers 5 (\"'tuple' object has no attribute "
-                 "'sigmoid'\": its GLM-4.5 MoE block takes the router's (logits, weights, experts) for logits, seen on "
+                 "'sigmoid'\": its GLM MoE block takes the router's (logits, weights, experts) for logits, seen on "
                  "the CPU), as its quantization did: infer quantized it with each block routed by the router's own "
                  "choice; infer reads it")
 
 
 def _routed_by_the_router(self, hidden_states):
-    """The forward of GPTQModel's GLM-4.5 MoE block (defuser's LinearGlm4MoeMoE: one module an expert) on
-    transformers 5, whose Glm4MoeTopkRouter returns (logits, top k weights, top k experts) where the block expects
-    the logits: each token's experts and weights as the router chose them (transformers' own routing), the experts
-    run on their tokens, the shared experts added."""
+    """The forward of GPTQModel's GLM-4.5 / GLM-4.7-Flash MoE block (defuser's LinearGlm4MoeMoE,
+    LinearGlm4MoeLiteMoE: one module an expert) on transformers 5, whose router returns (logits, top k weights, top k
+    experts) where the block expects the logits: each token's experts and weights as the router chose them
+    (transformers' own routing), the experts run on their tokens, the shared experts added."""
     residuals, shape = hidden_states, hidden_states.shape
     routed = self.gate(hidden_states)
     if isinstance(routed, tuple):
         _, weights, experts = routed
     else:  # (a transformers whose router returns the logits: the block's own routing)
         experts, weights = self.route_tokens_to_experts(routed)
-    out = self.moe(hidden_states.view(-1, shape[-1]), experts, weights).view(*shape)
+    run = self.moe if hasattr(self, "moe") else self.experts_forward  # (GLM-4.5's name, GLM-4.7-Flash's)
+    out = run(hidden_states.view(-1, shape[-1]), experts, weights).view(*shape)
     return out + self.shared_experts(residuals)
 
 
 @contextlib.contextmanager
 def _glm4_moe_view(src: Path):
-    """GPTQModel 7.6's GLM-4.5 definition, while a Glm4MoeForCausalLM is quantized (or GPTQModel loads its
-    checkpoint), with each MoE block routed by the router's own choice (_routed_by_the_router: its block failed at
-    "'tuple' object has no attribute 'sigmoid'" on transformers 5); any other model's as it is."""
-    if read_config_json(src).get("model_type") != "glm4_moe":
+    """GPTQModel 7.6's GLM-4.5 or GLM-4.7-Flash (glm4_moe_lite) definition, while such a model is quantized (or
+    GPTQModel loads its checkpoint), with each MoE block routed by the router's own choice (_routed_by_the_router:
+    its block failed at "'tuple' object has no attribute 'sigmoid'" on transformers 5); any other model's as it is."""
+    model_type = read_config_json(src).get("model_type")
+    if model_type not in ("glm4_moe", "glm4_moe_lite"):
         yield
         return
     import types
 
     from gptqmodel.models import auto
-    base = auto.MODEL_MAP["glm4_moe"]
+    base = auto.MODEL_MAP[model_type]
 
     def after_model_load(self, model, load_quantized_model):
         model = base.after_model_load(self, model, load_quantized_model)
         for module in model.modules():
-            if type(module).__name__ == "LinearGlm4MoeMoE":
+            if type(module).__name__ in ("LinearGlm4MoeMoE", "LinearGlm4MoeLiteMoE"):
                 module.forward = types.MethodType(_routed_by_the_router, module)
         return model
-    with _definition("glm4_moe", type("Glm4MoeGPTQ", (base,), {"after_model_load": after_model_load})):
+    with _definition(model_type, type("Glm4MoeGPTQ", (base,), {"after_model_load": after_model_load})):
         yield
 
 
@@ -1049,10 +1051,11 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # dense MLP, its router (mlp.gate.wg) stays float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
              "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "ernie4_5_moe",
-             "minimax_m2")
+             "minimax_m2", "glm4_moe_lite")
 # (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view,
 # _glm4_moe_view; MiniMax-M2's: MINIMAX_NOTE)
-_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "minimax_m2")
+_INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "minimax_m2",
+                "glm4_moe_lite")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -1174,7 +1177,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
             "hunyuan_v1_moe": "Hunyuan MoE", "lfm2_moe": "LFM2-MoE", "phimoe": "Phi-3.5-MoE",
             "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3", "granitemoe": "Granite MoE",
             "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0",
-            "glm4_moe": "GLM-4.5", "ernie4_5_moe": "ERNIE 4.5 MoE", "minimax_m2": "MiniMax-M2"}[model_type]
+            "glm4_moe": "GLM-4.5", "ernie4_5_moe": "ERNIE 4.5 MoE", "minimax_m2": "MiniMax-M2",
+            "glm4_moe_lite": "GLM-4.7-Flash"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
     # layers, _nemotron_h_view: without it, "No compatible quant linear was found"; Granite's: GRANITE_MOE_NOTE)
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
@@ -1185,7 +1189,7 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
         notes.append(FLEX_OLMO_NOTE)
     if model_type.startswith("granitemoe"):
         notes.append(GRANITE_MOE_NOTE)
-    if model_type == "glm4_moe":
+    if model_type in ("glm4_moe", "glm4_moe_lite"):
         notes.append(GLM4_MOE_NOTE)
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
