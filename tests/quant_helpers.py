@@ -334,3 +334,55 @@ def quantize_refusal(src, out) -> str:
     res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(out)], env={"COLUMNS": "250"})
     assert res.exit_code != 0 and not Path(out).exists(), res.output
     return " ".join(res.output.split())
+
+
+def check_int4_experts_path_equals_cpu(path, monkeypatch, prompts, check_model) -> list[int]:
+    """The GPU code path (every op through its Triton kernel, interpreted; decode steps through emulated CUDA graphs;
+    prefills in chunks) of the GPTQ mixture of experts in `path`: `check_model(model)` passes on the model it built
+    (its experts held int4), the int4 fused MoE ran, and the CPU path's tokens (5 of each prompt) and logprobs
+    (within 1e-3) come out. Returns the w13 widths (out_features) the fused MoE was given."""
+    from infer import LLM, SamplingParams
+    from infer.kernels import moe as moe_kernels
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
+    with LLM(str(path), **opts) as llm:
+        cpu = llm.generate(prompts, params)
+    int4_kernel_path(monkeypatch)
+    widths = []
+    real = moe_kernels.fused_moe_int4
+    monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: widths.append(a[1].out_features) or real(*a))
+    with LLM(str(path), cuda_graph_max_tokens=4, **opts) as llm:
+        check_model(llm.engine.runner.model)
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        gpu = llm.generate(prompts, params)
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert widths
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    for a, b in zip(gpu, cpu):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+    return widths
+
+
+def check_quantized_moe_equals_references(src, out, prompts, gptqmodel_view=None, gptqmodel_layout=None):
+    """infer's greedy tokens (8 of each prompt, float32) of the GPTQ checkpoint `out` of the float model `src`: varied,
+    equal to transformers' on `src` with every GPTQ layer's dequantized weight and to GPTQModel's own load of it
+    (given `gptqmodel_view(checkpoint)` where GPTQModel needs infer's view of the model; of `gptqmodel_layout`, a copy
+    under GPTQModel's names, where given); `warmup --estimate`'s weights are the loaded model's. Returns the tokens."""
+    import contextlib
+
+    from helpers import estimated_plan, greedy_each, greedy_tokens
+    from infer import LLM
+    from infer.memory.sizes import weights_bytes
+    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
+    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
+        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
+        got = greedy_tokens(llm, prompts, 8)
+    assert len({t for tokens in got for t in tokens}) > 6
+    hf = dequantized_float_model(src, out)
+    hf.generation_config.eos_token_id = None  # (never stop: greedy_tokens ignores EOS)
+    assert got == greedy_each(hf, prompts, 8)
+    layout = gptqmodel_layout or out
+    with (gptqmodel_view or (lambda _: contextlib.nullcontext()))(layout):
+        assert got == gptqmodel_greedy(layout, prompts, 8, every_float=True)
+    return got

@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from infer import LLM
 
-from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
-from quant_helpers import dequantized_float_model, gptqmodel_greedy, needs_gptqmodel
+from helpers import random_prompts
+from quant_helpers import check_quantized_moe_equals_references, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 
@@ -51,7 +51,6 @@ def test_ernie_quantizes_every_expert_and_the_tokens_are_transformers_and_gptqmo
     written int4, the router and its moe_statics bias float; infer's greedy tokens equal transformers' on the float
     model with every GPTQ layer's dequantized weight and GPTQModel's own load; --estimate's weights are the loaded
     model's; the notes say transformers does not read the experts."""
-    from infer.memory.sizes import weights_bytes
     src, out, output = quantized[kind]
     sparse = KINDS[kind][1]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -66,13 +65,7 @@ def test_ernie_quantizes_every_expert_and_the_tokens_are_transformers_and_gptqmo
             f"model.layers.{sparse[0]}.mlp.gate.moe_statics.e_score_correction_bias"} <= names
     assert "transformers does not read GPTQ experts: its ERNIE 4.5 MoE experts stay float layers" in output
     assert "; infer and GPTQModel.load read them" in output
-    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
-    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        got = greedy_tokens(llm, PROMPTS, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
-    assert got == greedy_each(dequantized_float_model(src, out), PROMPTS, 8)
-    assert got == gptqmodel_greedy(out, PROMPTS, 8, every_float=True)
+    check_quantized_moe_equals_references(src, out, PROMPTS)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from infer import LLM
 
 from conftest import restore_originals
-from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
-from quant_helpers import dequantized_float_model, gptqmodel_greedy, needs_gptqmodel
+from helpers import random_prompts
+from quant_helpers import check_quantized_moe_equals_references, gptqmodel_greedy, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 
@@ -59,7 +59,6 @@ def test_glm45_quantizes_every_expert_and_the_tokens_are_transformers_and_gptqmo
     written int4, the router float; infer's greedy tokens equal transformers' on the float model with every GPTQ
     layer's dequantized weight and GPTQModel's own load given infer's view; --estimate's weights are the loaded
     model's; the notes say transformers does not read the experts and GPTQModel.load fails without infer's view."""
-    from infer.memory.sizes import weights_bytes
     from infer.quant.quantize import GLM4_MOE_NOTE, _glm4_moe_view
     src, out, output = quantized[kind]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -75,14 +74,7 @@ def test_glm45_quantizes_every_expert_and_the_tokens_are_transformers_and_gptqmo
     assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"} <= names
     assert "transformers does not read GPTQ experts: its GLM-4.5 experts stay float layers" in output
     assert "; infer read them" in output and GLM4_MOE_NOTE in output
-    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
-    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        got = greedy_tokens(llm, PROMPTS, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
-    assert got == greedy_each(dequantized_float_model(src, out), PROMPTS, 8)
-    with _glm4_moe_view(out):
-        assert got == gptqmodel_greedy(out, PROMPTS, 8, every_float=True)
+    check_quantized_moe_equals_references(src, out, PROMPTS, _glm4_moe_view)
 
 
 def test_gptqmodels_own_load_fails_as_the_note_says(quantized):
@@ -175,11 +167,4 @@ def test_glm47_flash_quantizes_every_expert_through_the_same_fix(tmp_path, _defu
     int4 |= {"model.layers.1.mlp.shared_experts.down_proj", "model.layers.0.mlp.gate_proj",
              "model.layers.1.self_attn.kv_b_proj", "model.layers.2.self_attn.o_proj"}
     assert {f"{m}.qweight" for m in int4} <= names, sorted({f"{m}.qweight" for m in int4} - names)
-    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
-        got = greedy_tokens(llm, PROMPTS, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
-    hf = dequantized_float_model(tmp_path / "f", out)
-    hf.generation_config.eos_token_id = None
-    assert got == greedy_each(hf, PROMPTS, 8)
-    with _glm4_moe_view(out):
-        assert got == gptqmodel_greedy(out, PROMPTS, 8, every_float=True)
+    check_quantized_moe_equals_references(tmp_path / "f", out, PROMPTS, _glm4_moe_view)

@@ -12,10 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from infer import LLM, SamplingParams
-
-from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
-from quant_helpers import dequantized_float_model, gptqmodel_greedy, needs_gptqmodel
+from helpers import greedy_each, random_prompts
+from quant_helpers import check_int4_experts_path_equals_cpu, check_quantized_moe_equals_references, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 
@@ -46,7 +44,6 @@ def test_every_expert_is_int4_and_the_tokens_are_transformers_and_gptqmodels(qua
     float; infer's greedy tokens equal transformers' on the float model with every GPTQ layer's dequantized weight
     and GPTQModel's own load given infer's tree; --estimate's weights are the loaded model's; the notes say
     transformers does not read the experts, and GPTQModel.load needs infer's tree."""
-    from infer.memory.sizes import weights_bytes
     from infer.models.tiny import ensure_builtin
     from infer.quant.quantize import GRANITE_MOE_NOTE, _granite_view
     out, output = quantized[name]
@@ -61,14 +58,7 @@ def test_every_expert_is_int4_and_the_tokens_are_transformers_and_gptqmodels(qua
     assert {f"model.layers.{i}.block_sparse_moe.router.weight" for i in layers} <= names
     assert f"transformers does not read GPTQ experts: its {MODELS[name]} experts stay float layers" in output
     assert "; infer read them" in output and GRANITE_MOE_NOTE in output
-    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
-    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        got = greedy_tokens(llm, PROMPTS, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
-    assert got == greedy_each(dequantized_float_model(ensure_builtin(name), out), PROMPTS, 8)
-    with _granite_view(out):
-        assert got == gptqmodel_greedy(out, PROMPTS, 8, every_float=True)
+    check_quantized_moe_equals_references(ensure_builtin(name), out, PROMPTS, _granite_view)
 
 
 def test_gptqmodels_own_load_leaves_the_experts_unread(quantized):
@@ -92,34 +82,17 @@ def test_the_gpu_path_holds_the_experts_int4_and_gives_the_cpu_paths_tokens(quan
     the int4 fused MoE: the CPU path's tokens, logprobs close."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
-    from infer.kernels import moe as moe_kernels
     from infer.models.moe import SparseMoeBlock
-    from quant_helpers import int4_kernel_path
     out, _ = quantized[name]
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
-    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
-    prompts = PROMPTS[:2]
-    with LLM(str(out), **opts) as llm:
-        cpu = llm.generate(prompts, params)
-    int4_kernel_path(monkeypatch)
-    calls = []
-    real = moe_kernels.fused_moe_int4
-    monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: calls.append(1) or real(*a))
-    with LLM(str(out), cuda_graph_max_tokens=4, **opts) as llm:
-        blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+
+    def check(model):
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         assert blocks
         for block in blocks:
             ex = block.experts
             assert ex.w13.numel() == ex.w2.numel() == 0
             assert tuple(ex.w13_int4.words.shape) == (8, ex.hidden // 8, 2 * ex.inter)
-        llm.engine.runner.capture_graphs(64, emulate=True)
-        gpu = llm.generate(prompts, params)
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert calls
-    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
-    for a, b in zip(gpu, cpu):
-        for ra, rb in zip(a.logprobs, b.logprobs):
-            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+    check_int4_experts_path_equals_cpu(out, monkeypatch, PROMPTS[:2], check)
 
 
 def test_the_notes_are_for_granites_with_experts_alone():

@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 from infer import LLM
 
-from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
-from quant_helpers import dequantized_float_model, gptqmodel_greedy, needs_gptqmodel
+from helpers import random_prompts
+from quant_helpers import check_quantized_moe_equals_references, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 
@@ -63,7 +63,6 @@ def test_every_expert_is_int4_under_the_hubs_names_and_the_tokens_are_transforme
     correction bias float there, nothing left under mlp; the report names the modules so; infer's greedy tokens
     equal transformers' on the float model with every GPTQ layer's dequantized weight and GPTQModel's own load of
     its layout given infer's tree; --estimate's weights are the loaded model's; the notes say who reads it."""
-    from infer.memory.sizes import weights_bytes
     from infer.quant.quantize import MINIMAX_NOTE, _minimax_m2_view
     src, out, output = quantized
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -76,17 +75,8 @@ def test_every_expert_is_int4_under_the_hubs_names_and_the_tokens_are_transforme
     assert not any(".mlp." in n for n in names)
     assert "block_sparse_moe.experts.6.w2" in output and "mlp.experts" not in output
     assert MINIMAX_NOTE in output and "its MiniMax-M2 experts stay float layers" in output
-    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
-    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
-        assert plan["weights_bytes"] == weights_bytes(llm.engine.runner.model)
-        got = greedy_tokens(llm, PROMPTS, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
-    hf = dequantized_float_model(src, out)
-    hf.generation_config.eos_token_id = None  # (never stop: greedy_tokens ignores EOS)
-    assert got == greedy_each(hf, PROMPTS, 8)
-    layout = _gptqmodels_layout(out, tmp_path / "gptqmodel")
-    with _minimax_m2_view(layout):
-        assert got == gptqmodel_greedy(layout, PROMPTS, 8, every_float=True)
+    check_quantized_moe_equals_references(src, out, PROMPTS, _minimax_m2_view,
+                                          _gptqmodels_layout(out, tmp_path / "gptqmodel"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")

@@ -12,10 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from infer import LLM, SamplingParams
-
-from helpers import estimated_plan, greedy_each, greedy_tokens, random_prompts
-from quant_helpers import dequantized_float_model, gptqmodel_greedy, needs_gptqmodel
+from helpers import random_prompts
+from quant_helpers import check_int4_experts_path_equals_cpu, check_quantized_moe_equals_references, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 
@@ -54,7 +52,6 @@ def test_every_routed_expert_is_int4_and_the_tokens_are_gptqmodels(quantized, ki
     greedy tokens equal GPTQModel's own load of the checkpoint (given infer's view of the layers) and transformers'
     on the float model with every GPTQ layer's dequantized weight; --estimate's weights are the loaded model's; the
     notes say transformers does not read the experts."""
-    from infer.memory.sizes import weights_bytes
     from infer.quant.quantize import _nemotron_h_view
     src, out, output = quantized[kind]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -66,16 +63,7 @@ def test_every_routed_expert_is_int4_and_the_tokens_are_gptqmodels(quantized, ki
     assert "model.layers.1.mixer.gate.weight" in names and "model.layers.1.mixer.gate.qweight" not in names
     assert "transformers does not read GPTQ experts: its Nemotron 3 experts stay float layers" in output
     assert "infer read them" in output
-    plan = estimated_plan(str(out), "--max-length", "256", "--dtype", "float32")
-    with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
-        model = llm.engine.runner.model
-        assert plan["weights_bytes"] == weights_bytes(model)
-        assert model.layers[1].mixer.experts.w13.shape == (8, 32, 24 if kind == "super" else 64)
-        got = greedy_tokens(llm, PROMPTS, 8)
-    assert len({t for tokens in got for t in tokens}) > 6
-    with _nemotron_h_view(out):
-        assert got == gptqmodel_greedy(out, PROMPTS, 8, every_float=True)
-    assert got == greedy_each(dequantized_float_model(src, out), PROMPTS, 8)
+    check_quantized_moe_equals_references(src, out, PROMPTS, _nemotron_h_view)
 
 
 @pytest.mark.parametrize("kind", ["nano-act", "super"])
@@ -85,40 +73,24 @@ def test_the_gpu_path_holds_the_experts_int4_and_gives_the_cpu_paths_tokens(quan
     by group where act-order, and runs the int4 fused MoE: the CPU path's tokens, logprobs close."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
-    from infer.kernels import moe as moe_kernels
-    from quant_helpers import int4_kernel_path
     _, out, _ = quantized[kind]
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
-    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
-    prompts = PROMPTS[:2]
-    with LLM(str(out), **opts) as llm:
-        cpu = llm.generate(prompts, params)
-    int4_kernel_path(monkeypatch)
-    calls = []
-    real = moe_kernels.fused_moe_int4
-    monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: calls.append(a[1].out_features) or real(*a))
-    with LLM(str(out), cuda_graph_max_tokens=4, **opts) as llm:
-        experts = llm.engine.runner.model.layers[5].mixer.experts
+    latent = 24 if kind == "super" else 64
+
+    def check(model):
+        experts = model.layers[5].mixer.experts
         assert experts.w13.numel() == experts.w2.numel() == 0
-        latent = 24 if kind == "super" else 64
         assert tuple(experts.w13_int4.words.shape) == (8, latent // 8, 32)
         assert tuple(experts.w13_int4.scales.shape) == (8, -(-latent // 32), 32)  # (groups of 32)
         assert tuple(experts.w2_int4.words.shape) == (8, 32 // 8, latent)
         assert (experts.w13_int4.perm is not None) == (kind == "nano-act")
-        llm.engine.runner.capture_graphs(64, emulate=True)
-        gpu = llm.generate(prompts, params)
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert calls and set(calls) == {32}
-    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
-    for a, b in zip(gpu, cpu):
-        for ra, rb in zip(a.logprobs, b.logprobs):
-            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+    assert set(check_int4_experts_path_equals_cpu(out, monkeypatch, PROMPTS[:2], check)) == {32}
 
 
 @pytest.mark.parametrize("kind", ["nano-act", "super"])
 def test_the_estimate_counts_the_experts_as_each_path_holds_them(quantized, monkeypatch, kind):
     """`warmup --estimate`'s count of the checkpoint's weights is what the engine holds: on the GPU path the experts'
-    int4 tensors as stored (their g_idx, and with act-order their perm); on the CPU the float experts."""
+    int4 tensors as stored (their g_idx, and with act-order their perm); on the CPU the float experts (their up rows
+    alone, of the latent's width in Super)."""
     from infer.memory.checkpoint import checkpoint_weights_bytes
     from infer.memory.sizes import weights_bytes
     from infer.models.loader import load_model, weight_files
@@ -131,6 +103,7 @@ def test_the_estimate_counts_the_experts_as_each_path_holds_them(quantized, monk
         return weights_bytes(model) - sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                                           if n.endswith(("cos_sin", *without)))
     model, cfg = load_model(out, torch.float32, torch.device("cpu"))
+    assert model.layers[1].mixer.experts.w13.shape == (8, 32, 24 if kind == "super" else 64)  # (up rows alone)
     assert checkpoint_weights_bytes(files, cfg, torch.float32, torch.device("cpu"), 4, act) == held(model)
     int4_kernel_path(monkeypatch)
     model, cfg = load_model(out, torch.float32, torch.device("cpu"))
