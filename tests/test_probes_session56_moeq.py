@@ -150,35 +150,17 @@ def test_gpu_path_keeps_gptq_experts_int4_and_equals_the_cpu_path(gptq_moe, monk
     MoE: the CPU path's tokens (experts dequantized at load), logprobs close."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
-    from infer import LLM, SamplingParams
-    from infer.kernels import moe as moe_kernels
-    from quant_helpers import int4_kernel_path
+    from quant_helpers import check_int4_experts_path_equals_cpu
     from helpers import random_prompts
-    path = gptq_moe[kind]
-    prompts = random_prompts(512, (5, 14), seed=4)
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
-    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
-    with LLM(str(path), **opts) as llm:
-        cpu = llm.generate(prompts, params)
-    int4_kernel_path(monkeypatch)
-    calls = []
-    real = moe_kernels.fused_moe_int4
-    monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: calls.append(1) or real(*a))
-    with LLM(str(path), cuda_graph_max_tokens=4, **opts) as llm:
-        experts = llm.engine.runner.model.layers[0].mlp.experts
+
+    def check(model):
+        experts = model.layers[0].mlp.experts
         assert experts.w13.numel() == 0 and experts.w13_int4.words.dtype == torch.int32
         gs = [experts.w13_int4.group_size, experts.w2_int4.group_size]
         # act-order experts sorted by group at load (session 58): their groups then plain, each row's x column in perm
         assert gs == ([16, 16] if kind == "asym-act" else [32, 32])
         assert (experts.w13_int4.perm is not None) == (kind == "asym-act")
-        llm.engine.runner.capture_graphs(64, emulate=True)
-        gpu = llm.generate(prompts, params)
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
-    assert calls
-    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
-    for a, b in zip(gpu, cpu):
-        for ra, rb in zip(a.logprobs, b.logprobs):
-            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+    check_int4_experts_path_equals_cpu(gptq_moe[kind], monkeypatch, random_prompts(512, (5, 14), seed=4), check)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
