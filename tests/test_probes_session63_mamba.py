@@ -128,20 +128,31 @@ def test_mixed_adapters_on_the_attention_equal_peft(tmp_path):
     check_attention_adapters_equal_peft(base, hf_float(base), tmp_path)
 
 
-@pytest.mark.parametrize("targets", [["input_linear", "v_proj"], ["output_linear", "in_proj"]])
-def test_adapters_of_the_shared_mlp_are_refused(tmp_path, targets):
-    """An adapter of the shared MLP is refused at registration, naming it and what to adapt (the mixers' in_proj and
-    out_proj are adapted: test_probes_session69_mamba_lora)."""
+@pytest.mark.parametrize("targets", [["v_proj", "+conv1d"], ["in_proj", "+router"]])
+def test_adapters_of_the_conv_or_the_router_are_refused(tmp_path, targets):
+    """An adapter that names the Mamba-2 mixers' conv1d or the experts' router is refused at registration, naming it
+    and what to adapt (a "+" target is added to adapter_config.json after peft made the adapter: peft refuses the
+    conv at a rank its groups do not divide). The mixers' in_proj and out_proj are adapted
+    (test_probes_session69_mamba_lora), the shared MLP's input_linear and output_linear too
+    (test_probes_session71_granite_lora)."""
+    import json
+
     from lora_helpers import hf_float, save_adapters
 
     from infer.errors import LoRAError
+    made = [t for t in targets if not t.startswith("+")]
     paths = save_adapters(hf_float(ensure_builtin(HYBRID)), tmp_path, {"a": dict(r=4, lora_alpha=8,
-                                                                                  target_modules=targets)})
-    listed = re.escape(repr(sorted(set(targets) - {"v_proj", "in_proj"})))
+                                                                                  target_modules=made)})
+    config = json.loads((paths["a"] / "adapter_config.json").read_text())
+    (paths["a"] / "adapter_config.json").write_text(json.dumps({**config, "target_modules": [t.lstrip("+")
+                                                                                             for t in targets]}))
+    listed = re.escape(repr([t.lstrip("+") for t in targets if t.startswith("+")]))
     with pytest.raises(LoRAError, match=rf"targets {listed}: infer's adapters of granitemoehybrid .* adapt the "
-                                        r"attention's and the Mamba-2 mixers' projections \(in_proj, out_proj\), not "
-                                        r"the mixers' conv1d.*retrain with target_modules among q_proj, k_proj, "
-                                        r"v_proj, o_proj, in_proj, out_proj"):
+                                        r"attention's, the Mamba-2 mixers' \(in_proj, out_proj\) and the shared "
+                                        r"MLP's \(input_linear, output_linear\) projections and the stacked experts, "
+                                        r"not the mixers' conv1d, the router or a whole block.*retrain with "
+                                        r"target_modules among q_proj, k_proj, v_proj, o_proj, in_proj, out_proj, "
+                                        r"input_linear, output_linear"):
         LLM(HYBRID, loras={"a": str(paths["a"])}, max_lora_rank=8)
 
 

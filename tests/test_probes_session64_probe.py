@@ -10,11 +10,11 @@ from infer.models.tiny import ensure_builtin
 
 
 @pytest.mark.parametrize("model, targets, named", [
-    ("tiny-granite4", ["input_linear", "out_proj"], "infer's adapters of granitemoehybrid"),
+    ("tiny-granite4", ["input_linear", "out_proj", "+conv1d"], "infer's adapters of granitemoehybrid"),
     ("tiny-nemotron-h", ["in_proj", "up_proj", "+out_proj"], "infer's adapters of nemotron_h"),
     ("tiny-qwen3_5-moe", ["in_proj_qkvz", "out_proj", "q_proj"], "linear-attention (Gated DeltaNet) layers")])
 def test_adapter_of_a_hybrids_unadapted_layers_is_refused_once(tmp_path, monkeypatch, model, targets, named):
-    """`infer lora-validate` of an adapter of a hybrid's layers infer does not adapt (Granite 4.0's shared MLP,
+    """`infer lora-validate` of an adapter of a hybrid's layers infer does not adapt (Granite 4.0's conv1d,
     Nemotron-H's Mamba-2 out_proj, Qwen3.5's linear attention) names them once, as layers infer does not adapt: not
     again as modules "which the base model does not have" (the base has them), whose hint listed every other
     architecture's projections. (A "+" target is added to adapter_config.json after peft made the adapter: peft

@@ -132,3 +132,31 @@ def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_bot
     assert gpu == cpu
     base_tokens = greedy_each(hf, prompts, 5)
     assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]
+
+
+@pytest.mark.parametrize("name", ["tiny-granite4", "tiny-granitemoeshared"])
+def test_gptq_shared_mlp_adapters_equal_peft_on_the_dequantized_weights_on_both_paths(quantized, tmp_path,
+                                                                                      monkeypatch, name):
+    """(Session 71) The GPTQ Granite 4.0 and GraniteMoeShared with adapters of their int4 shared MLP (input_linear,
+    output_linear: test_probes_session71_granite_lora's "all8", every Linear layer and the stacked experts, and
+    "mlp4") mixed with the base in one batch: peft's tokens on the dequantized float weights on the CPU path, and
+    the same on the GPU code path (interpreted), whose shared MLP stays int4."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer.models.tiny import ensure_builtin
+    from quant_helpers import dequantized_float_model
+    from test_probes_session57_moelora import _cpu_and_gpu_path, peft_tokens
+    from test_probes_session71_granite_lora import _adapters
+    out, _ = quantized[name]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.shared_mlp.input_linear.qweight" in set(f.keys())
+    hf = dequantized_float_model(ensure_builtin(name), out)
+    hf.generation_config.eos_token_id = None
+    paths = _adapters(hf, tmp_path, name)
+    prompts = random_prompts(512, (6, 10, 5), seed=7)
+    names = ["all8", None, "mlp4"]
+    cpu, gpu = _cpu_and_gpu_path(out, paths, prompts, names, monkeypatch)
+    assert cpu == peft_tokens(hf, paths, prompts, names, 5)
+    assert gpu == cpu
+    base_tokens = greedy_each(hf, prompts, 5)
+    assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]

@@ -49,6 +49,11 @@ LATENT_NAMES = ("fc1_latent_proj", "fc2_latent_proj")
 # Granite 4.0's both (models.granite4) and Nemotron-H's in_proj under its blocks' mixer (models.nemotron_h; peft
 # refuses its out_proj, as Falcon-H1's)
 MAMBA_MODULES = {("mamba", "in_proj"), ("mamba", "out_proj"), ("mixer", "in_proj")}
+# Granite 4.0's and GraniteMoeShared's dense shared MLP (transformers' GraniteMoeHybridMLP: input_linear, gate rows
+# then up rows, and output_linear; models.granite4, models.moe), whose Linear layers peft adapts as they are
+SHARED_MLP = ("input_linear", "output_linear")
+SHARED_MLP_MODULES = {("shared_mlp", p) for p in SHARED_MLP}
+SHARED_MLP_BASES = ("granitemoehybrid", "granitemoeshared")
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
           "up_proj": "gate_up_proj"}
 
@@ -335,10 +340,10 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
                     "down_proj)")]
 
 
-# Granite 4.0's modules infer does not adapt (models.granite4): the Mamba-2 mixers' depthwise conv1d, the shared
-# MLP's input_linear and output_linear, the experts' block (block_sparse_moe: its input_linear, output_linear, router)
-GRANITE4_UNADAPTED = ("conv1d", "input_linear", "output_linear", "shared_mlp", "mamba", "router", "layer",
-                      "block_sparse_moe")
+# Granite 4.0's modules infer does not adapt (models.granite4): the Mamba-2 mixers' depthwise conv1d, the whole
+# blocks (peft adapts Linear layers, not the shared MLP or the mixer as a module), the experts' router (its
+# block_sparse_moe.experts take target_parameters: _moe_problems)
+GRANITE4_UNADAPTED = ("conv1d", "shared_mlp", "mamba", "router", "layer", "block_sparse_moe")
 
 
 # Nemotron-H's modules infer does not adapt (models.nemotron_h): the Mamba-2 mixers' out_proj and conv1d (peft refuses
@@ -350,12 +355,13 @@ BAMBA_UNADAPTED = ("conv1d", "mamba", "feed_forward", "self_attn", "layers")
 
 
 def _granite4_problems(adapter: "LoRAAdapter") -> list[Problem]:
-    """An adapter of Granite 4.0's Mamba-2 conv, shared MLP or experts, which infer does not adapt (yet): refused
-    naming them (its attention's and Mamba-2 mixers' projections are adapted)."""
-    return _unadapted_problems(adapter, GRANITE4_UNADAPTED, "granitemoehybrid (Granite 4.0) adapt the attention's "
-                               "and the Mamba-2 mixers' projections (in_proj, out_proj), not the mixers' conv1d, the "
-                               "shared MLP's (input_linear, output_linear) or the experts'",
-                               "q_proj, k_proj, v_proj, o_proj, in_proj, out_proj")
+    """An adapter of Granite 4.0's Mamba-2 conv, router or whole blocks, which infer does not adapt: refused naming
+    them (its attention's, Mamba-2 mixers' and shared MLP's projections are adapted, and its stacked experts)."""
+    return _unadapted_problems(adapter, GRANITE4_UNADAPTED, "granitemoehybrid (Granite 4.0) adapt the attention's, "
+                               "the Mamba-2 mixers' (in_proj, out_proj) and the shared MLP's (input_linear, "
+                               "output_linear) projections and the stacked experts, not the mixers' conv1d, the "
+                               "router or a whole block", "q_proj, k_proj, v_proj, o_proj, in_proj, out_proj, "
+                               "input_linear, output_linear")
 
 
 def _unadapted_problems(adapter: "LoRAAdapter", unadapted, what: str, adapted: str) -> list[Problem]:
@@ -392,7 +398,8 @@ def _without_absent(problems: list[Problem], adapter: "LoRAAdapter", unadapted) 
     target_modules (a list) name another module no base has, which such a problem may be about."""
     targets = adapter.config.get("target_modules")
     # (the Mamba-2 mixers' in_proj and out_proj: adapted on Bamba, Granite 4.0, Falcon-H1's and Nemotron-H's in_proj)
-    known = (*PROJECTIONS, *EMBEDDINGS, *V4_EXPERT_TARGETS["mixtral"], *unadapted, *(p for _, p in MAMBA_MODULES))
+    known = (*PROJECTIONS, *EMBEDDINGS, *V4_EXPERT_TARGETS["mixtral"], *unadapted, *(p for _, p in MAMBA_MODULES),
+             *SHARED_MLP)
     if not isinstance(targets, list) or any(str(t).split(".")[-1] not in known for t in targets):
         return problems
     return [p for p in problems if _ABSENT not in p.message]
@@ -409,7 +416,7 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
         return [Problem(f"adapts {foreign[0]}{more}, which the base model does not have ({have})", hint)]
     targets = adapter.config.get("target_modules")
     v4 = V4_EXPERT_TARGETS.get(getattr(base_config, "model_type", None), ())  # peft makes them the experts' params
-    known = (*PROJECTIONS, *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES)
+    known = (*PROJECTIONS, *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES, *SHARED_MLP)
     # (gate_proj, up_proj, down_proj name a shared expert's layers too: peft adapts them where every layer is sparse)
     shared = [p.removeprefix("shared_expert.") for p in shapes if p.startswith("shared_expert.")]
     listed = [t for t in targets if str(t).split(".")[-1] in known
@@ -466,13 +473,6 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "down_proj alone, or merge it into the weights (peft's merge_and_unload) and serve that")]
     targets = adapter.config.get("target_modules")
     targets = [str(t) for t in targets] if isinstance(targets, list) else []
-    shared_mlp = sorted({t for t in targets if t.split(".")[-1] in ("input_linear", "output_linear")}
-                        | {m.name for m in adapter.modules.values() if ".shared_mlp." in m.name})
-    if base_config.model_type == "granitemoeshared" and shared_mlp:  # (before "absent": the base has them)
-        return [Problem(f"targets {shared_mlp}: infer does not adapt GraniteMoeShared's shared MLP "
-                        "(shared_mlp.input_linear, output_linear)", "train the adapter with target_modules on the "
-                        "attention and target_parameters on the stacked experts (block_sparse_moe.experts."
-                        "gate_up_proj, down_proj), or merge it into the weights (peft's merge_and_unload)")]
     hunyuan_shared = [m for m in adapter.mlp_modules if ".mlp.shared_mlp." in m]
     if base_config.model_type == "hunyuan_v1_moe" and hunyuan_shared:  # (models.moe.shared_adapted: no slots)
         more = f" (and {len(hunyuan_shared) - 1} more modules)" if len(hunyuan_shared) > 1 else ""
@@ -670,10 +670,18 @@ def mla_shapes(c) -> dict[str, tuple[int, int]]:
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every projection of a Llama-family base model (a HF config): Phi-3's fused
     qkv_proj and gate_up_proj in place of q/k/v and gate/up, StarCoder2's c_fc and c_proj in place of the MLP's;
-    Granite 4.0's Mamba-2 mixers' in_proj and out_proj (Nemotron-H's in_proj) beside their attention's and MLP's."""
+    Granite 4.0's Mamba-2 mixers' in_proj and out_proj (Nemotron-H's in_proj) beside their attention's and MLP's;
+    Granite 4.0's and GraniteMoeShared's shared MLP's input_linear and output_linear."""
     out = _family_shapes(base_config)
     if getattr(base_config, "model_type", None) == "granitemoehybrid":
-        out = {**out, **_mamba_shapes(base_config)}
+        if set(getattr(base_config, "layer_types", None) or ()) & {"mamba", "linear_attention"}:  # (as config.json
+            out = {**out, **_mamba_shapes(base_config)}  # names them, and as infer's config does)
+        if not is_moe(base_config):  # (granite-4.0-micro's: the shared MLP is its MLP; no gate_proj ...)
+            out = {p: shape for p, shape in out.items() if p not in LLAMA_PROJECTIONS or LLAMA_PROJECTIONS[p] != MLP}
+    width = int(getattr(base_config, "shared_intermediate_size", 0) or 0)
+    if getattr(base_config, "model_type", None) in SHARED_MLP_BASES and width:  # (its shared MLP: gate | up, down)
+        out = {**out, "input_linear": (base_config.hidden_size, 2 * width),
+               "output_linear": (width, base_config.hidden_size)}
     if getattr(base_config, "model_type", None) == "nemotron_h":  # (its out_proj's adapters refused)
         out = {**out, "in_proj": _mamba_shapes(base_config)["in_proj"]}
     return out
@@ -739,7 +747,7 @@ def _moe_shapes(base_config, hidden: int, inter: int, q: int, kv: int) -> dict[s
     if not all(layers):
         out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
     if any(layers):
-        # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts; not GraniteMoeShared's shared_mlp: not adapted)
+        # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts; GraniteMoeShared's shared_mlp: expected_shapes)
         shared = shared_width(base_config) if shared_name(base_config) else 0
         if shared:
             out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
@@ -1000,7 +1008,7 @@ def config_problems(config: dict) -> list[Problem]:
         # (Mixtral's experts' w1, w3, w2 of transformers 4: validate_against checks them against the base)
         unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS,
                                                                       *V4_EXPERT_TARGETS["mixtral"], *LFM2_NAMES,
-                                                                      *LATENT_NAMES)]
+                                                                      *LATENT_NAMES, *SHARED_MLP)]
         if unknown:
             problems.append(Problem(f"targets {unknown}, which the base model does not have", _HINT_TARGETS))
     return problems
@@ -1195,7 +1203,8 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     elif parent == "feed_forward" and LLAMA_PROJECTIONS.get(proj) == MLP:  # (Llama 4's dense MLP: models.llama4)
         pass
     elif PROJECTIONS.get(proj) != parent and not (parent == "mixer" and proj in PROJECTIONS) \
-            and (parent, proj) not in LFM2_MODULES and (parent, proj) not in MAMBA_MODULES:
+            and (parent, proj) not in LFM2_MODULES and (parent, proj) not in MAMBA_MODULES \
+            and (parent, proj) not in SHARED_MLP_MODULES:
         return None  # (Nemotron-H's attention and MLP projections: under its blocks' mixer, models.nemotron_h)
     return f"model.layers.{int(m['layer'])}.{parent}.{m['proj']}", int(m["layer"]), proj
 

@@ -1,7 +1,8 @@
 """--lora-target-modules (vLLM's LoRAConfig.target_modules): which of a model's layers get adapter slots.
 
 Names are the checkpoint's (peft's target_modules) projection names, q_proj .. down_proj (StarCoder2's MLP: c_fc,
-c_proj; an MLP without gate, Arcee's, Nemotron's and Apertus's: up_proj and down_proj, each a layer of its own), or
+c_proj; an MLP without gate, Arcee's, Nemotron's and Apertus's: up_proj and down_proj, each a layer of its own;
+Granite 4.0's and GraniteMoeShared's shared MLP: input_linear (gate|up) and output_linear), or
 infer's fused layers:
 qkv_proj (q_proj, k_proj and v_proj, which infer computes as one layer whose slots hold all three), gate_up_proj
 (gate_proj and up_proj); `experts` is a mixture of experts' stacked experts (peft's target_parameters
@@ -23,15 +24,19 @@ MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 STARCODER2_MLP = ("c_fc", "c_proj")  # StarCoder2's MLP (no gate)
 UNGATED_MLP = ("up_proj", "down_proj")  # Arcee's, Nemotron's and Apertus's MLP (no gate)
 # the names whose layers memory.sizes counts as a dense MLP's gate_up_proj and down_proj (an MLP without gate's up
-# and down layers: within those widths)
-_SLOTS_AS = {"gate_up_proj": ("gate_up_proj", "up_proj", "c_fc"), "down_proj": ("down_proj", "c_proj")}
+# and down layers: within those widths; Granite's shared MLP: memory.sizes.lora_mlp_width)
+_SLOTS_AS = {"gate_up_proj": ("gate_up_proj", "up_proj", "c_fc", "input_linear"),
+             "down_proj": ("down_proj", "c_proj", "output_linear")}
 MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # DeepSeek's (models.deepseek), with q_proj, o_proj
 # LFM2's (models.lfm2): its attention's out_proj, its short convs' in_proj and out_proj (one name for both kinds of
 # out_proj, as peft's suffix match adapts both), its feed_forward's w1 and w3 (one fused layer: gate_up_proj) and w2
 LFM2_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "out_proj", "in_proj", "w1", "w3", "gate_up_proj", "w2")
 LFM2_FUSED = {"qkv_proj": FUSED["qkv_proj"], "gate_up_proj": ("w1", "w3")}
+# Granite 4.0's and GraniteMoeShared's shared MLP (models.granite4, models.moe): gate|up stored as one input_linear,
+# down as output_linear (each one layer of slots)
+SHARED_MLP = ("input_linear", "output_linear")
 # every name some model takes (LFM2's own aside: a llama's --lora-target-modules w1 is an unknown name)
-ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED)
+ALL_NAMES = (*ATTENTION, *MLA_ATTENTION, *MLP, *STARCODER2_MLP, EXPERTS, SHARED, *SHARED_MLP)
 # a hybrid model's linear-attention (Gated DeltaNet: models.qwen3_5) projections, which adapters do not adapt (yet)
 LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 
@@ -71,11 +76,26 @@ def model_target_names(model_config) -> list[str]:
         return names + list(MLP) + ["in_proj", "out_proj"]
     if model_config.model_type == "falcon_h1":  # (its Mamba-2 mixers' in_proj; out_proj's adapters are refused)
         return names + list(MLP) + ["in_proj"]
-    if model_config.model_type == "granitemoehybrid":  # (its Mamba-2 mixers' projections too)
-        return _family_names(model_config, names, sparse, shared) + ["in_proj", "out_proj"]
+    if model_config.model_type == "granitemoehybrid":  # (its Mamba-2 mixers' projections, its shared MLP's: its
+        # MLP where it has no experts, granite-4.0-micro's)
+        from ..memory.sizes import _linear_layers
+        mamba = ["in_proj", "out_proj"] if _linear_layers(model_config) else []
+        return [n for n in _family_names(model_config, names, sparse, shared) if n not in MLP] + mamba + \
+            shared_mlp_names(model_config)
+    if model_config.model_type == "granitemoeshared":
+        return _family_names(model_config, names, sparse, shared) + shared_mlp_names(model_config)
     if model_config.model_type == "nemotron_h":  # (its Mamba-2 mixers' in_proj too; out_proj's adapters refused)
         return _family_names(model_config, names, sparse, shared) + ["in_proj"]
     return _family_names(model_config, names, sparse, shared)
+
+
+def shared_mlp_names(model_config) -> list[str]:
+    """The shared MLP's names (SHARED_MLP) where the model has one (Granite 4.0's, GraniteMoeShared's
+    shared_intermediate_size), else none."""
+    if model_config.model_type in ("granitemoehybrid", "granitemoeshared") and \
+            int(getattr(model_config, "shared_intermediate_size", 0) or 0):
+        return list(SHARED_MLP)
+    return []
 
 
 def _family_names(model_config, names: list[str], sparse: list[bool], shared: bool) -> list[str]:
@@ -152,7 +172,8 @@ def selects(chosen: frozenset[str] | None, proj: str) -> bool:
 
 def selects_as(chosen: frozenset[str] | None, proj: str) -> bool:
     """selects(chosen, proj), where an MLP without gate's layers count as the dense MLP's (memory.sizes: a selected
-    up_proj or c_fc as gate_up_proj, c_proj as down_proj), for the sizes of their slots and temporaries."""
+    up_proj or c_fc as gate_up_proj, c_proj as down_proj), and Granite's shared MLP's too (input_linear as
+    gate_up_proj, output_linear as down_proj), for the sizes of their slots and temporaries."""
     if chosen is None or proj.rpartition(".")[2] not in _SLOTS_AS:
         return selects(chosen, proj)
     head = proj.rpartition(".")[0]

@@ -155,7 +155,7 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     its shared expert's (Qwen2-MoE, of its own width) and every expert's A and B of gate_up and down
     (lora.experts.ExpertLoRA). The gated attention's q_proj (GATED_Q) is twice the query's width; a hybrid's
     linear-attention layers have their Gated DeltaNet's or Mamba-2's slots in place of qkv's and o_proj's, and
-    Granite 4.0's shared_mlp its own (with every layer's slots alone: targets never name them); a Nemotron-H block
+    Granite 4.0's and GraniteMoeShared's shared_mlp its own (input_linear, output_linear); a Nemotron-H block
     is one mixer (Mamba-2, attention or MLP). `target_modules` (--lora-target-modules, lora.targets): only the layers
     it selects."""
     from ..lora.adapter import GATED_Q
@@ -201,12 +201,13 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
             per_rank += _mamba_slot_elements(model_config, selects(chosen, "in_proj"), chosen is None)
         if blocks is not None and blocks[layer] in ("linear_attention", "full_attention"):
             continue
-        if model_config.model_type == "granitemoehybrid":  # its shared_mlp's input_linear (gate | up) and
-            # output_linear on every layer: slots only on every layer's (targets never name them)
-            width = int(model_config.shared_intermediate_size)
-            per_rank += (2 * h + 2 * width + width + h) * (chosen is None)
-        elif not is_sparse(model_config, layer):
-            per_rank += mlp(inter)
+        if model_config.model_type in ("granitemoehybrid", "granitemoeshared"):  # its shared_mlp's input_linear
+            # (gate | up: two shards) and output_linear on every layer (where it has one)
+            width = int(getattr(model_config, "shared_intermediate_size", 0) or 0)
+            per_rank += ((2 * h + 2 * width) * selects(chosen, "input_linear") +
+                         (width + h) * selects(chosen, "output_linear")) * bool(width)
+        if model_config.model_type != "granitemoehybrid" and not is_sparse(model_config, layer):  # (its MLP: the
+            per_rank += mlp(inter)  # shared one, where it has no experts)
         if not is_sparse(model_config, layer):
             continue
         if shared_name(model_config) is not None:  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)
@@ -304,7 +305,7 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int,
     --lora-target-modules' selection; None: every layer): only the layers with slots (0 when none of the four has:
     a layer without slots holds no more than activation_bytes' own term)."""
     b, f = element_bytes(dtype), 4
-    h, inter = model_config.hidden_size, model_config.intermediate_size
+    h, inter = model_config.hidden_size, lora_mlp_width(model_config)
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
 
@@ -315,6 +316,16 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int,
     gate_up = 2 * inter * (b + f) + partials(h, 2)
     down = (h + inter) * b + h * f + partials(inter, 1)
     return _slotted_peak(model_config, chosen, 2 * h * b, qkv, o, gate_up, down)
+
+
+def lora_mlp_width(model_config) -> int:
+    """The widest MLP whose gate_up and down layers take adapters, for their temporaries: intermediate_size, or
+    Granite 4.0's and GraniteMoeShared's shared MLP's shared_intermediate_size where wider (their intermediate_size
+    is the experts' width)."""
+    width = int(model_config.intermediate_size)
+    if getattr(model_config, "model_type", None) in ("granitemoehybrid", "granitemoeshared"):
+        return max(width, int(getattr(model_config, "shared_intermediate_size", 0) or 0))
+    return width
 
 
 def _slotted_peak(model_config, chosen: frozenset[str] | None, base: int, qkv: int, o: int, gate_up: int,
@@ -344,7 +355,7 @@ def lora_cpu_token_bytes(model_config, dtype: torch.dtype, lora_rank: int,
     the four layers, beside the layer's input and the residual: qkv; o_proj with q, k, v (views of qkv) and the
     attention output; gate_up; down_proj with silu_and_mul's output. `chosen`: as lora_beside_token_bytes'."""
     b, f = element_bytes(dtype), 4
-    h, inter = model_config.hidden_size, model_config.intermediate_size
+    h, inter = model_config.hidden_size, lora_mlp_width(model_config)
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
     half = b < f  # (in float32 neither copy is made)
