@@ -77,13 +77,16 @@ def dequantized_float_model(float_dir, gptq_dir):
     import json
 
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
     bits = json.loads((Path(gptq_dir) / "quantize_config.json").read_text())["bits"]
     tensors = {}
     for f in sorted(Path(gptq_dir).glob("*.safetensors")):
         tensors.update(load_file(f))
-    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    from helpers import _auto_class  # (a multimodal model's class: Llama 4's Llama4ForConditionalGeneration)
+    model = _auto_class(json.loads((Path(float_dir) / "config.json").read_text())).from_pretrained(
+        float_dir, dtype=torch.float32)
     state = model.state_dict()
+    # (Llama 4's stacks x @ W: gate_up_proj [E, H, 2I], down_proj [E, I, H])
+    xw = model.config.get_text_config().model_type == "llama4_text"
     with torch.no_grad():
         for name, t in tensors.items():
             if name.endswith(".qweight"):
@@ -100,7 +103,11 @@ def dequantized_float_model(float_dir, gptq_dir):
                 stack, index, proj = expert[1], int(expert[2]), expert[3]
                 if f"{stack}.down_proj" not in state:  # (MiniMax-M2's block_sparse_moe: transformers 5's mlp)
                     stack = stack.replace(".block_sparse_moe.", ".mlp.")
-                if proj in ("down_proj", "w2"):
+                if xw:
+                    w, start = w.t(), 0 if proj in ("gate_proj", "down_proj") else w.shape[0]
+                    stacked = state[f"{stack}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"][index]
+                    stacked[:, start:start + w.shape[1]].copy_(w)
+                elif proj in ("down_proj", "w2"):
                     state[f"{stack}.down_proj"][index].copy_(w)
                 elif f"{stack}.gate_up_proj" not in state:  # (Nemotron 3's experts: no gate, up_proj stacked alone)
                     state[f"{stack}.{proj}"][index].copy_(w)

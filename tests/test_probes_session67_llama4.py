@@ -6,7 +6,7 @@ the rope layers' chunked attention (attention_chunk_size 8: prompts cross chunks
 kernels (interpreted), with chunked prefill and prefix caching; experts on the layers moe_layers lists whose sigmoid
 router scales their input, the shared expert, dense layers of intermediate_size_mlp; the built-in tiny-llama4 and
 tiny-llama4-mm (the multimodal checkpoint's text model); peft adapters; the memory plan of Scout's shapes;
-refusals."""
+refusals (`infer quantize`, refused here then: test_probes_session71_llama4_gptq)."""
 
 from __future__ import annotations
 
@@ -372,15 +372,6 @@ def test_a_gptq_checkpoint_made_elsewhere_equals_transformers_dequantized(tmp_pa
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
     assert got == greedy_each(hf, prompts, 8)
     assert len({t for tokens in got for t in tokens}) > 6
-
-
-def test_infer_quantize_of_llama4_is_refused_saying_why(tmp_path):
-    """GPTQModel 7.6 cannot quantize Llama 4 on transformers 5 (its llama4 definition and defuser): refused up front
-    naming the reason, nothing written."""
-    from quant_helpers import quantize_refusal
-    build(tmp_path / "f")
-    assert "is a Llama 4 (llama4_text), which GPTQModel 7.6 fails to quantize on transformers 5" in quantize_refusal(
-        tmp_path / "f", tmp_path / "q")
 
 
 def test_the_memory_plan_counts_the_adapter_slots_byte_for_byte(tmp_path):

@@ -270,7 +270,9 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
                               f", or rewrite it as GPTQ with `infer convert {src} -o OUT --to gptq`"
                               if method == "awq" else
                               f", or write that float model with `infer convert {src} -o FLOAT` (gpt-oss's MXFP4 "
-                              "experts dequantized) and quantize FLOAT" if mxfp4_gpt_oss(config) else ""))
+                              "experts dequantized) and quantize FLOAT" if mxfp4_gpt_oss(config) else
+                              f", or write that float model with `infer convert {src} -o FLOAT` (its FP8 weights "
+                              "dequantized) and quantize FLOAT" if method == "fp8" else ""))
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
     if not qc and (src / "quant_config.json").is_file():  # older AutoAWQ's file (GPTQConfig.from_model_dir reads it)
@@ -300,18 +302,7 @@ def _check_moe_layers(src: Path, config: dict) -> None:
     mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
     and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"), as does a Qwen2-MoE without a
     shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
-    before: infer runs both, float. Refused too: Llama 4 (its llama4 definition on transformers 5's stacked experts:
-    see the refusal's words)."""
-    if config.get("model_type") == "llama4_text":  # (a Llama4ForConditionalGeneration's too: its text_config)
-        raise UnsupportedModelError(
-            f"{src} is a Llama 4 (llama4_text), which GPTQModel 7.6 fails to quantize on transformers 5: its llama4 "
-            "definition finds no experts in a layer dense by interleave_moe_layer_step (\"layer module item "
-            "`feed_forward.experts.0.gate_proj` not found\"), and where every layer has them, its defuser splits "
-            "transformers 5's stacked experts (gate_up_proj [E, H, 2I], x @ W) as if laid out [E, 2I, H] (\"mat1 "
-            "and mat2 shapes cannot be multiplied\" in an expert's down_proj; both seen on the CPU)",
-            "serve the float checkpoint (infer runs it; --dtype bfloat16 halves it), or a GPTQ checkpoint of it made "
-            "elsewhere: infer reads GPTQModel's layout (each expert's gate_proj, up_proj and down_proj apart under "
-            "feed_forward.experts)")
+    before: infer runs both, float. (Llama 4's dense layers: _llama4_view.)"""
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return
     layers = config.get("num_hidden_layers")
@@ -568,7 +559,7 @@ def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, cali
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         with _mistral3_names(src), _lfm2_moe_view(src), _falcon_h1_view(src), _flex_olmo_view(src), \
                 _granite_view(src), _nemotron_h_view(src), _bamba_view(src), _glm4_moe_view(src), \
-                _ernie45_moe_view(src), _minimax_m2_view(src):
+                _ernie45_moe_view(src), _minimax_m2_view(src), _llama4_view(src):
             qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
@@ -731,6 +722,54 @@ def _ernie45_moe_view(src: Path):
     with _definition("ernie4_5_moe", type("Ernie45MoeGPTQ", (auto.MODEL_MAP["ernie4_5_moe"],), {
             "monkey_patch": lambda self: None, "require_trust_remote_code": False})):
         yield
+
+
+LLAMA4_NOTE = ("GPTQModel 7.6's Llama 4 definition has no dense layer's MLP, and its defuser guesses the layout of the "
+               "stacked experts from their shape (x @ W only where hidden_size < 2 x intermediate_size): infer "
+               "quantized this Llama 4 through a tree of its own with the layout given; GPTQModel.load of it "
+               "without them leaves the dense layers' MLP unread where interleave_moe_layer_step is above 1 "
+               "(Maverick's: other tokens) and fails where the guess is wrong (both seen on the CPU); infer reads it")
+# Llama 4's text layers as transformers 5 and GPTQModel's defuser name them: the attention, then a layer's
+# feed_forward, either the experts (each expert's gate_proj, up_proj and down_proj, split from the stacks by the
+# defuser; their input scaled by the router's score) and the shared expert, or a dense layer's own MLP
+_LLAMA4_TREE = ["model", "layers", "#", {
+    "input_layernorm": ("input_layernorm:!",),
+    "self_attn": ("q_proj:0:in=x", "k_proj:0:in=x", "v_proj:0:in=x", "o_proj:1"),
+    "post_attention_layernorm": ("post_attention_layernorm:!",),
+    "feed_forward:moe": {"router": ("router:!",), "experts:0": {"#": ("gate_proj:0:in=x", "up_proj:0:in=x",
+                                                                      "down_proj:1")},
+                         "shared_expert:0": ("gate_proj:0:in=x", "up_proj:0:in=x", "down_proj:1"),
+                         "": ("gate_proj:0:in=x", "up_proj:0:in=x", "down_proj:1")}}]
+
+
+@contextlib.contextmanager
+def _llama4_view(src: Path):
+    """While a Llama 4 text model is quantized: GPTQModel 7.6's llama4_text definition given a dense layer's MLP
+    (_LLAMA4_TREE: its own tree has none, "layer module item `feed_forward.experts.0.gate_proj` not found" on a
+    layer interleave_moe_layer_step leaves dense), and transformers' Llama4TextExperts marked as stored x @ W
+    (gate_up_proj [E, H, 2I], down_proj [E, I, H]), which GPTQModel's defuser otherwise guesses from the first
+    stack's shape (transposed only where H < 2I) and splits wrongly where it guesses not; any other model's as it is."""
+    model_type = read_config_json(src).get("model_type")
+    if model_type not in ("llama4_text", "llama4"):
+        yield
+        return
+    from gptqmodel.models import auto
+    from transformers.models.llama4 import modeling_llama4
+    experts = modeling_llama4.Llama4TextExperts
+    had = "is_transposed" in experts.__dict__
+    before = experts.__dict__.get("is_transposed")
+    experts.is_transposed = True
+    # (Llama4ForConditionalGeneration's language model: language_model.model.layers, the vision tower left float)
+    tree = _LLAMA4_TREE if model_type == "llama4_text" else ["language_model", *_LLAMA4_TREE]
+    try:
+        with _definition(model_type, type("Llama4GPTQ", (auto.MODEL_MAP[model_type],),
+                                          {"module_tree": tree, "layer_modules_strict": False})):
+            yield
+    finally:
+        if had:
+            experts.is_transposed = before
+        else:
+            del experts.is_transposed
 
 
 @contextlib.contextmanager
@@ -1051,11 +1090,11 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # dense MLP, its router (mlp.gate.wg) stays float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "hunyuan_v1_moe", "lfm2_moe", "phimoe", "flex_olmo",
              "nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "ernie4_5_moe",
-             "minimax_m2", "glm4_moe_lite")
+             "minimax_m2", "glm4_moe_lite", "llama4_text")
 # (their GPTQ experts read by infer alone: GPTQModel.load needs infer's view of them, _nemotron_h_view, _granite_view,
-# _glm4_moe_view; MiniMax-M2's: MINIMAX_NOTE)
+# _glm4_moe_view, _llama4_view; MiniMax-M2's: MINIMAX_NOTE)
 _INFER_READS = ("nemotron_h", "granitemoe", "granitemoeshared", "granitemoehybrid", "glm4_moe", "minimax_m2",
-                "glm4_moe_lite")
+                "glm4_moe_lite", "llama4_text")
 # GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
@@ -1178,7 +1217,7 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
             "flex_olmo": "FlexOlmo", "nemotron_h": "Nemotron 3", "granitemoe": "Granite MoE",
             "granitemoeshared": "GraniteMoeShared", "granitemoehybrid": "Granite 4.0",
             "glm4_moe": "GLM-4.5", "ernie4_5_moe": "ERNIE 4.5 MoE", "minimax_m2": "MiniMax-M2",
-            "glm4_moe_lite": "GLM-4.7-Flash"}[model_type]
+            "glm4_moe_lite": "GLM-4.7-Flash", "llama4_text": "Llama 4"}[model_type]
     # (their experts renamed: GPTQModel.load reads its own names alone; Nemotron 3's only given infer's view of its
     # layers, _nemotron_h_view: without it, "No compatible quant linear was found"; Granite's: GRANITE_MOE_NOTE)
     own = model_type in ("mixtral", "lfm2_moe", "phimoe", "flex_olmo")
@@ -1191,6 +1230,8 @@ def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path 
         notes.append(GRANITE_MOE_NOTE)
     if model_type in ("glm4_moe", "glm4_moe_lite"):
         notes.append(GLM4_MOE_NOTE)
+    if model_type == "llama4_text":
+        notes.append(LLAMA4_NOTE)
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
             and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
     if rows:
