@@ -71,7 +71,10 @@ def convert(
                             overwrite=overwrite, check_weights=check_weights, source_name=source_name(model), to=to,
                             shown=typed_name(model))  # a built-in or hub id as typed, not its cache folder
     files = sorted(p.name for p in Path(out).iterdir())
-    what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}", to == "gptq" and "GPTQ") if x) \
+    from ..quant.convert import read_config_json
+    from ..quant.fp8 import fp8_config
+    fp8 = fp8_config(read_config_json(src)) is not None and "FP8 weights dequantized"  # (quant.fp8)
+    what = ", ".join(x for x in (fp8, dtype, merge_lora and f"merged {merge_lora}", to == "gptq" and "GPTQ") if x) \
         or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}", soft_wrap=True)  # the path on one line, as written
 

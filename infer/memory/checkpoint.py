@@ -16,6 +16,7 @@ from ..models.classifier import is_classifier, token_head
 from ..models.moe import float32_filter, mtp_filter
 from ..models.multimodal import is_multimodal, text_name
 from ..quant.config import mxfp4_model
+from ..quant.fp8 import ACTIVATION_SCALES, SCALE, fp8_model
 
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1}
@@ -88,6 +89,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
         qc = getattr(model_config, "quantization_config", None)
         bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
     mxfp4 = mxfp4_model(model_config)
+    fp8 = fp8_model(model_config) is not None  # (its FP8 weights dequantized at load, their scales dropped)
     total = 0
     gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
     expert_inputs: dict[str, int] = {}  # the same for a mixture of experts' GPTQ experts (gate/up merged)
@@ -123,7 +125,11 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             numel = 1
             for d in info["shape"]:
                 numel *= d
-            is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
+            if fp8 and name.endswith((SCALE, *ACTIVATION_SCALES)):
+                continue
+            # (float8 weights: upcast at load, dequantized where the checkpoint is FP8's, models.loader)
+            is_float = info["dtype"] in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2") \
+                and not name.endswith("scales")
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
             if float32_tensor(name):  # (GLM-4.5's router: float32 in any dtype)
                 size = numel * 4

@@ -157,6 +157,9 @@ def linear_method_factory(path: Path, cfg):
         # the hub's gpt-oss checkpoints: MXFP4 experts, kept packed (models.moe.Experts' mxfp4 stacks), every
         # other layer float
         return lambda names: None
+    from ..quant.fp8 import fp8_model
+    if fp8_model(cfg) is not None:  # block-scaled FP8 weights: dequantized as they are read (fp8_dequantized)
+        return lambda names: None
     from ..quant.gptq_linear import GPTQLinearMethod
     gcfg = quant_config(GPTQConfig.from_model_dir(path), cfg)  # (a multimodal one's rules: models.multimodal)
     if gcfg is None:
@@ -243,12 +246,22 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     if _dtype_name(stored).startswith("float8"):
         log.warning(f"config.json's dtype is {_dtype_name(stored)}: infer has no float8 weights and computes in "
                     f"{_dtype_name(dtype)}")
-    load_weights(model, text_tensors(cfg, iter_tensors(files)), dtype)
+    load_weights(model, fp8_dequantized(cfg, path, text_tensors(cfg, iter_tensors(files))), dtype)
     if token_head(cfg) is not None:
         set_token_head(model, cfg, path)
     model.finish_loading()
     model.eval()
     return model, cfg
+
+
+def fp8_dequantized(cfg, path: Path, tensors):
+    """The tensors of a block-scaled FP8 checkpoint (quant.fp8: quant_method "fp8") with each FP8 weight
+    dequantized (its scale dropped), as the float model's; another checkpoint's as they are."""
+    from ..quant import fp8
+    qc = fp8.fp8_model(cfg)
+    if qc is None:
+        return tensors
+    return fp8.dequantized(tensors, fp8.block_size(qc, str(path / "config.json")), str(path))
 
 
 def _build(cfg, dtype: torch.dtype, method_for, max_positions: int | None):
@@ -274,7 +287,7 @@ def check_weights(path: Path, device: torch.device | None = None):
     files = weight_files(path)
     with torch.device("meta"), meta_as_gpu(device is not None and torch.device(device).type == "cuda"):
         model = _build(cfg, torch.float32, linear_method_factory(path, cfg), 1)
-    tensors, loaded = text_tensors(cfg, iter_headers(files)), set()
+    tensors, loaded = fp8_dequantized(cfg, path, text_tensors(cfg, iter_headers(files))), set()
     if hasattr(model, "check_expert_headers"):  # (a mixture of experts' GPTQ experts: checked in bulk, models.moe)
         tensors = model.check_expert_headers(tensors, loaded)
     place_weights(model, _metas(tensors), torch.float32, loaded)

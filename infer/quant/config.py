@@ -49,15 +49,28 @@ def mxfp4_model(model_config) -> bool:
                           "quantization_config": qc if isinstance(qc, dict) or qc is None else vars(qc)})
 
 
+def _fp8(config: dict) -> bool:
+    from .fp8 import fp8_config
+    return fp8_config(config) is not None
+
+
 def hf_load_options(model_dir) -> dict:
     """transformers' from_pretrained options that load the model in `model_dir` as infer computes it: the hub's
     gpt-oss MXFP4 experts dequantized (Mxfp4Config(dequantize=True): the same values infer's packed experts
-    compute with; transformers otherwise fetches its MXFP4 kernels from the hub, and fails without them); {} for
-    any other model (or an unreadable config.json: transformers says)."""
+    compute with; transformers otherwise fetches its MXFP4 kernels from the hub, and fails without them), a
+    block-scaled FP8 checkpoint's weights dequantized (FineGrainedFP8Config(dequantize=True), as infer's loader
+    does, quant.fp8; on a GPU transformers would otherwise run its FP8 kernels); {} for any other model (or an
+    unreadable config.json: transformers says)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+    if _fp8(config):  # (a block-scaled FP8 checkpoint: dequantized at load, as infer's loader does, quant.fp8)
+        from transformers import FineGrainedFP8Config
+        qc = config["quantization_config"]
+        return {"quantization_config": FineGrainedFP8Config(
+            weight_block_size=tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else None,
+            dequantize=True)}
     if not mxfp4_gpt_oss(config):
         return {}
     from transformers import Mxfp4Config
@@ -196,8 +209,10 @@ class GPTQConfig:
                 d = json.loads(f.read_text())
             except ValueError as e:
                 raise ModelLoadError(f"{f} is not valid JSON: {e}") from e
-            if key and mxfp4_gpt_oss(d):
-                continue  # (the experts float once loaded: the other files' GPTQ configs as for a float model)
+            if key and (mxfp4_gpt_oss(d) or _fp8(d)):
+                # (the experts float once loaded; an FP8 checkpoint's weights too, dequantized at load: quant.fp8;
+                # the other files' GPTQ configs as for a float model)
+                continue
             d = d.get(key) if key else d
             if d and name == "quant_config.json" and isinstance(d, dict) and not (d.get("quant_method") or
                                                                                   d.get("method")):

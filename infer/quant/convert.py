@@ -425,8 +425,18 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
         if awq_config is None or awq_config.quant_method != "awq":
             raise ConfigError(f"--to gptq: {src}'s config.json names AWQ but infer reads another quantization config",
                               "remove quantize_config.json or fix config.json's quantization_config")
+    from .fp8 import fp8_config
+    fp8 = fp8_config(read_config_json(src))
+    if fp8 is not None and merge_lora is not None:
+        raise ConfigError(f"cannot merge a LoRA adapter into the FP8 checkpoint {src}: its weights are float8 with "
+                          "block scales", f"write its float model first (`infer convert {shown or src} -o FLOAT`: the "
+                          "FP8 weights dequantized), then merge the adapter into FLOAT")
+    if fp8 is not None and check_weights is not None:  # (every FP8 weight with its scale, the shapes config.json's)
+        check_weights(src)
     with staged_output(out, overwrite) as tmp:
-        if awq_config is not None:
+        if fp8 is not None:
+            _fp8_to_float(src, tmp, fp8, dtype, max_shard_size, source_name or str(src.resolve()))
+        elif awq_config is not None:
             _awq_to_gptq(src, tmp, max_shard_size, awq_config)
         elif gptq or awq:  # config.json unchanged: the source it records (recorded_source) is the copy's
             _copy_tensors(src, tmp, max_shard_size)
@@ -700,6 +710,62 @@ def _awq_to_gptq(src: Path, out: Path, max_shard_size: int, config) -> None:
     keep_source_config(src, out, {"quantization_config": gptq})
     (out / "quantize_config.json").write_text(json.dumps(gptq, indent=2) + "\n")
     copy_tokenizer_files(src, out, ("generation_config.json",))
+
+
+def _fp8_to_float(src: Path, out: Path, qc: dict, dtype: str | None, max_shard_size: int, named: str) -> None:
+    """A block-scaled FP8 checkpoint (quant.fp8) written as its float model, a weight file at a time: each FP8
+    weight dequantized (in float32, rounded to `dtype`, else config.json's dtype, else bfloat16) and its scale
+    dropped, every other tensor as stored (cast to `dtype` where given), in shards of `max_shard_size`; config.json
+    without the quantization_config. transformers' loading would hold the whole model (671 B parameters for
+    DeepSeek-V3) and dequantizes a partial edge block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in blocks of 128)
+    with the wrong block size; this reads each weight's blocks as vLLM does."""
+    import torch
+    from safetensors.torch import save_file
+
+    from . import fp8
+    source = read_config_json(src)
+    stored = next((source[k] for k in DTYPE_KEYS if isinstance(source.get(k), str)), None)
+    wanted = dtype or stored
+    target = getattr(torch, wanted if wanted in DTYPES else "bfloat16")
+    block = fp8.block_size(qc, str(src / "config.json"))
+
+    def tensors():
+        for f in weight_files(src):
+            yield from load_weight_file(f).items()
+
+    shards: list[dict] = [{}]
+    sizes = [0]
+    weight_map: dict[str, int] = {}
+    total = 0
+    done: set[str] = set()  # the weights dequantized
+    for name, t in fp8.dequantized(tensors(), block, str(src), done):
+        if t.is_floating_point() and (dtype is not None or name in done):
+            t = t.to(target)
+        bad = nonfinite_tensors([(name, t)])
+        if bad:
+            raise ModelLoadError(f"{src}: {name} is not finite once dequantized (inf or NaN)",
+                                 "the checkpoint is corrupted; copy or download it again")
+        size = t.numel() * t.element_size()
+        if sizes[-1] and sizes[-1] + size > max_shard_size:
+            save_file(shards[-1], out / f"part-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = t.contiguous()
+        sizes[-1] += size
+        weight_map[name] = len(shards)
+        total += size
+    save_file(shards[-1], out / f"part-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+    del shards
+    n = len(sizes)
+    files = {i: "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
+    for i, name in files.items():
+        (out / f"part-{i:05d}.safetensors").rename(out / name)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: files[i] for k, i in weight_map.items()}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    keep_source_config(src, out, {"_name_or_path": named, "quantization_config": None,
+                                  "dtype": str(target).removeprefix("torch.")})
+    copy_tokenizer_files(src, out, EXTRA_FILES)
 
 
 def _copy_tensors(src: Path, out: Path, max_shard_size: int, transform: Callable[[dict], dict] | None = None,
