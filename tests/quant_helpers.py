@@ -393,3 +393,18 @@ def check_quantized_moe_equals_references(src, out, prompts, gptqmodel_view=None
     with (gptqmodel_view or (lambda _: contextlib.nullcontext()))(layout):
         assert got == gptqmodel_greedy(layout, prompts, 8, every_float=True)
     return got
+
+
+def quantized_builtins(root, names) -> dict:
+    """{built-in name: (its GPTQ checkpoint under `root`, `infer quantize`'s output, words joined by single spaces)}
+    of each of `names` (groups of 32, 8 random samples of 32 tokens)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    done = {}
+    for name in names:
+        res = CliRunner().invoke(app, ["quantize", name, "-o", str(root / name), "--group-size", "32",
+                                       "--num-samples", "8", "--seq-len", "32"])
+        assert res.exit_code == 0, res.output
+        done[name] = root / name, " ".join(res.output.split())
+    return done

@@ -23,19 +23,9 @@ MODELS = {"tiny-granitemoe": "Granite MoE", "tiny-granitemoeshared": "GraniteMoe
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    """{built-in name: (its GPTQ checkpoint, quantize's output, words joined by single spaces)} (groups of 32, 8
-    random samples of 32 tokens)."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    root = tmp_path_factory.mktemp("granite-gptq")
-    done = {}
-    for name in MODELS:
-        res = CliRunner().invoke(app, ["quantize", name, "-o", str(root / name), "--group-size", "32",
-                                       "--num-samples", "8", "--seq-len", "32"])
-        assert res.exit_code == 0, res.output
-        done[name] = root / name, " ".join(res.output.split())
-    return done
+    """quantized_builtins of MODELS (groups of 32, 8 random samples of 32 tokens)."""
+    from quant_helpers import quantized_builtins
+    return quantized_builtins(tmp_path_factory.mktemp("granite-gptq"), MODELS)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -113,20 +103,28 @@ def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_bot
     peft's tokens on the dequantized float weights on the CPU path, and the same on the GPU code path (interpreted),
     whose int4 fused MoE keeps the experts int4 and adds the adapters' deltas (their weights at 0.5's scale: Granite's
     residual_multiplier of 0.22 leaves smaller deltas too small to change a token)."""
+    from lora_helpers import GRANITE_EXPERTS, save_adapters
+    adapters = {"a": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=GRANITE_EXPERTS),
+                "b": dict(r=8, lora_alpha=16, target_parameters=[GRANITE_EXPERTS[0]])}
+    _check_adapters_equal_peft_on_both_paths(quantized, "tiny-granitemoe", monkeypatch,
+                                             lambda hf: save_adapters(hf, tmp_path, adapters, scale=0.5))
+
+
+def _check_adapters_equal_peft_on_both_paths(quantized, name: str, monkeypatch, make) -> None:
+    """The adapters `make(hf)` saves ({name: folder}, the first and last of two) on the dequantized float model of
+    the GPTQ built-in `name`, mixed with the base in one batch (prompts of 6, 10 and 5 tokens): peft's tokens on
+    the CPU path, and the same on the GPU code path (interpreted); both adapters change their request's tokens."""
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     from infer.models.tiny import ensure_builtin
-    from lora_helpers import GRANITE_EXPERTS, save_adapters
     from quant_helpers import dequantized_float_model
     from test_probes_session57_moelora import _cpu_and_gpu_path, peft_tokens
-    out, _ = quantized["tiny-granitemoe"]
-    hf = dequantized_float_model(ensure_builtin("tiny-granitemoe"), out)
+    out, _ = quantized[name]
+    hf = dequantized_float_model(ensure_builtin(name), out)
     hf.generation_config.eos_token_id = None
-    paths = save_adapters(hf, tmp_path, {
-        "a": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=GRANITE_EXPERTS),
-        "b": dict(r=8, lora_alpha=16, target_parameters=[GRANITE_EXPERTS[0]])}, scale=0.5)
+    paths = make(hf)
     prompts = random_prompts(512, (6, 10, 5), seed=7)
-    names = ["a", None, "b"]
+    names = [next(iter(paths)), None, list(paths)[-1]]
     cpu, gpu = _cpu_and_gpu_path(out, paths, prompts, names, monkeypatch)
     assert cpu == peft_tokens(hf, paths, prompts, names, 5)
     assert gpu == cpu
@@ -141,22 +139,7 @@ def test_gptq_shared_mlp_adapters_equal_peft_on_the_dequantized_weights_on_both_
     output_linear: test_probes_session71_granite_lora's "all8", every Linear layer and the stacked experts, and
     "mlp4") mixed with the base in one batch: peft's tokens on the dequantized float weights on the CPU path, and
     the same on the GPU code path (interpreted), whose shared MLP stays int4."""
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
-    from infer.models.tiny import ensure_builtin
-    from quant_helpers import dequantized_float_model
-    from test_probes_session57_moelora import _cpu_and_gpu_path, peft_tokens
     from test_probes_session71_granite_lora import _adapters
-    out, _ = quantized[name]
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
+    with safe_open(str(quantized[name][0] / "model.safetensors"), "pt") as f:
         assert "model.layers.0.shared_mlp.input_linear.qweight" in set(f.keys())
-    hf = dequantized_float_model(ensure_builtin(name), out)
-    hf.generation_config.eos_token_id = None
-    paths = _adapters(hf, tmp_path, name)
-    prompts = random_prompts(512, (6, 10, 5), seed=7)
-    names = ["all8", None, "mlp4"]
-    cpu, gpu = _cpu_and_gpu_path(out, paths, prompts, names, monkeypatch)
-    assert cpu == peft_tokens(hf, paths, prompts, names, 5)
-    assert gpu == cpu
-    base_tokens = greedy_each(hf, prompts, 5)
-    assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]
+    _check_adapters_equal_peft_on_both_paths(quantized, name, monkeypatch, lambda hf: _adapters(hf, tmp_path, name))

@@ -27,19 +27,9 @@ MODELS = {"tiny-llama4": "", "tiny-llama4-mm": "language_model."}
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    """{built-in name: (its GPTQ checkpoint, quantize's output, words joined by single spaces)} (groups of 32, 8
-    random samples of 32 tokens)."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
-    root = tmp_path_factory.mktemp("llama4-gptq")
-    done = {}
-    for name in MODELS:
-        res = CliRunner().invoke(app, ["quantize", name, "-o", str(root / name), "--group-size", "32",
-                                       "--num-samples", "8", "--seq-len", "32"])
-        assert res.exit_code == 0, res.output
-        done[name] = root / name, " ".join(res.output.split())
-    return done
+    """quantized_builtins of MODELS (groups of 32, 8 random samples of 32 tokens)."""
+    from quant_helpers import quantized_builtins
+    return quantized_builtins(tmp_path_factory.mktemp("llama4-gptq"), MODELS)
 
 
 @pytest.mark.parametrize("name", MODELS)

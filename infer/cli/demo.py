@@ -104,8 +104,8 @@ def _check_args(out: Path, model: str) -> Path:
     from ..models.registry import UNGATED
     # (its chain's steps are not checked on an MLP without gate, nor on a multimodal checkpoint's text model)
     other = {"starcoder2": "a StarCoder2", "arcee": "an Arcee AFM", "nemotron": "a Nemotron", "apertus": "an Apertus",
-             # (its adapters adapt the attention alone; the demo's adapter targets the MLP too)
-             "granitemoehybrid": "a Granite 4.0 (granitemoehybrid: its adapters adapt the attention alone)",
+             # (the demo's adapters name Llama's MLP projections; its shared MLP's are input_linear, output_linear)
+             "granitemoehybrid": "a Granite 4.0 (granitemoehybrid: the demo's chain is not checked on it yet)",
              "nemotron_h": "a Nemotron-H (nemotron_h: the demo's chain is not checked on it yet)",
              "bamba": "a Bamba (bamba: the demo's chain is not checked on it yet)",
              "lfm2": "an LFM2 (lfm2: the demo's chain is not checked on it yet)",
