@@ -175,16 +175,6 @@ def test_qwen3_next_equals_transformers_batched_and_chunked():
     check_batched_chunks_equal_transformers(path, hf)
 
 
-def test_adapters_on_qwen3_next_are_refused(tmp_path):
-    from lora_helpers import ALL, hf_float, save_adapters
-
-    from infer.errors import LoRAError
-    path = ensure_builtin("tiny-qwen3-next")
-    paths = save_adapters(hf_float(path), tmp_path, {"a": dict(r=4, lora_alpha=8, target_modules=ALL[:4])})
-    with pytest.raises(LoRAError, match=r"adapters on Qwen3-Next \(qwen3_next\) are not supported yet"):
-        LLM(str(path), loras={"a": str(paths["a"])}, max_lora_rank=8)
-
-
 def test_beam_search_equals_transformers_beams(hf):
     """A beam search (LLM.beam_search: a request per beam and step, each recomputed from position 0 with prefix
     caching off) gives transformers' two beams; every state slot comes back."""

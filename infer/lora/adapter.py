@@ -119,7 +119,8 @@ V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtra
                      # (peft reads dots.llm1 as Qwen2-MoE, MiniMax-M2 as Mixtral: transformers' conversion patterns)
                      "dots1": ("gate_proj", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2"),
                      "hunyuan_v1_moe": ("gate_proj", "up_proj", "down_proj"),
-                     "flex_olmo": ("gate_proj", "up_proj", "down_proj")}  # (FlexOlmo: as Qwen2-MoE too)
+                     "flex_olmo": ("gate_proj", "up_proj", "down_proj"),  # (FlexOlmo: as Qwen2-MoE too)
+                     "qwen3_next": ("gate_proj", "up_proj", "down_proj")}  # (Qwen3-Next: as Qwen2-MoE too)
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
@@ -328,9 +329,6 @@ def _linear_attention_problems(adapter: "LoRAAdapter", base_config) -> list[Prob
                                    "q_proj, k_proj, v_proj, out_proj, in_proj, w1, w3, w2")
     if not is_hybrid(base_config):
         return []
-    if base_config.model_type == "qwen3_next":
-        return [Problem("adapters on Qwen3-Next (qwen3_next) are not supported yet",
-                        "serve it without adapters (Qwen3.5's are: its attention's and MLP's projections)")]
     listed = sorted(_target_names(adapter) & set(LINEAR_ATTENTION))
     if not listed:
         return []
