@@ -150,14 +150,14 @@ def test_partial_blocks_and_the_converted_float_model(tmp_path):
 
 
 def test_one_scale_per_tensor(tmp_path):
-    """weight_block_size null: one weight_scale_inv per weight (the tensor's largest magnitude over 448); infer's
-    tokens equal transformers' on the float model of weight x scale."""
+    """weight_block_size null: one weight_scale_inv per weight (the tensor's largest magnitude over 448; a scalar or
+    one element); infer's tokens equal transformers' on the float model of weight x scale."""
     from transformers import AutoModelForCausalLM
     src = ensure_builtin("tiny-llama")
     folder = fp8_checkpoint(src, tmp_path / "fp8", block=(256, 256))  # (one block covers every tiny weight)
     state = load_file(folder / "model.safetensors")
-    for name in [n for n in state if n.endswith("_scale_inv")]:
-        state[name] = state[name].reshape(())
+    for i, name in enumerate(sorted(n for n in state if n.endswith("_scale_inv"))):  # (stored [] or [1])
+        state[name] = state[name].reshape(() if i % 2 else (1,))
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     _edited(folder, qc={"weight_block_size": None})
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()

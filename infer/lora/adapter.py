@@ -457,18 +457,17 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "merge_and_unload) and serve that")]
     if base_config.model_type == "lfm2_moe":
         return _lfm2_moe_problems(adapter, params)
-    # (Nemotron 3's shared experts, Nemotron 3 Super's latent projections)
-    moe_layer = [m for m in adapter.mlp_modules if ".mixer.shared_experts." in m or m.endswith(LATENT_NAMES)]
+    # (Nemotron 3 Super's latent projections; its shared experts take adapters: peft's up_proj and down_proj)
+    moe_layer = [m for m in adapter.mlp_modules if m.endswith(LATENT_NAMES)]
     if base_config.model_type == "nemotron_h" and (params or experts or moe_layer):
-        # Nemotron 3's experts (relu² without gate: w13 their up rows alone, which infer's expert slots, gate|up,
-        # do not lay out), its shared experts (a relu² MLP inside the sparse block) and Super's latent projections
+        # Nemotron 3's routed experts (relu² without gate: w13 their up rows alone, which infer's expert slots,
+        # gate|up, do not lay out) and Super's latent projections
         what = f"target_parameters {json.dumps(params)}" if params else f"adapts {(experts or moe_layer)[0]}"
-        return [Problem(f"{what}: infer does not adapt Nemotron 3's experts, shared experts or latent projections "
-                        "(its moe layers' mixer.experts, mixer.shared_experts, mixer.fc1_latent_proj, "
-                        "mixer.fc2_latent_proj; peft's target_modules up_proj and down_proj reach the shared experts "
-                        "too)", "train the adapter with target_modules on the attention (q_proj, "
-                        "k_proj, v_proj, o_proj) and, if at all, with a regex on the MLP layers' up_proj and "
-                        "down_proj alone, or merge it into the weights (peft's merge_and_unload) and serve that")]
+        return [Problem(f"{what}: infer does not adapt Nemotron 3's routed experts or latent projections (its moe "
+                        "layers' mixer.experts, mixer.fc1_latent_proj, mixer.fc2_latent_proj)", "train the adapter "
+                        "with target_modules on the attention (q_proj, k_proj, v_proj, o_proj), the MLPs and the "
+                        "shared experts (up_proj, down_proj) and the Mamba-2 mixers (in_proj), or merge it into the "
+                        "weights (peft's merge_and_unload) and serve that")]
     targets = adapter.config.get("target_modules")
     targets = [str(t) for t in targets] if isinstance(targets, list) else []
     hunyuan_shared = [m for m in adapter.mlp_modules if ".mlp.shared_mlp." in m]
@@ -745,11 +744,13 @@ def _moe_shapes(base_config, hidden: int, inter: int, q: int, kv: int) -> dict[s
     if not all(layers):
         out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
     if any(layers):
-        # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts; GraniteMoeShared's shared_mlp: expected_shapes)
-        shared = shared_width(base_config) if shared_name(base_config) else 0
+        # (Qwen2-MoE's shared_expert, GLM-4.5's shared_experts, Nemotron 3's relu² shared experts without gate;
+        # GraniteMoeShared's shared_mlp: expected_shapes)
+        nemotron = base_config.model_type == "nemotron_h"
+        shared = shared_width(base_config) if shared_name(base_config) or nemotron else 0
         if shared:
-            out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
-                        "shared_expert.down_proj": (shared, hidden)})
+            out.update({"shared_expert.up_proj": (hidden, shared), "shared_expert.down_proj": (shared, hidden),
+                        **({} if nemotron else {"shared_expert.gate_proj": (hidden, shared)})})
         width = expert_size(base_config)
         out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
     return out
@@ -1195,8 +1196,9 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     if m is None:
         return None
     parent, proj = m["parent"], m["proj"]
-    if parent in ("mlp.shared_expert", "mlp.shared_experts", "feed_forward.shared_expert") \
-            and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:  # (Llama 4's: feed_forward's)
+    if parent in ("mlp.shared_expert", "mlp.shared_experts", "feed_forward.shared_expert", "mixer.shared_experts") \
+            and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:  # (Llama 4's: feed_forward's; Nemotron
+        # 3's: its moe blocks' mixer's, up_proj and down_proj)
         proj = f"shared_expert.{proj}"
     elif parent == "feed_forward" and LLAMA_PROJECTIONS.get(proj) == MLP:  # (Llama 4's dense MLP: models.llama4)
         pass

@@ -210,7 +210,8 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
             per_rank += mlp(inter)  # shared one, where it has no experts)
         if not is_sparse(model_config, layer):
             continue
-        if shared_name(model_config) is not None:  # (Qwen2-MoE's shared expert, GLM-4.5's shared experts)
+        if shared_name(model_config) is not None or model_config.model_type == "nemotron_h":  # (Qwen2-MoE's shared
+            # expert, GLM-4.5's shared experts, Nemotron 3's: up and down alone)
             per_rank += mlp(shared_width(model_config), "shared_expert.")
         if selects(chosen, "experts.gate_up_proj") and experts_adapted(model_config):  # (not Nemotron 3's)
             per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
@@ -319,11 +320,12 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int,
 
 
 def lora_mlp_width(model_config) -> int:
-    """The widest MLP whose gate_up and down layers take adapters, for their temporaries: intermediate_size, or
-    Granite 4.0's and GraniteMoeShared's shared MLP's shared_intermediate_size where wider (their intermediate_size
-    is the experts' width)."""
-    width = int(model_config.intermediate_size)
-    if getattr(model_config, "model_type", None) in ("granitemoehybrid", "granitemoeshared"):
+    """The widest MLP whose gate_up and down layers take adapters, for their temporaries: intermediate_size, or a
+    shared expert's width where wider (Nemotron 3's; Granite 4.0's and GraniteMoeShared's shared MLP, their
+    intermediate_size the experts')."""
+    from ..models.moe import shared_width
+    width = max(int(model_config.intermediate_size), shared_width(model_config))
+    if getattr(model_config, "model_type", None) == "granitemoehybrid":
         return max(width, int(getattr(model_config, "shared_intermediate_size", 0) or 0))
     return width
 

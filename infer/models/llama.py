@@ -551,8 +551,9 @@ def _norm_consumer(cfg, dtype: torch.dtype):
     where the family norms those outputs before the residual adds them: POST_NORMS), or None for Granite, whose
     outputs are scaled by residual_multiplier before that norm: the expand stays in the layer."""
     # (Cohere, StarCoder2, Nemotron: the outputs go to the residual, no norm with a residual after them)
-    # (Falcon-H1: both outputs scaled by its multipliers before the norm, models.falcon_h1)
-    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron", "falcon_h1", "phimoe"):
+    # (Falcon-H1: both outputs scaled by its multipliers before the norm, models.falcon_h1; Nemotron-H: its blocks'
+    # mixers hand no delta to the next block's norm, models.nemotron_h, whose o_proj and down deltas a GPU step lost)
+    if cfg.model_type in (*GRANITE, *COHERE, "starcoder2", "nemotron", "falcon_h1", "phimoe", "nemotron_h"):
         return None
     return _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type not in POST_NORMS,
                          cfg.model_type in FLOAT_NORMS)

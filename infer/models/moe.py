@@ -4,8 +4,8 @@
 (ERNIE-4.5-21B-A3B), Hunyuan MoE (Hunyuan-A13B-Instruct), through models.qwen3_5's hybrid layers, Qwen3-Next and
 Qwen3.5 MoE (Qwen3.5-35B-A3B), and through models.nemotron_h's, Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B:
 GLM-4.5's router, `GROUPED`; relu² experts without gate, `Experts.gated` False: w13 [E, I, H] their up rows alone,
-which the fused MoE runs as relu(up)²; a relu² shared expert, llama.UngatedMLP; its experts and shared experts take no
-adapters, `experts_adapted`).
+which the fused MoE runs as relu(up)²; a relu² shared expert, llama.UngatedMLP; its routed experts take no adapters,
+`experts_adapted`, its shared experts do, `shared_adapted`).
 
 GLM-4.5: a float32 router of sigmoid scores whose e_score_correction_bias steers the choice only, group-limited
 top k (n_group groups scored by their two best, topk_group kept), renormalised where norm_topk_prob says, scaled by
@@ -247,24 +247,22 @@ def shared_name(cfg) -> str | None:
 
 
 def experts_adapted(cfg) -> bool:
-    """Whether a sparse layer's experts and shared experts get adapter slots: not Nemotron 3's (relu² experts
-    without gate, its shared experts inside the block; lora.adapter refuses adapters of them), nor Llama 4's experts
-    (their input scaled by the router: lora.adapter refuses adapters of them; its feed_forward.shared_expert, not
-    named shared_experts, keeps its slots: `shared_adapted`), nor LFM2-MoE's (lora.adapter refuses adapters of its
-    experts and router)."""
+    """Whether a sparse layer's routed experts get adapter slots: not Nemotron 3's (relu² experts without gate:
+    lora.adapter refuses adapters of them; its shared experts keep their slots, `shared_adapted`), nor Llama 4's
+    (their input scaled by the router: lora.adapter refuses adapters of them; its feed_forward.shared_expert keeps
+    its slots), nor LFM2-MoE's (lora.adapter refuses adapters of its experts and router)."""
     return getattr(cfg, "model_type", None) not in ("nemotron_h", "llama4_text", "lfm2_moe")
 
 
 def shared_adapted(cfg, module: str) -> bool:
     """Whether the merged layer whose first checkpoint module is `module` gets adapter slots, as far as the shared
-    experts go: not Nemotron 3's shared experts (`experts_adapted`), nor Hunyuan MoE's shared_mlp (peft on
-    transformers 5 turns target_modules gate_proj, up_proj and down_proj into its experts' parameters: no adapter of
-    it loads in peft, and lora.adapter refuses one)."""
+    experts go: not Hunyuan MoE's shared_mlp (peft on transformers 5 turns target_modules gate_proj, up_proj and
+    down_proj into its experts' parameters: no adapter of it loads in peft, and lora.adapter refuses one), nor
+    Nemotron 3 Super's latent projections (lora.adapter refuses adapters of them); Nemotron 3's shared experts do
+    (peft's up_proj and down_proj reach them)."""
     if getattr(cfg, "model_type", None) == "hunyuan_v1_moe":
         return ".mlp.shared_mlp." not in module
-    if module.endswith(_LATENT):  # (Nemotron 3 Super's latent projections: lora.adapter refuses adapters of them)
-        return False
-    return experts_adapted(cfg) or ".shared_experts." not in module
+    return not module.endswith(_LATENT)
 
 
 # Nemotron 3 Super's latent projections around its experts (transformers' NemotronHMoE: the experts' input projected
