@@ -96,8 +96,8 @@ def test_chunked_prefill_preemption_and_graphs(built, monkeypatch):
 
 
 def test_no_slots_on_the_latent_projections_and_their_adapters_refused(built, tmp_path):
-    """--enable-lora gives the latent projections no slots (nor the routed experts), as the memory plan counts; an
-    adapter of fc1_latent_proj is refused at registration naming it."""
+    """--enable-lora gives the latent projections no slots, as the memory plan counts; an adapter of
+    fc1_latent_proj is refused at registration naming it."""
     from lora_helpers import hf_float, save_adapters
 
     from infer.errors import LoRAError
@@ -109,7 +109,7 @@ def test_no_slots_on_the_latent_projections_and_their_adapters_refused(built, tm
     paths = save_adapters(hf_float(folder), tmp_path, {"a": dict(r=4, lora_alpha=8,
                                                                  target_modules=["q_proj", "fc1_latent_proj"])})
     with pytest.raises(LoRAError, match=r"adapts model\.layers\.1\.mixer\.fc1_latent_proj: infer does not adapt "
-                                        r"Nemotron 3's routed experts or latent projections"):
+                                        r"Nemotron 3's latent projections"):
         LLM(str(folder), loras={"a": str(paths["a"])}, max_lora_rank=8)
 
 

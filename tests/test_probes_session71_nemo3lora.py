@@ -1,10 +1,11 @@
 """Session 71: adapters of Nemotron 3's shared experts (mixer.shared_experts.up_proj / down_proj, a relu² MLP without
-gate inside each moe block), which infer refused: peft's target_modules up_proj and down_proj reach them as well as
+gate inside each moe block) and of its routed experts (target_parameters mixer.experts.up_proj / down_proj, stacked
+without gate), which infer refused: peft's target_modules up_proj and down_proj reach the shared experts as well as
 the dense MLP layers', so an adapter of Nemotron 3's MLPs (say q, k, v, o, up, down and the Mamba-2 in_proj, what
-peft takes there: its all-linear refuses the mixers' out_proj) could not be served. They now get slots and are
-served mixed with the base in one batch, equal to peft on the CPU and (interpreted) GPU path (where every
-Nemotron-H's o_proj and MLP down_proj deltas were lost); the memory plan counts their slots and their temporaries at
-their width; adapters of the routed experts and Super's latent projections stay refused."""
+peft takes there: its all-linear refuses the mixers' out_proj) could not be served. They now get slots (the
+experts' up rows alone, on Super's latent) and are served mixed with the base in one batch, equal to peft on the CPU
+and (interpreted) GPU path (where every Nemotron-H's o_proj and MLP down_proj deltas were lost); the memory plan
+counts their slots and their temporaries at their width; adapters of Super's latent projections stay refused."""
 
 from __future__ import annotations
 
@@ -109,3 +110,78 @@ def test_the_shared_experts_adapter_temporaries_are_within_the_plans(tmp_path):
     formula = tokens * lora_cpu_token_bytes(model.config, torch.float32, 8, check_target_modules(targets,
                                                                                                  model.config))
     assert held <= formula + 256 and formula <= 2 * held, (held, formula)  # (+256: a step's few bytes, not a token's)
+
+
+EXPERTS = ["mixer.experts.up_proj", "mixer.experts.down_proj"]
+# "ex": q, the MLPs and shared experts, and the experts (both stacks); "up": the experts' up_proj alone
+EXPERT_ADAPTERS = {"ex": dict(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj", "down_proj"],
+                              target_parameters=EXPERTS),
+                   "up": dict(r=8, lora_alpha=16, target_parameters=EXPERTS[:1])}
+
+
+@pytest.fixture(scope="module")
+def expert_adapters(tmp_path_factory):
+    """(base folder, transformers' model, {name: adapter}) of EXPERT_ADAPTERS (peft's, at 0.5's scale) on
+    tiny-nemotron-h-moe."""
+    from lora_helpers import hf_float, save_adapters
+    base = ensure_builtin(NAME)
+    hf = hf_float(base)
+    return base, hf, save_adapters(hf, tmp_path_factory.mktemp("nemo3_experts"), EXPERT_ADAPTERS, scale=0.5)
+
+
+def test_expert_adapters_equal_peft_alone_and_mixed(expert_adapters):
+    """"ex", the base and "up" in one batch and each alone: peft's tokens (each adapter loaded alone in peft); each
+    adapter changes its request's tokens; the experts' A and B read per expert ([E, r, in], [E, out, r])."""
+    from helpers import greedy_each
+    from infer.lora.adapter import read_adapter
+    from test_probes_session57_moelora import _engine_tokens, peft_tokens
+    base, hf, paths = expert_adapters
+    up = read_adapter("up", paths["up"]).modules["model.layers.1.mlp.experts.up_proj"]
+    assert tuple(up.lora_a.shape) == (8, 8, 64) and tuple(up.lora_b.shape) == (8, 32, 8)
+    prompts = random_prompts(512, (7, 5, 11), seed=3)
+    names = ["ex", None, "up"]
+    mixed, alone = _engine_tokens(base, paths, prompts, names)
+    want = peft_tokens(hf, paths, prompts, names)
+    assert mixed == want and alone == want
+    plain = greedy_each(hf, prompts, 6)
+    assert want[0] != plain[0] and want[2] != plain[2]
+
+
+def test_expert_adapters_on_the_gpu_path_equal_the_cpu_path(expert_adapters, monkeypatch):
+    """The fused MoE (Triton, interpreted) given the experts' adapters, relu(up + delta)² between its matmuls, decodes
+    through emulated CUDA graphs: the CPU path's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from test_probes_session57_moelora import _cpu_and_gpu_path
+    base, _, paths = expert_adapters
+    cpu, gpu = _cpu_and_gpu_path(base, paths, random_prompts(512, (6, 3, 5), seed=7), ["ex", None, "up"],
+                                 monkeypatch, n=4)
+    assert gpu == cpu
+
+
+@pytest.mark.parametrize("targets", [None, ["experts"], ["up_proj", "experts"]])
+def test_the_experts_slots_are_the_plans(targets):
+    """--lora-target-modules experts gives every moe layer's experts slots (up rows alone), what the memory plan and
+    lora_slot_bytes count, byte for byte."""
+    from infer.memory.sizes import lora_slot_bytes
+    with LLM(NAME, enable_lora=True, max_loras=2, max_lora_rank=4, block_size=4, lora_target_modules=targets) as llm:
+        manager = llm.engine.lora_manager
+        assert len(manager.expert_layers) == 2 and manager.expert_layers[0].b13.shape[-2] == 32
+        assert llm.engine.memory_plan.lora_bytes == manager.device_bytes() == \
+            lora_slot_bytes(llm.engine.runner.model.config, 2, 4, torch.float32, targets)
+
+
+def test_super_latent_expert_adapters_equal_peft(tmp_path):
+    """Nemotron 3 Super's experts in their latent (test_probes_session69_nemo3super's model: 24 dims): adapters of
+    the experts' stacks ([E, r, 24] A of up) and the shared experts mixed with the base: peft's tokens."""
+    from lora_helpers import save_adapters
+    from test_probes_session57_moelora import _engine_tokens, peft_tokens
+    from test_probes_session69_nemo3super import _build
+    hf = _build(tmp_path / "m")
+    hf.generation_config.eos_token_id = None
+    paths = save_adapters(hf, tmp_path, {"ex": EXPERT_ADAPTERS["ex"]}, scale=0.5)
+    prompts = random_prompts(512, (7, 5), seed=3)
+    mixed, alone = _engine_tokens(tmp_path / "m", paths, prompts, ["ex", None])
+    assert mixed == alone == peft_tokens(hf, paths, prompts, ["ex", None])
+    from helpers import greedy_each
+    assert mixed[0] != greedy_each(hf, prompts[:1], 6)[0]

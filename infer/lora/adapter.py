@@ -83,7 +83,7 @@ EMBEDDINGS = ("embed_tokens", "lm_head")
 MOE_TARGETS = ("gate_up_proj", "w1", "w2", "w3", "gate", "experts", "mlp", "block_sparse_moe", "shared_expert",
                "shared_expert_gate")
 # the stacked expert parameters (transformers 5's names) an adapter's target_parameters may name (peft's ParamWrapper)
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "up_proj")  # (up_proj: Nemotron 3's experts, relu² without gate)
 _HINT_EXPERTS = ("to adapt the experts, train with target_parameters=[\"mlp.experts.gate_up_proj\", "
                  "\"mlp.experts.down_proj\"] (peft >= 0.17, transformers 5's stacked experts); the attention, a dense "
                  "layer's MLP and Qwen2-MoE's shared_expert take target_modules")
@@ -98,7 +98,7 @@ _MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]
                      r"\.(?P<proj>[A-Za-z0-9_]+)$")
 # a sparse layer's stacked experts as peft's ParamWrapper saves their LoRA (one wrapper per targeted parameter,
 # nested: the first target's tensors under experts.base_layer, the next's under experts)
-_EXPERTS = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>mlp|block_sparse_moe)\.experts"
+_EXPERTS = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>mlp|block_sparse_moe|mixer)\.experts"
                       r"(?P<nest>(?:\.base_layer)*)$")
 # an expert's own projection as transformers 4 named it (adapters trained then: peft converts them when it loads
 # them on transformers 5's stacked experts), by the stacked parameter it is part of
@@ -457,17 +457,16 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "merge_and_unload) and serve that")]
     if base_config.model_type == "lfm2_moe":
         return _lfm2_moe_problems(adapter, params)
-    # (Nemotron 3 Super's latent projections; its shared experts take adapters: peft's up_proj and down_proj)
+    # (Nemotron 3 Super's latent projections; its shared experts take adapters, peft's up_proj and down_proj, and its
+    # stacked experts, target_parameters mixer.experts.up_proj / down_proj)
     moe_layer = [m for m in adapter.mlp_modules if m.endswith(LATENT_NAMES)]
-    if base_config.model_type == "nemotron_h" and (params or experts or moe_layer):
-        # Nemotron 3's routed experts (relu² without gate: w13 their up rows alone, which infer's expert slots,
-        # gate|up, do not lay out) and Super's latent projections
-        what = f"target_parameters {json.dumps(params)}" if params else f"adapts {(experts or moe_layer)[0]}"
-        return [Problem(f"{what}: infer does not adapt Nemotron 3's routed experts or latent projections (its moe "
-                        "layers' mixer.experts, mixer.fc1_latent_proj, mixer.fc2_latent_proj)", "train the adapter "
-                        "with target_modules on the attention (q_proj, k_proj, v_proj, o_proj), the MLPs and the "
-                        "shared experts (up_proj, down_proj) and the Mamba-2 mixers (in_proj), or merge it into the "
-                        "weights (peft's merge_and_unload) and serve that")]
+    if base_config.model_type == "nemotron_h" and moe_layer:
+        return [Problem(f"adapts {moe_layer[0]}: infer does not adapt Nemotron 3's latent projections "
+                        "(mixer.fc1_latent_proj, mixer.fc2_latent_proj)", "train the adapter with target_modules on "
+                        "the attention (q_proj, k_proj, v_proj, o_proj), the MLPs and the shared experts (up_proj, "
+                        "down_proj) and the Mamba-2 mixers (in_proj), and target_parameters on the experts "
+                        "(mixer.experts.up_proj, mixer.experts.down_proj), or merge it into the weights (peft's "
+                        "merge_and_unload) and serve that")]
     targets = adapter.config.get("target_modules")
     targets = [str(t) for t in targets] if isinstance(targets, list) else []
     hunyuan_shared = [m for m in adapter.mlp_modules if ".mlp.shared_mlp." in m]
@@ -752,7 +751,11 @@ def _moe_shapes(base_config, hidden: int, inter: int, q: int, kv: int) -> dict[s
             out.update({"shared_expert.up_proj": (hidden, shared), "shared_expert.down_proj": (shared, hidden),
                         **({} if nemotron else {"shared_expert.gate_proj": (hidden, shared)})})
         width = expert_size(base_config)
-        out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
+        if nemotron:  # (relu² experts without gate, on Super's latent where it has one)
+            latent = int(getattr(base_config, "moe_latent_size", None) or hidden)
+            out.update({"experts.up_proj": (latent, width), "experts.down_proj": (width, latent)})
+        else:
+            out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
     return out
 
 
@@ -1317,7 +1320,8 @@ def _expert_modules(config: dict, layer: int, levels: dict[int, dict], per_modul
     params = config.get("target_parameters")
     params = [str(p) for p in params] if isinstance(params, list) else [str(params)] if params else []
     named = [p for p in EXPERT_PARAMS if any(t.split(".")[-1] == p for t in params)]
-    order = {2: ["down_proj", "gate_up_proj"], 1: named if len(named) == 1 else []}.get(len(levels), [])
+    up = "up_proj" if "up_proj" in named else "gate_up_proj"  # (Nemotron 3's experts: up_proj, no gate)
+    order = {2: ["down_proj", up], 1: named if len(named) == 1 else []}.get(len(levels), [])
     path = f"model.layers.{layer}.mlp.experts"
     if len(order) != len(levels) or sorted(levels) != list(range(len(levels))):
         per_module.append((path, Problem(f"{path} has LoRA weights for {len(levels)} stacked parameters that "

@@ -1,6 +1,6 @@
 """LoRA on a mixture of experts' stacked experts (peft's target_parameters on transformers 5's
-`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]) for a batch whose tokens use different
-adapters.
+`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]; Nemotron 3's `mixer.experts.up_proj`
+[E, I, H] and `down_proj`) for a batch whose tokens use different adapters.
 
 An `ExpertLoRA` is the `lora` hook of one SparseMoeBlock (models.moe): for every device slot, every expert's A and B
 of both projections, zero-padded to the slots' rank, the module's scaling folded into B: a13 [S, E, r, H], b13
@@ -18,19 +18,21 @@ from .adapter import LoRAModule
 from .batch import LoRABatch
 
 PARAMS = ("gate_up_proj", "down_proj")
+UNGATED_PARAMS = ("up_proj", "down_proj")  # (Nemotron 3's experts: relu² without gate, w13 their up rows alone)
 
 
 def expert_names(block) -> list[str]:
     """The adapter module names (lora.adapter) of a SparseMoeBlock's stacked experts: model.layers.N.mlp.experts.X
-    (Mixtral's block_sparse_moe is transformers 5's mlp, the module name peft saves)."""
+    (Mixtral's block_sparse_moe and Nemotron 3's mixer read as transformers 5's mlp, as lora.adapter names them):
+    gate_up_proj and down_proj, or up_proj and down_proj for experts without gate."""
     layer = block.prefix.split(".")[2]
-    return [f"model.layers.{layer}.mlp.experts.{p}" for p in PARAMS]
+    return [f"model.layers.{layer}.mlp.experts.{p}" for p in (PARAMS if block.experts.gated else UNGATED_PARAMS)]
 
 
-def expert_slot_elements(num_experts: int, hidden: int, inter: int, max_rank: int) -> int:
-    """The elements of one adapter slot of one sparse layer's experts: A and B of gate_up (H -> 2I) and of down
-    (I -> H), each expert's at the slots' rank."""
-    return num_experts * max_rank * ((hidden + 2 * inter) + (inter + hidden))
+def expert_slot_elements(num_experts: int, hidden: int, inter: int, max_rank: int, gates: int = 2) -> int:
+    """The elements of one adapter slot of one sparse layer's experts: A and B of gate_up (H -> 2I; up alone, H -> I,
+    where `gates` is 1) and of down (I -> H), each expert's at the slots' rank."""
+    return num_experts * max_rank * ((hidden + gates * inter) + (inter + hidden))
 
 
 class ExpertLoRA:
@@ -44,9 +46,9 @@ class ExpertLoRA:
 
         def zeros(*shape):
             return torch.zeros(max_loras, e, *shape, dtype=dtype, device=device)
-        self.a13, self.b13 = zeros(max_rank, h), zeros(2 * i, max_rank)
+        self.a13, self.b13 = zeros(max_rank, h), zeros((2 if ex.gated else 1) * i, max_rank)
         self.a2, self.b2 = zeros(max_rank, i), zeros(h, max_rank)
-        self.ranks = [[0] * max_loras for _ in PARAMS]  # ranks[param][slot] on the host, 0 = not adapted
+        self.ranks = [[0] * max_loras for _ in self.names]  # ranks[param][slot] on the host, 0 = not adapted
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.a13, self.b13, self.a2, self.b2]

@@ -46,7 +46,7 @@ class LoRAManager:
         if max_loras < 1 or max_lora_rank < 1 or (max_cpu_loras is not None and max_cpu_loras < 1):
             raise LoRAError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}, max_cpu_loras={max_cpu_loras}",
                             "each must be at least 1")
-        adapted = experts_adapted(model.config)  # (Nemotron 3's routed experts: no slots)
+        adapted = experts_adapted(model.config)  # (Llama 4's and LFM2-MoE's experts: no slots)
         linears = [m for m in model.modules() if isinstance(m, MergedLinear)
                    and not getattr(m, "output_head", False)  # a GPTQ lm_head: adapters never target it
                    and not getattr(m, "absorbed", False)  # (MLA's kv_b_proj: models.deepseek, never run as a layer)

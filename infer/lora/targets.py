@@ -84,8 +84,9 @@ def model_target_names(model_config) -> list[str]:
             shared_mlp_names(model_config)
     if model_config.model_type == "granitemoeshared":
         return _family_names(model_config, names, sparse, shared) + shared_mlp_names(model_config)
-    if model_config.model_type == "nemotron_h":  # (its Mamba-2 mixers' in_proj too; out_proj's adapters refused)
-        return _family_names(model_config, names, sparse, shared) + ["in_proj"]
+    if model_config.model_type == "nemotron_h":  # (its Mamba-2 mixers' in_proj too; out_proj's adapters refused;
+        # Nemotron 3's experts)
+        return _family_names(model_config, names, sparse, shared) + ["in_proj"] + ([EXPERTS] if any(sparse) else [])
     return _family_names(model_config, names, sparse, shared)
 
 

@@ -213,8 +213,12 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
         if shared_name(model_config) is not None or model_config.model_type == "nemotron_h":  # (Qwen2-MoE's shared
             # expert, GLM-4.5's shared experts, Nemotron 3's: up and down alone)
             per_rank += mlp(shared_width(model_config), "shared_expert.")
-        if selects(chosen, "experts.gate_up_proj") and experts_adapted(model_config):  # (not Nemotron 3's)
-            per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
+        if selects(chosen, "experts.gate_up_proj") and experts_adapted(model_config):  # (Nemotron 3's: up alone,
+            # on Super's latent)
+            nemotron = model_config.model_type == "nemotron_h"
+            width = int(getattr(model_config, "moe_latent_size", None) or h) if nemotron else h
+            per_rank += expert_slot_elements(num_experts(model_config), width, expert_size(model_config), 1,
+                                             1 if nemotron else 2)
     return max_loras * max_rank * per_rank * element_bytes(dtype)
 
 

@@ -4,8 +4,8 @@
 (ERNIE-4.5-21B-A3B), Hunyuan MoE (Hunyuan-A13B-Instruct), through models.qwen3_5's hybrid layers, Qwen3-Next and
 Qwen3.5 MoE (Qwen3.5-35B-A3B), and through models.nemotron_h's, Nemotron 3 (NVIDIA-Nemotron-3-Nano-30B-A3B:
 GLM-4.5's router, `GROUPED`; relu² experts without gate, `Experts.gated` False: w13 [E, I, H] their up rows alone,
-which the fused MoE runs as relu(up)²; a relu² shared expert, llama.UngatedMLP; its routed experts take no adapters,
-`experts_adapted`, its shared experts do, `shared_adapted`).
+which the fused MoE runs as relu(up)²; a relu² shared expert, llama.UngatedMLP; its experts' adapters are their
+up_proj and down_proj, lora.experts, its shared experts', `shared_adapted`).
 
 GLM-4.5: a float32 router of sigmoid scores whose e_score_correction_bias steers the choice only, group-limited
 top k (n_group groups scored by their two best, topk_group kept), renormalised where norm_topk_prob says, scaled by
@@ -247,11 +247,11 @@ def shared_name(cfg) -> str | None:
 
 
 def experts_adapted(cfg) -> bool:
-    """Whether a sparse layer's routed experts get adapter slots: not Nemotron 3's (relu² experts without gate:
-    lora.adapter refuses adapters of them; its shared experts keep their slots, `shared_adapted`), nor Llama 4's
-    (their input scaled by the router: lora.adapter refuses adapters of them; its feed_forward.shared_expert keeps
-    its slots), nor LFM2-MoE's (lora.adapter refuses adapters of its experts and router)."""
-    return getattr(cfg, "model_type", None) not in ("nemotron_h", "llama4_text", "lfm2_moe")
+    """Whether a sparse layer's routed experts get adapter slots (lora.experts; Nemotron 3's relu² experts without
+    gate too, their up_proj and down_proj): not Llama 4's (their input scaled by the router: lora.adapter refuses
+    adapters of them; its feed_forward.shared_expert keeps its slots), nor LFM2-MoE's (lora.adapter refuses adapters
+    of its experts and router)."""
+    return getattr(cfg, "model_type", None) not in ("llama4_text", "lfm2_moe")
 
 
 def shared_adapted(cfg, module: str) -> bool:
