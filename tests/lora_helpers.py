@@ -58,6 +58,28 @@ def base_and_adapters(root, adapters: dict, build=None, scale: float = 0.15):
     return root / "base", hf, save_adapters(hf, root, adapters, scale)
 
 
+def builtin_and_adapters(root, name: str, adapters: dict, scale: float = 0.15):
+    """(the built-in `name`'s folder, its model in transformers, {adapter: path}) of `adapters` (peft's, at `scale`:
+    save_adapters) saved under root."""
+    from infer.models.tiny import ensure_builtin
+    base = ensure_builtin(name)
+    hf = hf_float(base)
+    return base, hf, save_adapters(hf, root, adapters, scale)
+
+
+def check_expert_adapters_equal_peft(base, hf, paths: dict, names: list, prompts) -> None:
+    """The engine's greedy tokens (6) of `prompts`, each with its adapter of `names` (None: the base), in one mixed
+    batch and each alone, equal peft's, each adapter loaded alone in peft (it holds several target_parameters
+    adapters only where they target the same parameters); the first and last prompts' adapters change their tokens."""
+    from helpers import greedy_each
+    from test_probes_session57_moelora import _engine_tokens, peft_tokens
+    mixed, alone = _engine_tokens(base, paths, prompts, names)
+    want = peft_tokens(hf, paths, prompts, names)
+    assert mixed == want and alone == want
+    plain = greedy_each(hf, prompts, 6)
+    assert want[0] != plain[0] and want[-1] != plain[-1]
+
+
 def adapter_with_module(src, folder, module: str, r: int, cols: int, rows: int) -> Path:
     """A copy of the peft adapter `src` in `folder` with random LoRA weights on `module` too (model.`module`: A
     [r, cols], B [rows, r]) and its last name added to target_modules: an adapter of a module infer may refuse.

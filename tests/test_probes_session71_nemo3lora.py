@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from infer import LLM
-from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
 
@@ -27,10 +26,8 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj",
 @pytest.fixture(scope="module")
 def nemotron3(tmp_path_factory):
     """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on tiny-nemotron-h-moe."""
-    from lora_helpers import hf_float, save_adapters
-    base = ensure_builtin(NAME)
-    hf = hf_float(base)
-    return base, hf, save_adapters(hf, tmp_path_factory.mktemp("nemo3_lora"), ADAPTERS, scale=0.3)
+    from lora_helpers import builtin_and_adapters
+    return builtin_and_adapters(tmp_path_factory.mktemp("nemo3_lora"), NAME, ADAPTERS, scale=0.3)
 
 
 def test_shared_expert_adapters_mixed_with_the_base_equal_peft(nemotron3):
@@ -123,28 +120,19 @@ EXPERT_ADAPTERS = {"ex": dict(r=4, lora_alpha=8, target_modules=["q_proj", "up_p
 def expert_adapters(tmp_path_factory):
     """(base folder, transformers' model, {name: adapter}) of EXPERT_ADAPTERS (peft's, at 0.5's scale) on
     tiny-nemotron-h-moe."""
-    from lora_helpers import hf_float, save_adapters
-    base = ensure_builtin(NAME)
-    hf = hf_float(base)
-    return base, hf, save_adapters(hf, tmp_path_factory.mktemp("nemo3_experts"), EXPERT_ADAPTERS, scale=0.5)
+    from lora_helpers import builtin_and_adapters
+    return builtin_and_adapters(tmp_path_factory.mktemp("nemo3_experts"), NAME, EXPERT_ADAPTERS, scale=0.5)
 
 
 def test_expert_adapters_equal_peft_alone_and_mixed(expert_adapters):
     """"ex", the base and "up" in one batch and each alone: peft's tokens (each adapter loaded alone in peft); each
     adapter changes its request's tokens; the experts' A and B read per expert ([E, r, in], [E, out, r])."""
-    from helpers import greedy_each
     from infer.lora.adapter import read_adapter
-    from test_probes_session57_moelora import _engine_tokens, peft_tokens
+    from lora_helpers import check_expert_adapters_equal_peft
     base, hf, paths = expert_adapters
     up = read_adapter("up", paths["up"]).modules["model.layers.1.mlp.experts.up_proj"]
     assert tuple(up.lora_a.shape) == (8, 8, 64) and tuple(up.lora_b.shape) == (8, 32, 8)
-    prompts = random_prompts(512, (7, 5, 11), seed=3)
-    names = ["ex", None, "up"]
-    mixed, alone = _engine_tokens(base, paths, prompts, names)
-    want = peft_tokens(hf, paths, prompts, names)
-    assert mixed == want and alone == want
-    plain = greedy_each(hf, prompts, 6)
-    assert want[0] != plain[0] and want[2] != plain[2]
+    check_expert_adapters_equal_peft(base, hf, paths, ["ex", None, "up"], random_prompts(512, (7, 5, 11), seed=3))
 
 
 def test_expert_adapters_on_the_gpu_path_equal_the_cpu_path(expert_adapters, monkeypatch):

@@ -16,9 +16,8 @@ import torch
 
 from infer import LLM
 from infer.errors import LoRAError
-from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, random_prompts
+from helpers import random_prompts
 
 NAME = "tiny-qwen3-next"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -32,27 +31,19 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=[*ATTENTION, "gate_p
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
     """(base folder, transformers' model, {name: adapter}) of ADAPTERS (peft's) on tiny-qwen3-next."""
-    from lora_helpers import hf_float, save_adapters
-    base = ensure_builtin(NAME)
-    hf = hf_float(base)
-    return base, hf, save_adapters(hf, tmp_path_factory.mktemp("qwen3next_lora"), ADAPTERS)
+    from lora_helpers import builtin_and_adapters
+    return builtin_and_adapters(tmp_path_factory.mktemp("qwen3next_lora"), NAME, ADAPTERS)
 
 
 def test_attention_and_expert_adapters_equal_peft_alone_and_mixed(qwen3_next):
     """"all8", the base and "qv4" in one batch and each alone: peft's greedy tokens; each adapter changes its
     request's tokens; "all8" holds every layer's experts (converted from gate_proj/up_proj/down_proj)."""
     from infer.lora.adapter import read_adapter
-    from test_probes_session57_moelora import _engine_tokens, peft_tokens
+    from lora_helpers import check_expert_adapters_equal_peft
     base, hf, paths = qwen3_next
     modules = read_adapter("all8", paths["all8"]).modules
     assert {f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(hf.config.num_hidden_layers)} <= set(modules)
-    prompts = random_prompts(512, (7, 5, 11), seed=3)
-    names = ["all8", None, "qv4"]
-    mixed, alone = _engine_tokens(base, paths, prompts, names)
-    want = peft_tokens(hf, paths, prompts, names)
-    assert mixed == want and alone == want
-    plain = greedy_each(hf, prompts, 6)
-    assert want[0] != plain[0] and want[2] != plain[2]
+    check_expert_adapters_equal_peft(base, hf, paths, ["all8", None, "qv4"], random_prompts(512, (7, 5, 11), seed=3))
 
 
 def test_gpu_code_path_interpreted_equals_the_cpu_path(qwen3_next, tmp_path, monkeypatch):
