@@ -78,8 +78,9 @@ def model_target_names(model_config) -> list[str]:
         return names + list(MLP) + ["in_proj"]
     if model_config.model_type == "granitemoehybrid":  # (its Mamba-2 mixers' projections, its shared MLP's: its
         # MLP where it has no experts, granite-4.0-micro's)
-        from ..memory.sizes import _linear_layers
-        mamba = ["in_proj", "out_proj"] if _linear_layers(model_config) else []
+        # (where it has Mamba-2 layers: layer_types "mamba" in config.json, "linear_attention" as infer reads it)
+        kinds = set(getattr(model_config, "layer_types", None) or ())
+        mamba = ["in_proj", "out_proj"] if kinds & {"mamba", "linear_attention"} else []
         return [n for n in _family_names(model_config, names, sparse, shared) if n not in MLP] + mamba + \
             shared_mlp_names(model_config)
     if model_config.model_type == "granitemoeshared":
