@@ -105,8 +105,9 @@ def test_mixtral_expert_adapters_equal_peft_alone_and_mixed(tmp_path):
 
 def test_qwen2_moe_shared_expert_dense_mlp_and_experts_equal_peft(tmp_path):
     """Qwen2-MoE with dense layers (decoder_sparse_step 2): target_modules gate_proj, up_proj, down_proj adapt its
-    dense layers' MLPs and its shared expert (peft does not turn them into the experts' parameters for qwen2_moe);
-    another adapter adapts the stacked experts and the shared expert's down_proj; mixed with a request without."""
+    dense layers' MLPs and its shared expert, and peft (>= 0.22: its qwen2_moe conversion) turns them into the stacked
+    experts' parameters too; another adapter adapts the stacked experts and the shared expert's down_proj; mixed with
+    a request without."""
     build(tmp_path / "base", "qwen2_moe", num_hidden_layers=3, decoder_sparse_step=2)
     hf = hf_float(tmp_path / "base")
     paths = _adapters(tmp_path, hf, {
@@ -116,6 +117,7 @@ def test_qwen2_moe_shared_expert_dense_mlp_and_experts_equal_peft(tmp_path):
     })
     tensors = load_file(paths["mlp"] / "adapter_model.safetensors")
     assert any(".mlp.shared_expert.gate_proj." in k for k in tensors) and any(".2.mlp.up_proj." in k for k in tensors)
+    assert any(".1.mlp.experts." in k for k in tensors)
     prompts = random_prompts(512, (6, 9, 5, 7), seed=5)
     names = ["mlp", "ex", None, "mlp"]
     mixed, alone = _engine_tokens(tmp_path / "base", paths, prompts, names)
@@ -306,8 +308,8 @@ def _shared_gate(t):
 
 
 def _dense_in_sparse(t):
-    t["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"] = torch.randn(4, 64)
-    t["base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"] = torch.randn(96, 4)
+    t["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"] = torch.randn(4, 96)
+    t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"] = torch.randn(64, 4)
 
 
 BAD = {  # name -> (tensors edit, config edit, what the refusal says[, what lora-validate says])
@@ -323,9 +325,10 @@ BAD = {  # name -> (tensors edit, config edit, what the refusal says[, what lora
     "expert-width": (_wide_gate_up, None, "model.layers.1.mlp.experts.gate_up_proj maps 64 -> 96 features but the "
                                           "base model's experts.gate_up_proj maps 64 -> 64",
                      "expects other projection sizes (experts.gate_up_proj 64->96, base 64->64)"),
-    "dense-mlp-in-a-sparse-layer": (_dense_in_sparse, lambda c: c.update(target_modules=["q_proj", "up_proj"]),
-                                    "model.layers.1.mlp.up_proj is in layer 1, which in the base model is a sparse "
-                                    "layer (its MLP is the experts): it has no up_proj"),
+    # (down_proj: peft >= 0.22 refuses an up_proj without gate_proj on Qwen2-MoE, whose experts hold both)
+    "dense-mlp-in-a-sparse-layer": (_dense_in_sparse, lambda c: c.update(target_modules=["q_proj", "down_proj"]),
+                                    "model.layers.1.mlp.down_proj is in layer 1, which in the base model is a sparse "
+                                    "layer (its MLP is the experts): it has no down_proj"),
 }
 
 
@@ -409,26 +412,20 @@ def test_lora_validate_passes_an_expert_adapter_and_checks_it_against_peft(qwen2
     assert "q,experts.down,experts.gate_up" in row and "agree" in row, res.output
 
 
-def test_a_dense_layers_mlp_weights_peft_would_not_adapt_are_refused(tmp_path):
-    """On a Qwen3-MoE (and Mixtral) peft on transformers 5 turns target_modules gate_proj / up_proj / down_proj into
-    the experts' parameters, so a dense layer's (mlp_only_layers) MLP weights under those names are not adapted by
-    peft: refused, saying so."""
+def test_peft_adapts_a_dense_layers_mlp_beside_the_experts_and_so_does_infer(qwen3):
+    """peft (>= 0.22) on transformers 5 turns target_modules gate_proj / up_proj / down_proj of a Qwen3-MoE into the
+    experts' parameters and keeps them on the Linear layers they name too: "mixed" holds the dense layer's (1) MLP
+    and the sparse layers' (0, 2) experts, and lora-validate finds nothing wrong with it (its tokens equal peft's:
+    test_qwen3_moe_expert_adapters_equal_peft_alone_and_mixed)."""
     from transformers import AutoConfig
 
-    from infer.lora.adapter import adapter_problems
-    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
-    hf = hf_float(tmp_path / "base")
-    path = save_adapter(hf, tmp_path / "a", seed=1, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"])
-    t = load_file(path / "adapter_model.safetensors")
-    t["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"] = torch.randn(4, 96)
-    t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"] = torch.randn(64, 4)
-    save_file(t, str(path / "adapter_model.safetensors"))
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    cfg["target_modules"] = ["q_proj", "down_proj"]
-    (path / "adapter_config.json").write_text(json.dumps(cfg))
-    problems = [str(p) for p in adapter_problems("a", path, AutoConfig.from_pretrained(tmp_path / "base"))]
-    assert any(p.startswith("model.layers.1.mlp.down_proj is a dense layer's MLP projection, which peft (on "
-                            "transformers 5) does not adapt in a qwen3_moe") for p in problems), problems
+    from infer.lora.adapter import adapter_problems, read_adapter
+    base, _, paths = qwen3
+    modules = set(read_adapter("mixed", paths["mixed"]).modules)
+    assert {f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")} <= modules, modules
+    assert {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 2) for p in ("gate_up_proj", "down_proj")} <= modules
+    assert not [p for p in modules if p.startswith("model.layers.1.mlp.experts")]
+    assert adapter_problems("mixed", paths["mixed"], AutoConfig.from_pretrained(base)) == []
 
 
 def test_merging_an_expert_adapter_gives_what_serving_it_gives(qwen2, tmp_path):

@@ -322,37 +322,38 @@ def test_ernie_peft_adapters_equal_peft_alone_and_mixed(tmp_path):
 
 def test_ernie_an_adapter_of_transformers_4s_expert_names_equals_peft(tmp_path):
     """target_modules gate_proj, up_proj, down_proj (transformers 4's names of the experts' projections), which peft
-    on transformers 5 turns into the stacked experts' parameters (gate_up_proj at twice the rank), leaving the dense
-    MLP and the shared experts alone: peft's tokens, mixed with the base."""
+    (>= 0.22) on transformers 5 turns into the stacked experts' parameters (gate_up_proj at twice the rank) and keeps
+    on the dense layer's MLP and the shared experts: peft's tokens, mixed with the base."""
     from lora_helpers import base_and_adapters, check_mixed_adapters_equal_peft
     base, hf, paths = base_and_adapters(tmp_path, {"v4": dict(r=4, lora_alpha=16, target_modules=[
         "q_proj", "gate_proj", "up_proj", "down_proj"])}, build_ernie)
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20), seed=6), ["v4", None])
 
 
-def test_ernie_weights_on_the_dense_mlp_are_refused_as_peft_ignores_them(tmp_path):
-    """An adapter with weights on a dense layer's mlp.up_proj besides target_modules gate_proj, up_proj, down_proj
-    (transformers 4's peft): peft on transformers 5 turns those names into the experts' parameters and ignores the
-    weights, so infer refuses them, naming the module."""
+def test_ernie_a_transformers_4_adapter_of_the_dense_mlp_and_the_experts_equals_peft(tmp_path):
+    """An adapter as transformers 4's peft saved it (each expert's gate_proj, up_proj, down_proj, modules of their
+    own, beside the dense layer's and the shared experts' MLP weights, all under target_modules gate_proj, up_proj,
+    down_proj): peft (>= 0.22) on transformers 5 converts the experts' and keeps the others; infer serves all of
+    them, mixed with the base: peft's tokens."""
     import json
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
 
-    from infer.lora.adapter import adapter_problems
-    from lora_helpers import base_and_adapters
-    base, _, paths = base_and_adapters(tmp_path, {"v4": dict(r=4, lora_alpha=16, target_modules=[
-        "q_proj", "gate_proj", "up_proj", "down_proj"])}, build_ernie)
-    tensors = load_file(paths["v4"] / "adapter_model.safetensors")
-    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.randn(4, 64)
-    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] = torch.randn(96, 4)
-    save_file(tensors, paths["v4"] / "adapter_model.safetensors")
-    config = json.loads((paths["v4"] / "adapter_config.json").read_text())  # (as transformers 4's peft saved it)
-    config["target_modules"] += ["gate_proj", "up_proj", "down_proj"]
-    (paths["v4"] / "adapter_config.json").write_text(json.dumps(config))
-    [problem] = adapter_problems("x", paths["v4"], AutoConfig.from_pretrained(base))
-    assert "model.layers.0.mlp.up_proj is a dense layer's MLP projection, which peft (on transformers 5) does not " \
-        "adapt in a ernie4_5_moe" in problem.message, problem
+    from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapter
+    from test_probes_session57_moelora import _v4_adapter
+    build_ernie(tmp_path / "base")
+    hf = hf_float(tmp_path / "base")
+    path = _v4_adapter(hf, tmp_path / "v4", ("gate_proj", "up_proj", "down_proj"), seed=3)
+    mlp = save_adapter(hf, tmp_path / "mlp", seed=5, r=4, lora_alpha=8, lora_dropout=0.0,
+                       target_modules=["mlp.down_proj", "shared_experts.up_proj"])
+    tensors = {**load_file(path / "adapter_model.safetensors"), **load_file(mlp / "adapter_model.safetensors")}
+    assert any(".layers.0.mlp.down_proj." in k for k in tensors) and any(".shared_experts.up_proj." in k
+                                                                          for k in tensors)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(config["target_modules"]), config
+    check_mixed_adapters_equal_peft(tmp_path / "base", hf, {"v4": path}, random_prompts(512, (5, 20), seed=6),
+                                    ["v4", None])
 
 
 BUILDERS = {"granitemoeshared": build_granite, "ernie4_5_moe": build_ernie}

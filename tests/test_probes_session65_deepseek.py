@@ -322,26 +322,35 @@ def test_v2_peft_adapters_of_q_proj_equal_peft(tmp_path):
 
 def test_an_adapter_of_kv_b_proj_is_refused_naming_it_and_merging(ds_lora, tmp_path):
     """Weights on self_attn.kv_b_proj (absorbed into the query and the output): refused, naming the module and the
-    merge that serves it (a problem `infer convert --merge-lora` folds in); the dense MLP's and the shared experts'
-    up_proj (which peft on transformers 5 turns into the experts' parameters) refused as for GLM-4.5."""
+    merge that serves it (a problem `infer convert --merge-lora` folds in)."""
     from transformers import AutoConfig
 
     from infer.errors import LoRAError
     from infer.lora.adapter import adapter_problems
     from lora_helpers import adapter_with_module
     base, _, paths = ds_lora
-    for module, width, words in (
-            ("layers.1.self_attn.kv_b_proj", (4, 32, 128), "which infer's multi-head latent attention absorbs"),
-            ("layers.0.mlp.up_proj", (4, 64, 96), "is a dense layer's MLP projection, which peft (on transformers 5) "
-                                                  "does not adapt in a deepseek_v3")):
-        folder = adapter_with_module(paths["qv4"], tmp_path / module, module, *width)
-        problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
-        assert any(words in p.message and f"model.{module}" in p.message for p in problems), problems
-        if "kv_b_proj" in module:
-            [p] = problems
-            assert p.merges and "infer convert --merge-lora" in p.hint, p
-        with pytest.raises(LoRAError, match=module.rpartition(".")[2]):
-            LLM(str(base), loras={"x": str(folder)})
+    module = "layers.1.self_attn.kv_b_proj"
+    folder = adapter_with_module(paths["qv4"], tmp_path / module, module, 4, 32, 128)
+    [p] = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+    assert "which infer's multi-head latent attention absorbs" in p.message and f"model.{module}" in p.message, p
+    assert p.merges and "infer convert --merge-lora" in p.hint, p
+    with pytest.raises(LoRAError, match="kv_b_proj"):
+        LLM(str(base), loras={"x": str(folder)})
+
+
+def test_an_adapter_of_the_dense_mlp_shared_and_routed_experts_equals_peft(ds_lora, tmp_path):
+    """target_modules gate_proj, up_proj, down_proj: peft (>= 0.22) adapts the dense layer's MLP and the shared
+    experts' Linear layers by them and turns them into the routed experts' parameters too (gate_up_proj at twice
+    the rank); all of them served, mixed with the base: peft's tokens."""
+    from infer.lora.adapter import read_adapter
+    from lora_helpers import check_mixed_adapters_equal_peft, save_adapters
+    base, hf, _ = ds_lora  # (an adapter of its own: peft holds several only where their target_parameters agree)
+    paths = save_adapters(hf, tmp_path, {"mlp4": dict(r=4, lora_alpha=8, target_modules=[
+        "q_b_proj", "gate_proj", "up_proj", "down_proj"])})
+    modules = set(read_adapter("mlp4", paths["mlp4"]).modules)
+    assert {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.shared_experts.up_proj",
+            "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= modules, modules
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 12), seed=4), ["mlp4", None])
 
 
 def test_lora_target_modules_names_the_latent_attentions_layers(ds_lora):

@@ -2,10 +2,10 @@
 end to end on tiny random models (float32) against transformers: the dense Hunyuan's attention (q and k normed after
 the rotary, the rope's NTK alpha), on every layer a float32 softmax router (mlp.gate.wg) whose top k are renormalised,
 experts of intermediate_size and the shared MLP beside them; moe_topk as one k or a list of one k a layer; chunked
-prefill and prefix caching; peft adapters of the attention and the experts mixed in one batch (the shared MLP takes
-none); `infer quantize`'s GPTQ checkpoint (GPTQModel's hunyuan_v1_moe definition) against transformers on its
-dequantized weights, and through the int4 kernels (Triton interpreted); the memory plan of A13B's shapes; the remote
-code's fields transformers ignores refused where they ask another layer."""
+prefill and prefix caching; peft adapters of the attention, the experts and the shared MLP mixed in one batch; `infer
+quantize`'s GPTQ checkpoint (GPTQModel's hunyuan_v1_moe definition) against transformers on its dequantized weights,
+and through the int4 kernels (Triton interpreted); the memory plan of A13B's shapes; the remote code's fields
+transformers ignores refused where they ask another layer."""
 
 from __future__ import annotations
 
@@ -213,36 +213,27 @@ def test_per_expert_adapters_of_transformers_4_equal_peft(tmp_path):
     assert want[0] != greedy_each(hf, prompts[:1], 6)[0]
 
 
-def test_the_shared_mlp_has_no_slots_and_an_adapter_of_it_is_refused(hy_lora, tmp_path):
-    """The shared MLP's layers get no adapter slots (none loads in peft: it turns those names into the experts'),
-    which the memory plan does not count either; an adapter with weights on mlp.shared_mlp.up_proj is refused by
-    the engine and lora-validate, naming it."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
-
+def test_the_shared_mlp_has_slots_the_plan_counts_and_peft_adapts_it(hy_lora):
+    """peft (>= 0.22) keeps target_modules gate_proj, up_proj, down_proj on the shared MLP's Linear layers beside the
+    experts' parameters it turns them into: "all8" holds every layer's mlp.shared_mlp projections (served equal to
+    peft: test_peft_adapters_equal_peft_alone_and_mixed); they get adapter slots, which the memory plan counts; and
+    --lora-target-modules without the MLP's names leaves them out, refusing "all8" naming them."""
     from infer.errors import LoRAError
-    from infer.lora.adapter import adapter_problems
+    from infer.lora.adapter import read_adapter
     from infer.memory.sizes import lora_slot_bytes
     base, _, paths = hy_lora
+    modules = set(read_adapter("all8", paths["all8"]).modules)
+    assert {f"model.layers.{i}.mlp.shared_mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")} \
+        <= modules, modules
     with LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4) as llm:
         model, manager = llm.engine.runner.model, llm.engine.lora_manager
-        assert all(layer.mlp.shared_mlp.gate_up_proj.lora is None and layer.mlp.lora is not None
-                   for layer in model.layers)
+        assert all(layer.mlp.shared_mlp.gate_up_proj.lora is not None and layer.mlp.shared_mlp.down_proj.lora
+                   is not None and layer.mlp.lora is not None for layer in model.layers)
         assert llm.engine.memory_plan.lora_bytes == manager.device_bytes() == \
             lora_slot_bytes(model.config, 2, 8, torch.float32)
-    folder = tmp_path / "shared"
-    shutil.copytree(paths["qv4"], folder)
-    tensors = load_file(folder / "adapter_model.safetensors")
-    module = "model.layers.1.mlp.shared_mlp.up_proj"
-    tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, 64)
-    tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(32, 4)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
-    assert any(module in p.message and "Hunyuan MoE's shared MLP" in p.message for p in problems), problems
-    with pytest.raises(LoRAError, match="shared_mlp"):
-        LLM(str(base), loras={"x": str(folder)})
+    with pytest.raises(LoRAError, match=r"has weights on shared_expert\.gate_proj, shared_expert\.up_proj, "
+                                        r"shared_expert\.down_proj .*e\.g\. model\.layers\.\d\.mlp\.shared_mlp\."):
+        LLM(str(base), loras={"x": str(paths["all8"])}, lora_target_modules=["qkv_proj", "o_proj", "experts"])
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ

@@ -1,11 +1,11 @@
 """Session 71: adapters on Qwen3-Next (Qwen3NextForCausalLM: Qwen3-Next-80B-A3B), refused before ("not supported
 yet"). peft on transformers 5 reads a Qwen3-Next as Qwen2-MoE: target_modules gate_proj, up_proj and down_proj become
-the stacked experts' parameters (gate_up_proj at twice the rank), as on Qwen3-MoE and GLM-4.5, and target_parameters
-name them directly. infer now serves its attention's adapters (the gated q_proj, twice the query's width) and the
-experts' mixed with the base in one batch, equal to peft (each adapter loaded alone in peft, which holds several
-target_parameters adapters only where they target the same parameters), on the CPU and the GPU code path
-(interpreted); adapters of the shared expert (which peft cannot make: it turns those names into the experts'),
-of the router or of the linear-attention layers are refused naming them."""
+the stacked experts' parameters (gate_up_proj at twice the rank), as on Qwen3-MoE and GLM-4.5, and (peft >= 0.22)
+keeps them on the shared expert's Linear layers; target_parameters name the experts directly. infer now serves its
+attention's adapters (the gated q_proj, twice the query's width), the shared expert's and the experts' mixed with
+the base in one batch, equal to peft (each adapter loaded alone in peft, which holds several target_parameters
+adapters only where they target the same parameters), on the CPU and the GPU code path (interpreted); adapters of
+the router (shared_expert_gate) or of the linear-attention layers are refused naming them."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from helpers import random_prompts
 NAME = "tiny-qwen3-next"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-# "all8": the attention and the experts through transformers 4's names (peft converts them); "qv4": q and v and the
-# experts through target_parameters
+# "all8": the attention, the shared expert and the experts through transformers 4's names (peft converts them for the
+# experts); "qv4": q and v and the experts through target_parameters
 ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),
             "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS)}
 
@@ -37,12 +37,14 @@ def qwen3_next(tmp_path_factory):
 
 def test_attention_and_expert_adapters_equal_peft_alone_and_mixed(qwen3_next):
     """"all8", the base and "qv4" in one batch and each alone: peft's greedy tokens; each adapter changes its
-    request's tokens; "all8" holds every layer's experts (converted from gate_proj/up_proj/down_proj)."""
+    request's tokens; "all8" holds every layer's experts (converted from gate_proj/up_proj/down_proj) and shared
+    expert."""
     from infer.lora.adapter import read_adapter
     from lora_helpers import check_expert_adapters_equal_peft
     base, hf, paths = qwen3_next
     modules = read_adapter("all8", paths["all8"]).modules
-    assert {f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(hf.config.num_hidden_layers)} <= set(modules)
+    assert {f"model.layers.{i}.mlp.{p}" for i in range(hf.config.num_hidden_layers) for p in (
+        "experts.gate_up_proj", "shared_expert.gate_proj", "shared_expert.down_proj")} <= set(modules)
     check_expert_adapters_equal_peft(base, hf, paths, ["all8", None, "qv4"], random_prompts(512, (7, 5, 11), seed=3))
 
 
@@ -62,17 +64,13 @@ def test_gpu_code_path_interpreted_equals_the_cpu_path(qwen3_next, tmp_path, mon
 
 
 @pytest.mark.parametrize("module, rows, cols, match", [
-    ("layers.3.mlp.shared_expert.down_proj", 64, 32,
-     r"shared_expert\.down_proj is a shared expert's projection, which peft \(on transformers 5\) does not adapt in "
-     r"a qwen3_next"),
     ("layers.3.mlp.shared_expert_gate", 1, 64, r"infer adapts a mixture of experts' attention, dense layers' MLPs, "
                                                r"shared expert and stacked experts, not its router"),
     ("layers.0.linear_attn.in_proj_qkvz", 192, 64, r"targets \['in_proj_qkvz'\], the projections of qwen3_next's "
                                                     r"linear-attention \(Gated DeltaNet\) layers")])
-def test_adapters_of_the_shared_expert_router_or_linear_attention_are_refused(qwen3_next, tmp_path, module, rows,
-                                                                               cols, match):
-    """An adapter (made elsewhere: peft makes none of these on transformers 5) with weights on the shared expert,
-    its 1-output gate or a linear-attention projection: refused at registration, naming it."""
+def test_adapters_of_the_router_or_linear_attention_are_refused(qwen3_next, tmp_path, module, rows, cols, match):
+    """An adapter (made elsewhere: peft makes none of these on transformers 5) with weights on the shared expert's
+    1-output gate or a linear-attention projection: refused at registration, naming it."""
     from lora_helpers import adapter_with_module
     _, _, paths = qwen3_next
     folder = adapter_with_module(paths["all8"], tmp_path / "a", module, 8, cols, rows)

@@ -94,7 +94,7 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|
 # a decoder layer's module as the base names it (model.layers.N..., or layers.N... for an adapter saved on the bare
 # decoder): another path that ends the same way (a VLM's language_model.layers.N..., a vision tower's) is another
 # module, which peft would not load into this base
-_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+(?:\.shared_experts?)?)"
+_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+(?:\.shared_experts?|\.shared_mlp)?)"
                      r"\.(?P<proj>[A-Za-z0-9_]+)$")
 # a sparse layer's stacked experts as peft's ParamWrapper saves their LoRA (one wrapper per targeted parameter,
 # nested: the first target's tensors under experts.base_layer, the next's under experts)
@@ -107,9 +107,10 @@ _EXPERT_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_
 # Llama 4's and LFM2-MoE's experts and routers (under feed_forward, beside their dense MLPs' projections)
 _FEED_FORWARD_MOE = re.compile(r"\.feed_forward\.(?:experts|gate|router)(?:\.|$)")
 _V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-# the target_modules peft (0.21, on transformers 5) turns into the stacked experts' parameters, by base model_type
-# (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs';
-# GLM-4.5's are turned, its dense layers' and shared experts' too: neither is adapted by those names)
+# the target_modules peft (>= 0.22, on transformers 5) turns into the stacked experts' parameters as well, by base
+# model_type (peft's _MOE_TARGET_MODULE_MAPPING): the Linear layers those names reach stay adapted beside them (a dense
+# layer's MLP, Qwen2-MoE's shared_expert, GLM-4.5's shared_experts, Hunyuan MoE's shared_mlp); peft 0.21 turned them
+# into the experts' parameters alone
 V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
                      "glm4_moe": ("gate_proj", "up_proj", "down_proj"), "olmoe": ("gate_proj", "up_proj", "down_proj"),
                      "ernie4_5_moe": ("gate_proj", "up_proj", "down_proj"),
@@ -120,7 +121,8 @@ V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtra
                      "dots1": ("gate_proj", "up_proj", "down_proj"), "minimax_m2": ("w1", "w3", "w2"),
                      "hunyuan_v1_moe": ("gate_proj", "up_proj", "down_proj"),
                      "flex_olmo": ("gate_proj", "up_proj", "down_proj"),  # (FlexOlmo: as Qwen2-MoE too)
-                     "qwen3_next": ("gate_proj", "up_proj", "down_proj")}  # (Qwen3-Next: as Qwen2-MoE too)
+                     "qwen3_next": ("gate_proj", "up_proj", "down_proj"),  # (Qwen3-Next: as Qwen2-MoE too)
+                     "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj; StarCoder2: q_proj,k_proj,v_proj,o_proj,c_fc,c_proj; "
                  "Arcee, Nemotron, Apertus: q_proj,k_proj,v_proj,o_proj,up_proj,down_proj; DeepSeek: q_proj or "
@@ -469,16 +471,6 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
                         "merge_and_unload) and serve that")]
     targets = adapter.config.get("target_modules")
     targets = [str(t) for t in targets] if isinstance(targets, list) else []
-    hunyuan_shared = [m for m in adapter.mlp_modules if ".mlp.shared_mlp." in m]
-    if base_config.model_type == "hunyuan_v1_moe" and hunyuan_shared:  # (models.moe.shared_adapted: no slots)
-        more = f" (and {len(hunyuan_shared) - 1} more modules)" if len(hunyuan_shared) > 1 else ""
-        return [Problem(f"adapts {hunyuan_shared[0]}{more}: infer does not adapt Hunyuan MoE's shared MLP "
-                        "(mlp.shared_mlp; peft on transformers 5 turns target_modules gate_proj, up_proj and "
-                        "down_proj into the experts' parameters, so no such adapter loads in peft either)",
-                        "train the adapter with "
-                        "target_modules on the attention (q_proj, k_proj, v_proj, o_proj) and the experts "
-                        "(gate_proj, up_proj, down_proj, or target_parameters mlp.experts.gate_up_proj, down_proj), "
-                        "or merge it into the weights (peft's merge_and_unload) and serve that")]
     # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
     # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
     unmapped = _moe_unmapped(adapter, base_config)
@@ -538,19 +530,10 @@ def _moe_unmapped(adapter: "LoRAAdapter", base_config) -> list[str]:
 
 def _misplaced(m: LoRAModule, base_config) -> Problem | None:
     """A module of a mixture of experts in a layer that has no such module: a dense MLP's projection in a sparse
-    layer, the shared expert's or the experts' in a dense one; a dense layer's MLP projection that peft on
-    transformers 5 does not adapt (it turns those target_modules into the experts' parameters)."""
+    layer, the shared expert's or the experts' in a dense one."""
     if not is_moe(base_config) or m.proj not in MOE_LAYER_PROJECTIONS[True] + MOE_LAYER_PROJECTIONS[False]:
         return None
     sparse = is_sparse(base_config, m.layer)
-    v4 = V4_EXPERT_TARGETS.get(base_config.model_type, ())
-    shared = m.proj.startswith("shared_expert.") and m.proj.rpartition(".")[2] in v4  # (GLM-4.5's shared experts)
-    if (not sparse and m.proj in v4) or shared:
-        what = "a shared expert's projection" if shared else "a dense layer's MLP projection"
-        return Problem(f"{m.name} is {what}, which peft (on transformers 5) does not adapt in a "
-                       f"{base_config.model_type}: it turns target_modules {m.proj.rpartition('.')[2]} into the "
-                       "experts' parameters", "these weights would be ignored: train the adapter again with peft on "
-                       "transformers 5")
     if sparse == (m.proj in MOE_LAYER_PROJECTIONS[True]):
         return None
     kind = "a sparse layer (its MLP is the experts)" if sparse else "a dense layer (mlp_only_layers / " \
@@ -1199,9 +1182,9 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
     if m is None:
         return None
     parent, proj = m["parent"], m["proj"]
-    if parent in ("mlp.shared_expert", "mlp.shared_experts", "feed_forward.shared_expert", "mixer.shared_experts") \
-            and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:  # (Llama 4's: feed_forward's; Nemotron
-        # 3's: its moe blocks' mixer's, up_proj and down_proj)
+    if parent in ("mlp.shared_expert", "mlp.shared_experts", "feed_forward.shared_expert", "mixer.shared_experts",
+                  "mlp.shared_mlp") and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:  # (Llama 4's:
+        # feed_forward's; Nemotron 3's: its moe blocks' mixer's, up_proj and down_proj; Hunyuan MoE's shared_mlp)
         proj = f"shared_expert.{proj}"
     elif parent == "feed_forward" and LLAMA_PROJECTIONS.get(proj) == MLP:  # (Llama 4's dense MLP: models.llama4)
         pass

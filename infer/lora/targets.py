@@ -195,9 +195,11 @@ def target_name(proj: str, ungated: bool = False) -> str:
 
 def module_proj(name: str) -> str:
     """A base module path's projection as lora.adapter names it: model.layers.0.self_attn.q_proj -> q_proj,
-    model.layers.1.mlp.shared_expert.up_proj -> shared_expert.up_proj (GLM-4.5's mlp.shared_experts.up_proj too),
-    model.layers.1.mlp.experts.down_proj -> experts.down_proj."""
+    model.layers.1.mlp.shared_expert.up_proj -> shared_expert.up_proj (GLM-4.5's mlp.shared_experts.up_proj too, and
+    Hunyuan MoE's mlp.shared_mlp.up_proj), model.layers.1.mlp.experts.down_proj -> experts.down_proj."""
     parts = name.split(".")
+    if len(parts) > 2 and parts[-2] == "shared_mlp" and parts[-3] == "mlp":  # (Granite's shared_mlp: a layer's own)
+        return f"{SHARED}.{parts[-1]}"
     if len(parts) > 1 and parts[-2] == SHARED + "s":
         return f"{SHARED}.{parts[-1]}"
     return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2] in (SHARED, EXPERTS) else parts[-1]

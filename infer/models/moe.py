@@ -28,9 +28,9 @@ e_score_correction_bias: `_MINIMAX_BIAS`) steers the choice only, the top k alwa
 (q and k normed after the rotary, the rope's NTK alpha: llama.HunYuanDenseV1ForCausalLM) and on every layer a
 float32 router (mlp.gate.wg, of the hidden state in float32) whose softmax's top k (moe_topk: one k, or the same k a
 layer) are renormalised, float32 weights, experts of intermediate_size and the block's shared_mlp (a SwiGLU MLP of
-intermediate_size, added unscaled, no adapter slots: `shared_adapted`); the remote code's fields transformers
-ignores refused where they ask another layer (registry.check_hunyuan), its capacity fields (capacity_factor,
-moe_drop_tokens) ignored as transformers and vLLM ignore them (every token routed to its k experts).
+intermediate_size, added unscaled, with a shared expert's adapter slots: `shared_name`); the remote code's fields
+transformers ignores refused where they ask another layer (registry.check_hunyuan), its capacity fields
+(capacity_factor, moe_drop_tokens) ignored as transformers and vLLM ignore them (every token routed to its k experts).
 
 gpt-oss: Llama's attention with q/k/v/o biases and attention sinks (a learned logit per query head in each softmax's
 denominator: Attention.sinks, every attention kernel), sliding windows on the layers layer_types names, yarn rope;
@@ -238,12 +238,12 @@ def shared_width(cfg) -> int:
 
 
 def shared_name(cfg) -> str | None:
-    """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts."""
+    """The module name of a sparse layer's shared expert: Qwen2-MoE's shared_expert, GLM-4.5's shared_experts, Hunyuan
+    MoE's shared_mlp."""
     return {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "qwen3_5_moe_text": "shared_expert",
             "glm4_moe": "shared_experts", "ernie4_5_moe": "shared_experts", "deepseek_v3": "shared_experts",
             "deepseek_v2": "shared_experts", "glm4_moe_lite": "shared_experts", "dots1": "shared_experts",
-            "llama4_text": "shared_expert"}.get(
-        cfg.model_type)
+            "llama4_text": "shared_expert", "hunyuan_v1_moe": "shared_mlp"}.get(cfg.model_type)
 
 
 def experts_adapted(cfg) -> bool:
@@ -256,12 +256,9 @@ def experts_adapted(cfg) -> bool:
 
 def shared_adapted(cfg, module: str) -> bool:
     """Whether the merged layer whose first checkpoint module is `module` gets adapter slots, as far as the shared
-    experts go: not Hunyuan MoE's shared_mlp (peft on transformers 5 turns target_modules gate_proj, up_proj and
-    down_proj into its experts' parameters: no adapter of it loads in peft, and lora.adapter refuses one), nor
-    Nemotron 3 Super's latent projections (lora.adapter refuses adapters of them); Nemotron 3's shared experts do
-    (peft's up_proj and down_proj reach them)."""
-    if getattr(cfg, "model_type", None) == "hunyuan_v1_moe":
-        return ".mlp.shared_mlp." not in module
+    experts go: not Nemotron 3 Super's latent projections (lora.adapter refuses adapters of them); Nemotron 3's shared
+    experts do (peft's up_proj and down_proj reach them), and Hunyuan MoE's shared_mlp (peft >= 0.22 adapts it
+    beside the experts for target_modules gate_proj, up_proj, down_proj)."""
     return not module.endswith(_LATENT)
 
 
