@@ -168,6 +168,21 @@ def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: in
         oracle.close()
 
 
+def check_mlp_names_adapter_equals_peft(base, hf, root, attention: str, modules: set) -> None:
+    """An adapter of target_modules `attention`, gate_proj, up_proj and down_proj (r 4, alpha 8) on a mixture of
+    experts `hf`, saved under root: it holds `modules` (peft >= 0.22 keeps those names on the Linear layers they
+    reach, a dense layer's MLP and the shared experts, and turns them into the experts' parameters too, gate_up_proj
+    at twice the rank), and served mixed with the base it gives peft's tokens (check_mixed_adapters_equal_peft)."""
+    from helpers import random_prompts
+    from infer.lora.adapter import read_adapter
+    # (an adapter of its own: peft holds several only where their target_parameters agree)
+    paths = save_adapters(hf, root, {"mlp4": dict(r=4, lora_alpha=8, target_modules=[
+        attention, "gate_proj", "up_proj", "down_proj"])})
+    held = set(read_adapter("mlp4", paths["mlp4"]).modules)
+    assert modules <= held, held
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 12), seed=4), ["mlp4", None])
+
+
 def check_attention_adapters_equal_peft(base, hf, tmp_path) -> None:
     """check_mixed_adapters_equal_peft of two adapters saved under tmp_path, "all" (every attention projection, rank
     8) and "qv" (q and v, rank 4), and the base between them, on prompts of 7, 13 and 22 tokens (a hybrid model's)."""

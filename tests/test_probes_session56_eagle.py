@@ -288,7 +288,10 @@ def test_the_gpu_path_equals_the_cpu_path(target, monkeypatch):
     t = save_eagle3(folder.parent / "gpu_head", seed=8)
     seen = _record(monkeypatch)
     int4_kernel_path(monkeypatch)
-    with LLM(str(folder), block_size=4, max_num_seqs=4, speculative_config=spec(folder.parent / "gpu_head")) as llm:
+    # (max_num_batched_tokens 32: the piecewise graphs' buckets, each captured through the interpreted kernels, up to
+    # the 15-token prefill and the verify steps, not the default budget's)
+    with LLM(str(folder), block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+             speculative_config=spec(folder.parent / "gpu_head")) as llm:
         llm.engine.runner.capture_graphs(64, emulate=True)
         assert llm.engine.runner.graphs.aux == 3  # (the graphs keep the target's aux states: its steps replay)
         assert [o.token_ids for o in llm.generate(prompts, greedy(6))] == want

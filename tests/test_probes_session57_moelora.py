@@ -307,6 +307,11 @@ def _shared_gate(t):
     t["base_model.model.model.layers.1.mlp.shared_expert_gate.lora_B.weight"] = torch.randn(1, 4)
 
 
+def _dense_up(t):  # (the dense layer 0's up_proj)
+    t["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.randn(4, 64)
+    t["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] = torch.randn(96, 4)
+
+
 def _dense_in_sparse(t):
     t["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"] = torch.randn(4, 96)
     t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"] = torch.randn(64, 4)
@@ -329,6 +334,10 @@ BAD = {  # name -> (tensors edit, config edit, what the refusal says[, what lora
     "dense-mlp-in-a-sparse-layer": (_dense_in_sparse, lambda c: c.update(target_modules=["q_proj", "down_proj"]),
                                     "model.layers.1.mlp.down_proj is in layer 1, which in the base model is a sparse "
                                     "layer (its MLP is the experts): it has no down_proj"),
+    # (peft >= 0.22 turns Qwen2-MoE's up_proj into the experts' gate_up_proj too, and refuses it without gate_proj)
+    "up-without-gate": (_dense_up, lambda c: c.update(target_modules=["q_proj", "up_proj"]),
+                        "targets up_proj without gate_proj: peft cannot load it on transformers 5, whose qwen2_moe "
+                        "experts hold both in one gate_up_proj"),
 }
 
 

@@ -134,8 +134,8 @@ def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch, fa
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # the attention (all of it, some of it) and the stacked experts (target_parameters: peft on transformers 5 also turns
-# target_modules gate_proj, up_proj, down_proj into those parameters, the dense layer's and shared experts' MLPs
-# left alone)
+# target_modules gate_proj, up_proj, down_proj into those parameters, and keeps them on the dense layer's and the
+# shared experts' MLPs: test_an_adapter_of_the_dense_mlp_shared_and_routed_experts_equals_peft)
 ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ATTENTION, target_parameters=EXPERTS),
             "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], target_parameters=EXPERTS)}
 
@@ -150,34 +150,16 @@ def test_peft_adapters_equal_peft_alone_and_mixed(glm_lora):
     check_all8_qv4_equal_peft(*glm_lora)
 
 
-def test_an_adapter_of_the_shared_experts_or_the_dense_mlp_is_refused_as_peft_ignores_it(glm_lora, tmp_path):
-    """Weights on mlp.shared_experts.gate_proj or a dense layer's mlp.up_proj (an adapter of transformers 4's GLM-4.5,
-    where those names were modules): peft on transformers 5 turns those target_modules into the experts' parameters
-    and ignores the weights, so infer refuses them, naming the module and what to do."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
-
-    from infer.errors import LoRAError
-    from infer.lora.adapter import adapter_problems
-    base, _, paths = glm_lora
-    for module, what in (("layers.1.mlp.shared_experts.gate_proj", "a shared expert's projection"),
-                         ("layers.0.mlp.up_proj", "a dense layer's MLP projection")):
-        folder = tmp_path / module
-        shutil.copytree(paths["qv4"], folder)
-        tensors = load_file(folder / "adapter_model.safetensors")
-        tensors[f"base_model.model.model.{module}.lora_A.weight"] = torch.randn(4, 64)
-        tensors[f"base_model.model.model.{module}.lora_B.weight"] = torch.randn(32 if "shared" in module else 96, 4)
-        save_file(tensors, folder / "adapter_model.safetensors")
-        config = json.loads((folder / "adapter_config.json").read_text())  # (as transformers 4's peft saved it)
-        config["target_modules"] += ["gate_proj", "up_proj", "down_proj"]
-        (folder / "adapter_config.json").write_text(json.dumps(config))
-        [problem] = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
-        assert f"model.layers.{module.removeprefix('layers.')} is {what}, which peft (on transformers 5) does not " \
-            "adapt in a glm4_moe" in problem.message and "train the adapter again" in problem.hint, problem
-        with pytest.raises(LoRAError, match=what):
-            LLM(str(base), loras={"x": str(folder)})
+def test_an_adapter_of_the_dense_mlp_shared_and_routed_experts_equals_peft(glm_lora, tmp_path):
+    """target_modules gate_proj, up_proj, down_proj: peft (>= 0.22) adapts the dense layer's MLP and the shared
+    experts' Linear layers by them and turns them into the routed experts' parameters too (peft 0.21 turned them into
+    the experts' alone, which infer followed by refusing the others' weights); all of them served, mixed with the
+    base: peft's tokens."""
+    from lora_helpers import check_mlp_names_adapter_equals_peft
+    base, hf, _ = glm_lora
+    check_mlp_names_adapter_equals_peft(base, hf, tmp_path, "q_proj", {
+        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.shared_experts.gate_proj",
+        "model.layers.1.mlp.shared_experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"})
 
 
 @interpreted

@@ -120,9 +120,8 @@ def _check_args(out: Path, model: str) -> Path:
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)
         raise ConfigError(f"--model {model} is a mixture of experts, which the demo's chain does not take: its "
-                          "adapter 'legal' targets the MLPs (LoRA on an MoE model may target the attention projections "
-                          "only), and its checks and bench compare with transformers, which does not read GPTQ "
-                          "experts",
+                          "checks and bench compare the GPTQ checkpoint with transformers, which does not read GPTQ "
+                          "experts (transformers 5 stacks them)",
                           f"run the demo on a dense built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if out.exists() and not out.is_dir():
