@@ -356,4 +356,29 @@ def test_ernie_a_transformers_4_adapter_of_the_dense_mlp_and_the_experts_equals_
                                     ["v4", None])
 
 
+def test_ernie_an_up_proj_without_gate_proj_is_refused_as_peft_refuses_it(tmp_path):
+    """target_modules up_proj without gate_proj: peft (>= 0.22) turns it into the experts' gate_up_proj, which holds
+    both, and refuses to load it; so do infer and lora-validate, naming both."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_problems
+    from lora_helpers import hf_float, save_adapter
+    build_ernie(tmp_path / "base")
+    hf = hf_float(tmp_path / "base")
+    path = save_adapter(hf, tmp_path / "a", seed=2, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"])
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "up_proj"]
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="up_proj without also targeting gate_proj"):
+        PeftModel.from_pretrained(hf, str(path))
+    said = "targets up_proj without gate_proj: peft cannot load it on transformers 5, whose ernie4_5_moe experts"
+    assert any(said in p.message for p in adapter_problems("a", path, AutoConfig.from_pretrained(tmp_path / "base")))
+    with pytest.raises(LoRAError, match=said):
+        LLM(str(tmp_path / "base"), loras={"a": str(path)})
+
+
 BUILDERS = {"granitemoeshared": build_granite, "ernie4_5_moe": build_ernie}

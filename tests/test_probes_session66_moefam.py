@@ -226,25 +226,28 @@ def test_peft_adapters_equal_peft_alone_and_mixed(family_lora):
     check_all8_qv4_equal_peft(base, hf, paths)
 
 
-def test_adapters_of_modules_infer_does_not_adapt_are_refused_naming_them(family_lora, tmp_path):
-    """Weights on a module peft on transformers 5 does not adapt (dots.llm1's shared experts' and dense layer's
-    up_proj: peft turns those target_modules into the experts' parameters) or infer does not (MiniMax-M2's router,
-    block_sparse_moe.gate): refused naming the module, by `infer lora validate`'s checks and at load."""
+def test_the_mlps_adapters_are_served_as_peft_adapts_them_and_a_router_is_refused(family_lora, tmp_path):
+    """dots.llm1: target_modules gate_proj, up_proj, down_proj adapt its dense layer's MLP and its shared experts
+    (peft >= 0.22 keeps them on those Linear layers) and its experts (turned into their parameters): served mixed
+    with the base, peft's tokens. MiniMax-M2: weights on its router (block_sparse_moe.gate), which infer does not
+    adapt: refused naming the module, by `infer lora-validate`'s checks and at load."""
     from transformers import AutoConfig
 
     from infer.errors import LoRAError
     from infer.lora.adapter import adapter_problems
-    from lora_helpers import adapter_with_module
-    family, base, _, paths = family_lora
-    cases = {"dots1": (("layers.1.mlp.shared_experts.up_proj", (4, 64, 32), "is a shared expert's projection"),
-                       ("layers.0.mlp.up_proj", (4, 64, 96), "is a dense layer's MLP projection")),
-             "minimax_m2": (("layers.1.block_sparse_moe.gate", (4, 64, 8), "not its router (gate)"),)}[family]
-    for module, width, words in cases:
-        folder = adapter_with_module(paths["qv4"], tmp_path / module, module, *width)
-        problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
-        assert any(words in p.message and module in p.message for p in problems), problems
-        with pytest.raises(LoRAError, match=module.rpartition(".")[2]):
-            LLM(str(base), loras={"x": str(folder)})
+    from lora_helpers import adapter_with_module, check_mlp_names_adapter_equals_peft
+    family, base, hf, paths = family_lora
+    if family == "dots1":
+        check_mlp_names_adapter_equals_peft(base, hf, tmp_path, "q_proj", {
+            "model.layers.0.mlp.up_proj", "model.layers.1.mlp.shared_experts.down_proj",
+            "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"})
+        return
+    module = "layers.1.block_sparse_moe.gate"
+    folder = adapter_with_module(paths["qv4"], tmp_path / module, module, 4, 64, 8)
+    problems = adapter_problems("x", folder, AutoConfig.from_pretrained(base))
+    assert any("not its router (gate)" in p.message and module in p.message for p in problems), problems
+    with pytest.raises(LoRAError, match="gate"):
+        LLM(str(base), loras={"x": str(folder)})
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ

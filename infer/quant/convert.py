@@ -576,7 +576,7 @@ def _some(names: list[str]) -> str:
 
 def load_peft(model, adapter: Path, **kw):
     """PeftModel.from_pretrained(model, adapter) for inference: the adapter's config read as peft reads it, with
-    lora_dropout 0 (dropout does nothing at inference, but peft 0.21's ParamWrapper, the LoRA of a mixture of
+    lora_dropout 0 (dropout does nothing at inference, but peft's ParamWrapper (0.21, 0.22), the LoRA of a mixture of
     experts' stacked parameters (target_parameters, or transformers 4's per-expert modules peft converts into
     them), refuses any other value); nothing is written to the adapter's folder."""
     from peft import PEFT_TYPE_TO_CONFIG_MAPPING, PeftConfig, PeftModel
