@@ -250,7 +250,7 @@ def test_weights_the_config_adapts_are_served(tmp_path, edit):
     assert len(ad.modules) == (2 if edit.get("layers_to_transform") == 1 else 4)
 
 
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "lora_ga", "astra"])
 def test_inits_that_change_the_base_are_refused(tmp_path, init):
     """A PiSSA/OLoRA/... adapter saved without peft's conversion needs the residual base peft rebuilds at load;
     served on the plain base it gave other tokens."""

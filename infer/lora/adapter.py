@@ -943,7 +943,8 @@ MERGEABLE = ("use_dora", "modules_to_save", "trainable_token_indices")
 
 
 # init_lora_weights that subtract the initial adapter from the base weight (peft redoes it when it loads the adapter)
-BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
+# (peft 0.22's Astra too: a residual base it rebuilds from the adapter's eigendecomposition)
+BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga", "astra")
 
 
 def _is_set(config: dict, key: str) -> bool:
