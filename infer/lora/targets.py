@@ -6,8 +6,9 @@ Granite 4.0's and GraniteMoeShared's shared MLP: input_linear (gate|up) and outp
 infer's fused layers:
 qkv_proj (q_proj, k_proj and v_proj, which infer computes as one layer whose slots hold all three), gate_up_proj
 (gate_proj and up_proj); `experts` is a mixture of experts' stacked experts (peft's target_parameters
-mlp.experts.gate_up_proj / down_proj: one unit of slots), `shared_expert` Qwen2-MoE's shared expert (its three layers;
-its gate_up_proj and down_proj are also selected by those names, as peft's suffix match adapts them). A fused layer
+mlp.experts.gate_up_proj / down_proj: one unit of slots), `shared_expert` a sparse layer's shared expert (Qwen2-MoE's
+shared_expert, GLM-4.5's shared_experts, Hunyuan MoE's shared_mlp: its three layers; its gate_up_proj and down_proj
+are also selected by those names, as peft's suffix match adapts them). A fused layer
 is selected whole: naming some of its projections but not all is refused, since its slots would hold the others too.
 None: every layer (the default).
 """
