@@ -197,6 +197,19 @@ def test_peft_adapters_equal_peft_alone_and_mixed(hy_lora):
     check_mixed_adapters_equal_peft(*hy_lora, random_prompts(512, (5, 9, 7), seed=6), ["all8", None, "qv4"], n=4)
 
 
+@interpreted
+def test_gpu_code_path_with_adapters_interpreted_equals_the_cpu_path(hy_lora, monkeypatch):
+    """"all8" (the attention's, the shared MLP's and the experts' adapters), the base and "qv4" in one batch, every op
+    through its Triton kernel (interpreted), the fused MoE given the experts' adapters, decodes through emulated CUDA
+    graphs: the CPU path's tokens (which are peft's: test_peft_adapters_equal_peft_alone_and_mixed), the shared
+    MLP's deltas added on both paths."""
+    from test_probes_session57_moelora import _cpu_and_gpu_path
+    base, _, paths = hy_lora
+    cpu, gpu = _cpu_and_gpu_path(base, paths, random_prompts(512, (6, 3, 5), seed=7), ["all8", None, "qv4"],
+                                 monkeypatch, n=4)
+    assert gpu == cpu
+
+
 def test_per_expert_adapters_of_transformers_4_equal_peft(tmp_path):
     """An adapter as peft saved it on transformers 4 (q_proj's and each expert's gate_proj, up_proj, down_proj, modules
     of their own), which peft converts on transformers 5's stacked experts (gate and up one gate_up_proj of rank 2r),
