@@ -199,7 +199,8 @@ def module_proj(name: str) -> str:
     model.layers.1.mlp.shared_expert.up_proj -> shared_expert.up_proj (GLM-4.5's mlp.shared_experts.up_proj too, and
     Hunyuan MoE's mlp.shared_mlp.up_proj), model.layers.1.mlp.experts.down_proj -> experts.down_proj."""
     parts = name.split(".")
-    if len(parts) > 2 and parts[-2] == "shared_mlp" and parts[-3] == "mlp":  # (Granite's shared_mlp: a layer's own)
+    # (Hunyuan MoE's mlp.shared_mlp; Granite's shared_mlp, a module of the layer itself, keeps input_linear's names)
+    if len(parts) > 2 and parts[-2] == "shared_mlp" and parts[-3] == "mlp":
         return f"{SHARED}.{parts[-1]}"
     if len(parts) > 1 and parts[-2] == SHARED + "s":
         return f"{SHARED}.{parts[-1]}"
