@@ -270,18 +270,6 @@ def test_starcoder2_lora_target_modules_are_its_own():
         check_target_modules(["gate_proj", "c_fc"], cfg)
 
 
-def test_the_demo_refuses_tiny_starcoder2_before_any_step(tmp_path, monkeypatch):
-    """The demo's chain is not set up for StarCoder2: `infer demo --model tiny-starcoder2` is refused up front,
-    naming the built-ins it runs on and the command that runs the model."""
-    from infer.cli import demo as demo_module
-    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
-    res = CliRunner().invoke(app, ["demo", "--model", "tiny-starcoder2", "--out", str(tmp_path / "d")])
-    assert res.exit_code == 2, res.output
-    assert "--model tiny-starcoder2 is a StarCoder2, which the demo's chain does not take" in res.output
-    assert "tiny-cohere" in res.output and "infer run tiny-starcoder2 examples/prompts.jsonl" in res.output
-    assert not (tmp_path / "d").exists()
-
-
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
 BUILTIN = {"tiny-cohere": "CohereForCausalLM", "tiny-cohere2": "Cohere2ForCausalLM",
            "tiny-exaone4": "Exaone4ForCausalLM", "tiny-starcoder2": "Starcoder2ForCausalLM"}

@@ -267,19 +267,6 @@ def test_convert_merge_lora_gives_the_served_adapters_tokens(family_lora, tmp_pa
         assert greedy_tokens(llm, prompts, 6) != merged
 
 
-@pytest.mark.parametrize("name", ["tiny-arcee", "tiny-nemotron", "tiny-apertus"])
-def test_the_demo_refuses_the_ungated_builtins_before_any_step(tmp_path, monkeypatch, name):
-    """The demo's chain is not set up for an MLP without gate: `infer demo --model tiny-arcee` (and the others) is
-    refused up front, naming the built-ins it runs on and the command that runs the model."""
-    from infer.cli import demo as demo_module
-    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
-    res = CliRunner().invoke(app, ["demo", "--model", name, "--out", str(tmp_path / "d")])
-    assert res.exit_code == 2, res.output
-    assert f"--model {name} is a" in res.output and "(its MLP has no gate)" in res.output
-    assert "tiny-cohere" in res.output and "tiny-apertus," not in res.output
-    assert f"infer run {name} examples/prompts.jsonl" in res.output and not (tmp_path / "d").exists()
-
-
 # ---------------------------------------------------------------------------------------- serve, warmup, tiny
 BUILTIN = {"tiny-arcee": "ArceeForCausalLM", "tiny-nemotron": "NemotronForCausalLM",
            "tiny-apertus": "ApertusForCausalLM"}

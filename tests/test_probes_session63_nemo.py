@@ -95,19 +95,6 @@ def test_mixed_adapters_on_the_attention_and_the_mlp_equal_peft(tmp_path):
     check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (7, 13, 22), seed=2), ["all", None, "qv"])
 
 
-def test_the_demo_refuses_nemotron_h_naming_it(tmp_path, monkeypatch):
-    """`infer demo --model tiny-nemotron-h` (its chain is not checked on it) is refused naming it."""
-    from typer.testing import CliRunner
-
-    from infer.cli import demo as demo_module
-    from infer.cli.main import app
-    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
-    res = CliRunner().invoke(app, ["demo", "--model", NAME, "--out", str(tmp_path / "d")])
-    assert res.exit_code == 2, res.output
-    assert f"--model {NAME} is a Nemotron-H (nemotron_h: the demo's chain is not checked on it yet)" in \
-        " ".join(res.output.split())
-
-
 @pytest.mark.parametrize("change, match", [
     ({"layers_block_type": ["linear_attention", "mlp", "linear_attention", "mlp", "mlp"]},
      r"nemotron_h with no attention layer"),

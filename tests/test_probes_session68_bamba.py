@@ -140,19 +140,6 @@ def test_what_infer_cannot_run_is_refused_naming_the_field(tmp_path, name):
     assert words in estimate_refusal(tmp_path, "bamba", ARCH, **{**BUILTIN_MODELS[NAME].config, **change})
 
 
-def test_the_demo_refuses_bamba_naming_it(tmp_path, monkeypatch):
-    """`infer demo --model tiny-bamba` (its chain is not checked on it) is refused naming it, before any step."""
-    from typer.testing import CliRunner
-
-    from infer.cli import demo as demo_module
-    from infer.cli.main import app
-    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
-    res = CliRunner().invoke(app, ["demo", "--model", NAME, "--out", str(tmp_path / "d")])
-    assert res.exit_code == 2, res.output
-    assert f"--model {NAME} is a Bamba (bamba: the demo's chain is not checked on it yet)" in \
-        " ".join(res.output.split())
-
-
 def test_a_gptq_checkpoint_made_elsewhere_equals_transformers_dequantized(tmp_path):
     """A GPTQ checkpoint in GPTQModel's layout (every projection 4-bit by round to nearest, group 32: the attention's,
     the feed_forward's and the Mamba-2 mixers' in_proj [64 -> 328] and out_proj) loads int4 and gives transformers'

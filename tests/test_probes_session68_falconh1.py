@@ -247,15 +247,3 @@ def test_infer_quantize_gives_gptqmodels_own_tokens(tmp_path):
     assert got == greedy_each(dequantized_float_model(ensure_builtin(NAME), out), prompts, 8)
     with _falcon_h1_view(out):
         assert got == gptqmodel_greedy(out, prompts, 8)
-
-
-def test_the_demo_refuses_falcon_h1_naming_it(tmp_path, monkeypatch):
-    """`infer demo --model tiny-falcon-h1` (its chain is not checked on Falcon-H1) is refused naming it."""
-    from typer.testing import CliRunner
-
-    from infer.cli import demo as demo_module
-    from infer.cli.main import app
-    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
-    res = CliRunner().invoke(app, ["demo", "--model", NAME, "--out", str(tmp_path / "d")])
-    assert res.exit_code == 2, res.output
-    assert f"--model {NAME} is a Falcon-H1 (falcon_h1: the demo's chain is not checked" in " ".join(res.output.split())

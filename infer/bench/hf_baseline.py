@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ModelLoadError
@@ -94,6 +96,32 @@ def hf_auto_class(path):
     return AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
 
 
+def gptq_cpu_options(path) -> dict:
+    """from_pretrained options for a GPTQ checkpoint transformers runs on the CPU: GPTQModel's torch kernel where a
+    quantized layer has a number of outputs that is not a multiple of 16 (the one GPTQModel picks by default,
+    TorchAtenLinear, says it takes any shape but fails at the first forward on those: torch's int4 packing for the
+    CPU needs N % 16 == 0; a Mamba-2 mixer's in_proj often has such a width); {} for every other model (GPTQModel's
+    default kernel)."""
+    from safetensors import safe_open
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    qc = config.get("quantization_config") or {}
+    if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower() != "gptq":
+        return {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                narrow = any(sf.get_slice(k).get_shape()[-1] % 16 for k in sf.keys() if k.endswith(".qweight"))
+        except Exception:  # (an unreadable file: transformers says what is wrong with it)
+            return {}
+        if narrow:
+            from transformers import GPTQConfig
+            return {"quantization_config": GPTQConfig(bits=int(qc.get("bits", 4)), backend="torch")}
+    return {}
+
+
 def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFModel:
     """Load a model folder (or a built-in name) with transformers. dtype auto: float32 on CPU, the
     checkpoint's dtype on a GPU; device auto: cuda if there is one."""
@@ -111,8 +139,11 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     hf_logging.disable_progress_bar()
     try:
         from ..quant.config import hf_load_options  # (the hub's gpt-oss: its MXFP4 experts dequantized, as infer's)
+        options = hf_load_options(path)
+        if dev.type == "cpu" and not options:
+            options = gptq_cpu_options(path)
         model, info = hf_auto_class(path).from_pretrained(path, dtype=torch_dtype, output_loading_info=True,
-                                                          **hf_load_options(path))
+                                                          **options)
         model = model.to(dev).eval()
         model.generation_config = plain_generation_config(model.generation_config)  # greedy, as the engine
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

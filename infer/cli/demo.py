@@ -99,26 +99,16 @@ def _check_args(out: Path, model: str) -> Path:
     if model not in BUILTIN_MODELS:
         raise ConfigError(f"--model {model!r} is not a built-in model",
                           f"choose one of: {', '.join(BUILTIN_MODELS)}")
-    from ..models.moe import BASE as MOE_TYPES
     from ..models.multimodal import WRAPPERS
-    from ..models.registry import UNGATED
-    # (its chain's steps are not checked on an MLP without gate, nor on a multimodal checkpoint's text model)
-    other = {"starcoder2": "a StarCoder2", "arcee": "an Arcee AFM", "nemotron": "a Nemotron", "apertus": "an Apertus",
-             # (the demo's adapters name Llama's MLP projections; its shared MLP's are input_linear, output_linear)
-             "granitemoehybrid": "a Granite 4.0 (granitemoehybrid: the demo's chain is not checked on it yet)",
-             "nemotron_h": "a Nemotron-H (nemotron_h: the demo's chain is not checked on it yet)",
-             "bamba": "a Bamba (bamba: the demo's chain is not checked on it yet)",
-             "lfm2": "an LFM2 (lfm2: the demo's chain is not checked on it yet)",
-             "falcon_h1": "a Falcon-H1 (falcon_h1: the demo's chain is not checked on it yet)",
-             **{kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}}
-    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*MOE_TYPES, *other)]
+    # (its adapters target every projection of the model: a multimodal checkpoint's vision tower's too)
+    other = {kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}
+    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in other and not _moe(spec)]
     if BUILTIN_MODELS[model].arch in other:
-        why = " (its MLP has no gate)" if BUILTIN_MODELS[model].arch in UNGATED else ""
         raise ConfigError(f"--model {model} is {other[BUILTIN_MODELS[model].arch]}, which the demo's chain does not "
-                          f"take{why}",
+                          "take",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
-    if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)
+    if _moe(BUILTIN_MODELS[model]):  # (refused before the model is built)
         raise ConfigError(f"--model {model} is a mixture of experts, which the demo's chain does not take: its "
                           "checks and bench compare the GPTQ checkpoint with transformers, which does not read GPTQ "
                           "experts (transformers 5 stacks them)",
@@ -135,6 +125,17 @@ def _check_args(out: Path, model: str) -> Path:
         raise ConfigError(f"cannot write into --out {out}: {e.strerror or e}", "pass a folder you can write to") \
             from e
     return log
+
+
+def _moe(spec) -> bool:
+    """Whether built-in `spec` (models.tiny.TinySpec) is a mixture of experts (Granite 4.0's and Nemotron-H's
+    built-ins are one or not by their config: tiny-granite4 and tiny-nemotron-h-moe have experts, tiny-granite4-dense
+    and tiny-nemotron-h none), from its config alone."""
+    from ..models.moe import BASE, is_moe
+    if spec.arch not in ("granitemoehybrid", "nemotron_h"):
+        return spec.arch in BASE
+    from transformers import AutoConfig
+    return is_moe(AutoConfig.for_model(spec.arch, **spec.config))
 
 
 def demo(

@@ -143,13 +143,23 @@ def copy_dequantized(engine_model, hf_model) -> None:
     params = dict(hf_model.named_parameters())
     if "lm_head.weight" not in state and "lm_head.weight" in params:  # tied embeddings
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing = sorted(set(params) - set(state))
+    keys = {k: _engine_name(hf_model.config, k) for k in params}
+    missing = sorted(k for k, key in keys.items() if key not in state)
     if missing:
         raise LoRAError(f"cannot build the float oracle: no weight for {missing[0]}",
                         "this architecture's layout is not supported by lora-validate")
     with torch.no_grad():
         for k, p in params.items():
-            p.copy_(state[k].view_as(p))
+            p.copy_(state[keys[k]].view_as(p))
+
+
+def _engine_name(config, name: str) -> str:
+    """transformers' parameter `name` as infer's model (dequantized_state) names it: Nemotron-H's model.embeddings
+    and model.norm_f are infer's model.embed_tokens and model.norm (models.nemotron_h.checkpoint_name)."""
+    if getattr(config, "model_type", None) == "nemotron_h":
+        from ..models.nemotron_h import checkpoint_name
+        return checkpoint_name(name)
+    return name
 
 
 def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str) -> NumericCheck:

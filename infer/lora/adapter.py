@@ -62,12 +62,18 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
     gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down; an MLP without gate's up_proj in place of
-    gate/up; LFM2's out_proj, w1, w3, w2 in place of o, gate, up, down), each once."""
+    gate/up; LFM2's out_proj, w1, w3, w2 in place of o, gate, up, down; Granite 4.0's and GraniteMoeShared's
+    shared_mlp.input_linear in place of gate/up and shared_mlp.output_linear of down), each once."""
     if model_type == "starcoder2":
         mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
         return list(dict.fromkeys(mlp.get(t, t) for t in targets))
     if model_type in LFM2:  # (LFM2's attention's out_proj, its feed_forward's w1, w3, w2: models.lfm2)
         names = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+        return list(dict.fromkeys(names.get(t, t) for t in targets))
+    if model_type in SHARED_MLP_BASES:  # (Granite 4.0's shared MLP: gate and up rows in input_linear; named under
+        # shared_mlp, which a mixture of experts' block_sparse_moe.input_linear, experts peft does not adapt, is not)
+        names = {"gate_proj": "shared_mlp.input_linear", "up_proj": "shared_mlp.input_linear",
+                 "down_proj": "shared_mlp.output_linear"}
         return list(dict.fromkeys(names.get(t, t) for t in targets))
     if model_type in UNGATED:  # (Arcee, Nemotron, Apertus: up_proj, down_proj)
         return list(dict.fromkeys("up_proj" if t == "gate_proj" else t for t in targets))
