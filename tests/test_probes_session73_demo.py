@@ -7,7 +7,9 @@ chain passed as it was; on the hybrids it broke in three places, each a bug of t
 - `infer lora-validate --quantized` on a GPTQ Nemotron-H: "cannot build the float oracle: no weight for
   model.embeddings.weight" (transformers' embeddings and norm_f, infer's embed_tokens and norm);
 - the demo's adapter of every projection named gate_proj, up_proj and down_proj on Granite 4.0, whose MLP is
-  shared_mlp.input_linear and output_linear (lora.adapter.base_targets)."""
+  shared_mlp.input_linear and output_linear (lora.adapter.base_targets).
+And the same baseline on a GPTQ mixture of experts (which the demo refuses) ran transformers' model with its experts
+uninitialized, without a word: refused now, naming the weights it lacks."""
 
 from __future__ import annotations
 
@@ -128,3 +130,19 @@ def test_the_demos_adapter_of_every_projection_adapts_granite4s_shared_mlp(tmp_p
     save_file({k: t * 20 if "lora_B" in k else t for k, t in load_file(weights).items()}, str(weights))
     check_mixed_adapters_equal_peft(base, hf_model(str(base)), {"all": tmp_path / "all"},
                                     random_prompts(512, (7, 13), seed=2), ["all", None])
+
+
+@needs_gptqmodel
+def test_the_hf_baseline_refuses_a_gptq_mixture_of_experts_instead_of_running_random_experts(tmp_path):
+    """transformers 5 stacks a mixture of experts' experts into float parameters and has no place for a GPTQ
+    checkpoint's int4 experts.N.*.qweight: it loaded Mixtral's with those parameters uninitialized, and the bench's
+    baseline ran that model (garbage tokens, float experts: not the checkpoint). Refused, naming both sides."""
+    from infer.bench.hf_baseline import load_hf
+    from infer.errors import ModelLoadError
+    rtn_gptq(ensure_builtin("tiny-mixtral"), tmp_path / "q")
+    with pytest.raises(ModelLoadError) as e:
+        load_hf(str(tmp_path / "q"), dtype="float32", device="cpu")
+    said = str(e.value)
+    assert "its model has no tensor for model.layers.0.mlp.experts.down_proj (4 weights missing)" in said
+    assert "no place for the checkpoint's model.layers.0.mlp.experts.0.w1.g_idx" in said
+    assert "run without --baseline hf" in e.value.hint

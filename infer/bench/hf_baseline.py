@@ -150,15 +150,16 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     except Exception as e:
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: {e}",
                              "a GPTQ checkpoint needs gptqmodel/optimum installed for the HF baseline") from e
-    # int4 layers transformers found no tensors for are left uninitialized (garbage g_idx: an IndexError, or garbage
-    # tokens), as GPTQModel's Phi-3 checkpoints (gate_proj and up_proj apart; transformers' Phi3MLP has gate_up_proj:
-    # `infer quantize` fuses them, except with --desc-act)
-    quantized = (".qweight", ".qzeros", ".scales", ".g_idx")
-    unset = sorted(k for k in info.get("missing_keys") or () if k.endswith(quantized))
+    # weights transformers found no tensors for are left uninitialized (garbage tokens from a model that is not the
+    # checkpoint's; garbage g_idx: an IndexError), as GPTQModel's Phi-3 checkpoints (gate_proj and up_proj apart;
+    # transformers' Phi3MLP has gate_up_proj: `infer quantize` fuses them, except with --desc-act) and any GPTQ
+    # mixture of experts (transformers 5 stacks the experts into float mlp.experts.gate_up_proj and down_proj, and
+    # has no place for the checkpoint's int4 experts.N.gate_proj.qweight ...)
+    unset = sorted(info.get("missing_keys") or ())
     if unset:
         extra = sorted(info.get("unexpected_keys") or ())
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: its model has no tensor for "
-                             f"{unset[0]} ({len(unset)} quantized tensors missing)"
+                             f"{unset[0]} ({len(unset)} weights missing)"
                              + (f", and no place for the checkpoint's {extra[0]}" if extra else ""),
                              "this checkpoint's layout is not transformers' (infer reads it): run without "
                              "--baseline hf")
