@@ -143,3 +143,29 @@ def test_gptq_shared_mlp_adapters_equal_peft_on_the_dequantized_weights_on_both_
     with safe_open(str(quantized[name][0] / "model.safetensors"), "pt") as f:
         assert "model.layers.0.shared_mlp.input_linear.qweight" in set(f.keys())
     _check_adapters_equal_peft_on_both_paths(quantized, name, monkeypatch, lambda hf: _adapters(hf, tmp_path, name))
+
+
+@pytest.mark.parametrize("name", ["tiny-granitemoe", "tiny-granite4"])
+def test_lora_validate_quantized_checks_an_experts_adapter_against_peft(quantized, tmp_path, name):
+    """(Seventy-third session) `infer lora-validate --quantized` on the GPTQ Granite MoE and Granite 4.0: its oracle
+    (transformers' load of the dequantized checkpoint, the experts stacked as Granite's input_linear and
+    output_linear: lora_check.dequantized_moe_oracle) agrees with infer on an adapter of q_proj and the stacked
+    experts; it stopped at "no weight for model.layers.0.block_sparse_moe.experts.down_proj"."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from lora_helpers import GRANITE_EXPERTS, save_adapters
+    from transformers import AutoModelForCausalLM
+
+    from infer.models.tiny import ensure_builtin
+    hf = AutoModelForCausalLM.from_pretrained(ensure_builtin(name), dtype=torch.float32)
+    paths = save_adapters(hf, tmp_path, {"a": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                   target_parameters=GRANITE_EXPERTS)}, scale=0.5)
+    res = CliRunner().invoke(app, ["lora-validate", str(quantized[name][0]), f"a={paths['a']}", "--quantized",
+                                   "--steps", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output[res.output.index('{"name"'):].splitlines()[0])
+    assert report["ok"] and report["numeric"]["tokens_agree"], report
+    assert report["numeric"]["adapter_effect"] > 100 * report["numeric"]["max_abs_diff"], report

@@ -100,12 +100,18 @@ def infer_logits(llm, name: str, prompts: list[list[int]], steps: int) -> list[t
 
 def oracle_model(base_path: Path, gptq: bool, engine_model=None):
     """The transformers float32 model peft runs on: the checkpoint itself, or for a GPTQ base a model built from its
-    config whose weights are the engine's dequantized int4 weights."""
+    config whose weights are the engine's dequantized int4 weights (a GPTQ mixture of experts: transformers' own load
+    of the checkpoint's weights dequantized, dequantized_moe_oracle)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if not gptq:
         from ..quant.config import hf_load_options  # (the hub's gpt-oss: its MXFP4 experts dequantized, as infer's)
         return AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, local_files_only=True,
                                                     **hf_load_options(base_path)).eval()
+    from ..models.moe import is_moe
+    from ..quant.config import GPTQConfig
+    qc = GPTQConfig.from_model_dir(base_path)
+    if is_moe(getattr(engine_model, "config", None)) and qc is not None and qc.quant_method == "gptq":
+        return dequantized_moe_oracle(base_path, qc, getattr(engine_model, "quantized_head", False))
     cfg = copy.deepcopy(AutoConfig.from_pretrained(base_path, local_files_only=True))
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -114,6 +120,81 @@ def oracle_model(base_path: Path, gptq: bool, engine_model=None):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     copy_dequantized(engine_model, model)
     return model
+
+
+def dequantized_moe_oracle(base_path: Path, qc, quantized_head: bool):
+    """transformers' float32 model of a GPTQ mixture of experts: every GPTQ layer of the checkpoint dequantized as
+    infer's engine dequantizes it (kernels.packing.dequantize: the product in the scales' precision, so its fp16
+    copy is exact), written with the other tensors as the float checkpoint it was quantized from (the experts one
+    by one, experts.N.gate_proj.weight ...) into a temporary folder, and loaded from there, so transformers stacks
+    the experts (and reads the routers and their score biases, whatever their names) as it loads any checkpoint of
+    the family (Granite's experts, which it reads stacked alone, stacked here as its block_sparse_moe.input_linear,
+    gate rows then up rows, and output_linear). The folder takes the model's size in the scales' dtype while it
+    loads."""
+    import json
+    import re
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from ..kernels.packing import dequantize
+    from ..quant.convert import copy_tokenizer_files, load_weight_file, weight_files
+    fields = (".qweight", ".qzeros", ".scales", ".g_idx")
+    config = json.loads((Path(base_path) / "config.json").read_text())
+    granite = config.get("model_type") in ("granitemoe", "granitemoeshared", "granitemoehybrid")
+    expert = re.compile(r"(.+\.block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    with tempfile.TemporaryDirectory(prefix="infer-lora-oracle-") as tmp:
+        written, experts = {}, {}
+        for i, f in enumerate(weight_files(base_path)):
+            tensors = load_weight_file(f)
+            out = {k: t for k, t in tensors.items() if not k.endswith(fields)}
+            for k in [k for k in tensors if k.endswith(".qweight")]:
+                prefix = k[: -len(".qweight")]
+                qweight, scales = tensors[k], tensors[prefix + ".scales"]
+                g_idx = tensors.get(prefix + ".g_idx")
+                bits = qc.bits if g_idx is None else 32 * qweight.shape[0] // g_idx.numel()  # (dynamic rules' own)
+                if g_idx is None:  # (a checkpoint without g_idx: the plain groups)
+                    k_in = qweight.shape[0] * 32 // bits
+                    g_idx = torch.arange(k_in) // (k_in // scales.shape[0])
+                w = dequantize(qweight, tensors[prefix + ".qzeros"], scales, g_idx, bits, qc.zeros_v1, scales.dtype)
+                m = expert.fullmatch(prefix + ".weight") if granite else None
+                if m:
+                    experts.setdefault(m[1], {})[(int(m[2]), m[3])] = w
+                else:
+                    out[prefix + ".weight"] = w
+            name = f"model-{i:05d}.safetensors"
+            save_file(out, str(Path(tmp) / name), metadata={"format": "pt"})
+            written.update(dict.fromkeys(out, name))
+        if experts:  # (Granite's: [E, 2I, H] input_linear, gate rows then up rows, and [E, H, I] output_linear)
+            stacked = {}
+            for block, ws in experts.items():
+                count = 1 + max(e for e, _ in ws)
+                stacked[f"{block}.input_linear.weight"] = torch.stack(
+                    [torch.cat([ws[(e, "gate_proj")], ws[(e, "up_proj")]]) for e in range(count)])
+                stacked[f"{block}.output_linear.weight"] = torch.stack([ws[(e, "down_proj")] for e in range(count)])
+            save_file(stacked, str(Path(tmp) / "model-experts.safetensors"), metadata={"format": "pt"})
+            written.update(dict.fromkeys(stacked, "model-experts.safetensors"))
+        (Path(tmp) / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": written}))
+        config.pop("quantization_config", None)
+        if quantized_head:  # a GPTQ head is stored on its own, tied or not
+            config["tie_word_embeddings"] = False
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        copy_tokenizer_files(base_path, Path(tmp))
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, local_files_only=True,
+                                                               output_loading_info=True)
+        except Exception as e:
+            raise LoRAError(f"cannot build the float oracle: transformers cannot load the dequantized {base_path}: "
+                            f"{e}", "check the adapters with --steps 0 (the static checks alone), or against the "
+                            "float model the checkpoint was quantized from") from e
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise LoRAError(f"cannot build the float oracle: transformers has no weight for {missing[0]} in the "
+                        f"dequantized {base_path} (it does not read this family's GPTQ experts)",
+                        "check the adapters with --steps 0 (the static checks alone), or against the float model "
+                        "the checkpoint was quantized from")
+    return model.eval()
 
 
 def dequantized_state(engine_model) -> dict[str, torch.Tensor]:
