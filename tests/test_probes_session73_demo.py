@@ -145,4 +145,4 @@ def test_the_hf_baseline_refuses_a_gptq_mixture_of_experts_instead_of_running_ra
     said = str(e.value)
     assert "its model has no tensor for model.layers.0.mlp.experts.down_proj (4 weights missing)" in said
     assert "no place for the checkpoint's model.layers.0.mlp.experts.0.w1.g_idx" in said
-    assert "run without --baseline hf" in e.value.hint
+    assert "give --baseline-model the float checkpoint it was quantized from" in e.value.hint

@@ -161,8 +161,8 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: its model has no tensor for "
                              f"{unset[0]} ({len(unset)} weights missing)"
                              + (f", and no place for the checkpoint's {extra[0]}" if extra else ""),
-                             "this checkpoint's layout is not transformers' (infer reads it): run without "
-                             "--baseline hf")
+                             "this checkpoint's layout is not transformers' (infer reads it): give --baseline-model "
+                             "the float checkpoint it was quantized from, or run without --baseline hf")
     return HFModel(model, tok, dev)
 
 

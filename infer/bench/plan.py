@@ -49,6 +49,8 @@ class BenchPlan:
     model_id: str | None = None  # the base model's id on the server (--url)
     api_key: str | None = None
     baseline: str | None = None  # None | "hf" | "no-spec" (the same engine without its speculative_config)
+    baseline_model: str | None = None  # with baseline "hf": the model transformers runs instead of `model` (the
+    # float checkpoint a GPTQ `model` was quantized from); its tokenizer is `model`'s (checked by the CLI)
     seed: int = 0
     quiet: bool = False
     engine: object | None = None  # EngineConfig for an in-process run
@@ -157,6 +159,8 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     elif plan.baseline == "hf":
         cfg["baseline_engine"] = ("transformers generate, loaded after every level of ours, with ours' engine freed "
                                   "first (one model in memory at a time): each side's peak memory is its own")
+    if plan.baseline == "hf" and plan.baseline_model:
+        cfg["baseline_engine"] += f"; on {plan.baseline_model} (--baseline-model), not on the model ours runs"
     return cfg
 
 
@@ -213,14 +217,14 @@ def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_s
     peak held the baseline's weights and the baseline's ours' weights and KV cache); True when Ctrl-C cut it
     short."""
     from .hf_baseline import load_hf, run_hf_embed, run_hf_generate
-    label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
+    label = baseline_label(plan, requests)
     try:
         # (a pooling run's requests are its prompts, each the same as ours': nothing to cut)
         base_requests = requests if plan.pooling else baseline_requests(requests, _context_len(plan))
         pooler = plan_pooler(plan) if plan.pooling else None
         target.close()
         with hide():
-            hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
+            hf = load_hf(plan.baseline_model or plan.model, target.hf_dtype, target.hf_device)
         for c in plan.levels:
             what = "AutoModel embeddings" if plan.pooling else "generate"
             _say(plan, f"baseline: transformers {what}, {len(base_requests)} requests in batches of {c}")
@@ -261,6 +265,16 @@ def _keeping_partial(into: list, goodput: dict | None, label: str | None = None)
             part.goodput, part.label = goodput, label or part.label
             into.append(part)
         raise
+
+
+def baseline_label(plan: BenchPlan, requests: list[BenchRequest]) -> str | None:
+    """The HF baseline's label where it says more than "hf": the model it ran when --baseline-model names another
+    one, and that it ran the base model without adapters when the workload uses some."""
+    bare = not any(r.lora for r in requests)
+    if not plan.baseline_model:
+        return None if bare else BASE_NO_ADAPTERS
+    name = Path(plan.baseline_model).name or plan.baseline_model
+    return f"hf ({name})" if bare else f"hf ({name}, base, no adapters)"
 
 
 def _add_baseline(plan: BenchPlan, base: RunResult, label: str | None, bases: list) -> bool:
@@ -382,7 +396,8 @@ def _note_base_baseline(plan: BenchPlan, requests: list[BenchRequest]) -> None:
     """With adapters in the workload, say once that the HF baseline runs the base model without them."""
     names = sorted({r.lora for r in requests if r.lora})
     if names:
-        print(f"note: --baseline hf runs {plan.model} without adapters, labelled {BASE_NO_ADAPTERS!r}; the requests "
+        print(f"note: --baseline hf runs {plan.baseline_model or plan.model} without adapters, labelled "
+              f"{baseline_label(plan, requests)!r}; the requests "
               f"measured use {', '.join(names)}, so the x columns compare serving adapters with the plain base model",
               file=sys.stderr, flush=True)
 

@@ -276,8 +276,8 @@ def _partial(entry: dict) -> str:
 
 
 def baseline_label(results: list[dict]) -> str | None:
-    """The baseline's label when it says more than its backend ("hf (base, no adapters)", "infer (no speculation)"),
-    else None."""
+    """The baseline's label when it says more than its backend ("hf (base, no adapters)", "infer (no speculation)",
+    "hf (MODEL)" for --baseline-model), else None."""
     for r in results:
         base = r.get("baseline")
         if base and base.get("label") and base["label"] != base.get("backend"):
@@ -302,7 +302,11 @@ def baseline_note(results: list[dict]) -> str | None:
         return (f"baseline = {label}: the same engine and options without --speculative-config, run after ours "
                 "with ours' engine freed first (one engine in memory at a time, so each peak is its own); "
                 "x = ours (speculative) / baseline, a latency x below 1 is faster")
-    return (f"baseline = {label}: {hf} on the base model, without the adapters ours ran; "
+    if "base, no adapters" not in label:  # (--baseline-model: the model it ran, named in the label)
+        return (f"baseline = {label}: {hf} on that model (--baseline-model), not on ours, on static batches of size "
+                "= concurrency; x = ours / baseline: above 1 on a throughput, below 1 on a latency, ours is better")
+    other = " (--baseline-model)" if label != "hf (base, no adapters)" else ""
+    return (f"baseline = {label}: {hf} on the base model{other}, without the adapters ours ran; "
             "x = ours (with adapters) / baseline")
 
 

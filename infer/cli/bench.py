@@ -244,6 +244,30 @@ def check_options(num_prompts: int | None, dataset: str, baseline: str | None, l
                           "drop --request-rate to compare throughput with the baseline, or drop --baseline")
 
 
+def check_baseline_model(baseline: str | None, baseline_model: str | None, model: str) -> None:
+    """--baseline-model is transformers' model for --baseline hf, run on MODEL's requests (token ids): it must be a
+    model transformers loads whose tokenizer is MODEL's, refused now rather than after ours has run."""
+    if baseline_model is None:
+        return
+    if baseline != "hf":
+        raise ConfigError("--baseline-model names the model the transformers baseline runs, and --baseline hf is not "
+                          "given", "add --baseline hf, or drop --baseline-model")
+    from transformers import AutoTokenizer
+
+    from ..models.resolve import resolve_model
+    vocabs = []
+    for flag, name in (("MODEL", model), ("--baseline-model", baseline_model)):
+        try:
+            vocabs.append(AutoTokenizer.from_pretrained(resolve_model(name), local_files_only=True).get_vocab())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{flag} {name}: cannot read its tokenizer ({e})",
+                              "pass a model folder with its tokenizer files (or a built-in name)") from e
+    if vocabs[0] != vocabs[1]:
+        raise ConfigError(f"--baseline-model {baseline_model} has another tokenizer than {model} "
+                          f"({len(vocabs[1]):,} tokens against {len(vocabs[0]):,}, or other ids): the baseline runs "
+                          "the same token ids", "pass the model MODEL was made from (its float checkpoint)")
+
+
 def check_no_spec(baseline: str | None, engine: EngineConfig) -> None:
     """--baseline no-spec measures what --speculative-config buys: without it both sides would be the same engine."""
     if baseline == "no-spec" and engine.speculative_config is None:
@@ -468,6 +492,12 @@ def bench(
                                                     "without it, after ours (ours freed first), and report "
                                                     "ours/baseline with the acceptance rate.",
                                                     rich_help_panel=TARGET)] = None,
+    baseline_model: Annotated[Optional[str], typer.Option(help="With --baseline hf: the model transformers runs "
+                                                          "instead of MODEL, e.g. the float checkpoint a GPTQ MODEL "
+                                                          "was quantized from (transformers does not read a GPTQ "
+                                                          "mixture of experts); its tokenizer must be MODEL's.",
+                                                          rich_help_panel=TARGET, show_default=False,
+                                                          metavar="<path>")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Report folder (default: "
                                                 "./bench-results/<timestamp>).", parser=o.folder_path,
                                                 metavar="<path>")] = None,
@@ -499,6 +529,9 @@ def bench(
     Does speculation pay: infer bench tiny-llama --speculative-config '{"method": "ngram",
     "num_speculative_tokens": 3}' --baseline no-spec -c 4
 
+    int4 against the float model it came from: infer bench ./qwen3-moe-gptq -c 8 --baseline hf --baseline-model
+    ./qwen3-moe
+
     Embeddings (embeddings/s, input tokens/s, E2EL, memory; the baseline transformers' AutoModel pooled alike):
     infer bench tiny-llama --runner pooling -c 1,8 --input-len 128 --baseline hf
     """
@@ -515,6 +548,7 @@ def bench(
     check_lengths(dataset, input_len, output_len)
     check_url_engine_options(url)
     check_no_spec(baseline, engine)
+    check_baseline_model(baseline, baseline_model, model)
     check_runner(engine, output_len, slos, lora_policy, dataset)
     input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
         (1 if engine.pooling() else DEFAULT_OUTPUT_LEN) if output_len is None else output_len  # (pooling: unused)
@@ -535,7 +569,8 @@ def bench(
                          input_len=input_len, output_len=output_len, range_ratio=random_range_ratio, loras=names,
                          lora_policy=lora_policy,
                          url=None if url is None else check_url(url, model_id, names, api_key, engine.pooling()),
-                         model_id=model_id, api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
+                         model_id=model_id, api_key=api_key, baseline=baseline, baseline_model=baseline_model,
+                         seed=seed, quiet=quiet, goodput=slos,
                          save_detailed=save_detailed, pooling=engine.pooling(), out=out)
         set_target(plan, engine, lora, max_num_seqs, max_loras)
         run_and_report(plan)
