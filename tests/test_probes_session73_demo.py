@@ -1,6 +1,9 @@
-"""`infer demo` on the Mamba-2 hybrids (Bamba, Falcon-H1, LFM2, Nemotron-H, Granite 4.0 without experts) and the
-MLPs without gate (Arcee, Nemotron, Apertus, StarCoder2), refused until now as "not checked". On the latter the
-chain passed as it was; on the hybrids it broke in three places, each a bug of the command it ran:
+"""`infer demo` on the Mamba-2 hybrids (Bamba, Falcon-H1, LFM2, Nemotron-H, Granite 4.0 without experts), the MLPs
+without gate (Arcee, Nemotron, Apertus, StarCoder2) and the mixtures of experts, refused until now. On the MLPs
+without gate the chain passed as it was; on a mixture of experts its bench's transformers baseline runs the float
+model (transformers reads no GPTQ experts: `--baseline-model`) and lora-validate's oracle is transformers' load of
+the dequantized checkpoint (test_probes_session73_moelv); on the hybrids it broke in three places, each a bug of the
+command it ran:
 - `infer bench --baseline hf` on their GPTQ checkpoints crashed at transformers' first forward: GPTQModel's default
   CPU kernel (TorchAtenLinear) takes any width on paper, but torch's int4 packing needs a multiple of 16 outputs,
   and a Mamba-2 mixer's in_proj has 328 here (bench.hf_baseline.gptq_cpu_options: its torch kernel there);
@@ -19,6 +22,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 from infer import LLM
@@ -31,7 +35,8 @@ from quant_helpers import needs_gptqmodel
 from test_probes_session56_review_moeq import rtn_gptq
 
 TAKEN = ["tiny-bamba", "tiny-falcon-h1", "tiny-lfm2", "tiny-nemotron-h", "tiny-granite4-dense", "tiny-arcee",
-         "tiny-nemotron", "tiny-apertus", "tiny-starcoder2"]
+         "tiny-nemotron", "tiny-apertus", "tiny-starcoder2", "tiny-qwen3-moe", "tiny-mixtral", "tiny-granite4",
+         "tiny-nemotron-h-moe"]
 
 
 class _Started(Exception):
@@ -39,7 +44,7 @@ class _Started(Exception):
 
 
 @pytest.mark.parametrize("model", TAKEN)
-def test_the_demo_takes_the_hybrids_and_the_mlps_without_gate(tmp_path, monkeypatch, model):
+def test_the_demo_takes_the_hybrids_the_mlps_without_gate_and_the_mixtures_of_experts(tmp_path, monkeypatch, model):
     def first_step(steps, out, name, sizes):
         assert name == model and out == tmp_path / "d"
         raise _Started
@@ -48,36 +53,64 @@ def test_the_demo_takes_the_hybrids_and_the_mlps_without_gate(tmp_path, monkeypa
     assert isinstance(res.exception, _Started), res.output
 
 
-@pytest.mark.parametrize("model", ["tiny-granite4", "tiny-nemotron-h-moe"])
-def test_the_demo_refuses_their_mixtures_of_experts_as_such(tmp_path, monkeypatch, model):
-    """Granite 4.0's and Nemotron 3's built-ins with experts share their dense siblings' model_type: refused as a
-    mixture of experts by their config, before any step; the dense ones are offered in the hint."""
+@pytest.mark.parametrize("model, what", [("tiny-gpt-oss", "a gpt-oss"), ("tiny-llama4", "a Llama 4"),
+                                         ("tiny-deepseek-v3", "a DeepSeek-V3")])
+def test_the_demo_refuses_the_mixtures_of_experts_it_cannot_check(tmp_path, monkeypatch, model, what):
+    """gpt-oss's and Llama 4's GPTQ experts have no place in transformers' models (lora-validate's oracle), and
+    DeepSeek's latent attention has no q/v projections for the demo's adapters: refused before any step; the others
+    are offered."""
     monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
     res = CliRunner().invoke(app, ["demo", "--model", model, "--out", str(tmp_path / "d")])
     assert res.exit_code == 2, res.output
     said = " ".join(res.output.split())
-    assert f"--model {model} is a mixture of experts, which the demo's chain does not take" in said
+    assert f"--model {model} is {what}, which the demo's chain does not take" in said
     assert all(f"{name}," in said or f"{name})" in said for name in TAKEN) and "tiny-llama4," not in said
     assert not (tmp_path / "d").exists()
 
 
+def test_the_demos_bench_runs_a_mixture_of_experts_baseline_on_its_float_model(tmp_path):
+    """transformers reads no GPTQ mixture of experts: the demo's bench step gives its baseline the built-in float
+    model (--baseline-model) on Granite 4.0 with experts, not on the dense one, and its line says so."""
+    class Steps:
+        def __init__(self):
+            self.ran = []
+
+        def run(self, title, args, summary, module="infer.cli"):
+            self.ran.append((title, args))
+    for model, source in (("tiny-granite4", ["--baseline-model", "tiny-granite4"]), ("tiny-granite4-dense", [])):
+        steps = Steps()
+        (tmp_path / model).mkdir()
+        demo_module._serve_steps(steps, tmp_path / model, tmp_path / "q", [], demo_module.SIZES[True], model)
+        bench = dict(steps.ran)["bench"]
+        assert (bench[bench.index("--baseline") + 2:bench.index("--out")] if source else
+                [a for a in bench if a == "--baseline-model"]) == source, bench
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps([{"output_throughput": 900.0, "concurrency": 8, "ratio": {"output_throughput": 0.9},
+                                    "baseline": {"output_throughput": 1000.0, "label": "hf (tiny-granite4)"}}]))
+    assert "0.90x transformers (1000 tok/s, its float model, same requests: transformers reads no GPTQ experts)" in \
+        demo_module._bench_line(results)
+
+
 @needs_gptqmodel
-def test_the_demo_on_nemotron_h_end_to_end(tmp_path):
-    """The whole chain on Nemotron-H (the quick sizes): every step passes (the adapters validate against peft on
-    the dequantized int4 base; the benchmark's transformers baseline runs the int4 checkpoint), six replies."""
+def test_the_demo_on_granite4_with_experts_end_to_end(tmp_path):
+    """The whole chain on Granite 4.0 with experts, a Mamba-2 hybrid and a mixture of experts (the quick sizes): every
+    step passes (the adapters, its shared MLP's among them, validate against peft on the dequantized int4 base, the
+    experts stacked as transformers reads Granite's; the benchmark's transformers baseline runs the float model, since
+    transformers reads no GPTQ experts), six replies."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", "demo", "--model", "tiny-nemotron-h", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", "demo", "--model", "tiny-granite4", "--out", str(out),
                            "--quick"], capture_output=True, text=True, env=dict(os.environ), timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "lora-validate: both adapters pass" in proc.stderr
     verdict = demo_module.VERDICT.search(proc.stderr)
-    assert verdict, proc.stderr
+    assert verdict and "its float model, same requests: transformers reads no GPTQ experts" in proc.stderr, proc.stderr
     runs = json.loads((out / "bench" / "results.json").read_text())
     assert runs[0]["completed"] == 8 and runs[0]["baseline"]["completed"] == 8
+    assert runs[0]["baseline"]["label"] == "hf (tiny-granite4)"
     recs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert len(recs) == 6 and all(r["error"] is None and r["token_ids"] for r in recs)
-    legal = json.loads((out / "tiny-nemotron-h-adapters" / "legal" / "adapter_config.json").read_text())
-    assert {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"} <= set(legal["target_modules"])
+    legal = json.loads((out / "tiny-granite4-adapters" / "legal" / "adapter_config.json").read_text())
+    assert {"q_proj", "o_proj", "shared_mlp.input_linear", "shared_mlp.output_linear"} <= set(legal["target_modules"])
 
 
 @needs_gptqmodel
@@ -146,3 +179,24 @@ def test_the_hf_baseline_refuses_a_gptq_mixture_of_experts_instead_of_running_ra
     assert "its model has no tensor for model.layers.0.mlp.experts.down_proj (4 weights missing)" in said
     assert "no place for the checkpoint's model.layers.0.mlp.experts.0.w1.g_idx" in said
     assert "give --baseline-model the float checkpoint it was quantized from" in e.value.hint
+
+
+@pytest.mark.parametrize("name, experts", [("tiny-mixtral", True), ("tiny-minimax-m2", True),
+                                          ("tiny-granitemoe", False), ("tiny-phimoe", False),
+                                          ("tiny-qwen3-moe", True)])
+def test_the_demos_adapter_of_every_projection_passes_infers_checks_on_a_mixture_of_experts(tmp_path, name, experts):
+    """The demo's adapter of every projection names the family's own MLP modules: Mixtral's and MiniMax-M2's w1, w3,
+    w2 (gate_proj ... were refused as modules the base does not have), which peft turns into the experts' stacked
+    parameters; none on Granite MoE and Phi-3.5-MoE, whose MLP is their experts (the attention alone, and the demo
+    says so)."""
+    from transformers import AutoConfig
+
+    from infer.lora.adapter import adapter_problems
+    base = ensure_builtin(name)
+    demo_module.make_random_adapter(base, tmp_path / "all", 8, demo_module.ALL_PROJECTIONS, seed=2)
+    assert adapter_problems("all", tmp_path / "all", AutoConfig.from_pretrained(base)) == []
+    held = set(safe_open(str(tmp_path / "all" / "adapter_model.safetensors"), "pt").keys())
+    assert any(".experts." in k for k in held) == experts, sorted(held)[:8]
+    said = demo_module.adapters_described(name)
+    assert said.endswith("legal (rank 16, all projections)" if experts else "legal (rank 16, q_proj, k_proj, v_proj, "
+                                                                             "o_proj)"), said

@@ -43,6 +43,12 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 ADAPTERS = {"support": (8, ["q_proj", "v_proj"], 1), "legal": (16, ALL_PROJECTIONS, 2)}  # rank, targets, seed
 # (calibration samples, calibration length, lora-validate steps, bench prompts, bench output tokens)
 SIZES = {False: (32, 128, 8, 16, 64), True: (8, 64, 2, 8, 16)}
+# the mixtures of experts the demo's chain does not take: (what, why)
+_NO_ORACLE = ("lora-validate checks its adapters against peft on transformers' model of the dequantized checkpoint, "
+              "and transformers has no place for these GPTQ experts")
+_MLA = "its multi-head latent attention has no q/k/v projections for the demo's adapters (q_proj, v_proj) to adapt"
+UNCHECKED_MOE = {"gpt_oss": ("a gpt-oss", _NO_ORACLE), "llama4_text": ("a Llama 4", _NO_ORACLE),
+                 "deepseek_v3": ("a DeepSeek-V3", _MLA), "deepseek_v2": ("a DeepSeek-V2", _MLA)}
 VERDICT = re.compile(r"bench: (?P<tps>\d+) output tok/s at concurrency (?P<c>\d+), (?P<ratio>[\d.]+)x transformers")
 
 
@@ -102,17 +108,16 @@ def _check_args(out: Path, model: str) -> Path:
     from ..models.multimodal import WRAPPERS
     # (its adapters target every projection of the model: a multimodal checkpoint's vision tower's too)
     other = {kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}
-    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in other and not _moe(spec)]
+    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*other, *UNCHECKED_MOE)]
     if BUILTIN_MODELS[model].arch in other:
         raise ConfigError(f"--model {model} is {other[BUILTIN_MODELS[model].arch]}, which the demo's chain does not "
                           "take",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
-    if _moe(BUILTIN_MODELS[model]):  # (refused before the model is built)
-        raise ConfigError(f"--model {model} is a mixture of experts, which the demo's chain does not take: its "
-                          "checks and bench compare the GPTQ checkpoint with transformers, which does not read GPTQ "
-                          "experts (transformers 5 stacks them)",
-                          f"run the demo on a dense built-in ({', '.join(dense)}); try {model} itself with `infer "
+    if BUILTIN_MODELS[model].arch in UNCHECKED_MOE:  # (refused before the model is built)
+        what, why = UNCHECKED_MOE[BUILTIN_MODELS[model].arch]
+        raise ConfigError(f"--model {model} is {what}, which the demo's chain does not take: {why}",
+                          f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder",
@@ -162,7 +167,7 @@ def demo(
                f"Other libraries' messages and each step's full output: {log}\n"
                f"CPU threads per step: {steps.env['OMP_NUM_THREADS']} (OMP_NUM_THREADS)", err=True)
     gptq, loras = _model_steps(steps, out, model, SIZES[quick])
-    _serve_steps(steps, out, gptq, loras, SIZES[quick])
+    _serve_steps(steps, out, gptq, loras, SIZES[quick], model)
     typer.echo(f"\nDone in {time.monotonic() - started:.0f} s. Everything is in {out}: checkpoint, adapters, "
                f"prompts, outputs, bench report and plots.", err=True)
 
@@ -190,7 +195,8 @@ def _model_steps(steps: _Steps, out: Path, model: str, sizes: tuple) -> tuple[Pa
     return gptq, loras
 
 
-def _serve_steps(steps: _Steps, out: Path, gptq: Path, loras: list[str], sizes: tuple) -> None:
+def _serve_steps(steps: _Steps, out: Path, gptq: Path, loras: list[str], sizes: tuple, model: str) -> None:
+    from ..models.tiny import BUILTIN_MODELS
     num_prompts, output_len = sizes[3:]
     steps.run("warmup", ["warmup", str(gptq), "--max-length", "2048", "--concurrency", "8", "--json"],
               _warmup_line)
@@ -199,8 +205,10 @@ def _serve_steps(steps: _Steps, out: Path, gptq: Path, loras: list[str], sizes: 
     outputs.unlink(missing_ok=True)  # the demo's outputs start over, even after an interrupted demo
     steps.run("run", ["run", str(gptq), str(prompts), "-o", str(outputs), "--quiet",
                       *[a for lo in loras for a in ("--lora", lo)]], lambda _: _run_line(outputs))
+    # (transformers reads no GPTQ mixture of experts: its baseline runs the float model the checkpoint came from)
+    source = ["--baseline-model", model] if _moe(BUILTIN_MODELS[model]) else []
     steps.run("bench", ["bench", str(gptq), "--concurrency", "8", "--num-prompts", str(num_prompts),
-                        "--input-len", "32", "--output-len", str(output_len), "--baseline", "hf",
+                        "--input-len", "32", "--output-len", str(output_len), "--baseline", "hf", *source,
                         "--out", str(out / "bench"), "--quiet"],
               lambda _: _bench_line(out / "bench" / "results.json"))
 
@@ -227,19 +235,23 @@ def _bench_line(results: Path) -> str:
     base = (r.get("baseline") or {}).get("output_throughput")
     line = f"{r['output_throughput']:.0f} output tok/s at concurrency {r['concurrency']}"
     if ratio:
-        line += f", {ratio:.2f}x transformers ({base:.0f} tok/s, same int4 checkpoint and requests)"
+        label = (r.get("baseline") or {}).get("label") or ""
+        float_model = label.startswith("hf (") and label != "hf (base, no adapters)"  # (--baseline-model)
+        what = "its float model, same requests: transformers reads no GPTQ experts" if float_model else \
+            "same int4 checkpoint and requests"
+        line += f", {ratio:.2f}x transformers ({base:.0f} tok/s, {what})"
     return f"{line} -> {results.parent}"
 
 
 def adapters_described(model: str) -> str:
     """The demo's adapters on built-in `model` as its summary line names them: each one's rank and the modules it
     targets there (Llama's q/v; a Phi-3's fused qkv_proj, which adapts q, k and v)."""
-    from ..lora.adapter import base_targets
+    from ..lora.adapter import EXPERTS_ONLY, base_targets
     from ..models.tiny import BUILTIN_MODELS
     arch = BUILTIN_MODELS[model].arch
 
     def what(targets: list[str]) -> str:
-        if targets == ALL_PROJECTIONS:
+        if targets == ALL_PROJECTIONS and arch not in EXPERTS_ONLY:  # (their MLP is their experts: not adapted)
             return "all projections"
         modules = base_targets(arch, targets)
         return "/".join(t.removesuffix("_proj") for t in modules) if modules == targets else ", ".join(modules)

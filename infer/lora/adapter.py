@@ -63,13 +63,21 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
     gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down; an MLP without gate's up_proj in place of
     gate/up; LFM2's out_proj, w1, w3, w2 in place of o, gate, up, down; Granite 4.0's and GraniteMoeShared's
-    shared_mlp.input_linear in place of gate/up and shared_mlp.output_linear of down), each once."""
+    shared_mlp.input_linear in place of gate/up and shared_mlp.output_linear of down; Mixtral's and MiniMax-M2's
+    w1, w3, w2 in place of gate, up, down; none of them on Granite MoE and Phi-3.5-MoE, whose MLP is their
+    experts), each once."""
     if model_type == "starcoder2":
         mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
         return list(dict.fromkeys(mlp.get(t, t) for t in targets))
     if model_type in LFM2:  # (LFM2's attention's out_proj, its feed_forward's w1, w3, w2: models.lfm2)
         names = {"o_proj": "out_proj", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
         return list(dict.fromkeys(names.get(t, t) for t in targets))
+    if model_type in ("mixtral", "minimax_m2"):  # (their experts' w1, w3, w2, which peft turns into the stacked
+        # experts' parameters, as gate_proj, up_proj and down_proj on the others)
+        names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+        return list(dict.fromkeys(names.get(t, t) for t in targets))
+    if model_type in EXPERTS_ONLY:  # (no MLP but its experts, which peft adapts through target_parameters alone)
+        return [t for t in targets if t not in ("gate_proj", "up_proj", "down_proj")]
     if model_type in SHARED_MLP_BASES:  # (Granite 4.0's shared MLP: gate and up rows in input_linear; named under
         # shared_mlp, which a mixture of experts' block_sparse_moe.input_linear, experts peft does not adapt, is not)
         names = {"gate_proj": "shared_mlp.input_linear", "up_proj": "shared_mlp.input_linear",
@@ -82,6 +90,9 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
     if model_type != "phi3":
         return list(targets)
     return list(dict.fromkeys(_FUSED.get(t, t) for t in targets))
+# the mixtures of experts whose every MLP is its experts, which peft does not reach through target_modules naming
+# gate/up/down (Granite MoE's block_sparse_moe, Phi-3.5-MoE's w1/w3/w2 it does not convert): target_parameters only
+EXPERTS_ONLY = ("granitemoe", "phimoe")
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # a mixture of experts' modules (models.moe) an adapter's target_modules may name that infer does not adapt: the
 # router (gate), Qwen2-MoE's shared_expert_gate (1 output), per-expert modules (transformers 5 stacks the experts:
