@@ -272,7 +272,7 @@ def test_infer_quantize_equals_gptqmodel_and_convert_keeps_the_layout(tmp_path):
     as they took the source) and gives the same tokens."""
     from helpers import greedy_tokens
     from infer.memory.sizes import weights_bytes
-    from quant_helpers import gptqmodel_greedy, infer_quantize
+    from quant_helpers import check_greedy_equal_but_near_ties, gptqmodel_greedy, infer_quantize
     out = infer_quantize("tiny-gemma3-mm", tmp_path / "q")
     tensors = load_file(out / "model.safetensors")
     assert "model.language_model.layers.0.mlp.gate_proj.qweight" in tensors
@@ -283,12 +283,15 @@ def test_infer_quantize_equals_gptqmodel_and_convert_keeps_the_layout(tmp_path):
     res = CliRunner().invoke(app, ["warmup", str(out), "--estimate", "--json", "--max-length", "256"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout.strip().splitlines()[-1])
+    want = gptqmodel_greedy(out, prompts, 8)
     with LLM(str(out), block_size=4, max_model_len=256) as llm:
         model = llm.engine.runner.model
         assert model.layers[0].self_attn.qkv_proj.qweight is not None and is_text_model(model)
         assert plan["weights_bytes"] == weights_bytes(model)
         got = greedy_tokens(llm, prompts, 8)
-    assert got == gptqmodel_greedy(out, prompts, 8)
+        # (this machine's checkpoint has a near-tie, 7e-5 apart, at prompt 2's fifth token, which GPTQModel's float16
+        # products break the other way: decided by the margin, not by which way the rounding falls)
+        check_greedy_equal_but_near_ties(llm, prompts, got, want)
     res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "c" / "config.json").read_text())["architectures"] == \
