@@ -251,7 +251,10 @@ def check_infer_quantize_and_convert(src, tmp_path, mlp: str = "gate_proj", gptq
         got = greedy_tokens(llm, prompts, 8)
     if also is not None:
         also(out, prompts, got)
-    assert got == gptqmodel_greedy(gptqmodel_view(out) if gptqmodel_view else out, prompts, 8)
+    want = gptqmodel_greedy(gptqmodel_view(out) if gptqmodel_view else out, prompts, 8)
+    if got != want:  # (a near-tie GPTQModel's float16 products break the other way: decided by infer's margin)
+        with LLM(str(out), block_size=4) as llm:
+            check_greedy_equal_but_near_ties(llm, prompts, got, want)
     res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output
     with LLM(str(tmp_path / "c"), block_size=4) as llm:
@@ -388,10 +391,14 @@ def check_quantized_moe_equals_references(src, out, prompts, gptqmodel_view=None
     assert len({t for tokens in got for t in tokens}) > 6
     hf = dequantized_float_model(src, out)
     hf.generation_config.eos_token_id = None  # (never stop: greedy_tokens ignores EOS)
-    assert got == greedy_each(hf, prompts, 8)
+    references = [greedy_each(hf, prompts, 8)]
     layout = gptqmodel_layout or out
     with (gptqmodel_view or (lambda _: contextlib.nullcontext()))(layout):
-        assert got == gptqmodel_greedy(layout, prompts, 8, every_float=True)
+        references.append(gptqmodel_greedy(layout, prompts, 8, every_float=True))
+    if any(want != got for want in references):  # (a near-tie a reference breaks the other way: infer's margin)
+        with LLM(str(out), block_size=4, max_model_len=256, dtype="float32") as llm:
+            for want in references:
+                check_greedy_equal_but_near_ties(llm, prompts, got, want)
     return got
 
 
@@ -410,11 +417,13 @@ def quantized_builtins(root, names) -> dict:
     return done
 
 
-def check_greedy_equal_but_near_ties(llm, prompts, got, want, eps: float = 1e-3) -> None:
+def check_greedy_equal_but_near_ties(llm, prompts, got, want, eps: float = 1e-2) -> None:
     """infer's greedy tokens `got` (of `llm`, `prompts`) equal another runtime's `want`, or part where infer's own top
-    two log-probabilities are within `eps` at the first token they differ and `want`'s token is the runner-up there:
-    a near-tie that the other runtime's rounding (GPTQModel's float16 products) breaks the other way, after which the
-    two continue from different tokens. At least one prompt must agree whole."""
+    two log-probabilities are within `eps` at the first token they differ, and are those two tokens:
+    a near-tie that the other runtime's rounding breaks the other way, after which the two continue from different
+    tokens. At least one prompt must agree whole. (The tiny random models' distributions are flat, their top tokens
+    around -3.6 with many within 0.1; on an AMD EPYC the references moved the top two by 1.6e-3 to 5e-3: GPTQModel's
+    float16 products, transformers' other reduction order in a mixture of experts' routing.)"""
     from infer import SamplingParams
     whole = 0
     for p, g, w in zip(prompts, got, want):
@@ -423,8 +432,9 @@ def check_greedy_equal_but_near_ties(llm, prompts, got, want, eps: float = 1e-3)
             assert len(g) == len(w)
             whole += 1
             continue
-        [out] = llm.generate([p], SamplingParams(max_new_tokens=at + 1, ignore_eos=True, logprobs=2))
-        top = out.logprobs[at]["top_logprobs"]
-        assert out.token_ids[:at + 1] == g[:at + 1] and top[0]["token_id"] == g[at], (g, out.token_ids)
-        assert top[1]["token_id"] == w[at] and top[0]["logprob"] - top[1]["logprob"] < eps, (at, g, w, top)
+        # (infer alone, the prompt's tokens up to there forced: in bfloat16 its batched run may break the tie too)
+        [out] = llm.generate([p + g[:at]], SamplingParams(max_new_tokens=1, ignore_eos=True, logprobs=2))
+        top = out.logprobs[0]["top_logprobs"]
+        assert {top[0]["token_id"], top[1]["token_id"]} == {g[at], w[at]}, (at, g, w, top)
+        assert top[0]["logprob"] - top[1]["logprob"] < eps, (at, g, w, top)
     assert whole, (got, want)

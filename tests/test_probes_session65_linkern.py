@@ -114,7 +114,9 @@ def test_blocked_solve_equals_torch_the_row_by_row_solve_and_float64(delta, monk
     for name, x in truth.items():
         err = float((got[name].double() - x).abs().max())
         torch_err = float((want[name].double() - x).abs().max())
-        assert err <= max(2 * torch_err, 2e-6 * float(x.abs().max())), (name, err, torch_err)
+        # (within 4x torch's own float32 error: its solve rounds in another order; on an AMD EPYC without AVX-512 the
+        # near_one case came to 3.1x, 1.3e-6 against 4.2e-7, on values up to 0.64; a wrong block is off by O(1))
+        assert err <= max(4 * torch_err, 2e-6 * float(x.abs().max())), (name, err, torch_err)
 
 
 def test_blocked_solve_of_a_known_inverse(delta, monkeypatch):

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from infer import LLM
 
 from helpers import estimated_plan, greedy_tokens, random_prompts
-from quant_helpers import gptqmodel_greedy, infer_quantize, needs_gptqmodel
+from quant_helpers import check_greedy_equal_but_near_ties, gptqmodel_greedy, infer_quantize, needs_gptqmodel
 
 pytestmark = needs_gptqmodel
 
@@ -37,7 +37,9 @@ def _quantized(src, tmp_path, view, int4: list[str], float_: list[str]) -> list[
         assert plan["weights_bytes"] == weights_bytes(model)
         got = greedy_tokens(llm, prompts, 8)
     with view(out):
-        assert got == gptqmodel_greedy(out, prompts, 8, every_float=True)
+        want = gptqmodel_greedy(out, prompts, 8, every_float=True)
+    with LLM(str(out), block_size=4, max_model_len=256) as llm:  # (a near-tie: decided by infer's margin)
+        check_greedy_equal_but_near_ties(llm, prompts, got, want)
     return got
 
 

@@ -154,10 +154,13 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     # checkpoint's; garbage g_idx: an IndexError), as GPTQModel's Phi-3 checkpoints (gate_proj and up_proj apart;
     # transformers' Phi3MLP has gate_up_proj: `infer quantize` fuses them, except with --desc-act) and any GPTQ
     # mixture of experts (transformers 5 stacks the experts into float mlp.experts.gate_up_proj and down_proj, and
-    # has no place for the checkpoint's int4 experts.N.gate_proj.qweight ...)
-    unset = sorted(info.get("missing_keys") or ())
+    # has no place for the checkpoint's int4 experts.N.gate_proj.qweight ...): refused where int4 tensors are missing
+    # or the checkpoint holds tensors transformers had no place for (a tensor a checkpoint may leave out, such as a
+    # router's score-correction bias transformers starts at zeros, as infer does, is not refused alone)
+    quantized = (".qweight", ".qzeros", ".scales", ".g_idx")
+    missing, extra = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    unset = missing if extra else [k for k in missing if k.endswith(quantized)]
     if unset:
-        extra = sorted(info.get("unexpected_keys") or ())
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: its model has no tensor for "
                              f"{unset[0]} ({len(unset)} weights missing)"
                              + (f", and no place for the checkpoint's {extra[0]}" if extra else ""),

@@ -7,6 +7,8 @@ F.linear up to float rounding. Used only on CPU, only when torch exposes the one
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -15,7 +17,19 @@ def available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _packs(weight.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU: its bfloat16 path needs avx512bw/avx512vl or
+    avx_ne_convert, which some CPUs (AMD EPYC without AVX-512) lack; then no copy is made, and the memory estimate
+    (memory.checkpoint) must not count one."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def prepack(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor | None:
