@@ -148,9 +148,11 @@ def test_the_7b_shaped_plan_counts_every_layers_kv_and_the_mamba_states(tmp_path
     plan = json.loads(res.stdout.strip().splitlines()[-1])
     assert plan["kv_bytes_per_token"] == 44 * 2 * 2 * 128 * 2
     assert plan["state_bytes"] == 5 * 44 * (3584 * 3 * 2 + 24 * 128 * 256 * 4)
-    # (on the CPU every float linear layer and the head prepacked beside their tensors: all but the embeddings twice)
-    assert abs(plan["weights_bytes"] - (4 * params - 2 * 130048 * 3072)) < 0.01 * params, (plan["weights_bytes"],
-                                                                                            params)
+    # (on the CPU every float linear layer and the head prepacked beside their tensors: all but the embeddings twice;
+    # on a CPU whose oneDNN packs no bfloat16, AMD EPYC's without AVX-512, none)
+    from infer.kernels.cpu_gemm import _packs
+    want = 4 * params - 2 * 130048 * 3072 if _packs(torch.bfloat16) else 2 * params
+    assert abs(plan["weights_bytes"] - want) < 0.01 * params, (plan["weights_bytes"], params)
 
 
 @pytest.mark.parametrize("change, match", [
