@@ -36,6 +36,16 @@ With --ungated the experts have no gate (Nemotron 3's: w13 their up projections 
 place of SwiGLU), their bytes two projections an expert, not three. A width no multiple of --group-size has a partial
 last group, as GPTQModel writes it (Nemotron 3 Nano's 1856 in groups of 128).
 
+With --cpu (no GPU needed) the CPU path's fused MoE over float experts (--dtype float32, the CPU's default, or
+bfloat16): the engine's (`reference.fused_moe_grouped`: one grouped_mm per projection; `grouped_us`) beside the loop
+over the chosen experts it replaced (`reference.fused_moe`, still the path of steps with adapters on the experts;
+`loop_us`) and transformers' own experts (Qwen3MoeExperts) with its default `grouped_mm` implementation and its
+`eager` loop (`hf_grouped_us`, `hf_eager_us`), each the median of --repeats calls; `x_loop`, `x_hf` the ratios
+(above 1: infer faster), `equal_loop` whether infer's output is the loop's bit for bit.
+
+    python -m infer.bench.moe --cpu --experts 8 --top-k 2 --hidden 64 --intermediate 32 --tokens 1 16 256
+                                               # the built-in tiny mixtures of experts' shapes
+
 With --mxfp4 the experts are gpt-oss's as the hub stores them (random MXFP4 blocks and e8m0 scales:
 reference.Mxfp4Experts, kept packed as the engine holds them) with its biases and activation: the MXFP4 kernel
 (`kernels.moe.fused_moe_mxfp4`, dequantized in registers; `mxfp4_us`) beside the bf16 fused MoE over the same
@@ -204,6 +214,55 @@ def tuned_row(bucket: int, cfg: dict | None, tuned_us: float, heuristic_us: floa
             "config": json.dumps(cfg, sort_keys=True) if cfg is not None else None}
 
 
+def measure_cpu(tokens, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                repeats: int) -> list[dict]:
+    """--cpu: infer's CPU fused MoE (reference.fused_moe_grouped), the per-expert loop (reference.fused_moe) and
+    transformers' Qwen3MoeExperts (grouped_mm and eager) on the same random float experts, each call timed with
+    time.perf_counter (the median of `repeats` after one warm call)."""
+    import statistics
+    import time
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    from ..kernels import reference
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    peers = {}
+    for impl in ("grouped_mm", "eager"):
+        cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                             num_experts_per_tok=top_k)
+        cfg._experts_implementation = impl
+        hf = Qwen3MoeExperts(cfg).to(dtype)
+        hf.gate_up_proj.data.copy_(w13)
+        hf.down_proj.data.copy_(w2)
+        peers[impl] = hf
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    rows = []
+    for t in tokens:
+        x, weights, ids, chosen = _step(t, experts, top_k, hidden, "cpu")
+        x, weights = x.to(dtype), weights.to(dtype)
+        with torch.no_grad():
+            ours = timed(lambda: reference.fused_moe_grouped(x, w13, w2, weights, ids))
+            loop = timed(lambda: reference.fused_moe(x, w13, w2, weights, ids))
+            hf_grouped = timed(lambda: peers["grouped_mm"](x, ids, weights))
+            hf_eager = timed(lambda: peers["eager"](x, ids, weights))
+            equal = torch.equal(reference.fused_moe_grouped(x, w13, w2, weights, ids),
+                                reference.fused_moe(x, w13, w2, weights, ids))
+        rows.append({"tokens": t, "experts_chosen": chosen, "grouped_us": round(ours, 1), "loop_us": round(loop, 1),
+                     "hf_grouped_us": round(hf_grouped, 1), "hf_eager_us": round(hf_eager, 1),
+                     "x_loop": round(loop / ours, 2), "x_hf": round(hf_grouped / ours, 2), "equal_loop": equal})
+    return rows
+
+
 def _bad_shape(args) -> str | None:
     """What is wrong with the experts' shape flags, or None (--group-size 0 was a ZeroDivisionError, 0 or less
     experts, --top-k or sizes tracebacks from the random experts after the GPU had started)."""
@@ -219,7 +278,9 @@ def _bad_shape(args) -> str | None:
     # 10944 and Nemotron 3 Nano's experts' 1856 of 128)
     bad = [(flag, v) for flag, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate)) if v % 8]
     if bad:
-        return f"{bad[0][0]} {bad[0][1]} is no multiple of 8 (int4 packs 8 values a word)"
+        return f"{bad[0][0]} {bad[0][1]} is no multiple of 8 " + (
+            "(--cpu times torch's grouped_mm, whose rows must be multiples of 16 bytes)" if args.cpu else
+            "(int4 packs 8 values a word)")
     if args.top_k > args.experts or min(args.tokens) < 1:
         return "--top-k must be at most --experts and every --tokens at least 1"
     return None
@@ -245,8 +306,25 @@ def main(argv=None) -> int:
                                                          "activation) against the same experts in bf16")
     ap.add_argument("--ungated", action="store_true", help="experts without gate (Nemotron 3's relu² experts: w13 "
                     "their up projections alone)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU path's fused MoE over float experts beside the "
+                    "per-expert loop and transformers' experts (no GPU needed)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="with --cpu: the experts' "
+                    "dtype (float32: the CPU path's default)")
+    ap.add_argument("--repeats", type=int, default=20, help="with --cpu: calls timed per row (their median)")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
+    if args.cpu:
+        clash = [f for f, on in (("--tune", args.tune), ("--oai", args.oai), ("--act-order", args.act_order),
+                                 ("--block-m", args.block_m), ("--mxfp4", args.mxfp4), ("--ungated", args.ungated))
+                 if on]
+        if clash:
+            ap.error(f"--cpu times the CPU path's float experts (SwiGLU); {clash[0]} is an option of the GPU "
+                     "kernels' table: drop one")
+        if args.repeats < 1:
+            ap.error(f"--repeats {args.repeats} must be at least 1")
+    elif args.dtype != "float32" or args.repeats != 20:
+        ap.error("--dtype and --repeats are options of --cpu (the GPU table times bfloat16 under CUDA graphs): "
+                 "add --cpu, or drop them")
     if args.ungated and (args.oai or args.mxfp4):
         ap.error(f"--ungated times experts without gate (Nemotron 3's); {'--oai' if args.oai else '--mxfp4'} times "
                  "gpt-oss's gated ones: drop one")
@@ -269,10 +347,17 @@ def main(argv=None) -> int:
         why = out_problem(args.out)
     if why:
         ap.error(why)
+    if args.cpu:
+        print(f"CPU ({torch.get_num_threads()} threads): E={args.experts} k={args.top_k} H={args.hidden} "
+              f"I={args.intermediate} {args.dtype}")
+        rows = measure_cpu(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate,
+                           getattr(torch, args.dtype), args.repeats)
+        _print_rows(rows, args.out)
+        return 0
     if not torch.cuda.is_available():
         print("infer.bench.moe: no CUDA GPU here: it times the GPU kernels (on a CPU the experts run torch's "
-              "reference; `pytest tests/test_probes_session56_moeq.py` checks the kernels under TRITON_INTERPRET=1)",
-              file=sys.stderr)
+              "reference, which --cpu times; `pytest tests/test_probes_session56_moeq.py` checks the kernels under "
+              "TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     from .kernels import copy_bandwidth
     bandwidth = copy_bandwidth()
@@ -287,16 +372,21 @@ def main(argv=None) -> int:
     else:
         rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
                        args.act_order, bandwidth, args.block_m, args.oai, ungated=args.ungated)
+    _print_rows(rows, args.out)
+    return 0
+
+
+def _print_rows(rows: list[dict], out: str | None) -> None:
+    """The table on stdout, and as CSV at `out` where given."""
     keys = list(rows[0])
     print("  ".join(keys))
     for r in rows:
         print("  ".join(str(r[k]) for k in keys))
-    if args.out:
-        with open(args.out, "w", newline="") as f:
+    if out:
+        with open(out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
-    return 0
 
 
 if __name__ == "__main__":

@@ -237,12 +237,15 @@ def fused_moe(x, w13, w2, weights, ids, lora=None, oai=None):
     """A mixture of experts' SwiGLU MLPs (reference.fused_moe), with `lora` (reference.MoELoRA) each token's adapter
     on the experts: Triton's, in launches of fixed grids (a CUDA graph records them; the adapters' deltas batched
     torch ops over the token-expert pairs); CUDA without Triton every expert over every token, weighted by its
-    routing weight (0 where not chosen: reference.fused_moe_dense), which a graph can record too. `oai`
-    (reference.OaiExperts): gpt-oss's expert biases and clamped activation."""
+    routing weight (0 where not chosen: reference.fused_moe_dense), which a graph can record too; the CPU without
+    adapters reference.fused_moe_grouped. `oai` (reference.OaiExperts): gpt-oss's expert biases and clamped
+    activation."""
     if use_triton(x):
         return _triton("moe").fused_moe(x, w13, w2, weights, ids, lora, **_oai(oai))
     if x.is_cuda:
         return reference.fused_moe_dense(x, w13, w2, weights, ids, lora, oai)
+    if reference.grouped_moe(x, w13, w2, lora):  # (the CPU: one grouped product per projection)
+        return reference.fused_moe_grouped(x, w13, w2, weights, ids, oai)
     return reference.fused_moe(x, w13, w2, weights, ids, lora, oai)
 
 

@@ -645,6 +645,47 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     return out
 
 
+def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, oai: OaiExperts | None = None) -> torch.Tensor:
+    """fused_moe without adapters, bit for bit, in a number of torch ops that does not grow with the experts chosen:
+    the token-expert pairs sorted by expert (stably), each expert's rows multiplied by its weights in one torch
+    grouped_mm per projection (each group's product F.linear's), each pair's product weighted and rounded to x's
+    dtype, and each token's k of them added in its experts' order, rounding after each add as fused_moe's loop
+    does (k vector adds). Not fused_moe's calls per chosen expert: on a CPU their Python and small ops cost more
+    than the products of small experts."""
+    t, k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0).to(torch.int32)
+    h = F.grouped_mm(x.index_select(0, order // k), w13.transpose(1, 2), offs=offs)
+    experts = flat.index_select(0, order) if oai is not None else None
+    if oai is not None:
+        h = h + oai.b13.index_select(0, experts)
+    y = F.grouped_mm(_expert_act(h, w2.shape[2], oai), w2.transpose(1, 2), offs=offs)
+    if oai is not None:
+        y = y + oai.b2.index_select(0, experts)
+    y = (y * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+    pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # (back to [T, k]: pair t * k + j)
+    # (each token's k products in the order of its experts' ids)
+    pairs = pairs.gather(1, ids.argsort(dim=1, stable=True)[:, :, None].expand_as(pairs))
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out = out + pairs[:, j]
+    return out
+
+
+def grouped_moe(x: torch.Tensor, w13, w2, lora: MoELoRA | None) -> bool:
+    """Whether fused_moe_grouped computes x's fused MoE: on a CPU, more than one token (one token's k experts: the
+    loop's k calls cost no more than the sort), experts stacked in tensors (not MXFP4's expert-by-expert
+    dequantization) whose rows of H and of I values are multiples of 16 bytes (grouped_mm's strides), no adapters,
+    a torch with grouped_mm."""
+    return (x.device.type == "cpu" and x.shape[0] > 1 and lora is None and isinstance(w13, torch.Tensor)
+            and isinstance(w2, torch.Tensor) and hasattr(F, "grouped_mm")
+            and all(n * x.element_size() % 16 == 0 for n in (x.shape[1], w2.shape[2])))
+
+
 def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, lora: MoELoRA | None = None, oai: OaiExperts | None = None) -> torch.Tensor:
     """fused_moe's semantics with no data-dependent shape (a CUDA graph can record it): every expert runs over every
