@@ -53,12 +53,11 @@ def test_the_demo_takes_the_hybrids_the_mlps_without_gate_and_the_mixtures_of_ex
     assert isinstance(res.exception, _Started), res.output
 
 
-@pytest.mark.parametrize("model, what", [("tiny-gpt-oss", "a gpt-oss"), ("tiny-llama4", "a Llama 4"),
-                                         ("tiny-deepseek-v3", "a DeepSeek-V3")])
+@pytest.mark.parametrize("model, what", [("tiny-gpt-oss", "a gpt-oss"), ("tiny-llama4", "a Llama 4")])
 def test_the_demo_refuses_the_mixtures_of_experts_it_cannot_check(tmp_path, monkeypatch, model, what):
-    """gpt-oss's and Llama 4's GPTQ experts have no place in transformers' models (lora-validate's oracle), and
-    DeepSeek's latent attention has no q/v projections for the demo's adapters: refused before any step; the others
-    are offered."""
+    """gpt-oss's and Llama 4's GPTQ experts have no place in transformers' models (lora-validate's oracle): refused
+    before any step; the others are offered (DeepSeek's since the seventy-fourth session:
+    test_probes_session74_moe)."""
     monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
     res = CliRunner().invoke(app, ["demo", "--model", model, "--out", str(tmp_path / "d")])
     assert res.exit_code == 2, res.output

@@ -46,9 +46,7 @@ SIZES = {False: (32, 128, 8, 16, 64), True: (8, 64, 2, 8, 16)}
 # the mixtures of experts the demo's chain does not take: (what, why)
 _NO_ORACLE = ("lora-validate checks its adapters against peft on transformers' model of the dequantized checkpoint, "
               "and transformers has no place for these GPTQ experts")
-_MLA = "its multi-head latent attention has no q/k/v projections for the demo's adapters (q_proj, v_proj) to adapt"
-UNCHECKED_MOE = {"gpt_oss": ("a gpt-oss", _NO_ORACLE), "llama4_text": ("a Llama 4", _NO_ORACLE),
-                 "deepseek_v3": ("a DeepSeek-V3", _MLA), "deepseek_v2": ("a DeepSeek-V2", _MLA)}
+UNCHECKED_MOE = {"gpt_oss": ("a gpt-oss", _NO_ORACLE), "llama4_text": ("a Llama 4", _NO_ORACLE)}
 VERDICT = re.compile(r"bench: (?P<tps>\d+) output tok/s at concurrency (?P<c>\d+), (?P<ratio>[\d.]+)x transformers")
 
 
@@ -60,7 +58,8 @@ def make_random_adapter(base: Path, out: Path, rank: int, targets: list[str], se
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     from ..lora.adapter import base_targets
-    targets = base_targets(model.config.model_type, targets)  # Phi-3's: q|k|v and gate|up fused
+    # (Phi-3's: q|k|v and gate|up fused; DeepSeek's latent attention's own)
+    targets = base_targets(model.config.model_type, targets, getattr(model.config, "q_lora_rank", None) is not None)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                                   use_rslora=rslora, lora_dropout=0.0))
     with torch.no_grad():
@@ -249,11 +248,13 @@ def adapters_described(model: str) -> str:
     from ..lora.adapter import EXPERTS_ONLY, base_targets
     from ..models.tiny import BUILTIN_MODELS
     arch = BUILTIN_MODELS[model].arch
+    q_lora = BUILTIN_MODELS[model].config.get("q_lora_rank") is not None  # (DeepSeek's q_a/q_b, or q_proj)
 
     def what(targets: list[str]) -> str:
-        if targets == ALL_PROJECTIONS and arch not in EXPERTS_ONLY:  # (their MLP is their experts: not adapted)
+        # (Granite MoE's and Phi-3.5-MoE's MLP is their experts: not adapted; DeepSeek's kv_b_proj absorbed)
+        if targets == ALL_PROJECTIONS and arch not in (*EXPERTS_ONLY, "deepseek_v3", "deepseek_v2"):
             return "all projections"
-        modules = base_targets(arch, targets)
+        modules = base_targets(arch, targets, q_lora)
         return "/".join(t.removesuffix("_proj") for t in modules) if modules == targets else ", ".join(modules)
     return " and ".join(f"{name} (rank {rank}, {what(targets)})" for name, (rank, targets, _) in ADAPTERS.items())
 

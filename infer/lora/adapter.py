@@ -58,14 +58,20 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
           "up_proj": "gate_up_proj"}
 
 
-def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
+def base_targets(model_type: str | None, targets: list[str], q_lora: bool = True) -> list[str]:
     """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
+    DeepSeek's multi-head latent attention's q_a_proj and q_b_proj in place of q (q_proj where its q_lora_rank is
+    null: `q_lora` False) and kv_a_proj_with_mqa of k and v (its kv_b_proj, which infer absorbs, never);
     Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up (GLM-4's gate_up_proj in place of
     gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down; an MLP without gate's up_proj in place of
     gate/up; LFM2's out_proj, w1, w3, w2 in place of o, gate, up, down; Granite 4.0's and GraniteMoeShared's
     shared_mlp.input_linear in place of gate/up and shared_mlp.output_linear of down; Mixtral's and MiniMax-M2's
     w1, w3, w2 in place of gate, up, down; none of them on Granite MoE and Phi-3.5-MoE, whose MLP is their
     experts), each once."""
+    if model_type in ("deepseek_v3", "deepseek_v2"):  # (models.deepseek; lora.targets.MLA_ATTENTION)
+        names = {"q_proj": ("q_a_proj", "q_b_proj") if q_lora else ("q_proj",), "k_proj": ("kv_a_proj_with_mqa",),
+                 "v_proj": ("kv_a_proj_with_mqa",)}
+        return list(dict.fromkeys(m for t in targets for m in names.get(t, (t,))))
     if model_type == "starcoder2":
         mlp = {"gate_proj": "c_fc", "up_proj": "c_fc", "down_proj": "c_proj"}
         return list(dict.fromkeys(mlp.get(t, t) for t in targets))
