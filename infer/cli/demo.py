@@ -43,10 +43,6 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 ADAPTERS = {"support": (8, ["q_proj", "v_proj"], 1), "legal": (16, ALL_PROJECTIONS, 2)}  # rank, targets, seed
 # (calibration samples, calibration length, lora-validate steps, bench prompts, bench output tokens)
 SIZES = {False: (32, 128, 8, 16, 64), True: (8, 64, 2, 8, 16)}
-# the mixtures of experts the demo's chain does not take: (what, why)
-_NO_ORACLE = ("lora-validate checks its adapters against peft on transformers' model of the dequantized checkpoint, "
-              "and transformers has no place for these GPTQ experts")
-UNCHECKED_MOE = {"gpt_oss": ("a gpt-oss", _NO_ORACLE), "llama4_text": ("a Llama 4", _NO_ORACLE)}
 VERDICT = re.compile(r"bench: (?P<tps>\d+) output tok/s at concurrency (?P<c>\d+), (?P<ratio>[\d.]+)x transformers")
 
 
@@ -107,15 +103,10 @@ def _check_args(out: Path, model: str) -> Path:
     from ..models.multimodal import WRAPPERS
     # (its adapters target every projection of the model: a multimodal checkpoint's vision tower's too)
     other = {kind: f"a multimodal {arch}" for arch, kind in WRAPPERS.items()}
-    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in (*other, *UNCHECKED_MOE)]
+    dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in other]
     if BUILTIN_MODELS[model].arch in other:
         raise ConfigError(f"--model {model} is {other[BUILTIN_MODELS[model].arch]}, which the demo's chain does not "
                           "take",
-                          f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
-                          f"run {model} examples/prompts.jsonl -o out.jsonl`")
-    if BUILTIN_MODELS[model].arch in UNCHECKED_MOE:  # (refused before the model is built)
-        what, why = UNCHECKED_MOE[BUILTIN_MODELS[model].arch]
-        raise ConfigError(f"--model {model} is {what}, which the demo's chain does not take: {why}",
                           f"run the demo on another built-in ({', '.join(dense)}); try {model} itself with `infer "
                           f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if out.exists() and not out.is_dir():

@@ -128,9 +128,11 @@ def dequantized_moe_oracle(base_path: Path, qc, quantized_head: bool):
     copy is exact), written with the other tensors as the float checkpoint it was quantized from (the experts one
     by one, experts.N.gate_proj.weight ...) into a temporary folder, and loaded from there, so transformers stacks
     the experts (and reads the routers and their score biases, whatever their names) as it loads any checkpoint of
-    the family (Granite's experts, which it reads stacked alone, stacked here as its block_sparse_moe.input_linear,
-    gate rows then up rows, and output_linear). The folder takes the model's size in the scales' dtype while it
-    loads."""
+    the family. The families whose experts transformers reads stacked alone get them stacked here as it stores them
+    (`_stack_experts`): Granite's block_sparse_moe.input_linear (gate rows then up rows) and output_linear, Llama 4's
+    feed_forward.experts.gate_up_proj [E, H, 2I] (gate columns then up) and down_proj [E, I, H], gpt-oss's
+    mlp.experts.gate_up_proj (the halves GPTQModel split it into, concatenated back) and down_proj with their
+    biases. The folder takes the model's size in the scales' dtype while it loads."""
     import json
     import re
     import tempfile
@@ -142,13 +144,21 @@ def dequantized_moe_oracle(base_path: Path, qc, quantized_head: bool):
     from ..quant.convert import copy_tokenizer_files, load_weight_file, weight_files
     fields = (".qweight", ".qzeros", ".scales", ".g_idx")
     config = json.loads((Path(base_path) / "config.json").read_text())
-    granite = config.get("model_type") in ("granitemoe", "granitemoeshared", "granitemoehybrid")
-    expert = re.compile(r"(.+\.block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    family = config.get("model_type")
+    family = "granite" if family in ("granitemoe", "granitemoeshared", "granitemoehybrid") else family
+    block = _STACKED_EXPERTS.get(family)
+    expert = re.compile(block + r"\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)") if block else None
     with tempfile.TemporaryDirectory(prefix="infer-lora-oracle-") as tmp:
         written, experts = {}, {}
         for i, f in enumerate(weight_files(base_path)):
             tensors = load_weight_file(f)
-            out = {k: t for k, t in tensors.items() if not k.endswith(fields)}
+            out = {}
+            for k, t in tensors.items():
+                m = expert.fullmatch(k) if expert else None
+                if m:  # (an expert's bias: gpt-oss's)
+                    experts.setdefault(m[1], {})[(int(m[2]), m[3], m[4])] = t
+                elif not k.endswith(fields):
+                    out[k] = t
             for k in [k for k in tensors if k.endswith(".qweight")]:
                 prefix = k[: -len(".qweight")]
                 qweight, scales = tensors[k], tensors[prefix + ".scales"]
@@ -158,21 +168,18 @@ def dequantized_moe_oracle(base_path: Path, qc, quantized_head: bool):
                     k_in = qweight.shape[0] * 32 // bits
                     g_idx = torch.arange(k_in) // (k_in // scales.shape[0])
                 w = dequantize(qweight, tensors[prefix + ".qzeros"], scales, g_idx, bits, qc.zeros_v1, scales.dtype)
-                m = expert.fullmatch(prefix + ".weight") if granite else None
+                m = expert.fullmatch(prefix + ".weight") if expert else None
                 if m:
-                    experts.setdefault(m[1], {})[(int(m[2]), m[3])] = w
+                    experts.setdefault(m[1], {})[(int(m[2]), m[3], "weight")] = w
                 else:
                     out[prefix + ".weight"] = w
             name = f"model-{i:05d}.safetensors"
             save_file(out, str(Path(tmp) / name), metadata={"format": "pt"})
             written.update(dict.fromkeys(out, name))
-        if experts:  # (Granite's: [E, 2I, H] input_linear, gate rows then up rows, and [E, H, I] output_linear)
+        if experts:
             stacked = {}
-            for block, ws in experts.items():
-                count = 1 + max(e for e, _ in ws)
-                stacked[f"{block}.input_linear.weight"] = torch.stack(
-                    [torch.cat([ws[(e, "gate_proj")], ws[(e, "up_proj")]]) for e in range(count)])
-                stacked[f"{block}.output_linear.weight"] = torch.stack([ws[(e, "down_proj")] for e in range(count)])
+            for at, ws in experts.items():
+                stacked.update(_stack_experts(family, at, ws))
             save_file(stacked, str(Path(tmp) / "model-experts.safetensors"), metadata={"format": "pt"})
             written.update(dict.fromkeys(stacked, "model-experts.safetensors"))
         (Path(tmp) / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": written}))
@@ -195,6 +202,34 @@ def dequantized_moe_oracle(base_path: Path, qc, quantized_head: bool):
                         "check the adapters with --steps 0 (the static checks alone), or against the float model "
                         "the checkpoint was quantized from")
     return model.eval()
+
+
+# the families whose experts transformers reads only stacked: where their GPTQ experts lie (experts.N.gate_proj ...)
+_STACKED_EXPERTS = {"granite": r"(.+\.block_sparse_moe)\.experts", "llama4_text": r"(.+\.feed_forward\.experts)",
+                    "gpt_oss": r"(.+\.mlp\.experts)"}
+
+
+def _stack_experts(family: str, at: str, ws: dict) -> dict[str, torch.Tensor]:
+    """The experts at `at` (ws: {(expert, projection, "weight" | "bias"): tensor}, weights [out, in]) stacked as
+    transformers stores this family's: Granite's [E, 2I, H] input_linear (gate rows, then up rows) and [E, H, I]
+    output_linear under block_sparse_moe; Llama 4's gate_up_proj [E, H, 2I] (x @ W: gate columns, then up) and
+    down_proj [E, I, H]; gpt-oss's the same, with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] (GPTQModel's
+    gate_proj and up_proj of gpt-oss are the first and second halves of transformers' interleaved columns, as
+    infer's loader stacks them: concatenated back, the interleaving is transformers' own)."""
+    count = 1 + max(e for e, _, _ in ws)
+    gate = [ws[(e, "gate_proj", "weight")] for e in range(count)]
+    up = [ws[(e, "up_proj", "weight")] for e in range(count)]
+    down = torch.stack([ws[(e, "down_proj", "weight")] for e in range(count)])
+    if family == "granite":
+        return {f"{at}.input_linear.weight": torch.stack([torch.cat(gu) for gu in zip(gate, up)]),
+                f"{at}.output_linear.weight": down}
+    stacked = {f"{at}.gate_up_proj": torch.stack([torch.cat(gu).t() for gu in zip(gate, up)]).contiguous(),
+               f"{at}.down_proj": down.transpose(1, 2).contiguous()}
+    if family == "gpt_oss":
+        stacked[f"{at}.gate_up_proj_bias"] = torch.stack(
+            [torch.cat([ws[(e, "gate_proj", "bias")], ws[(e, "up_proj", "bias")]]) for e in range(count)])
+        stacked[f"{at}.down_proj_bias"] = torch.stack([ws[(e, "down_proj", "bias")] for e in range(count)])
+    return stacked
 
 
 def dequantized_state(engine_model) -> dict[str, torch.Tensor]:

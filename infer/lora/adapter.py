@@ -66,7 +66,7 @@ def base_targets(model_type: str | None, targets: list[str], q_lora: bool = True
     gate/up; StarCoder2's c_fc in place of gate/up and c_proj of down; an MLP without gate's up_proj in place of
     gate/up; LFM2's out_proj, w1, w3, w2 in place of o, gate, up, down; Granite 4.0's and GraniteMoeShared's
     shared_mlp.input_linear in place of gate/up and shared_mlp.output_linear of down; Mixtral's and MiniMax-M2's
-    w1, w3, w2 in place of gate, up, down; none of them on Granite MoE and Phi-3.5-MoE, whose MLP is their
+    w1, w3, w2 in place of gate, up, down; none of them on Granite MoE, Phi-3.5-MoE and gpt-oss, whose MLP is their
     experts), each once."""
     if model_type in ("deepseek_v3", "deepseek_v2"):  # (models.deepseek; lora.targets.MLA_ATTENTION)
         names = {"q_proj": ("q_a_proj", "q_b_proj") if q_lora else ("q_proj",), "k_proj": ("kv_a_proj_with_mqa",),
@@ -97,8 +97,9 @@ def base_targets(model_type: str | None, targets: list[str], q_lora: bool = True
         return list(targets)
     return list(dict.fromkeys(_FUSED.get(t, t) for t in targets))
 # the mixtures of experts whose every MLP is its experts, which peft does not reach through target_modules naming
-# gate/up/down (Granite MoE's block_sparse_moe, Phi-3.5-MoE's w1/w3/w2 it does not convert): target_parameters only
-EXPERTS_ONLY = ("granitemoe", "phimoe")
+# gate/up/down (Granite MoE's block_sparse_moe, Phi-3.5-MoE's w1/w3/w2 it does not convert, gpt-oss's stacked
+# experts with biases): target_parameters only
+EXPERTS_ONLY = ("granitemoe", "phimoe", "gpt_oss")
 EMBEDDINGS = ("embed_tokens", "lm_head")
 # a mixture of experts' modules (models.moe) an adapter's target_modules may name that infer does not adapt: the
 # router (gate), Qwen2-MoE's shared_expert_gate (1 output), per-expert modules (transformers 5 stacks the experts:
