@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from infer.cli.main import app
 from infer.kernels import reference
 
-from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal, greedy_each,
-                     greedy_and_logprobs_test, greedy_tokens, hub_shaped_folder, interpreted_module,
-                     norms_shifted_biases_drawn, save_random_model)
+from helpers import (builtin_model_tests, check_chunked_prefill_and_prefix_caching, estimate_refusal,
+                     greedy_and_logprobs_test, hub_shaped_folder, interpreted_module, norms_shifted_biases_drawn,
+                     save_random_model)
 from quant_helpers import check_gpu_path_equals_transformers
 from test_probes_session54_window import _batch, decode_batch
 

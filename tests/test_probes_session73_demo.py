@@ -102,8 +102,8 @@ def test_the_demo_on_granite4_with_experts_end_to_end(tmp_path):
 
 @needs_gptqmodel
 def test_the_hf_baseline_runs_a_gptq_checkpoint_whose_outputs_are_no_multiple_of_16(tmp_path):
-    """Bamba's Mamba-2 in_proj [64 -> 328] in GPTQ: transformers' model for the baseline (load_hf) runs it on GPTQModel's
-    torch kernel and gives infer's greedy tokens on the same int4 weights; a checkpoint of widths that are multiples
+    """Bamba's Mamba-2 in_proj [64 -> 328] in GPTQ: transformers' model for the baseline (load_hf) runs it on
+    GPTQModel's torch kernel and gives infer's greedy tokens on the same int4 weights; a checkpoint of widths that are multiples
     of 16 keeps GPTQModel's default kernel."""
     from infer.bench.hf_baseline import gptq_cpu_options, load_hf
     rtn_gptq(ensure_builtin("tiny-bamba"), tmp_path / "bamba")
