@@ -438,3 +438,20 @@ def check_greedy_equal_but_near_ties(llm, prompts, got, want, eps: float = 1e-2)
         assert {top[0]["token_id"], top[1]["token_id"]} == {g[at], w[at]}, (at, g, w, top)
         assert top[0]["logprob"] - top[1]["logprob"] < eps, (at, g, w, top)
     assert whole, (got, want)
+
+
+def check_lora_validate_quantized(gptq, adapter, ratio: float = 100.0) -> dict:
+    """`infer lora-validate GPTQ a=ADAPTER --quantized --steps 3 --json` passes against peft on the dequantized int4
+    base: tokens agree, and the adapter moves the logits over `ratio` times the two's largest difference. Returns the
+    report."""
+    import json
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["lora-validate", str(gptq), f"a={adapter}", "--quantized", "--steps", "3",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output[res.output.index('{"name"'):].splitlines()[0])
+    assert report["ok"] and report["numeric"]["tokens_agree"], report
+    assert report["numeric"]["oracle"] == "peft on the dequantized int4 base"
+    assert report["numeric"]["adapter_effect"] > ratio * report["numeric"]["max_abs_diff"], report
+    return report

@@ -7,16 +7,13 @@ checkpoint's weights dequantized as infer dequantizes them (lora_check.dequantiz
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from safetensors import safe_open
-from typer.testing import CliRunner
 
 from infer.cli import demo as demo_module
-from infer.cli.main import app
 from infer.models.tiny import ensure_builtin
 
+from quant_helpers import check_lora_validate_quantized
 from test_probes_session56_review_moeq import rtn_gptq
 
 
@@ -29,13 +26,7 @@ def test_lora_validate_quantized_on_a_gptq_mixture_of_experts_agrees_with_peft(t
     an adapter of the attention."""
     rtn_gptq(ensure_builtin(name), tmp_path / "q")
     demo_module.make_random_adapter(ensure_builtin(name), tmp_path / "a", 8, ["q_proj", "v_proj", *mlp], seed=1)
-    res = CliRunner().invoke(app, ["lora-validate", str(tmp_path / "q"), f"a={tmp_path / 'a'}", "--quantized",
-                                   "--steps", "3", "--json"])
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.output[res.output.index('{"name"'):].splitlines()[0])
-    assert report["ok"] and report["numeric"]["tokens_agree"], report
-    assert report["numeric"]["oracle"] == "peft on the dequantized int4 base"
-    assert report["numeric"]["adapter_effect"] > 100 * report["numeric"]["max_abs_diff"], report
+    check_lora_validate_quantized(tmp_path / "q", tmp_path / "a")
     if mlp:  # (peft's conversion: the experts' stacked parameters)
         held = {k for k in safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt").keys()}
         assert any("experts" in k for k in held), held
