@@ -117,12 +117,13 @@ def test_a_hub_id_is_not_taken_for_a_builtin_without_its_prefix(tmp_path, monkey
     assert "hf download Qwen/Qwen2" in e.value.hint and "built-in" not in e.value.hint
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt-oss", "tiny-llama4"])
+@pytest.mark.parametrize("model", ["tiny-llama4-mm", "tiny-qwen3_5-moe-mm"])
 def test_the_demo_refuses_a_mixture_of_experts_before_any_step(tmp_path, monkeypatch, model):
     """`infer demo --model tiny-qwen3-moe` (the README's `--model` another built-in, one of the new MoE ones) built
     the model, then failed a step: it was refused up front until the seventy-third session, which runs the chain on
-    the mixtures of experts; those it still cannot check (gpt-oss, Llama 4: transformers reads none of their GPTQ
-    experts) are refused up front, naming the built-ins the chain runs on and the command that runs the model."""
+    the mixtures of experts (on all of them since the seventy-fourth: gpt-oss, Llama 4 and DeepSeek too); a
+    multimodal folder's mixture of experts is still refused up front, naming the built-ins the chain runs on and the
+    command that runs the model."""
     from infer.cli import demo as demo_module
     monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
     res = CliRunner().invoke(app, ["demo", "--model", model, "--out", str(tmp_path / "d")])
