@@ -652,27 +652,37 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     grouped_mm per projection (each group's product F.linear's), each pair's product weighted and rounded to x's
     dtype, and each token's k of them added in its experts' order, rounding after each add as fused_moe's loop
     does (k vector adds). Not fused_moe's calls per chosen expert: on a CPU their Python and small ops cost more
-    than the products of small experts."""
+    than the products of small experts. Its temporaries at most (memory.sizes.moe_token_bytes): a pair's gathered
+    input and gate|up rows, or those rows (the activation in place in them) and its down rows, with the int64 order
+    of the pairs; and its k products beside each token's sum and one addend."""
     t, k = ids.shape
+    out = torch.zeros_like(x)
     if t == 0:
-        return torch.zeros_like(x)
+        return out
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     offs = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0).to(torch.int32)
     h = F.grouped_mm(x.index_select(0, order // k), w13.transpose(1, 2), offs=offs)
-    experts = flat.index_select(0, order) if oai is not None else None
+    inter = w2.shape[2]
     if oai is not None:
-        h = h + oai.b13.index_select(0, experts)
-    y = F.grouped_mm(_expert_act(h, w2.shape[2], oai), w2.transpose(1, 2), offs=offs)
+        experts = flat.index_select(0, order)
+        h.add_(oai.b13.index_select(0, experts))
+        act = oai_swiglu(h, inter, oai.alpha, oai.limit)
+    elif h.shape[1] == inter:  # (relu(h)², in place: Nemotron 3's experts without gate)
+        act = h.relu_().square_()
+    else:  # (silu(gate) * up, in place in the gate's columns: the same roundings as _expert_act's)
+        act = F.silu(h[:, :inter], inplace=True).mul_(h[:, inter:])
+    y = F.grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    del h, act
     if oai is not None:
-        y = y + oai.b2.index_select(0, experts)
-    y = (y * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
-    pairs = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # (back to [T, k]: pair t * k + j)
-    # (each token's k products in the order of its experts' ids)
-    pairs = pairs.gather(1, ids.argsort(dim=1, stable=True)[:, :, None].expand_as(pairs))
-    out = torch.zeros_like(x)
+        y.add_(oai.b2.index_select(0, experts))
+    y.mul_(weights.reshape(-1).index_select(0, order)[:, None])  # (in the promoted dtype, rounded to y's, as
+    # fused_moe's (y * w).to(x.dtype))
+    # (the row of y holding each token's j-th product in the order of its experts' ids)
+    rows = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = rows.view(t, k).gather(1, ids.argsort(dim=1, stable=True))
     for j in range(k):
-        out = out + pairs[:, j]
+        out.add_(y.index_select(0, rows[:, j]))
     return out
 
 
