@@ -1,3 +1,4 @@
+import builtins
 import os
 from pathlib import Path
 
@@ -30,9 +31,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (and the infer processes a test sta
 def _interpret_device_calls_without_repatching() -> None:
     """Under TRITON_INTERPRET=1, triton's interpreter patches triton.language (inspect.getmembers over its modules)
     at every launch, and again at every call of a @triton.jit helper inside a kernel, per program: a third to two
-    fifths of an interpreted kernel or engine test's time. A helper's call patches what its module sees (triton.language, triton.language.core)
-    and leaves it so until the launch returns; here a helper whose modules this launch already patched skips it.
-    Launches patch and restore as before. Test speed only: a triton whose interpreter lacks `_patch_lang` runs as it
+    fifths of an interpreted kernel or engine test's time. A helper's call patches what its module sees
+    (triton.language, triton.language.core) and leaves it so until the launch returns; here a helper whose modules
+    this launch already patched skips it. Launches patch and restore as before. Test speed only: a triton whose interpreter lacks `_patch_lang` runs as it
     is, and INFER_TEST_SLOW_INTERPRETER=1 turns it off."""
     try:
         from triton.runtime import interpreter
@@ -85,7 +86,14 @@ def _interpreter_fast_paths() -> dict:
       without its four isinstance tests; core._unwrap_shape answers a list or triton tuple of ints and constexprs with
       one comprehension (the original unwraps the container, copies it, and unwraps each element again);
     - core.tensor.__init__ and core.block_type.__init__ (every op's result) build their shape tuples directly, with the
-      element types triton's tuple() infers, and a block type's numel and name are remembered by its dimensions;
+      element types triton's tuple() infers; a block type's numel, name and dimension types, and a tensor's numel and
+      dimension constexprs, are remembered by its dimensions (fresh lists and tuple types each time: constexprs are
+      values triton never changes, the lists are not);
+    - interpreter._patch_attr (the stand-in each builtin gets at a launch) calls a plain builtin's function with the
+      interpreter's semantic, as triton's stand-in does after rebuilding the keywords and the builtin's wrapper checks
+      them (anything else carrying the builtin mark is patched by triton's own);
+    - TritonSemantic.binary_op_type_checking_impl answers two tensors of one scalar type (no pointer) and one shape
+      that computes in that type with the operands themselves, what triton's casts and broadcast hand back;
     - TritonSemantic.broadcast_impl_value returns two blocks of one shape as they are (what the original does, after
       comparing them dimension by dimension through triton's tuples); computation_type_impl remembers its answer for
       the same type objects and flags (a pure function of them; only the module's 19 scalar types reach it);
@@ -94,7 +102,8 @@ def _interpreter_fast_paths() -> dict:
       which checks nothing unless the interpreter's options.debug is on (then triton's own runs).
     Measured on `pytest tests/test_probes_session61_famb.py -k "helium and (int4 or mixed_adapters_interpreted or
     gpu_code)"` (2 cores, shared): user CPU 28.6-29.4 s without these, 21.5-22.1 s with them; the interpreted part of
-    the int4 test (cProfile) from 77 s to 33 s."""
+    the int4 test (cProfile) from 77 s to 33 s. The last four (session 75): an interpreted rms_norm program 1.13-1.42 ms
+    -> 0.89-1.03 ms, and tests/test_probes_session58_rmoe.py with those three famb tests 83.7 -> 71.4 s of user CPU."""
     try:
         from triton.language import core
         from triton.runtime import interpreter
@@ -143,17 +152,23 @@ def _interpreter_fast_paths() -> dict:
     if tensor_init is not None and all(hasattr(core, n) for n in ("constexpr", "tuple", "tuple_type", "math")):
         constexpr, triton_tuple, tuple_type, prod, new = (core.constexpr, core.tuple, core.tuple_type, core.math.prod,
                                                           object.__new__)
+        shapes: dict = {}  # a block's dimensions (ints) -> (numel, the dimensions' constexprs, their types)
 
         def __init__(self, handle, type):
+            shape = type.shape if type.is_block() else ()
+            dims = shape.values if builtins.type(shape) is triton_tuple else shape
+            key = builtins.tuple(dims)
+            known = shapes.get(key)
+            if known is None:
+                if not all(builtins.type(d) is int for d in key):  # (not a shape of ints: as triton builds it)
+                    return tensor_init(self, handle, type)
+                values = [constexpr(d) for d in key]
+                known = shapes[key] = (constexpr(prod(key)), values, [v.type for v in values])
             self.handle = handle
-            shape = self.shape = type.shape if type.is_block() else ()
-            self.numel = constexpr(prod(shape))
-            self.type = type
-            self.dtype = type.scalar
-            dims = [constexpr(s) for s in shape]
             self.shape = new(triton_tuple)
-            self.shape.values = dims
-            self.shape.type = tuple_type([d.type for d in dims], None)
+            self.numel, self.type, self.dtype = known[0], type, type.scalar
+            self.shape.values = list(known[1])
+            self.shape.type = tuple_type(list(known[2]), None)
         __init__.__doc__ = tensor_init.__doc__
         found[(core.tensor, "__init__")] = __init__
     block_init = getattr(getattr(core, "block_type", None), "__init__", None)
@@ -162,7 +177,7 @@ def _interpreter_fast_paths() -> dict:
             and hasattr(core, "validate_block_shape")):
         constexpr_type, validate, fast_unwrap_shape = (core.constexpr_type, core.validate_block_shape,
                                                        found[(core, "_unwrap_shape")])
-        blocks: dict = {}  # a block's dimensions (ints) -> (its numel, its shape tuple's str)
+        blocks: dict = {}  # a block's dimensions (ints) -> (its numel, its shape tuple's str, the dimensions' types)
 
         def block_type__init__(self, element_ty, shape):
             kind = type(shape)
@@ -172,13 +187,31 @@ def _interpreter_fast_paths() -> dict:
             self.element_ty = element_ty
             self.shape = new(triton_tuple)
             self.shape.values = dims
-            self.shape.type = tuple_type([constexpr_type(d) for d in dims], None)
             key = tuple(dims)
-            if key not in blocks:
-                blocks[key] = (validate(self.shape), str(self.shape))
-            self.numel, text = blocks[key]
+            known = blocks.get(key)
+            if known is None:
+                self.shape.type = tuple_type([constexpr_type(d) for d in dims], None)
+                known = blocks[key] = (validate(self.shape), str(self.shape), list(self.shape.type.types))
+            else:
+                self.shape.type = tuple_type(list(known[2]), None)
+            self.numel, text = known[0], known[1]
             self.name = f'<{text}, {self.element_ty}>'
         found[(core.block_type, "__init__")] = block_type__init__
+    patch_attr = getattr(interpreter, "_patch_attr", None)
+    builtin = getattr(core, "builtin", None)
+    if patch_attr is not None and builtin is not None and hasattr(interpreter, "interpreter_semantic"):
+        wrapper_code = builtin(lambda _semantic=None: None).__code__  # (the code of core.builtin's wrapper)
+
+        def _patch_attr(obj, name, member, builder, scope):
+            function = getattr(member, "__wrapped__", None)
+            if getattr(member, "__code__", None) is not wrapper_code or function is None:
+                return patch_attr(obj, name, member, builder, scope)  # (anything but a plain builtin: as triton)
+
+            def patched(*args, **kwargs):
+                kwargs["_semantic"] = interpreter.interpreter_semantic
+                return function(*args, **kwargs)
+            scope.set_attr(obj, name, patched)
+        found[(interpreter, "_patch_attr")] = _patch_attr
     try:
         from triton.language.semantic import TritonSemantic
     except ImportError:
@@ -193,6 +226,22 @@ def _interpreter_fast_paths() -> dict:
                 return lhs, rhs  # blocks of one shape: nothing to broadcast
             return broadcast(self, lhs, rhs)
         found[(TritonSemantic, "broadcast_impl_value")] = broadcast_impl_value
+    type_checking = getattr(TritonSemantic, "binary_op_type_checking_impl", None)
+    if type_checking is not None and all(hasattr(core, n) for n in ("tensor", "dtype", "block_type")):
+        tensor, scalar_type, block_type = core.tensor, core.dtype, core.block_type
+
+        def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                                         arithmetic_check=True, div_or_mod=False):
+            if type(lhs) is tensor and type(rhs) is tensor and arithmetic_check and type(self) is TritonSemantic:
+                scalar = lhs.dtype
+                if scalar is rhs.dtype and type(scalar) is scalar_type:  # (one scalar type, no pointer)
+                    lt, rt = lhs.type, rhs.type
+                    if (lt is scalar and rt is scalar) or (type(lt) is block_type and type(rt) is block_type
+                                                           and lt.shape.values == rt.shape.values):
+                        if self.computation_type_impl(scalar, False, scalar, False, div_or_mod) is scalar:
+                            return lhs, rhs  # nothing to cast, nothing to broadcast
+            return type_checking(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+        found[(TritonSemantic, "binary_op_type_checking_impl")] = binary_op_type_checking_impl
     computation_type = getattr(TritonSemantic, "computation_type_impl", None)
     if computation_type is not None and hasattr(core, "dtype"):
         scalar_type = core.dtype

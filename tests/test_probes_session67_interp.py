@@ -17,7 +17,8 @@ import conftest  # noqa: E402
 
 FAST_PATHS = {(interpreter, "_get_np_dtype"), (core, "_unwrap_if_constexpr"), (core, "_unwrap_shape"),
               (core.tensor, "__init__"), (core.block_type, "__init__"), (TritonSemantic, "broadcast_impl_value"),
-              (TritonSemantic, "computation_type_impl"), (TritonSemantic, "binary_op_sanitize_overflow_impl")}
+              (TritonSemantic, "computation_type_impl"), (TritonSemantic, "binary_op_sanitize_overflow_impl"),
+              (interpreter, "_patch_attr"), (TritonSemantic, "binary_op_type_checking_impl")}
 SCALARS = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16,
            tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv, tl.float8e4b15]
 
@@ -124,6 +125,12 @@ def test_block_type_matches_triton(paths):
         a, b = core.block_type(tl.int8, [2, 4]), core.block_type(tl.int8, [2, 4])
     assert a == b and a.shape is not b.shape and a.shape.values is not b.shape.values
     assert a.shape.type is not b.shape.type and str(a) == "<['2', '4'], int8>" and a.numel == 8
+    assert a.shape.type.types is not b.shape.type.types and a.shape.type == b.shape.type
+    with paths("fast"):  # a type's list changed in place (the code generator does, to a tuple argument's) is its own
+        a.shape.type.types[0] = core.constexpr_type(7)
+        c = core.block_type(tl.int8, [2, 4])
+    with paths("original"):
+        assert state(c) == state(core.block_type(tl.int8, [2, 4]))
 
 
 def test_tensor_matches_triton(paths):
@@ -135,6 +142,12 @@ def test_tensor_matches_triton(paths):
     with paths("fast"):
         a, b = (core.tensor(handle, core.block_type(tl.int32, [2, 4])) for _ in range(2))
     assert a.shape is not b.shape and a.shape.values is not b.shape.values and a.shape[1].value == 4
+    assert a.shape.type is not b.shape.type and a.shape.type.types is not b.shape.type.types
+    with paths("fast"):  # a shape's list or type changed in place is its own: the next tensor's is triton's
+        a.shape.values[0], a.shape.type.types[0] = core.constexpr(9), core.constexpr_type(9)
+        c = core.tensor(handle, core.block_type(tl.int32, [2, 4]))
+    with paths("original"):
+        assert state(c) == state(core.tensor(handle, core.block_type(tl.int32, [2, 4])))
 
 
 def tensor(data, ty):
@@ -154,6 +167,68 @@ def test_broadcast_matches_triton(paths):
     with paths("fast"):
         lhs, rhs = pairs[0]
         assert all(a is b for a, b in zip(semantic.broadcast_impl_value(lhs, rhs), (lhs, rhs)))
+
+
+def test_binary_type_checking_matches_triton(paths):
+    """The operands a binary op computes with, and its errors: the fast path's case (two tensors of one scalar type
+    and shape, nothing promoted) answers the operands themselves, as triton does; the rest is triton's."""
+    semantic = interpreter.interpreter_semantic
+    with paths("original"):
+        block = {t: tensor(np.arange(8).reshape(2, 4), t) for t in (tl.int32, tl.int8, tl.float16, tl.bfloat16,
+                                                                     tl.float32, tl.uint32, tl.int1)}
+        row = {t: tensor(np.arange(4), t) for t in (tl.int32, tl.float16)}
+        scalar = {t: tensor(np.array(3), t) for t in (tl.int32, tl.float16, tl.float32)}
+        pointer = tensor(np.arange(8, dtype=np.uint64).reshape(2, 4), core.pointer_type(tl.float16))
+    pairs = [(block[t], block[t]) for t in block] + [(scalar[t], scalar[t]) for t in scalar] + [
+        (block[tl.int32], block[tl.float32]), (block[tl.float16], block[tl.bfloat16]),
+        (block[tl.int8], block[tl.int32]), (block[tl.int32], block[tl.uint32]), (block[tl.int32], row[tl.int32]), (row[tl.float16], block[tl.float16]),
+        (block[tl.float16], scalar[tl.float16]), (scalar[tl.int32], block[tl.int32]), (block[tl.float32], 2.5),
+        (3, block[tl.int8]), (pointer, block[tl.int32]), (block[tl.int32], pointer), (pointer, pointer),
+        (pointer, block[tl.float32])]
+    for lhs, rhs in pairs:
+        for flags in ((False, False, True, False), (True, True, True, False), (False, False, True, True),
+                      (False, False, False, False), (True, False, False, True)):
+            got = side_by_side(paths, lambda: semantic.binary_op_type_checking_impl(lhs, rhs, *flags))
+            if got[0] != "raised":
+                for which in ("original", "fast"):  # the same objects where triton hands the operands back
+                    with paths(which):
+                        out = semantic.binary_op_type_checking_impl(lhs, rhs, *flags)
+                    same = [o is v for o, v in zip(out, (lhs, rhs))]
+                    if which == "original":
+                        expected = same
+                assert same == expected
+    with paths("fast"):  # fp16 / fp16 computes in float32 (div_or_mod): cast, not handed back
+        out = semantic.binary_op_type_checking_impl(block[tl.float16], block[tl.float16], False, False, True, True)
+    assert all(o.dtype == tl.float32 for o in out)
+
+
+def test_a_builtin_another_decorator_wraps_keeps_that_decorator(paths):
+    """The fast _patch_attr calls a plain builtin's function itself; a function that only carries the builtin mark
+    (another decorator over a builtin, functools.wraps copying the mark) is patched as triton patches it."""
+    import functools
+    import types
+    calls = []
+
+    @core.builtin
+    def plain(x, _semantic=None):
+        return ("plain", x, _semantic is interpreter.interpreter_semantic)
+
+    @functools.wraps(plain)
+    def wrapped(x, _semantic=None):
+        calls.append(x)
+        return plain(x + 1, _semantic=_semantic)
+    results = []
+    for which in ("original", "fast"):
+        module = types.SimpleNamespace(plain=plain, wrapped=wrapped)
+        scope = interpreter._LangPatchScope()
+        with paths(which):
+            interpreter._patch_attr(module, "plain", plain, interpreter.interpreter_builder, scope)
+            interpreter._patch_attr(module, "wrapped", wrapped, interpreter.interpreter_builder, scope)
+        results.append((module.plain(1), module.plain(2, _semantic=None), module.wrapped(5)))
+        scope.restore()
+        assert module.plain is plain and module.wrapped is wrapped
+    assert results[0] == results[1] == (("plain", 1, True), ("plain", 2, True), ("plain", 6, True))
+    assert calls == [5, 5]
 
 
 def test_computation_type_matches_triton(paths):

@@ -253,6 +253,13 @@ def _slots_plan(model, model_config, engine_config: EngineConfig, device, dtype,
 
 
 def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
+    """Load the model and run the worst case (`infer warmup`): the plan measured, and the report's extra fields."""
+    from ..memory.meter import survivors_frozen
+    with survivors_frozen():  # (the meters' garbage collections scan only what the load and the runs allocate)
+        return _measured_plan(engine_config, max_length, concurrency)
+
+
+def _measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
     from ..memory.checkpoint import checkpoint_load_bytes
     from ..memory.meter import fixed_mmap_threshold, resident_bytes
     from ..models.loader import load_model
@@ -429,5 +436,5 @@ def _warm_libraries(dtype: torch.dtype, device: torch.device) -> None:
     x = torch.randn(4, 64, dtype=dtype, device=device)
     cpu_gemm.linear(x, w, None, cpu_gemm.prepack(w))
     torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], is_causal=True)
-    # a model is built on the meta device (models.llama): the first meta init imports torch._dynamo (~100 MB)
-    torch.nn.Embedding(2, 2, device="meta")
+    # (no meta-device embedding: its init imported torch._dynamo, 2.6 s and ~100 MB, which no model's load does since
+    # models.llama._uninitialized gives an embedding its weight; every built-in's load was checked to import none)
