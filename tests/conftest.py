@@ -9,6 +9,9 @@ from pathlib import Path
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# GPTQModel's progress bars (logbar) look for a notebook at every line they print, an import of IPython that fails
+# each time when it is not installed: a few seconds of each quantizing test (session 75's profile).
+os.environ.setdefault("LOGBAR_DISABLE_NOTEBOOK_DETECTION", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -289,6 +292,33 @@ def install_interpreter_fast_paths() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("INFER_TEST_SLOW_INTERPRETER"):
     _interpret_device_calls_without_repatching()
     install_interpreter_fast_paths()
+
+
+def _one_tls_context_per_certificates() -> None:
+    """The tests' one-off requests to the servers they start (httpx.post, httpx.get, an OpenAI client each) build an
+    HTTP client each, and each client a TLS context with the CA bundle loaded, ~40 ms that no http:// request uses
+    (1.5% of the suite's CPU, session 75's profile). ssl.create_default_context hands out one context per set of
+    arguments instead (test speed only; every test speaks plain HTTP to 127.0.0.1)."""
+    import ssl
+    create = ssl.create_default_context
+    if hasattr(create, "contexts"):
+        return
+    contexts: dict = {}
+
+    def create_default_context(purpose=ssl.Purpose.SERVER_AUTH, *, cafile=None, capath=None, cadata=None):
+        key = (purpose, cafile, capath, cadata)
+        try:
+            hash(key)
+        except TypeError:  # (bytes-like cadata of a kind that does not hash: a context of its own)
+            return create(purpose, cafile=cafile, capath=capath, cadata=cadata)
+        if key not in contexts:
+            contexts[key] = create(purpose, cafile=cafile, capath=capath, cadata=cadata)
+        return contexts[key]
+    create_default_context.contexts = contexts
+    ssl.create_default_context = create_default_context
+
+
+_one_tls_context_per_certificates()
 
 
 @pytest.fixture(scope="session", autouse=True)

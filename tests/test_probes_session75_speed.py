@@ -88,3 +88,22 @@ def test_a_warmup_and_the_loads_of_three_families_import_no_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+def test_the_tests_tls_contexts_are_one_per_set_of_certificates():
+    """tests/conftest.py: httpx's clients (one a one-off request) share a TLS context per CA set, each still a
+    verifying client context."""
+    import ssl
+
+    import certifi
+    import httpx
+    a, b = ssl.create_default_context(), ssl.create_default_context()
+    c = ssl.create_default_context(cafile=certifi.where())
+    assert a is b and c is not a and c is ssl.create_default_context(cafile=certifi.where())
+    assert c.verify_mode == ssl.CERT_REQUIRED and c.check_hostname and c.cert_store_stats()["x509_ca"] > 0
+    assert ssl.create_default_context(ssl.Purpose.CLIENT_AUTH) is not a
+    with httpx.Client() as one, httpx.Client() as two:
+        pools = [client._transport._pool for client in (one, two)]
+        shared = pools[0]._ssl_context  # (the CA set SSL_CERT_FILE names where it is set, else certifi's)
+    assert shared is pools[1]._ssl_context and shared.verify_mode == ssl.CERT_REQUIRED
+    assert any(shared is context for context in ssl.create_default_context.contexts.values())
