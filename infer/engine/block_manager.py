@@ -22,6 +22,7 @@ window, their entries the placeholder (`_window_hit`).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -44,6 +45,20 @@ class Block:
         # (its last accepted draft, fed only the step after), the slots it had; None: all (a prefix hit feeds the
         # draft from the first slot it lacks)
         self.draft_upto: int | None = None
+
+
+def new_blocks(n: int) -> list[Block]:
+    """Blocks 0..n-1, made with the garbage collector paused: a cache of 10^5-10^6 blocks is as many new objects,
+    whose allocation set off collections of every generation, each scanning the whole process (0.13-0.48 s for
+    393,600 blocks in a process of 1.5M objects, 0.085 s paused). Blocks refer to no other object: nothing of theirs
+    is garbage to collect."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return [Block(i) for i in range(n)]
+    finally:
+        if paused:
+            gc.enable()
 
 
 def chain_hash(prev: bytes | None, token_ids) -> bytes:
@@ -92,7 +107,7 @@ class BlockManager:
         self.eagle_reads_next = False  # EAGLE: a block's head KV depends on the token after it (_cached_prefix)
         self.window_freed = 0  # blocks freed behind the window of running sequences (stats)
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = new_blocks(num_blocks)
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self.hash_to_block: dict[bytes, int] = {}
         self.fresh: list[int] = [self.placeholder] if self.window else []  # blocks handed out since the runner
