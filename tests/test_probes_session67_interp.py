@@ -127,7 +127,7 @@ def test_block_type_matches_triton(paths):
     assert a.shape.type is not b.shape.type and str(a) == "<['2', '4'], int8>" and a.numel == 8
     assert a.shape.type.types is not b.shape.type.types and a.shape.type == b.shape.type
     with paths("fast"):  # a type's list changed in place (the code generator does, to a tuple argument's) is its own
-        a.shape.type.types[0] = core.constexpr_type(7)
+        a.shape.type.types[0] = b.shape.type.types[1] = core.constexpr_type(7)
         c = core.block_type(tl.int8, [2, 4])
     with paths("original"):
         assert state(c) == state(core.block_type(tl.int8, [2, 4]))
