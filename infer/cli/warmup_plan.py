@@ -436,5 +436,5 @@ def _warm_libraries(dtype: torch.dtype, device: torch.device) -> None:
     x = torch.randn(4, 64, dtype=dtype, device=device)
     cpu_gemm.linear(x, w, None, cpu_gemm.prepack(w))
     torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], is_causal=True)
-    # (no meta-device embedding: its init imported torch._dynamo, 2.6 s and ~100 MB, which no model's load does since
+    # (no meta-device embedding: its init imported torch._dynamo, 2.6 s and ~100 MB, which no model's load does any more:
     # models.llama._uninitialized gives an embedding its weight; every built-in's load was checked to import none)
