@@ -171,11 +171,12 @@ FREE_WAIT_S = 10.0  # how long replicas just stopped (a run before, in this proc
 
 def _free(ray, resource: str, need: int = 0) -> int:
     """How many of `resource` no actor or task of the cluster holds (other jobs' replicas hold theirs); with `need`,
-    waits a little for that many, as the replicas of a run that just ended free theirs after they are killed."""
+    waits a little for that many, as the replicas of a run that just ended free theirs after they are killed (not
+    when the whole cluster has fewer: no wait frees what it does not have)."""
     deadline = time.monotonic() + FREE_WAIT_S
     while True:
         free = int(ray.available_resources().get(resource, 0))
-        if free >= need or time.monotonic() > deadline:
+        if free >= need or time.monotonic() > deadline or int(ray.cluster_resources().get(resource, 0)) < need:
             return free
         time.sleep(0.2)
 
