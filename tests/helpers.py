@@ -783,14 +783,15 @@ class StepGate:
 
     def __init__(self, engine, delay: float = 0.0, closed: bool = False):
         import threading
-        self.engine, self.delay, self.open = engine, delay, threading.Event()
+        self.engine, self.delay, self.open, self.timed_out = engine, delay, threading.Event(), False
         if not closed:
             self.open.set()
         self.inner = engine.step
 
     def __enter__(self):
         def step():
-            self.open.wait(30)
+            if not self.open.wait(30):  # (a test that waits for a step the gate holds: 30 s lost, then it goes on)
+                self.timed_out = True
             if self.delay:
                 time.sleep(self.delay)
             return self.inner()
@@ -800,6 +801,7 @@ class StepGate:
     def __exit__(self, *exc):
         self.open.set()
         del self.engine.step
+        assert exc[0] is not None or not self.timed_out, "a step waited 30 s for the gate: the test waited for it"
 
 
 def wait_until(pred, timeout: float = 30.0) -> bool:

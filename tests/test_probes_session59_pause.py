@@ -142,11 +142,12 @@ def test_a_timed_out_wait_pause_leaves_a_later_pause_its_own_clear_cache(path, r
             assert await asyncio.to_thread(wait_until, lambda: engine.scheduler.has_unfinished())
             with pytest.raises(PauseTimeoutError):
                 await llm.pause_generation(mode="wait", timeout=0.2)
-            if resumed:
-                await llm.resume_generation()
+            # controls run between two steps, in the order they came: queued behind the step the gate holds
+            resuming = asyncio.ensure_future(llm.resume_generation()) if resumed else None
             pausing = asyncio.ensure_future(llm.pause_generation(mode="abort", clear_cache=False))
             gate.open.set()
             await asyncio.wait_for(pausing, 60)
+            assert resuming is None or resuming.done()
         assert (await running).finish_reason == "abort"
         await llm.pause_generation(mode="wait", clear_cache=False)  # (queued after the leftover: it ran)
         await llm.resume_generation()
