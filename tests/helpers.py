@@ -779,18 +779,20 @@ def joined_tool_calls(deltas: list[dict]) -> list[dict]:
 class StepGate:
     """Wrap engine.step so that a test holds the engine thread before each step while `open` is clear (timing-
     dependent server tests gate the engine, so they cannot flake on a loaded machine); `delay` slows every step;
-    `closed`: held from the start."""
+    `closed`: held from the start. A step held `timeout` seconds goes on, and the test fails when the gate closes:
+    a test whose step waits out the gate (a control it waits for needs the step to end first) lost that time."""
 
-    def __init__(self, engine, delay: float = 0.0, closed: bool = False):
+    def __init__(self, engine, delay: float = 0.0, closed: bool = False, timeout: float = 30.0):
         import threading
         self.engine, self.delay, self.open, self.timed_out = engine, delay, threading.Event(), False
+        self.timeout = timeout
         if not closed:
             self.open.set()
         self.inner = engine.step
 
     def __enter__(self):
         def step():
-            if not self.open.wait(30):  # (a test that waits for a step the gate holds: 30 s lost, then it goes on)
+            if not self.open.wait(self.timeout):
                 self.timed_out = True
             if self.delay:
                 time.sleep(self.delay)
@@ -801,7 +803,8 @@ class StepGate:
     def __exit__(self, *exc):
         self.open.set()
         del self.engine.step
-        assert exc[0] is not None or not self.timed_out, "a step waited 30 s for the gate: the test waited for it"
+        assert exc[0] is not None or not self.timed_out, f"a step waited {self.timeout} s for the gate: the test " \
+            "waited for it"
 
 
 def wait_until(pred, timeout: float = 30.0) -> bool:

@@ -49,3 +49,24 @@ def test_cpus_that_a_stopped_run_still_holds_are_waited_for(monkeypatch):
     monkeypatch.setattr(runtime, "FREE_WAIT_S", 0.0)
     with pytest.raises(ConfigError, match="2 free: other jobs or actors hold the rest"):
         runtime.check_cpu_room(ray, 2, 2)
+
+
+def test_a_step_that_waits_out_its_gate_fails_the_test():
+    """Two pause tests passed after 30 s each: the pause (a control) waited for the step their StepGate held, and
+    the gate let it go after its timeout. A gate waited out fails the test now; one opened in time does not."""
+    from helpers import StepGate
+
+    class Engine:
+        steps = 0
+
+        def step(self):
+            Engine.steps += 1
+
+    engine = Engine()
+    with StepGate(engine, closed=True, timeout=0.05) as gate:
+        gate.open.set()
+        engine.step()
+    with pytest.raises(AssertionError, match="waited 0.05 s for the gate"):
+        with StepGate(engine, closed=True, timeout=0.05):
+            engine.step()
+    assert Engine.steps == 2 and "step" not in vars(engine)
