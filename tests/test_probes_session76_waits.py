@@ -43,8 +43,10 @@ def test_cpus_that_a_stopped_run_still_holds_are_waited_for(monkeypatch):
     slept = []
     monkeypatch.setattr(runtime.time, "sleep", slept.append)
     ray = _Cluster(4, held=4, frees_after=3)  # the replicas of a run before, being killed
-    assert runtime.cpu_threads(ray, 2) == 2 and ray.reads == 4 and len(slept) == 3
-    runtime.check_cpu_room(ray, 2, 2)
+    runtime.check_cpu_room(ray, 2, 2)  # (all 4 of the cluster's CPUs)
+    assert ray.reads == 4 and len(slept) == 3
+    ray = _Cluster(4, held=4, frees_after=2)
+    assert runtime.cpu_threads(ray, 2) == 2 and ray.reads == 3 and len(slept) == 5
     ray = _Cluster(4, held=2, frees_after=10 ** 9)  # another job's, for good: refused after the wait
     monkeypatch.setattr(runtime, "FREE_WAIT_S", 0.0)
     with pytest.raises(ConfigError, match="2 free: other jobs or actors hold the rest"):
